@@ -1,0 +1,88 @@
+"""The one table of flashwatch's metrics: names, kinds, labels, units and meanings.
+
+Everything that shows a number reads this table: the Prometheus exporter, the JSONL writer's
+schema, the README's metric table (``python -m flashwatch.metrics`` prints it), the Grafana
+dashboard and the Prometheus alert rules. ``tests/test_metric_table.py`` holds them together.
+
+Conventions (Prometheus): one prefix ``flashwatch_``, base units, counters end in ``_total``.
+Labels never include the step. ``layer`` and ``head`` are integers counted from 0.
+
+``Monitor.snapshot()`` returns a dict keyed by these names: a float for a metric without
+labels, and for a labelled metric a dict keyed by the tuple of its label values in the
+order of ``labels`` (``(layer, head)`` for per-head metrics, ``(layer, variant)`` for the
+kernel variant, ``(rule,)`` for the alert counter, ``(rule, layer, head)`` for active alerts;
+``layer``/``head`` are ints, ``-1`` where an alert concerns no single layer or head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "flashwatch_"
+PER_HEAD = ("layer", "head")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: what it is called, what kind of Prometheus metric it is, and what it means."""
+
+    name: str
+    kind: str  # "gauge" | "counter"
+    labels: tuple[str, ...]
+    unit: str  # Grafana unit id: "none", "percentunit", ...
+    help: str
+
+    @property
+    def per_head(self) -> bool:
+        return self.labels == PER_HEAD
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("flashwatch_step", "gauge", (), "none", "Last monitored optimizer step."),
+    MetricSpec("flashwatch_loss", "gauge", (), "none", "Training loss at the last monitored step."),
+    MetricSpec("flashwatch_grad_norm", "gauge", (), "none",
+               "Global gradient L2 norm before clipping at the last monitored step (NaN if not given)."),
+    MetricSpec("flashwatch_repeated_max_ratio", "gauge", PER_HEAD, "percentunit",
+               "Fraction of softmax rows whose maximum is reached within eps by two or more keys "
+               "(FP32 scores)."),
+    MetricSpec("flashwatch_repeated_max_ratio_bf16", "gauge", PER_HEAD, "percentunit",
+               "The same fraction on scores rounded to BF16 (what an all-BF16 kernel sees)."),
+    MetricSpec("flashwatch_max_logit", "gauge", PER_HEAD, "none",
+               "Largest scaled attention score sm_scale*q.k in the head (natural-log units)."),
+    MetricSpec("flashwatch_delta_error", "gauge", PER_HEAD, "none",
+               "Signed delta error e_t: sum over rows of (delta_used - delta_hp) at this step."),
+    MetricSpec("flashwatch_delta_error_cumulative", "gauge", PER_HEAD, "none",
+               "Cumulative signed delta error C_T: the sum of e_t over monitored steps."),
+    MetricSpec("flashwatch_delta_drift_z", "gauge", PER_HEAD, "none",
+               "Drift z = C_T / sqrt(sum e_t^2): about N(0,1) while the sign of e_t is a coin toss, "
+               "growing like sqrt(T) under a persistent sign."),
+    MetricSpec("flashwatch_wq_spectral_norm", "gauge", PER_HEAD, "none",
+               "Largest singular value of the head's query projection W^Q_h (d_head x d_model)."),
+    MetricSpec("flashwatch_kernel_variant", "gauge", ("layer", "variant"), "none",
+               "1 for the attention variant a layer runs now, 0 for the others."),
+    MetricSpec("flashwatch_alerts_total", "counter", ("rule",), "none", "Alerts raised, by rule."),
+    MetricSpec("flashwatch_alert_active", "gauge", ("rule", "layer", "head"), "none",
+               "1 while an alert of this rule holds for this layer and head."),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def exported_names(spec: MetricSpec) -> tuple[str, ...]:
+    """Sample names Prometheus sees for a metric (counters gain ``_total``/``_created``)."""
+    if spec.kind == "counter":
+        base = spec.name[: -len("_total")] if spec.name.endswith("_total") else spec.name
+        return (base + "_total", base + "_created")
+    return (spec.name,)
+
+
+def markdown_table() -> str:
+    """The README's metric table, generated from ``METRICS``."""
+    rows = ["| name | kind | labels | meaning |", "|---|---|---|---|"]
+    for m in METRICS:
+        rows.append(f"| `{m.name}` | {m.kind} | {', '.join(m.labels)} | {m.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

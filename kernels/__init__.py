@@ -1,0 +1,113 @@
+"""flashwatch.kernels: flash attention with in-kernel stability statistics and fixed variants.
+
+Installed as the subpackage ``flashwatch.kernels`` (the repository keeps its source in the
+top-level ``kernels/`` folder; no top-level ``kernels`` module is installed).
+
+Public API:
+    flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0,
+                    eps=1e-3, stats=None) -> Tensor
+    attention_statistics(q, k, v, out, grad_out, stats, *, causal=True, sm_scale=None, eps=1e-3)
+    AttentionStats(num_heads, device)
+    VARIANTS = ("plain", "fixed", "fp32_delta")
+    reference   (module) the same in plain PyTorch, the CPU path and the test oracle
+    paper       (module) the paper's all-BF16 tiled numerics, for experiments
+
+Dispatch: CUDA tensors run the Triton kernel; CPU tensors run ``reference``, unless the
+environment variable TRITON_INTERPRET=1 is set, in which case the Triton kernel runs in
+Triton's interpreter (slow; for tests at small shapes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .checks import DTYPES, HEAD_DIMS, VARIANTS, check_options, check_qkv
+from .stats import FIELDS as STAT_FIELDS
+from .stats import AttentionStats
+
+__all__ = ["flash_attention", "attention_statistics", "AttentionStats", "VARIANTS", "HEAD_DIMS",
+           "DTYPES", "STAT_FIELDS", "reference", "uses_triton"]
+
+
+def uses_triton(device: torch.device) -> bool:
+    """True where ``flash_attention`` runs the Triton kernel for tensors on ``device``."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    sm_scale: float | None = None, variant: str = "plain", beta: float = 2.0,
+                    eps: float = 1e-3, stats: AttentionStats | None = None,
+                    inject_bias: float = 0.0) -> torch.Tensor:
+    """Scaled dot-product attention, as ``F.scaled_dot_product_attention(q, k, v,
+    is_causal=causal, scale=sm_scale)``, with autograd, optional statistics and variants.
+
+    Args:
+        q: (B, H, N, D) queries; bf16, fp16 or fp32 (fp32 computed without TF32).
+        k, v: (B, Hkv, N, D) keys and values; Hkv must divide H (grouped-query attention:
+            query head h uses kv head h // (H // Hkv)). Non-contiguous tensors are accepted.
+        causal: mask keys after the query (top-left aligned, as SDPA's ``is_causal``).
+        sm_scale: score scale; None means 1/sqrt(D).
+        variant: ``"plain"`` (FlashAttention-2 numerics), ``"fixed"`` (Qiu & Yao's shifted max
+            on repeated-max rows, with an underflow guard) or ``"fp32_delta"`` (the backward
+            takes delta from the FP32 output). All three compute the same function.
+        beta: the fixed variant's factor (> 1): it subtracts beta*max on tied rows with a
+            positive max, 0 on tied rows with a negative max (guarded, see ``checks``).
+        eps: tie tolerance in logits (>= 0) for repeated-max rows.
+        stats: an ``AttentionStats`` to add this call's statistics into (forward: counts and
+            max logit; backward: delta error), on the device, without host synchronisation.
+            None costs nothing.
+        inject_bias: INJECTED FAULT for experiments only (default 0: off): biases the rounding
+            of the output on rows where P_bar is exactly 1 at two or more keys
+            (``reference.inject_rounding_bias``). Never set it in training you care about.
+
+    Returns:
+        (B, H, N, D) output in q's dtype.
+
+    Raises:
+        TypeError, ValueError: with the argument's name and what is accepted.
+    """
+    check_qkv(q, k, v)
+    check_options(variant, beta, eps, causal, sm_scale, inject_bias)
+    if stats is not None:
+        if not isinstance(stats, AttentionStats):
+            raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")
+        stats.check_compatible(q.shape[1], q.device)
+    if uses_triton(q.device):
+        from . import triton_attn  # imported lazily: the CPU path never needs triton
+
+        return triton_attn.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, variant=variant,
+                                           beta=beta, eps=eps, stats=stats, inject_bias=inject_bias)
+    return reference.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, variant=variant, beta=beta,
+                                     eps=eps, stats=stats, inject_bias=inject_bias)
+
+
+def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         grad_out: torch.Tensor, stats: AttentionStats, *, causal: bool = True,
+                         sm_scale: float | None = None, eps: float = 1e-3) -> None:
+    """Statistics-only pass beside another attention kernel (observe mode).
+
+    Adds to ``stats`` what ``flash_attention(..., stats=stats)`` would add, for an output
+    ``out`` (B, H, N, D) that some other kernel computed and saved for its backward, and that
+    output's gradient ``grad_out``: rows, repeated-max counts (FP32 and BF16 scores), the max
+    logit, and the delta-error sums of rowsum(grad_out * out) - rowsum(P * dP). Runs the Triton
+    statistics kernel on CUDA (reads the bf16 inputs, accumulates in FP32, no N x N tensor)
+    and the reference on the CPU. No host synchronisation.
+    """
+    check_qkv(q, k, v)
+    check_options("plain", 2.0, eps, causal, sm_scale)
+    if not isinstance(stats, AttentionStats):
+        raise TypeError(f"stats must be an AttentionStats, got {type(stats).__name__}")
+    if out.shape != q.shape or grad_out.shape != q.shape:
+        raise ValueError(f"out and grad_out must have q's shape {tuple(q.shape)}, got "
+                         f"{tuple(out.shape)} and {tuple(grad_out.shape)}")
+    stats.check_compatible(q.shape[1], q.device)
+    if uses_triton(q.device):
+        from . import triton_attn
+
+        return triton_attn.attention_statistics(q, k, v, out, grad_out, stats, causal=causal,
+                                                sm_scale=sm_scale, eps=eps)
+    return reference.attention_statistics(q, k, v, out, grad_out, stats, causal=causal, sm_scale=sm_scale,
+                                          eps=eps)

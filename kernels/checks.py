@@ -1,0 +1,80 @@
+"""Argument checks shared by every attention path, and the numbers of the fixed variant.
+
+Each error names the argument, what it was, and what is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+VARIANTS = ("plain", "fixed", "fp32_delta")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HEAD_DIMS = (16, 32, 64, 128)
+
+# The fixed variant subtracts shift = m + offset on rows whose max repeats, instead of m, so
+# that every exp(s - shift) < 1. Qiu & Yao's offset is (beta - 1) * m for m > 0 and -m for
+# m < 0 (their shift beta*m or 0). Two guards:
+# - at least FIXED_MIN_OFFSET, so that exp(-offset) rounds below 1 in BF16 (1 - 2**-9 would
+#   round to 1) also when m == 0, a case the paper's rule leaves alone;
+# - at most FIXED_MAX_OFFSET[dtype], so that the row sum never underflows: the paper's rule
+#   unguarded gives exp(-m) -> 0 and a zero row sum (NaN) once logits reach the hundreds
+#   (../shared/NUMERICS.md section 6). exp(-20) = 2e-9 keeps 67 natural-log units of FP32 range
+#   below the shifted max; for FP16 inputs P is rounded to FP16 for the PV product, whose
+#   normal range ends near exp(-9.7), hence 8 there.
+FIXED_MIN_OFFSET = 1.0 / 64.0
+FIXED_MAX_OFFSET = {torch.bfloat16: 20.0, torch.float32: 20.0, torch.float16: 8.0, torch.float64: 20.0}
+
+
+def check_options(variant: str, beta: float, eps: float, causal: bool, sm_scale, inject_bias: float = 0.0) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 1.0:
+        raise ValueError(f"beta must be a finite number > 1 (the fixed variant subtracts beta*max), got {beta!r}")
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0 (tie tolerance in logits), got {eps!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"sm_scale must be None (1/sqrt(D)) or a finite number > 0, got {sm_scale!r}")
+    if not isinstance(inject_bias, (int, float)) or not math.isfinite(inject_bias):
+        raise ValueError(f"inject_bias must be a finite number, got {inject_bias!r}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed_dtypes=DTYPES) -> None:
+    """q: (B, H, N, D); k, v: (B, Hkv, N, D) with Hkv dividing H; one dtype, one device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, heads, N, D), got shape {tuple(t.shape)}")
+        if t.dtype not in allowed_dtypes:
+            raise TypeError(f"{name} has dtype {t.dtype}; accepted: {', '.join(str(d) for d in allowed_dtypes)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, H, N, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q has {B}, k and v have {k.shape[0]}")
+    if k.shape[2] != N:
+        raise ValueError(f"sequence lengths differ: q has N={N}, k and v have N={k.shape[2]}; "
+                         "flashwatch attention is self-attention with one length")
+    if k.shape[3] != D:
+        raise ValueError(f"head dims differ: q has D={D}, k and v have D={k.shape[3]}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head dim D={D} is not supported; accepted: {HEAD_DIMS}")
+    Hkv = k.shape[1]
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"k/v heads Hkv={Hkv} must divide q heads H={H} (grouped-query attention)")
+    if N < 1 or B < 1:
+        raise ValueError(f"q must have at least one batch entry and one row, got shape {tuple(q.shape)}")
+
+
+def fixed_offset(m: torch.Tensor, beta: float, dtype: torch.dtype) -> torch.Tensor:
+    """Offset added to the row max m on repeated-max rows by the fixed variant (guarded)."""
+    raw = torch.where(m > 0, (beta - 1.0) * m, -m)
+    return raw.clamp(min=FIXED_MIN_OFFSET, max=FIXED_MAX_OFFSET[dtype])

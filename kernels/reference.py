@@ -1,0 +1,217 @@
+"""Attention in plain PyTorch with the semantics, variants and statistics of the Triton kernel.
+
+The CPU path of ``flash_attention`` and the oracle of the kernel tests. Dense: it builds the
+(B, H, N, N) score tensor, so keep N moderate (the demo uses N <= 256 on the CPU).
+
+Numerics, as the FlashAttention-2 style Triton kernel computes them:
+
+- forward: s = sm_scale * q.k^T in FP32 (FP64 for FP64 inputs); shift = row max m (the fixed
+  variant adds a guarded offset on repeated-max rows); P_bar = exp(s - shift) rounded to the
+  input dtype for the P_bar V product, accumulated in FP32; O_fp32 = (P_bar V) / rowsum(P_bar);
+  O = O_fp32 rounded once to the input dtype; lse = shift + log(rowsum(P_bar)).
+- backward: P = exp(s - lse) in FP32; dP = dO V^T; delta_used = rowsum(dO * O) for
+  ``plain``/``fixed`` and rowsum(dO * (O + R)) for ``fp32_delta``, with R = O_fp32 - O kept by
+  the forward in the input dtype; dS = P * (dP - delta_used); P and dS are rounded to the input
+  dtype for the dV, dQ, dK products, as the kernel feeds them to the tensor cores.
+- statistics: see ``stats.AttentionStats``; delta_hp = rowsum(P * dP), the delta of the exact
+  softmax output in FP32.
+
+The Triton kernel's tiling changes FP32 rounding (running max, accumulation order), not the
+function: outputs and gradients agree within the tolerance rule of the tests; repeated-max
+counts and max logits agree exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .checks import check_options, check_qkv, fixed_offset
+from .stats import AttentionStats
+
+__all__ = ["flash_attention", "attention_statistics", "scores", "row_top2", "inject_rounding_bias"]
+
+_COMPUTE = {torch.float64: torch.float64}
+_PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _COMPUTE.get(dtype, torch.float32)
+
+
+def _round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to ``dtype`` (round-to-nearest-even), returned in x's dtype."""
+    if dtype in (torch.float32, torch.float64):
+        return x
+    return x.to(dtype).to(x.dtype)
+
+
+def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, Hkv, N, D) -> (B, H, N, D): query head h reads kv head h // (H // Hkv) (as Llama)."""
+    groups = num_heads // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def scores(q: torch.Tensor, k: torch.Tensor, causal: bool, sm_scale: float) -> torch.Tensor:
+    """s = sm_scale * q.k^T in the compute dtype, -inf above the diagonal when causal. (B, H, N, N)."""
+    cd = _compute_dtype(q.dtype)
+    s = torch.matmul(q.to(cd), _expand_kv(k, q.shape[1]).to(cd).transpose(-1, -2)) * sm_scale
+    if causal:
+        n = q.shape[2]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def row_top2(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest and second largest score of each row, counted with multiplicity. (B, H, N) each.
+
+    A row repeats its max within eps iff second >= first - eps: this is how the kernel counts
+    exactly over the whole row while it only ever holds one tile of it.
+    """
+    if s.shape[-1] == 1:
+        return s[..., 0], torch.full_like(s[..., 0], float("-inf"))
+    top = torch.topk(s, 2, dim=-1).values
+    return top[..., 0], top[..., 1]
+
+
+def tie_flags(m1: torch.Tensor, m2: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(repeated-max row on the scores, the same on BF16-rounded scores), as bool (B, H, N).
+
+    Rounding is monotone, so the top two of the BF16-rounded row are the rounded top two.
+    """
+    tied = m2 >= m1 - eps
+    m1b = m1.to(torch.bfloat16).to(m1.dtype)
+    m2b = m2.to(torch.bfloat16).to(m1.dtype)
+    return tied, m2b >= m1b - eps
+
+
+def inject_rounding_bias(o_fp32: torch.Tensor, rows: torch.Tensor, strength: float, dtype: torch.dtype) -> torch.Tensor:
+    """INJECTED FAULT (experiments only): inflate |O| by strength * 2**-p before rounding.
+
+    p is the dtype's precision in bits (8 for BF16), so strength 1 pushes every value of the
+    selected rows by at least half a unit in the last place: rounding then always goes away
+    from zero, the direction of the bias Qiu & Yao describe. ``rows`` (B, H, N) bool selects
+    the rows where the kernel accumulates P_bar V with P_bar exactly 1 at two or more keys.
+    """
+    factor = 1.0 + strength * 2.0 ** -_PRECISION_BITS[dtype]
+    return torch.where(rows.unsqueeze(-1), o_fp32 * factor, o_fp32)
+
+
+def _add_forward_stats(stats: AttentionStats, m1, tied, tied_bf16) -> None:
+    B, H, N = m1.shape
+    stats.rows.add_(B * N)
+    stats.repeated_max_rows.add_(tied.sum(dim=(0, 2)))
+    stats.repeated_max_rows_bf16.add_(tied_bf16.sum(dim=(0, 2)))
+    stats.max_logit.copy_(torch.maximum(stats.max_logit, m1.amax(dim=(0, 2)).to(torch.float32)))
+
+
+def _add_delta_stats(stats: AttentionStats, err: torch.Tensor, tied: torch.Tensor) -> None:
+    """err: (B, H, N) delta_used - delta_hp; tied: (B, H, N) bool."""
+    err = err.to(torch.float32)
+    stats.delta_error.add_(err.sum(dim=(0, 2)))
+    stats.delta_error_abs.add_(err.abs().sum(dim=(0, 2)))
+    stats.delta_error_sq.add_((err * err).sum(dim=(0, 2)))
+    stats.delta_error_tied.add_(torch.where(tied, err, torch.zeros_like(err)).sum(dim=(0, 2)))
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+        dtype = q.dtype
+        s = scores(q, k, causal, sm_scale)  # (B, H, N, N)
+        m1, m2 = row_top2(s)
+        tied, tied_bf16 = tie_flags(m1, m2, eps)
+        shift = m1
+        if variant == "fixed":
+            shift = m1 + torch.where(tied, fixed_offset(m1, beta, dtype), torch.zeros_like(m1))
+        p_bar = torch.exp(s - shift.unsqueeze(-1))
+        row_sum = p_bar.sum(-1)
+        vv = _expand_kv(v, q.shape[1]).to(s.dtype)
+        o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / row_sum.unsqueeze(-1)
+        if inject_bias and variant != "fixed":
+            # the fixed variant keeps every P_bar < 1, so the injected fault never triggers there
+            o_fp32 = inject_rounding_bias(o_fp32, tied, inject_bias, dtype)
+        out = o_fp32.to(dtype)
+        residual = (o_fp32 - out.to(o_fp32.dtype)).to(dtype) if variant == "fp32_delta" else None
+        lse = shift + torch.log(row_sum)
+        if stats is not None:
+            _add_forward_stats(stats, m1, tied, tied_bf16)
+        ctx.save_for_backward(q, k, v, out, lse, residual, tied if stats is not None else None)
+        ctx.causal, ctx.sm_scale, ctx.stats = causal, sm_scale, stats
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, residual, tied = ctx.saved_tensors
+        dtype = q.dtype
+        H, Hkv = q.shape[1], k.shape[1]
+        s = scores(q, k, ctx.causal, ctx.sm_scale)
+        cd = s.dtype
+        p = torch.exp(s - lse.unsqueeze(-1))  # (B, H, N, N), exact softmax in FP32
+        do = grad_out.to(cd)
+        vv = _expand_kv(v, H).to(cd)
+        dp = torch.matmul(do, vv.transpose(-1, -2))
+        o_used = out.to(cd) if residual is None else out.to(cd) + residual.to(cd)
+        delta_used = (do * o_used).sum(-1)
+        ds = p * (dp - delta_used.unsqueeze(-1))
+        dv = torch.matmul(_round_to(p, dtype).transpose(-1, -2), do)
+        ds_r = _round_to(ds, dtype)
+        dq = torch.matmul(ds_r, _expand_kv(k, H).to(cd)) * ctx.sm_scale
+        dk = torch.matmul(ds_r.transpose(-1, -2), q.to(cd)) * ctx.sm_scale
+        if Hkv != H:  # sum the gradients of the query heads that share a kv head
+            B, _, N, D = k.shape
+            dk = dk.view(B, Hkv, H // Hkv, N, D).sum(2)
+            dv = dv.view(B, Hkv, H // Hkv, N, D).sum(2)
+        if ctx.stats is not None:
+            delta_hp = (p * dp).sum(-1)
+            _add_delta_stats(ctx.stats, delta_used - delta_hp, tied)
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
+
+
+def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3,
+                    stats=None, inject_bias=0.0):
+    """Reference attention; same contract as ``flashwatch.kernels.flash_attention``.
+
+    Also accepts float64 inputs (computed in float64 throughout), for use as an oracle.
+    """
+    check_qkv(q, k, v, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    check_options(variant, beta, eps, causal, sm_scale, inject_bias)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    if stats is not None:
+        stats.check_compatible(q.shape[1], q.device)
+    return _ReferenceAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps),
+                                     stats, float(inject_bias))
+
+
+@torch.no_grad()
+def attention_statistics(q, k, v, out, grad_out, stats, *, causal=True, sm_scale=None, eps=1e-3):
+    """Statistics-only pass for observe mode: add ``out``'s statistics into ``stats``.
+
+    ``out`` is the output the model's own attention produced and saved (its backward takes
+    delta_used = rowsum(grad_out * out)), ``grad_out`` its gradient. Adds rows, repeated-max
+    counts, max logit and the delta-error sums of delta_used - rowsum(P * dP). Returns None.
+    """
+    check_qkv(q, k, v, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    check_options("plain", 2.0, eps, causal, sm_scale)
+    if out.shape != q.shape or grad_out.shape != q.shape:
+        raise ValueError(f"out and grad_out must have q's shape {tuple(q.shape)}, got "
+                         f"{tuple(out.shape)} and {tuple(grad_out.shape)}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    stats.check_compatible(q.shape[1], q.device)
+    s = scores(q, k, causal, float(sm_scale))
+    m1, m2 = row_top2(s)
+    tied, tied_bf16 = tie_flags(m1, m2, eps)
+    _add_forward_stats(stats, m1, tied, tied_bf16)
+    cd = s.dtype
+    # P through the log-sum-exp, exactly as the own-kernel backward recomputes it
+    lse = m1 + torch.log(torch.exp(s - m1.unsqueeze(-1)).sum(-1))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    do = grad_out.to(cd)
+    dp = torch.matmul(do, _expand_kv(v, q.shape[1]).to(cd).transpose(-1, -2))
+    delta_hp = (p * dp).sum(-1)
+    delta_used = (do * out.to(cd)).sum(-1)
+    _add_delta_stats(stats, delta_used - delta_hp, tied)

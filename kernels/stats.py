@@ -1,0 +1,99 @@
+"""AttentionStats: per-head statistics that the attention kernels add into, on the device.
+
+One ``AttentionStats`` belongs to one attention layer. Pass it as ``stats=`` to
+``flash_attention`` (or ``attention_statistics``) on a monitored step: the forward adds the
+repeated-max counts and the max logit, the backward adds the signed delta-error sums. Nothing
+is read back to the host here; the Monitor reads every layer's statistics once per monitored
+step (``packed()``), and ``reset()`` zeroes them for the next one. Micro-batches of one
+optimizer step simply add up.
+
+Definitions (../shared/DESIGN.md; all sums run over batch and rows, per query head):
+
+- ``rows``: softmax rows seen (int64).
+- ``repeated_max_rows``: rows whose maximum score m is reached within ``eps`` by at least two
+  keys, i.e. the second largest score s_(2) >= m - eps (exact over the whole row).
+- ``repeated_max_rows_bf16``: the same on scores rounded to BF16 (round-to-nearest-even).
+- ``max_logit``: the largest scaled score sm_scale * q.k (-inf until a row was seen).
+- ``delta_error``: sum of (delta_used - delta_hp), where delta_used = rowsum(dO * O) is the
+  delta the backward actually uses and delta_hp = rowsum(P * dP) = dO . (P V) is the delta of
+  the exact softmax output computed in FP32 from the same inputs.
+- ``delta_error_abs``, ``delta_error_sq``: sums of |delta_used - delta_hp| and its square.
+- ``delta_error_tied``: the part of ``delta_error`` from repeated-max rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+COUNT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16")
+SUM_FIELDS = ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied")
+MAX_FIELDS = ("max_logit",)
+FIELDS = COUNT_FIELDS + MAX_FIELDS + SUM_FIELDS
+
+
+class AttentionStats:
+    """Per-head statistics of one attention layer, accumulated on the device.
+
+    Args:
+        num_heads: number of query heads H of the layer (statistics are per query head).
+        device: where the tensors live; must be the device of the attention inputs.
+
+    Attributes: one tensor of shape (num_heads,) per field of ``FIELDS``: int64 counts,
+    float32 ``max_logit`` (starts at -inf) and float32 delta-error sums.
+
+    Example::
+
+        stats = AttentionStats(q.shape[1], q.device)
+        out = flash_attention(q, k, v, stats=stats)
+        out.backward(grad)
+        print(stats.as_dict())  # host copy: do this on monitored steps only
+    """
+
+    def __init__(self, num_heads: int, device: torch.device | str = "cpu"):
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        self.num_heads = num_heads
+        self.device = torch.device(device)
+        for name in COUNT_FIELDS:
+            setattr(self, name, torch.zeros(num_heads, dtype=torch.int64, device=self.device))
+        self.max_logit = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=self.device)
+        for name in SUM_FIELDS:
+            setattr(self, name, torch.zeros(num_heads, dtype=torch.float32, device=self.device))
+
+    def reset(self) -> None:
+        """Zero every field in place (max_logit back to -inf). No host synchronisation."""
+        for name in COUNT_FIELDS + SUM_FIELDS:
+            getattr(self, name).zero_()
+        self.max_logit.fill_(float("-inf"))
+
+    def packed(self) -> torch.Tensor:
+        """All fields as one float64 tensor of shape (len(FIELDS), num_heads), on the device.
+
+        One tensor so that a monitored step needs a single host transfer, and a distributed
+        run a single all-reduce (sums for counts and delta sums, max for max_logit: reduce
+        rows ``max_rows()`` with MAX and the others with SUM).
+        """
+        return torch.stack([getattr(self, name).to(torch.float64) for name in FIELDS])
+
+    @staticmethod
+    def max_rows() -> list[int]:
+        """Row indices of ``packed()`` that combine with max rather than sum."""
+        return [FIELDS.index(name) for name in MAX_FIELDS]
+
+    def as_dict(self) -> dict[str, list[float]]:
+        """Host copy of every field as plain lists (one host synchronisation)."""
+        values = self.packed().cpu()
+        return {name: values[i].tolist() for i, name in enumerate(FIELDS)}
+
+    def check_compatible(self, num_heads: int, device: torch.device) -> None:
+        """Raise ValueError unless these statistics fit an attention call with these inputs."""
+        if num_heads != self.num_heads:
+            raise ValueError(
+                f"stats has num_heads={self.num_heads} but q has {num_heads} heads; "
+                "create AttentionStats(q.shape[1], q.device) for this layer")
+        if torch.device(device) != self.device and not (
+                self.device.type == device.type and self.device.index is None):
+            raise ValueError(f"stats lives on {self.device} but q is on {device}; they must match")
+
+    def __repr__(self) -> str:
+        return f"AttentionStats(num_heads={self.num_heads}, device={self.device})"

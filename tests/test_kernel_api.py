@@ -1,0 +1,66 @@
+"""Argument checking of the public kernel API: every bad input names what was wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashwatch.kernels import AttentionStats, flash_attention
+
+
+def _qkv(B=1, H=2, N=8, D=64, Hkv=None, dtype=torch.bfloat16):
+    Hkv = Hkv or H
+    return (torch.randn(B, H, N, D, dtype=dtype), torch.randn(B, Hkv, N, D, dtype=dtype),
+            torch.randn(B, Hkv, N, D, dtype=dtype))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(variant="exact"), "variant must be one of"),
+    (dict(beta=1.0), "beta must be a finite number > 1"),
+    (dict(beta=float("nan")), "beta must be"),
+    (dict(eps=-1e-3), "eps must be a finite number >= 0"),
+    (dict(sm_scale=0.0), "sm_scale must be"),
+    (dict(causal=1), "causal must be a bool"),
+])
+def test_bad_options(kwargs, match):
+    q, k, v = _qkv()
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_attention(q, k, v, **kwargs)
+
+
+def test_bad_shapes_and_dtypes():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="head dim D=48 is not supported"):
+        flash_attention(*_qkv(D=48))
+    with pytest.raises(ValueError, match="Hkv=3 must divide q heads H=4"):
+        flash_attention(*_qkv(H=4, Hkv=3))
+    with pytest.raises(TypeError, match="share one dtype"):
+        flash_attention(q, k.float(), v)
+    with pytest.raises(TypeError, match="accepted"):
+        flash_attention(q.to(torch.int32), k, v)
+    with pytest.raises(ValueError, match="4 dimensions"):
+        flash_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="sequence lengths differ"):
+        flash_attention(q, k[:, :, :4], v[:, :, :4])
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        flash_attention(q, k, v[:, :1])
+    with pytest.raises(ValueError, match="stats has num_heads=3"):
+        flash_attention(q, k, v, stats=AttentionStats(3))
+    with pytest.raises(TypeError, match="stats must be an AttentionStats"):
+        flash_attention(q, k, v, stats={})
+
+
+def test_non_contiguous_inputs_accepted():
+    x = torch.randn(1, 8, 2, 3 * 64, dtype=torch.bfloat16)  # (B, N, H, 3D) layout, as a fused projection
+    q, k, v = (t.transpose(1, 2) for t in x.split(64, dim=-1))
+    assert not q.is_contiguous()
+    out = flash_attention(q, k, v)
+    torch.testing.assert_close(out, flash_attention(q.contiguous(), k.contiguous(), v.contiguous()))
+
+
+def test_nan_stays_in_its_head():
+    q, k, v = _qkv(H=2, N=16)
+    q[0, 0, 3, 5] = float("nan")
+    out = flash_attention(q, k, v)
+    assert torch.isnan(out[0, 0]).any()
+    assert torch.isfinite(out[0, 1]).all()

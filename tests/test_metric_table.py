@@ -1,0 +1,32 @@
+"""The metric table is the one place metric names are defined."""
+
+from __future__ import annotations
+
+import re
+
+from flashwatch.metrics import METRICS, markdown_table
+
+
+def test_names_follow_prometheus_conventions():
+    for m in METRICS:
+        assert re.fullmatch(r"flashwatch_[a-z0-9_]+", m.name), m.name
+        assert m.kind in ("gauge", "counter"), m.name
+        assert (m.kind == "counter") == m.name.endswith("_total"), m.name
+        assert "step" not in m.labels, f"{m.name}: the step is never a label"
+        assert m.help.endswith("."), m.name
+
+
+def test_markdown_table_lists_every_metric():
+    table = markdown_table()
+    for m in METRICS:
+        assert f"`{m.name}`" in table
+
+
+def test_readme_table_is_the_generated_one():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = "<!-- metric-table:start -->\n", "<!-- metric-table:end -->"
+    assert start in readme and end in readme
+    block = readme.split(start, 1)[1].split(end, 1)[0].strip()
+    assert block == markdown_table(), "README metric table is stale: regenerate with `flashwatch metrics`"

@@ -1,0 +1,151 @@
+"""The PyTorch reference: the oracle of every kernel test, and the CPU path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashwatch.kernels import AttentionStats, reference
+from attention_oracles import assert_tolerance_rule, attention64, attention_same_dtype
+
+SHAPES = [(2, 4, 1, 64), (2, 4, 17, 64), (1, 2, 97, 128), (2, 2, 128, 64)]
+
+
+def _inputs(B, H, N, D, Hkv=None, dtype=torch.float64, scale=1.0):
+    Hkv = Hkv or H
+    q = torch.randn(B, H, N, D, dtype=dtype) * scale
+    k = torch.randn(B, Hkv, N, D, dtype=dtype) * scale
+    v = torch.randn(B, Hkv, N, D, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("variant", ["plain", "fixed", "fp32_delta"])
+def test_float64_matches_sdpa(shape, causal, variant):
+    torch.manual_seed(1)
+    q, k, v = (t.requires_grad_(True) for t in _inputs(*shape))
+    out = reference.flash_attention(q, k, v, causal=causal, variant=variant)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_gqa_matches_sdpa_with_repeated_kv():
+    torch.manual_seed(2)
+    q, k, v = (t.requires_grad_(True) for t in _inputs(2, 8, 33, 32, Hkv=2))
+    out = reference.flash_attention(q, k, v)
+    kr, vr = (t.repeat_interleave(4, dim=1) for t in (k, v))
+    ref = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, k, g)[0], torch.autograd.grad(ref, k, g)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["plain", "fixed", "fp32_delta"])
+def test_low_precision_within_tolerance_rule(dtype, variant):
+    torch.manual_seed(3)
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in _inputs(2, 3, 97, 64, dtype=torch.float32))
+    out = reference.flash_attention(q, k, v, variant=variant)
+    exact, leaves = attention64(q, k, v)
+    same = attention_same_dtype(q, k, v)
+    assert_tolerance_rule(f"out {dtype} {variant}", out, same, exact)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    base = torch.autograd.grad(same, (q, k, v), g)
+    ex = torch.autograd.grad(exact, leaves, g.double())
+    for name, a, b, c in zip("qkv", got, base, ex):
+        assert_tolerance_rule(f"d{name} {dtype} {variant}", a, b, c)
+
+
+def test_fixed_variant_survives_huge_logits():
+    """The paper's rule unguarded underflows the row sum (NaN) at large logits."""
+    torch.manual_seed(4)
+    B, H, N, D = 1, 2, 64, 64
+    q = torch.randn(B, H, N, D) * 30
+    k = q.clone()
+    k[:, :, 1::2] = k[:, :, 0::2]  # exact ties at the row max
+    q, k, v = (t.bfloat16() for t in (q, k, torch.randn(B, H, N, D)))
+    stats = AttentionStats(H, "cpu")
+    out = reference.flash_attention(q, k, v, variant="fixed", stats=stats)
+    assert stats.max_logit.max() > 1000, "test inputs should reach logits in the thousands"
+    assert stats.repeated_max_rows.sum() > 0
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), reference.flash_attention(q.double(), k.double(), v.double()).float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+def _brute_force_ties(s, eps):
+    m = s.amax(-1, keepdim=True)
+    tied = (s >= m - eps).sum(-1) >= 2
+    sb = s.to(torch.bfloat16).float()
+    mb = sb.amax(-1, keepdim=True)
+    tied_b = (sb >= mb - eps).sum(-1) >= 2
+    return tied, tied_b, m.squeeze(-1)
+
+
+def test_statistics_count_planted_ties_exactly():
+    torch.manual_seed(5)
+    B, H, N, D = 2, 3, 50, 64
+    eps = 1e-3
+    q, k, v = (t.float() for t in _inputs(B, H, N, D, dtype=torch.float32))
+    k[:, :, 7] = k[:, :, 3]  # an exact duplicate key
+    stats = AttentionStats(H, "cpu")
+    out = reference.flash_attention(q, k, v, stats=stats, eps=eps)
+    s = reference.scores(q, k, True, 1 / 8)
+    tied, tied_b, m = _brute_force_ties(s, eps)
+    assert stats.rows.tolist() == [B * N] * H
+    assert stats.repeated_max_rows.tolist() == tied.sum(dim=(0, 2)).tolist()
+    assert stats.repeated_max_rows_bf16.tolist() == tied_b.sum(dim=(0, 2)).tolist()
+    assert torch.equal(stats.max_logit, m.amax(dim=(0, 2)))
+    assert out.shape == q.shape
+
+
+def test_delta_error_matches_float64_definition():
+    """e = sum_rows (rowsum(dO * O_used) - rowsum(dO * softmax(s) V)), checked in float64."""
+    torch.manual_seed(6)
+    B, H, N, D = 2, 2, 40, 32
+    for variant in ("plain", "fp32_delta"):
+        q, k, v = (t.bfloat16().requires_grad_(True) for t in _inputs(B, H, N, D, dtype=torch.float32))
+        stats = AttentionStats(H, "cpu")
+        out = reference.flash_attention(q, k, v, variant=variant, stats=stats)
+        g = torch.randn_like(out)
+        out.backward(g)
+        exact, _ = attention64(q, k, v)
+        delta_hp = (g.double() * exact.detach()).sum(-1)
+        if variant == "plain":
+            delta_used = (g.double() * out.detach().double()).sum(-1)
+            err = delta_used - delta_hp
+            torch.testing.assert_close(stats.delta_error.double(), err.sum(dim=(0, 2)), rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(stats.delta_error_abs.double(), err.abs().sum(dim=(0, 2)), rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(stats.delta_error_sq.double(), (err ** 2).sum(dim=(0, 2)), rtol=1e-3, atol=1e-7)
+            plain_abs = stats.delta_error_abs.clone()
+        else:
+            # fp32_delta takes delta from the FP32 output: what remains is the P_bar rounding
+            assert (stats.delta_error_abs < plain_abs).all()
+
+
+def test_statistics_pass_equals_own_kernel_statistics():
+    """Observe mode's statistics pass, fed the reference's own output, adds what the
+    reference's forward and backward add."""
+    torch.manual_seed(7)
+    B, H, N, D = 2, 4, 33, 64
+    q, k, v = (t.bfloat16().requires_grad_(True) for t in _inputs(B, H, N, D, Hkv=2, dtype=torch.float32))
+    own = AttentionStats(H, "cpu")
+    out = reference.flash_attention(q, k, v, stats=own)
+    g = torch.randn_like(out)
+    out.backward(g)
+    seen = AttentionStats(H, "cpu")
+    reference.attention_statistics(q.detach(), k.detach(), v.detach(), out.detach(), g, seen)
+    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "max_logit"):
+        assert torch.equal(getattr(own, name), getattr(seen, name)), name
+    for name in ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied"):
+        torch.testing.assert_close(getattr(own, name), getattr(seen, name), rtol=1e-4, atol=1e-6)
