@@ -1,0 +1,1 @@
+"""Exporters: where a monitored step's snapshot goes (Prometheus, JSONL, console)."""
