@@ -152,13 +152,13 @@ class FanOut(Exporter):
         on_error: Callable[[Exporter, str, BaseException], None] | None = None,
     ):
         self.exporters: list[Exporter] = []
-        for e in exporters:
-            self.add(e)
         self.on_error = on_error
         self.errors = 0
         self._failures: dict[int, int] = {}  # id(exporter) -> failures
         self._layout: Layout | None = None
         self._opened: list[Exporter] = []
+        for e in exporters:
+            self.add(e)
 
     def add(self, exporter: Exporter, layout: Layout | None = None) -> None:
         """Add an exporter; if the fan-out is open already, open it now (errors raise)."""

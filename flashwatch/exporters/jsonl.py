@@ -1,0 +1,468 @@
+"""JSONL exporter: one JSON line per monitored step, and a one-line-per-alert log, in the run folder.
+
+Files (in ``run_dir``):
+
+- ``metrics.jsonl`` (:data:`METRICS_FILE`): one record per line, strict JSON (RFC 8259):
+  an ``open`` record when monitoring starts (the layout), one ``step`` record per monitored
+  step (every metric of ``flashwatch.metrics.METRICS`` and the step's alerts), and a ``close``
+  record when the run ends cleanly. Every line is written whole and flushed at once (and
+  ``os.fsync``-ed with ``fsync=True``), so a crash loses at most the line being written.
+  A resumed run appends to the same file: its ``open`` record marks the resumption, and steps
+  written after the checkpoint appear again (readers keep the last record of each step).
+- ``alerts.log`` (:data:`ALERTS_FILE`): one human-readable line per alert raised, e.g.
+  ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.31 threshold=4: ...``.
+
+Step record (``kind == "step"``; :data:`SCHEMA` is the JSON Schema of every record)::
+
+    {"kind": "step", "schema": 1, "step": 120, "time": 1764480001.2,
+     "metrics": {
+        "flashwatch_loss": 3.21,                               # metrics without labels
+        "flashwatch_delta_drift_z": [[0.3, -1.2], [2.0, 0.1]],  # per head: [layer][head], null if absent
+        "flashwatch_kernel_variant": [{"layer": 0, "variant": "plain", "value": 1}, ...],
+        "flashwatch_alerts_total": [{"rule": "delta_drift", "value": 1}, ...],
+        "flashwatch_alert_active": [{"rule": "delta_drift", "layer": 1, "head": 0, "value": 1}]},
+     "new_alerts": [{"rule": "delta_drift", "step": 120, "layer": 1, "head": 0, "value": 4.3,
+                     "threshold": 4.0, "severity": "warning", "message": "..."}],
+     "active_alerts": [...]}
+
+Numbers that are not finite are written as the strings ``"NaN"``, ``"Infinity"`` and
+``"-Infinity"`` (strict JSON has no such numbers); :func:`read_jsonl` turns them back into floats.
+
+Example::
+
+    exporter = JsonlExporter("runs/exp1")        # Monitor(exporters=[exporter]) opens it
+    for record in read_jsonl("runs/exp1/metrics.jsonl"):
+        print(record["step"], record["metrics"]["flashwatch_loss"])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+from .. import __version__
+from ..metrics import METRICS, MetricSpec
+from .base import Exporter, Layout, StepRecord, alert_to_dict
+
+log = logging.getLogger("flashwatch.exporters.jsonl")
+
+METRICS_FILE = "metrics.jsonl"
+ALERTS_FILE = "alerts.log"
+SCHEMA_VERSION = 1
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+# -- schema -------------------------------------------------------------------------------
+
+_NUMBER = {"anyOf": [{"type": "number"}, {"enum": list(_NONFINITE)}]}
+_NUMBER_OR_NULL = {"anyOf": [{"type": "number"}, {"enum": list(_NONFINITE)}, {"type": "null"}]}
+_INT_LABELS = ("layer", "head")
+
+
+def _metric_schema(spec: MetricSpec) -> dict:
+    if not spec.labels:
+        return dict(_NUMBER, description=spec.help)
+    if spec.per_head:
+        return {"description": spec.help + " Values as [layer][head].",
+                "type": "array", "items": {"type": "array", "items": _NUMBER_OR_NULL}}
+    props = {lab: {"type": "integer"} if lab in _INT_LABELS else {"type": "string"}
+             for lab in spec.labels}
+    props["value"] = _NUMBER
+    return {"description": spec.help + " One object per label set.",
+            "type": "array",
+            "items": {"type": "object", "required": [*spec.labels, "value"],
+                      "properties": props, "additionalProperties": False}}
+
+
+ALERT_SCHEMA: dict = {
+    "type": "object",
+    "required": ["rule", "step", "layer", "head", "value", "threshold", "severity", "message"],
+    "properties": {
+        "rule": {"type": "string"},
+        "step": {"type": "integer", "minimum": 0},
+        "layer": {"type": "integer", "minimum": -1},
+        "head": {"type": "integer", "minimum": -1},
+        "value": _NUMBER,
+        "threshold": _NUMBER,
+        "severity": {"enum": ["warning", "critical"]},
+        "message": {"type": "string"},
+    },
+}
+
+STEP_SCHEMA: dict = {
+    "type": "object",
+    "required": ["kind", "schema", "step", "time", "metrics", "new_alerts", "active_alerts"],
+    "properties": {
+        "kind": {"const": "step"},
+        "schema": {"const": SCHEMA_VERSION},
+        "step": {"type": "integer", "minimum": 0},
+        "time": {"type": "number", "description": "unix seconds"},
+        "metrics": {"type": "object",
+                    "required": [m.name for m in METRICS],
+                    "properties": {m.name: _metric_schema(m) for m in METRICS},
+                    "additionalProperties": False},
+        "new_alerts": {"type": "array", "items": ALERT_SCHEMA},
+        "active_alerts": {"type": "array", "items": ALERT_SCHEMA},
+    },
+    "additionalProperties": False,
+}
+
+OPEN_SCHEMA: dict = {
+    "type": "object",
+    "required": ["kind", "schema", "time", "flashwatch_version", "layout"],
+    "properties": {
+        "kind": {"const": "open"},
+        "schema": {"const": SCHEMA_VERSION},
+        "time": {"type": "number"},
+        "flashwatch_version": {"type": "string"},
+        "layout": {"type": "array", "items": {
+            "type": "object", "required": ["name", "heads"],
+            "properties": {"name": {"type": "string"}, "heads": {"type": "integer", "minimum": 1}},
+            "additionalProperties": False}},
+    },
+    "additionalProperties": False,
+}
+
+CLOSE_SCHEMA: dict = {
+    "type": "object",
+    "required": ["kind", "schema", "time"],
+    "properties": {"kind": {"const": "close"}, "schema": {"const": SCHEMA_VERSION},
+                   "time": {"type": "number"}},
+    "additionalProperties": False,
+}
+
+#: JSON Schema (draft 2020-12) of one line of ``metrics.jsonl``.
+SCHEMA: dict = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://flashwatch.invalid/schemas/metrics-jsonl-1.json",
+    "title": "flashwatch metrics.jsonl record",
+    "oneOf": [OPEN_SCHEMA, STEP_SCHEMA, CLOSE_SCHEMA],
+}
+
+
+def validate_record(record: Any, schema: Mapping = SCHEMA) -> None:
+    """Check ``record`` against ``schema`` (the subset of JSON Schema that :data:`SCHEMA` uses).
+
+    Raises:
+        ValueError: naming the first field that does not match and what was expected.
+    """
+    err = _check(record, schema, "$")
+    if err:
+        raise ValueError(f"flashwatch JSONL record does not match its schema: {err}")
+
+
+_TYPES = {
+    "object": lambda x: isinstance(x, dict),
+    "array": lambda x: isinstance(x, list),
+    "string": lambda x: isinstance(x, str),
+    "integer": lambda x: isinstance(x, int) and not isinstance(x, bool),
+    "number": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+    "null": lambda x: x is None,
+    "boolean": lambda x: isinstance(x, bool),
+}
+
+
+def _check(x: Any, s: Mapping, where: str) -> str | None:
+    if "anyOf" in s or "oneOf" in s:
+        options = s.get("anyOf") or s["oneOf"]
+        errors = [_check(x, o, where) for o in options]
+        ok = sum(e is None for e in errors)
+        if ok == 0 or ("oneOf" in s and ok > 1):
+            if "oneOf" in s and isinstance(x, dict) and "kind" in x:
+                # Records: report against the schema of their own kind, not every option.
+                for o in options:
+                    if o.get("properties", {}).get("kind", {}).get("const") == x["kind"]:
+                        return _check(x, o, where)
+            return f"{where}: {x!r:.80} matches none of the accepted forms ({'; '.join(filter(None, errors))})"
+    if "const" in s and x != s["const"]:
+        return f"{where}: expected {s['const']!r}, got {x!r:.80}"
+    if "enum" in s and x not in s["enum"]:
+        return f"{where}: expected one of {s['enum']}, got {x!r:.80}"
+    if "type" in s and not _TYPES[s["type"]](x):
+        return f"{where}: expected {s['type']}, got {type(x).__name__} {x!r:.80}"
+    if "minimum" in s and isinstance(x, (int, float)) and x < s["minimum"]:
+        return f"{where}: must be >= {s['minimum']}, got {x!r}"
+    if isinstance(x, dict):
+        for key in s.get("required", ()):
+            if key not in x:
+                return f"{where}: missing required field {key!r}"
+        props = s.get("properties", {})
+        for key, value in x.items():
+            if key in props:
+                err = _check(value, props[key], f"{where}.{key}")
+                if err:
+                    return err
+            elif s.get("additionalProperties", True) is False:
+                return f"{where}: unexpected field {key!r} (accepted: {', '.join(props)})"
+    if isinstance(x, list) and "items" in s:
+        for i, item in enumerate(x):
+            err = _check(item, s["items"], f"{where}[{i}]")
+            if err:
+                return err
+    return None
+
+
+# -- encoding -----------------------------------------------------------------------------
+
+def _num(v: Any) -> Any:
+    v = float(v)
+    if v == v and v not in (math.inf, -math.inf):
+        return v
+    return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+
+
+def _plain(x: Any) -> Any:
+    """Alert fields as strict JSON (floats that are not finite become their strings)."""
+    if isinstance(x, float):
+        return _num(x)
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if x is None or isinstance(x, (str, int, bool)):
+        return x
+    if hasattr(x, "item"):  # a 0-d tensor or numpy scalar that slipped through
+        return _plain(x.item())
+    return str(x)
+
+
+def encode_metrics(snapshot: Mapping[str, Any], layout: Layout | None = None) -> dict:
+    """The ``metrics`` object of a step record, from a ``Monitor.snapshot()``."""
+    heads_per_layer = [h for _, h in layout.layers] if layout is not None else []
+    out: dict[str, Any] = {}
+    for spec in METRICS:
+        if spec.name not in snapshot:
+            continue
+        value = snapshot[spec.name]
+        if not spec.labels:
+            out[spec.name] = _num(value)
+        elif spec.per_head:
+            shape = list(heads_per_layer)
+            for layer, head in value:
+                while len(shape) <= layer:
+                    shape.append(0)
+                shape[layer] = max(shape[layer], head + 1)
+            grid: list[list[Any]] = [[None] * n for n in shape]
+            for (layer, head), v in value.items():
+                grid[layer][head] = _num(v)
+            out[spec.name] = grid
+        else:
+            rows = []
+            for key, v in value.items():
+                row = {lab: (int(k) if lab in _INT_LABELS else str(k)) for lab, k in zip(spec.labels, key)}
+                row["value"] = _num(v)
+                rows.append(row)
+            out[spec.name] = rows
+    return out
+
+
+def _dumps(record: dict) -> str:
+    # allow_nan=False: a non-finite number that escaped _num is a bug, not a silent NaN token.
+    return json.dumps(record, allow_nan=False, separators=(",", ":"))
+
+
+# -- reading ------------------------------------------------------------------------------
+
+def _decode_num(v: Any) -> Any:
+    return _NONFINITE.get(v, v) if isinstance(v, str) else v
+
+
+def _decode(record: dict) -> dict:
+    metrics = record.get("metrics")
+    if isinstance(metrics, dict):
+        for name, value in metrics.items():
+            if isinstance(value, list):
+                for row in value:
+                    if isinstance(row, list):
+                        row[:] = [_decode_num(v) for v in row]
+                    elif isinstance(row, dict) and "value" in row:
+                        row["value"] = _decode_num(row["value"])
+            else:
+                metrics[name] = _decode_num(value)
+    for key in ("new_alerts", "active_alerts"):
+        for alert in record.get(key, ()) or ():
+            if isinstance(alert, dict):
+                for f in ("value", "threshold"):
+                    if f in alert:
+                        alert[f] = _decode_num(alert[f])
+    return record
+
+
+def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step",),
+               strict: bool = False) -> Iterator[dict]:
+    """Yield the records of a ``metrics.jsonl`` file (or of the one in a run folder).
+
+    Args:
+        path: the file, or the run folder that holds ``metrics.jsonl``.
+        kinds: record kinds to yield (``"open"``, ``"step"``, ``"close"``); ``None`` for all.
+            By default only ``step`` records.
+        strict: raise on a line in the middle of the file that is not a JSON record (by
+            default it is skipped with a warning: a crashed run that was resumed leaves its
+            half-written line there). A truncated last line is always skipped: it is the line
+            a crash interrupted.
+
+    Non-finite numbers come back as floats (``nan``, ``inf``). Steps written twice (a resumed
+    run repeats the steps after its checkpoint) are yielded as written; keep the last one.
+
+    Raises:
+        FileNotFoundError: no such file (or no ``metrics.jsonl`` in the folder).
+        ValueError: with ``strict=True``, a damaged line before the last one.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    wanted = None if kinds is None else set(kinds)
+    with open(p, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = len(lines) - 1  # the text after the final newline: b"" unless the last line is cut
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            if i == last:
+                log.info("%s: skipping the truncated last line (%d bytes): the run stopped "
+                         "while writing it", p, len(raw))
+                continue
+            msg = f"{p}:{i + 1}: not a flashwatch JSONL record ({exc}); the line is {len(raw)} bytes"
+            if strict:
+                raise ValueError(msg) from None
+            log.warning("%s; skipped (a crashed run resumed after it?)", msg)
+            continue
+        if wanted is None or record.get("kind") in wanted:
+            yield _decode(record)
+
+
+# -- exporter -----------------------------------------------------------------------------
+
+class JsonlExporter(Exporter):
+    """Write every monitored step to ``run_dir/metrics.jsonl`` and every alert to ``run_dir/alerts.log``.
+
+    Args:
+        run_dir: the run folder (created if missing). Existing files are appended to, so a
+            resumed run keeps what the first part wrote.
+        fsync: also ``os.fsync`` each line (survives a machine crash, not only a process
+            crash; costs a disk round trip per monitored step).
+        metrics_file: file name of the step records inside ``run_dir``.
+        alerts_file: file name of the alert log inside ``run_dir``; ``None`` writes none.
+
+    Raises:
+        ValueError: a bad argument (named in the message).
+        OSError: at ``open()``, when the folder or files cannot be created or written.
+    """
+
+    name = "jsonl"
+
+    def __init__(self, run_dir: str | os.PathLike, *, fsync: bool = False,
+                 metrics_file: str = METRICS_FILE, alerts_file: str | None = ALERTS_FILE):
+        if not isinstance(run_dir, (str, os.PathLike)) or not str(run_dir):
+            raise ValueError(f"run_dir must be a folder path, got {run_dir!r}")
+        for arg, value in (("metrics_file", metrics_file), ("alerts_file", alerts_file)):
+            if value is None and arg == "alerts_file":
+                continue
+            if not isinstance(value, str) or not value or os.sep in value:
+                raise ValueError(f"{arg} must be a plain file name (no folder), got {value!r}")
+        if not isinstance(fsync, bool):
+            raise ValueError(f"fsync must be True or False, got {fsync!r}")
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / metrics_file
+        self.alerts_path = None if alerts_file is None else self.run_dir / alerts_file
+        self.fsync = fsync
+        self.layout: Layout | None = None
+        self._f = None
+        self._alerts_f = None
+
+    def open(self, layout: Layout) -> None:
+        if self._f is not None:
+            return
+        self.layout = layout
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._f = self._open_append(self.path)
+            if self.alerts_path is not None:
+                self._alerts_f = self._open_append(self.alerts_path)
+        except OSError as exc:
+            for handle in (self._f, self._alerts_f):
+                if handle is not None:
+                    handle.close()
+            self._f = self._alerts_f = None
+            raise OSError(exc.errno, f"flashwatch cannot write its run files in {self.run_dir}: "
+                                     f"{exc.strerror or exc}. Pass a writable run_dir") from exc
+        self._write(self._f, {
+            "kind": "open", "schema": SCHEMA_VERSION, "time": time.time(),
+            "flashwatch_version": __version__,
+            "layout": [{"name": n, "heads": h} for n, h in layout.layers],
+        })
+
+    @staticmethod
+    def _open_append(path: Path):
+        f = open(path, "a+b")
+        # A crash may have left a half line; end it so the next record starts on its own line.
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        return f
+
+    def export(self, record: StepRecord) -> None:
+        if self._f is None:
+            raise RuntimeError("JsonlExporter.export() before open(): the Monitor opens its "
+                               "exporters at attach; call open(layout) first when used alone")
+        self._write(self._f, {
+            "kind": "step", "schema": SCHEMA_VERSION, "step": int(record.step),
+            "time": float(record.time),
+            "metrics": encode_metrics(record.snapshot, self.layout),
+            "new_alerts": [_plain(alert_to_dict(a)) for a in record.new_alerts],
+            "active_alerts": [_plain(alert_to_dict(a)) for a in record.active_alerts],
+        })
+        if self._alerts_f is not None and record.new_alerts:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.time))
+            lines = "".join(f"{stamp} {format_alert(alert_to_dict(a))}\n" for a in record.new_alerts)
+            self._flush(self._alerts_f, lines.encode())
+
+    def close(self) -> None:
+        f, af = self._f, self._alerts_f
+        self._f = self._alerts_f = None
+        try:
+            if f is not None:
+                self._write(f, {"kind": "close", "schema": SCHEMA_VERSION, "time": time.time()})
+        finally:
+            for handle in (f, af):
+                if handle is not None:
+                    handle.close()
+
+    def _write(self, f, record: dict) -> None:
+        self._flush(f, (_dumps(record) + "\n").encode())
+
+    def _flush(self, f, data: bytes) -> None:
+        f.write(data)  # one write per line: a crash cuts at most this line
+        f.flush()
+        if self.fsync:
+            os.fsync(f.fileno())
+
+
+def format_alert(alert: Mapping[str, Any]) -> str:
+    """One line for the alert log: ``step=.. severity rule layer=.. head=.. value=.. threshold=..: message``."""
+    return (f"step={alert.get('step')} {alert.get('severity')} {alert.get('rule')} "
+            f"layer={alert.get('layer')} head={alert.get('head')} "
+            f"value={_fmt(alert.get('value'))} threshold={_fmt(alert.get('threshold'))}: "
+            f"{alert.get('message', '')}")
+
+
+def _fmt(v: Any) -> str:
+    try:
+        return f"{float(v):.4g}"
+    except (TypeError, ValueError):
+        return str(v)
+
+
+__all__ = ["JsonlExporter", "read_jsonl", "validate_record", "encode_metrics", "format_alert",
+           "SCHEMA", "STEP_SCHEMA", "ALERT_SCHEMA", "METRICS_FILE", "ALERTS_FILE"]

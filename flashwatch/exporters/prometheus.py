@@ -1,0 +1,385 @@
+"""Prometheus exporter: the last monitored step's metrics on an HTTP ``/metrics`` endpoint.
+
+Every metric name, kind, label set and help text comes from ``flashwatch.metrics.METRICS``;
+nothing else is exported (no process or Python metrics: the registry is flashwatch's own,
+not prometheus-client's global one, so creating several exporters in one process, as tests
+do, has no side effects).
+
+How it works: ``export()`` (on the training thread, once per monitored step) checks the
+snapshot's shape and keeps a copy of it: about half a millisecond for 1,024 heads. A scrape
+turns the copy it finds into metric families (``collect()`` of a custom collector, on the
+server thread) and reuses them until the next ``export()``. Building the ~8,000 samples of
+1,024 heads on every monitored step instead would allocate that many objects on the training
+thread, and the garbage collections they trigger cost up to 80 ms on the step that pays them.
+
+Server: ``open()`` (or ``start()``) binds ``host:port`` (default ``127.0.0.1:9400``; pass
+``host="0.0.0.0"`` only when another machine must scrape). ``port=0`` picks a free port; the
+port actually bound is ``exporter.port``. A port already in use raises :class:`PortInUseError`
+at ``open()``, before training starts. ``close()`` shuts the server down.
+
+Pushgateway (batch jobs that end before a scrape): ``pushgateway="http://host:9091"`` pushes
+the same registry under ``job`` (and ``grouping_key``) at most every ``push_interval_s``
+seconds from ``export()`` and once more at ``close()``; a failing push is the exporter's
+failure (``FanOut`` logs it once and training goes on).
+
+Example::
+
+    exporter = PrometheusExporter(port=0)
+    exporter.open(Layout(layers=[("h.0.attn", 12)]))
+    print(exporter.url)          # http://127.0.0.1:40213/metrics
+    exporter.export(record)      # a StepRecord from the Monitor
+    exporter.close()
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import threading
+import time
+from typing import Any, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest, push_to_gateway, start_http_server
+from prometheus_client.samples import Sample
+
+from ..metrics import METRICS
+from .base import Exporter, Layout, StepRecord
+
+log = logging.getLogger("flashwatch.exporters.prometheus")
+
+# The contract's rule names (docs/INTERFACES.md); flashwatch.detectors.RULES wins when present.
+_CONTRACT_RULES = ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier", "max_logit",
+                   "non_finite", "loss_spike")
+
+
+def known_rules() -> tuple[str, ...]:
+    """Alert rule names: ``flashwatch.detectors.RULES`` (or the contract's list before it exists)."""
+    try:
+        from ..detectors import RULES
+    except ImportError:
+        return _CONTRACT_RULES
+    return tuple(RULES)
+
+
+class PortInUseError(OSError):
+    """The exporter's HTTP port is taken (another run or exporter listens on it)."""
+
+
+class _SnapshotCollector:
+    """Builds metric families from the last exported snapshot when a scrape asks for them."""
+
+    def __init__(self, created: float, rules: tuple[str, ...]) -> None:
+        self._lock = threading.Lock()  # the HTTP server scrapes from several threads
+        self._created = created
+        self._rules = rules
+        self._labels = _LabelCache()
+        self._snapshot: dict | None = None
+        self._version = 0
+        self._built: tuple[Metric, ...] = ()
+        self._built_version = 0
+
+    def set(self, snapshot: dict) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+            self._version += 1
+
+    @property
+    def has_data(self) -> bool:
+        return self._snapshot is not None
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            if self._built_version != self._version:
+                self._built = build_families(self._snapshot or {}, created=self._created,
+                                             rules=self._rules, cache=self._labels)
+                self._built_version = self._version
+            return self._built
+
+    def describe(self) -> Iterable[Metric]:
+        # No fixed descriptions: the registry must not call collect() at registration.
+        return ()
+
+
+def checked_copy(snapshot: Mapping[str, Any], known_keys: dict[str, Any] | None = None) -> dict:
+    """A copy of the table's metrics in ``snapshot``, checked as ``build_families`` would.
+
+    ``known_keys`` (metric name -> key set seen before) makes the check of unchanged label
+    sets a set comparison instead of a walk over every key.
+
+    Raises:
+        ValueError: as ``build_families``.
+    """
+    known_keys = known_keys if known_keys is not None else {}
+    out: dict[str, Any] = {}
+    for spec in METRICS:
+        if spec.name not in snapshot:
+            continue
+        value = snapshot[spec.name]
+        if not spec.labels:
+            out[spec.name] = _number(spec.name, value)
+            continue
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"snapshot[{spec.name!r}] must be a dict keyed by ({', '.join(spec.labels)}) "
+                f"tuples, got {type(value).__name__}"
+            )
+        value = dict(value)
+        keys = value.keys()
+        if known_keys.get(spec.name) != keys:
+            n = len(spec.labels)
+            for key in keys:
+                if not isinstance(key, tuple) or len(key) != n:
+                    raise ValueError(
+                        f"snapshot[{spec.name!r}] keys must be ({', '.join(spec.labels)}) "
+                        f"tuples of {n} values, got {key!r}"
+                    )
+            known_keys[spec.name] = set(keys)
+        if not {type(v) for v in value.values()} <= _PLAIN_NUMBERS:
+            value = {k: _number(spec.name, v) for k, v in value.items()}
+        out[spec.name] = value
+    return out
+
+
+_PLAIN_NUMBERS = {float, int}
+
+
+class _LabelCache:
+    """Label dicts per label-value tuple, built once and shared by every export.
+
+    Rebuilding ``{"layer": "3", "head": "7"}`` for 1,024 heads x 8 metrics on every monitored
+    step was half of the export time; the dicts are never mutated, so sharing them is safe.
+    """
+
+    def __init__(self) -> None:
+        self._by_names: dict[tuple[str, ...], dict[tuple, dict[str, str]]] = {}
+
+    def get(self, metric: str, names: tuple[str, ...], key: Any) -> dict[str, str]:
+        table = self._by_names.setdefault(names, {})
+        labels = table.get(key) if isinstance(key, tuple) else None
+        if labels is None:
+            if not isinstance(key, tuple) or len(key) != len(names):
+                raise ValueError(
+                    f"snapshot[{metric!r}] keys must be ({', '.join(names)}) tuples of "
+                    f"{len(names)} values, got {key!r}"
+                )
+            labels = table[key] = {n: str(k) for n, k in zip(names, key)}
+        return labels
+
+
+def build_families(snapshot: Mapping[str, Any], *, created: float = 0.0,
+                   rules: Iterable[str] = (), cache: _LabelCache | None = None) -> tuple[Metric, ...]:
+    """Metric families of a ``Monitor.snapshot()``, in the order of the metric table.
+
+    Metrics missing from the snapshot are left out (Prometheus marks their series stale);
+    names not in the table are ignored. ``flashwatch_alerts_total`` gets a 0 for every rule
+    of ``rules`` that has not fired, so that ``increase()`` sees a rule's first alert.
+
+    Raises:
+        ValueError: a value is not a number, or a labelled metric is not a dict keyed by
+            tuples of as many label values as the table gives it.
+    """
+    cache = cache if cache is not None else _LabelCache()
+    families = []
+    for spec in METRICS:
+        if spec.name not in snapshot:
+            continue
+        value = snapshot[spec.name]
+        counter = spec.kind == "counter"
+        fam = (CounterMetricFamily if counter else GaugeMetricFamily)(spec.name, spec.help,
+                                                                       labels=spec.labels)
+        if not spec.labels:
+            items: Iterable[tuple[Any, Any]] = [((), value)]
+        elif isinstance(value, Mapping):
+            items = value.items()
+            if spec.name == "flashwatch_alerts_total":
+                items = list(items) + [((r,), 0.0) for r in rules if (r,) not in value]
+        else:
+            raise ValueError(
+                f"snapshot[{spec.name!r}] must be a dict keyed by ({', '.join(spec.labels)}) "
+                f"tuples, got {type(value).__name__}"
+            )
+        # Samples are built directly (not with add_metric) so label dicts can be shared.
+        samples = fam.samples
+        if counter:
+            for key, v in items:
+                labels = cache.get(spec.name, spec.labels, key)
+                samples.append(Sample(fam.name + "_total", labels, _number(spec.name, v), None))
+                samples.append(Sample(fam.name + "_created", labels, created, None))
+        else:
+            name = fam.name
+            for key, v in items:
+                samples.append(Sample(name, cache.get(spec.name, spec.labels, key),
+                                      _number(spec.name, v), None))
+        families.append(fam)
+    return tuple(families)
+
+
+def _number(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"snapshot[{name!r}] values must be numbers, got {value!r}") from None
+
+
+class PrometheusExporter(Exporter):
+    """Serve flashwatch's metrics to Prometheus (HTTP ``/metrics``) and optionally push them.
+
+    Args:
+        port: TCP port of the ``/metrics`` endpoint; ``0`` picks a free one (read it back from
+            ``.port``); ``None`` serves nothing (use ``.registry`` or the Pushgateway).
+        host: address to bind, ``127.0.0.1`` by default so that nothing outside the machine
+            can read the metrics unless you ask for it (``"0.0.0.0"`` or an interface address).
+        pushgateway: Pushgateway address (``"http://host:9091"``) for batch jobs, or ``None``.
+        job: the Pushgateway ``job`` label.
+        grouping_key: further Pushgateway grouping labels (e.g. ``{"run": "exp-17"}``).
+        push_interval_s: least seconds between pushes from ``export()`` (0: every monitored
+            step). The last state is always pushed at ``close()``.
+        push_timeout_s: timeout of one push.
+
+    Raises:
+        ValueError: a bad port, host or push setting (the message names it).
+        PortInUseError: at ``open()``/``start()``, when ``host:port`` is already taken.
+        OSError: at ``open()``/``start()``, when the address cannot be bound otherwise.
+    """
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        port: int | None = 9400,
+        host: str = "127.0.0.1",
+        *,
+        pushgateway: str | None = None,
+        job: str = "flashwatch",
+        grouping_key: Mapping[str, str] | None = None,
+        push_interval_s: float = 0.0,
+        push_timeout_s: float = 5.0,
+    ):
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool)
+                                 or not 0 <= port <= 65535):
+            raise ValueError(f"port must be an int in 0..65535 (0: any free port) or None "
+                             f"(no HTTP server), got {port!r}")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"host must be a non-empty address string such as '127.0.0.1', got {host!r}")
+        if pushgateway is not None and (not isinstance(pushgateway, str) or not pushgateway):
+            raise ValueError(f"pushgateway must be an address like 'http://localhost:9091' or None, "
+                             f"got {pushgateway!r}")
+        if not isinstance(job, str) or not job:
+            raise ValueError(f"job must be a non-empty string, got {job!r}")
+        if not (isinstance(push_interval_s, (int, float)) and push_interval_s >= 0):
+            raise ValueError(f"push_interval_s must be a number >= 0, got {push_interval_s!r}")
+        if not (isinstance(push_timeout_s, (int, float)) and push_timeout_s > 0):
+            raise ValueError(f"push_timeout_s must be a number > 0, got {push_timeout_s!r}")
+        self.requested_port = port
+        self.host = host
+        self.pushgateway = pushgateway
+        self.job = job
+        self.grouping_key = dict(grouping_key or {})
+        self.push_interval_s = float(push_interval_s)
+        self.push_timeout_s = float(push_timeout_s)
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._collector = _SnapshotCollector(created=time.time(), rules=known_rules())
+        self.registry.register(self._collector)
+        self._known_keys: dict[str, Any] = {}
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._last_push = -math.inf
+        self.layout: Layout | None = None
+
+    # -- server -------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int | None:
+        """The port the server listens on (the free one picked for ``port=0``), or None."""
+        return None if self._server is None else self._server.server_port
+
+    @property
+    def url(self) -> str | None:
+        """``http://host:port/metrics`` while serving, else None."""
+        if self._server is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def start(self) -> None:
+        """Bind and serve now (``open()`` calls this). Idempotent.
+
+        Raises:
+            PortInUseError: the port is taken.
+            OSError: the address cannot be bound (unknown host, privileged port, ...).
+        """
+        if self._server is not None or self.requested_port is None:
+            return
+        where = f"{self.host}:{self.requested_port}"
+        try:
+            self._server, self._thread = start_http_server(
+                self.requested_port, addr=self.host, registry=self.registry)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(
+                    errno.EADDRINUSE,
+                    f"flashwatch cannot serve Prometheus metrics on {where}: the port is already "
+                    f"in use (another training run or exporter?). Choose another port "
+                    f"(port=0 picks a free one) or disable the server with port=None",
+                ) from None
+            raise OSError(
+                exc.errno,
+                f"flashwatch cannot serve Prometheus metrics on {where}: {exc.strerror or exc}. "
+                f"Check host (an address of this machine, e.g. 127.0.0.1) and port "
+                f"(ports below 1024 need root)",
+            ) from exc
+        log.info("flashwatch Prometheus metrics at %s", self.url)
+
+    def _stop(self) -> None:
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    # -- Exporter -----------------------------------------------------------------------
+
+    def open(self, layout: Layout) -> None:
+        self.layout = layout
+        self.start()
+
+    def export(self, record: StepRecord) -> None:
+        self._collector.set(checked_copy(record.snapshot, self._known_keys))
+        if self.pushgateway is not None:
+            now = time.monotonic()
+            if now - self._last_push >= self.push_interval_s:
+                self._last_push = now
+                self.push()
+
+    def close(self) -> None:
+        try:
+            if self.pushgateway is not None and self._collector.has_data:
+                self.push()
+        finally:
+            self._stop()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def push(self) -> None:
+        """Push the current metrics to the Pushgateway now (no-op without one)."""
+        if self.pushgateway is None:
+            return
+        push_to_gateway(self.pushgateway, job=self.job, registry=self.registry,
+                        grouping_key=self.grouping_key or None, timeout=self.push_timeout_s)
+
+    def render(self) -> bytes:
+        """The text a scrape of ``/metrics`` returns now (Prometheus text format 0.0.4)."""
+        return generate_latest(self.registry)
+
+    def __repr__(self) -> str:
+        where = self.url or ("not serving" if self.requested_port is not None else "no server")
+        return f"PrometheusExporter({where})"
+
+
+__all__ = ["PrometheusExporter", "PortInUseError", "build_families", "checked_copy", "known_rules"]
