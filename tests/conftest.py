@@ -19,3 +19,39 @@ def pytest_collection_modifyitems(config, items):
 def seed():
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter():
+    """flashwatch.kernels.triton_attn with its kernels built for Triton's CPU interpreter.
+
+    Triton decides at decoration time whether a kernel is interpreted, so the module is
+    (re)imported with TRITON_INTERPRET=1. Skipped where CUDA exists (the GPU tests run the
+    compiled kernels there) or Triton is missing.
+    """
+    import importlib
+    import os
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the compiled kernels are tested by the gpu tests")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton: its own library is jitted then
+    try:
+        pytest.importorskip("triton")
+        from flashwatch.kernels import triton_attn
+
+        if type(triton_attn._attn_fwd_kernel).__name__ != "InterpretedFunction":
+            triton_attn = importlib.reload(triton_attn)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return triton_attn
+
+
+@pytest.fixture
+def interpret_dispatch(triton_interpreter, monkeypatch):
+    """Route CPU tensors of flashwatch.kernels.flash_attention to the interpreted kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return triton_interpreter

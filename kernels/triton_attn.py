@@ -1,0 +1,669 @@
+"""Triton flash attention (forward and backward) with in-kernel stability statistics.
+
+Derives from FlashAttention-2 (Dao, 2023) and the structure of Triton's fused-attention
+tutorial (online softmax in exp2, causal loop split into off-diagonal and diagonal parts, a
+dK/dV kernel looping over query blocks and a dQ kernel looping over key blocks). Written anew
+for flashwatch.
+
+Changes:
+- Statistics behind the constexpr flag STATS (``stats=None`` compiles them away):
+  * forward: the two largest raw scores of each row are tracked online (with multiplicity),
+    so the repeated-max test s_(2) >= m - eps is exact over the whole row however it is tiled;
+    the BF16 test rounds those two (rounding is monotone). Per-head atomics add the counts and
+    the max logit; a per-row int8 flag keeps the tie status for the backward.
+  * backward (dQ kernel, which sees whole rows): delta_hp = rowsum(P * dP) accumulates beside
+    dS at the cost of one multiply-add per score; e = delta_used - delta_hp is summed per head
+    (signed, absolute, squared, tied rows). No output-sized buffer is kept for it.
+- Variants: ``fixed`` (Qiu & Yao's shifted max on repeated-max rows, guarded, decided on the
+  running top two, so every P_bar < 1 once a row's running max repeats) and ``fp32_delta``
+  (the forward stores R = O_fp32 - O in the input dtype; the backward's delta uses O + R).
+- A statistics-only kernel for observe mode (another kernel's output and its gradient in,
+  per-head statistics out): one pass over K with an online rescaled rowsum(P * dP).
+- Grouped-query attention: the dK/dV program loops over the query heads of its kv head, so
+  the backward is deterministic (no atomics on gradients).
+- Ragged N: tails are masked in-kernel; inputs of any strides are accepted (a last-dimension
+  stride other than 1 is made contiguous first, for 16-byte loads).
+
+Cautions:
+- The Triton interpreter (TRITON_INTERPRET=1, CPU) multiplies bf16 dot operands as raw bits
+  and truncates fp32->bf16 casts (../shared/NUMERICS.md section 4). With
+  ``INTERPRETER_WORKAROUNDS`` on (default) the interpreted kernel upcasts dot operands to
+  FP32 (exact: products of bf16 values are exact in FP32) and rounds to BF16 with explicit
+  round-to-nearest-even bit arithmetic. On the GPU neither is used.
+- FP32 inputs are multiplied with input_precision="ieee" (no TF32).
+- Statistics use float atomics: their summation order (not the gradients) varies run to run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
+from .stats import AttentionStats
+
+# Set to False only to demonstrate the interpreter bugs (tests do, to prove the workaround matters).
+INTERPRETER_WORKAROUNDS = True
+
+LOG2E = 1.4426950408889634
+_VARIANT_CODE = {"plain": 0, "fixed": 1, "fp32_delta": 2}
+_PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+
+
+# --------------------------------------------------------------------------------------------
+# device helpers
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in FP32. UPCAST: interpreter workaround for its broken bf16 dot."""
+    if UPCAST:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _cast(x, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """FP32 -> DTYPE with round-to-nearest-even. EXACT_BF16: do the bf16 rounding in integer
+    arithmetic (add 0x7FFF plus the lowest kept bit, clear the low 16 bits), for the interpreter."""
+    if EXACT_BF16 and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True).to(DTYPE)
+    else:
+        y = x.to(DTYPE)
+    return y
+
+
+@triton.jit
+def _top2_update(qk, m1, m2):
+    """Merge a tile's scores (BLOCK_M, BLOCK_N) into the running top two of each row,
+    counted with multiplicity: a value present twice is both first and second."""
+    t1 = tl.max(qk, 1)
+    is_top = qk == t1[:, None]
+    n_top = tl.sum(is_top.to(tl.int32), 1)
+    t2 = tl.max(tl.where(is_top, float("-inf"), qk), 1)
+    t2 = tl.where(n_top >= 2, t1, t2)
+    new_m2 = tl.maximum(tl.minimum(m1, t1), tl.maximum(m2, t2))
+    return tl.maximum(m1, t1), new_m2
+
+
+@triton.jit
+def _row_shift(m1_raw, m2_raw, sm_scale, eps, beta, min_off, max_off, FIXED: tl.constexpr):
+    """The subtracted max of each row in log2 units. Plain: m. Fixed: m + guarded offset on
+    rows whose running max repeats within eps (Qiu & Yao: beta*m for m > 0, 0 for m < 0)."""
+    m1 = m1_raw * sm_scale
+    if FIXED:
+        tied = m2_raw * sm_scale >= m1 - eps
+        off = tl.where(m1 > 0, (beta - 1.0) * m1, -m1)
+        off = tl.minimum(tl.maximum(off, min_off), max_off)
+        shift = m1 + tl.where(tied, off, 0.0)
+    else:
+        shift = m1
+    # a row that has seen only masked scores so far keeps shift 0 instead of -inf (no inf - inf)
+    shift = tl.where(m1 == float("-inf"), 0.0, shift)
+    return shift * 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# forward
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+               lo, hi, N, sm_scale, eps, beta, min_off, max_off,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               TRACK: tl.constexpr, FIXED: tl.constexpr, DTYPE: tl.constexpr,
+               IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        if MASKED:
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+        else:
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :])
+        qk = _dot(q, tl.trans(k), IEEE, UPCAST)  # (BLOCK_M, BLOCK_N) raw scores q.k
+        if MASKED:
+            valid = cols[None, :] < N
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= cols[None, :])
+            qk = tl.where(valid, qk, float("-inf"))
+        if TRACK:
+            new_m1, new_m2 = _top2_update(qk, m1, m2)
+        else:
+            new_m1 = tl.maximum(m1, tl.max(qk, 1))
+            new_m2 = m2
+        new_shift = _row_shift(new_m1, new_m2, sm_scale, eps, beta, min_off, max_off, FIXED)
+        p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
+        alpha = tl.math.exp2(shift - new_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(_cast(p, DTYPE, EXACT_BF16), v, IEEE, UPCAST)
+        m1, m2, shift = new_m1, new_m2, new_shift
+    return acc, l_i, m1, m2, shift
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, R, TIE, ST_REP, ST_REP_B, ST_MAXL,
+                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                     H, G, N, sm_scale, eps, beta, min_off, max_off, inject_factor,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, FIXED: tl.constexpr, FP32_DELTA: tl.constexpr,
+                     STATS: tl.constexpr, INJECT: tl.constexpr, IEEE: tl.constexpr,
+                     UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // G
+    DTYPE = O.dtype.element_ty
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N
+    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of raw scores
+    m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running second largest (TRACK only)
+    shift = tl.full([BLOCK_M], float("-inf"), tl.float32)  # subtracted max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    TRACK: tl.constexpr = STATS or FIXED or INJECT
+
+    if CAUSAL:
+        # keys [0, start_m) are below the diagonal for every row of the block: no mask
+        acc, l_i, m1, m2, shift = _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                             0, start_m, N, sm_scale, eps, beta, min_off, max_off,
+                                             BLOCK_N, False, CAUSAL, TRACK, FIXED, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        hi = tl.minimum(start_m + BLOCK_M, N)
+        acc, l_i, m1, m2, shift = _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                             start_m, hi, N, sm_scale, eps, beta, min_off, max_off,
+                                             BLOCK_N, True, CAUSAL, TRACK, FIXED, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    else:
+        n_full = (N // BLOCK_N) * BLOCK_N
+        acc, l_i, m1, m2, shift = _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                             0, n_full, N, sm_scale, eps, beta, min_off, max_off,
+                                             BLOCK_N, False, CAUSAL, TRACK, FIXED, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        acc, l_i, m1, m2, shift = _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                             n_full, N, N, sm_scale, eps, beta, min_off, max_off,
+                                             BLOCK_N, True, CAUSAL, TRACK, FIXED, DTYPE, IEEE, UPCAST, EXACT_BF16)
+
+    o32 = acc / l_i[:, None]
+    if TRACK:
+        s1 = m1 * sm_scale
+        s2 = m2 * sm_scale
+        tied = (s2 >= s1 - eps) & row_ok
+    if INJECT:
+        # INJECTED FAULT: on rows where P_bar was exactly 1 at two or more keys (never under
+        # the fixed variant), inflate |O| by inject_factor = 1 + strength * 2**-p before rounding
+        if not FIXED:
+            o32 = tl.where(tied[:, None], o32 * inject_factor, o32)
+    o = _cast(o32, DTYPE, EXACT_BF16)
+    o_off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :]
+    o_ptrs = O + o_off
+    tl.store(o_ptrs, o, mask=row_ok[:, None])
+    lse_ptrs = LSE + bh.to(tl.int64) * N + offs_m
+    tl.store(lse_ptrs, shift + tl.math.log2(l_i), mask=row_ok)
+    if FP32_DELTA:
+        r = _cast(o32 - o.to(tl.float32), DTYPE, EXACT_BF16)
+        tl.store(R + o_off, r, mask=row_ok[:, None])
+    if STATS:
+        s1b = _cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32)
+        s2b = _cast(s2, tl.bfloat16, EXACT_BF16).to(tl.float32)
+        tied_b = (s2b >= s1b - eps) & row_ok
+        tl.store(TIE + bh.to(tl.int64) * N + offs_m, tied.to(tl.int8), mask=row_ok)
+        tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
+        tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
+        tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
+
+
+# --------------------------------------------------------------------------------------------
+# backward
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_delta_kernel(O, R, DO, DELTA, sob, soh, son, sdob, sdoh, sdon, H, N,
+                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, FP32_DELTA: tl.constexpr):
+    # delta_used = rowsum(dO * O), or rowsum(dO * (O + R)) under fp32_delta. (B*H, N) fp32.
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = offs_m[:, None] < N
+    o_off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :]
+    o = tl.load(O + o_off, mask=ok, other=0.0).to(tl.float32)
+    if FP32_DELTA:
+        o += tl.load(R + o_off, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdon + offs_d[None, :],
+                 mask=ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * N + offs_m, tl.sum(o * do, 1), mask=offs_m < N)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
+                    lo, hi, N, qk_scale,
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DTYPE: tl.constexpr,
+                    IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    offs_mb = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_mb
+        if MASKED:
+            ok = rows < N
+            q = tl.load(q_base + rows[:, None] * sqn + offs_d[None, :], mask=ok[:, None], other=0.0)
+            do = tl.load(do_base + rows[:, None] * sdon + offs_d[None, :], mask=ok[:, None], other=0.0)
+            lse = tl.load(lse_base + rows, mask=ok, other=0.0)
+            delta = tl.load(delta_base + rows, mask=ok, other=0.0)
+        else:
+            q = tl.load(q_base + rows[:, None] * sqn + offs_d[None, :])
+            do = tl.load(do_base + rows[:, None] * sdon + offs_d[None, :])
+            lse = tl.load(lse_base + rows)
+            delta = tl.load(delta_base + rows)
+        qkT = _dot(k, tl.trans(q), IEEE, UPCAST)  # (BLOCK_N, BLOCK_M)
+        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+        if MASKED:
+            valid = (rows[None, :] < N) & (offs_n[:, None] < N)
+            if CAUSAL:
+                valid = valid & (rows[None, :] >= offs_n[:, None])
+            pT = tl.where(valid, pT, 0.0)
+        dv += _dot(_cast(pT, DTYPE, EXACT_BF16), do, IEEE, UPCAST)
+        dpT = _dot(v, tl.trans(do), IEEE, UPCAST)
+        dsT = pT * (dpT - delta[None, :])
+        dk += _dot(_cast(dsT, DTYPE, EXACT_BF16), q, IEEE, UPCAST)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+                          H, G, N, sm_scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                          EXACT_BF16: tl.constexpr):
+    # grid: (cdiv(N, BLOCK_N), B * Hkv); one program = one block of keys of one kv head,
+    # looping over the G query heads that read it and over their query blocks.
+    start_n = tl.program_id(0) * BLOCK_N
+    bkv = tl.program_id(1)
+    Hkv = H // G
+    b = bkv // Hkv
+    kvh = bkv % Hkv
+    DTYPE = DK.dtype.element_ty
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < N
+    k = tl.load(K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    m_full = (N // BLOCK_M) * BLOCK_M
+    for g in range(0, G):
+        h = kvh * G + g
+        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+        row_base = (b * H + h).to(tl.int64) * N
+        if CAUSAL:
+            # query blocks crossing the diagonal of this key block are masked; later ones are not
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                     offs_n, offs_d, start_n, start_n + BLOCK_N, N, qk_scale,
+                                     BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                     offs_n, offs_d, start_n + BLOCK_N, m_full, N, qk_scale,
+                                     BLOCK_M, False, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+            tail_lo = tl.maximum(m_full, start_n + BLOCK_N)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                     offs_n, offs_d, tail_lo, N, N, qk_scale,
+                                     BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        else:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                     offs_n, offs_d, 0, m_full, N, qk_scale,
+                                     BLOCK_M, False, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                     offs_n, offs_d, m_full, N, N, qk_scale,
+                                     BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    out_off = bkv.to(tl.int64) * N * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out_off, _cast(dk * sm_scale, DTYPE, EXACT_BF16), mask=col_ok[:, None])
+    tl.store(DV + out_off, _cast(dv, DTYPE, EXACT_BF16), mask=col_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
+                  lo, hi, N, qk_scale,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, STATS: tl.constexpr,
+                  DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    offs_nb = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_nb
+        if MASKED:
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+        else:
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
+        qk = _dot(q, tl.trans(k), IEEE, UPCAST)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if MASKED:
+            valid = cols[None, :] < N
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= cols[None, :])
+            p = tl.where(valid, p, 0.0)
+        dp = _dot(do, tl.trans(v), IEEE, UPCAST)
+        if STATS:
+            dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
+        ds = p * (dp - delta[:, None])
+        dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
+    return dq, dhp
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, TIE, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+                        H, G, N, sm_scale,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        CAUSAL: tl.constexpr, STATS: tl.constexpr, IEEE: tl.constexpr,
+                        UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // G
+    DTYPE = DQ.dtype.element_ty
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdon + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dhp = tl.zeros([BLOCK_M], tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    if CAUSAL:
+        dq, dhp = _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
+                                0, start_m, N, qk_scale, BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        hi = tl.minimum(start_m + BLOCK_M, N)
+        dq, dhp = _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
+                                start_m, hi, N, qk_scale, BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    else:
+        n_full = (N // BLOCK_N) * BLOCK_N
+        dq, dhp = _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
+                                0, n_full, N, qk_scale, BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        dq, dhp = _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
+                                n_full, N, N, qk_scale, BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    out_off = bh.to(tl.int64) * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DQ + out_off, _cast(dq * sm_scale, DTYPE, EXACT_BF16), mask=row_ok[:, None])
+    if STATS:
+        err = tl.where(row_ok, delta - dhp, 0.0)
+        tied = tl.load(TIE + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0) != 0
+        tl.atomic_add(ST_E + h, tl.sum(err, 0))
+        tl.atomic_add(ST_EABS + h, tl.sum(tl.abs(err), 0))
+        tl.atomic_add(ST_ESQ + h, tl.sum(err * err, 0))
+        tl.atomic_add(ST_ETIED + h, tl.sum(tl.where(tied, err, 0.0), 0))
+
+
+# --------------------------------------------------------------------------------------------
+# statistics-only pass (observe mode)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d, lo, hi, N, qk_scale,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    offs_nb = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_nb
+        if MASKED:
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
+        else:
+            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
+            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
+        qk = _dot(q, tl.trans(k), IEEE, UPCAST)
+        if MASKED:
+            valid = cols[None, :] < N
+            if CAUSAL:
+                valid = valid & (offs_m[:, None] >= cols[None, :])
+            qk = tl.where(valid, qk, float("-inf"))
+        new_m1, new_m2 = _top2_update(qk, m1, m2)
+        safe = tl.where(new_m1 == float("-inf"), 0.0, new_m1)
+        p = tl.math.exp2((qk - safe[:, None]) * qk_scale)
+        alpha = tl.math.exp2((tl.where(m1 == float("-inf"), safe, m1) - safe) * qk_scale)
+        dp = _dot(do, tl.trans(v), IEEE, UPCAST)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        d_i = d_i * alpha + tl.sum(p * dp, 1)
+        m1, m2 = new_m1, new_m2
+    return m1, m2, l_i, d_i
+
+
+@triton.jit
+def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+                       sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
+                       H, G, N, sm_scale, eps,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    # grid: (cdiv(N, BLOCK_M), B * H). Reads q, k, v, the other kernel's output O and dO;
+    # adds per-head counts, max logit and delta-error sums. delta_hp = rowsum(P * dP) is
+    # accumulated online like the softmax denominator: d = sum exp(s - m) * dP, then d / l.
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // G
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < N
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdon + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    d_i = tl.zeros([BLOCK_M], tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    if CAUSAL:
+        m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
+                                        0, start_m, N, qk_scale, BLOCK_N, False, CAUSAL, IEEE, UPCAST)
+        hi = tl.minimum(start_m + BLOCK_M, N)
+        m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
+                                        start_m, hi, N, qk_scale, BLOCK_N, True, CAUSAL, IEEE, UPCAST)
+    else:
+        n_full = (N // BLOCK_N) * BLOCK_N
+        m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
+                                        0, n_full, N, qk_scale, BLOCK_N, False, CAUSAL, IEEE, UPCAST)
+        m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
+                                        n_full, N, N, qk_scale, BLOCK_N, True, CAUSAL, IEEE, UPCAST)
+    s1 = m1 * sm_scale
+    s2 = m2 * sm_scale
+    tied = (s2 >= s1 - eps) & row_ok
+    s1b = _cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32)
+    s2b = _cast(s2, tl.bfloat16, EXACT_BF16).to(tl.float32)
+    tied_b = (s2b >= s1b - eps) & row_ok
+    delta_used = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    err = tl.where(row_ok, delta_used - d_i / l_i, 0.0)
+    tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
+    tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
+    tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
+    tl.atomic_add(ST_E + h, tl.sum(err, 0))
+    tl.atomic_add(ST_EABS + h, tl.sum(tl.abs(err), 0))
+    tl.atomic_add(ST_ESQ + h, tl.sum(err * err, 0))
+    tl.atomic_add(ST_ETIED + h, tl.sum(tl.where(tied, err, 0.0), 0))
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------
+
+def _workarounds(device: torch.device) -> tuple[bool, bool]:
+    """(UPCAST dot operands, EXACT_BF16 rounding): on only in the interpreter, which is the
+    only way Triton runs on CPU tensors."""
+    on = device.type == "cpu" and INTERPRETER_WORKAROUNDS
+    return on, on
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+from . import tuning  # noqa: E402
+
+
+def _launch_fwd(q, k, v, o, lse, r, tie, st, causal, sm_scale, variant, beta, eps, stats_on, inject_factor, cfg):
+    B, H, N, D = q.shape
+    upcast, exact = _workarounds(q.device)
+    grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
+    _attn_fwd_kernel[grid](
+        q, k, v, o, lse, r, tie, *st,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        H, H // k.shape[1], N, sm_scale, eps, beta, FIXED_MIN_OFFSET, FIXED_MAX_OFFSET[q.dtype], inject_factor,
+        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
+        FIXED=variant == "fixed", FP32_DELTA=variant == "fp32_delta", STATS=stats_on,
+        INJECT=inject_factor != 1.0, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+    B, H, N, D = q.shape
+    o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # log2 units
+    fp32_delta = variant == "fp32_delta"
+    r = torch.empty_like(o) if fp32_delta else o  # R = O_fp32 - O, written only under fp32_delta
+    tie = torch.empty((B, H, N), dtype=torch.int8, device=q.device) if stats is not None else lse
+    st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.max_logit) if stats is not None else (lse,) * 3
+    inject_factor = 1.0 + inject_bias * 2.0 ** -_PRECISION_BITS[q.dtype]
+
+    def bench(cfg):  # plain, statistics off, into scratch outputs: tuning never touches stats
+        scratch_o, scratch_lse = torch.empty_like(o), torch.empty_like(lse)
+        return lambda: _launch_fwd(q, k, v, scratch_o, scratch_lse, scratch_o, scratch_lse, (scratch_lse,) * 3,
+                                   causal, sm_scale, "plain", beta, eps, False, 1.0, cfg)
+
+    cfg = tuning.choose("fwd", q, causal, bench)
+    _launch_fwd(q, k, v, o, lse, r, tie, st, causal, sm_scale, variant, beta, eps, stats is not None,
+                inject_factor, cfg)
+    if stats is not None:
+        stats.rows.add_(B * N)
+    return o, lse, (r if fp32_delta else None), (tie if stats is not None else None)
+
+
+def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    upcast, exact = _workarounds(q.device)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        H, H // Hkv, N, sm_scale, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
+        IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _launch_dq(q, k, v, do, lse, delta, dq, tie, st, causal, sm_scale, stats_on, cfg):
+    B, H, N, D = q.shape
+    upcast, exact = _workarounds(q.device)
+    _attn_bwd_dq_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, tie, *st,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        H, H // k.shape[1], N, sm_scale, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        CAUSAL=causal, STATS=stats_on, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _backward(do, q, k, v, o, lse, r, tie, causal, sm_scale, stats):
+    B, H, N, D = q.shape
+    do = _last_dim_contiguous(do)
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    block = 64
+    _bwd_delta_kernel[(triton.cdiv(N, block), B * H)](
+        o, r if r is not None else o, do, delta, *_strides(o), *_strides(do), H, N,
+        HEAD_DIM=D, BLOCK=block, FP32_DELTA=r is not None, num_warps=4)
+    dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+
+    def bench_dkdv(cfg):
+        sk, sv = torch.empty_like(dk), torch.empty_like(dv)
+        return lambda: _launch_dkdv(q, k, v, do, lse, delta, sk, sv, causal, sm_scale, cfg)
+
+    def bench_dq(cfg):
+        sq = torch.empty_like(dq)
+        return lambda: _launch_dq(q, k, v, do, lse, delta, sq, delta, (delta,) * 4, causal, sm_scale, False, cfg)
+
+    _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
+    st = ((stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied)
+          if stats is not None else (delta,) * 4)
+    _launch_dq(q, k, v, do, lse, delta, dq, tie if tie is not None else delta, st, causal, sm_scale,
+               stats is not None, tuning.choose("dq", q, causal, bench_dq))
+    return dq, dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        o, lse, r, tie = _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias)
+        ctx.save_for_backward(q, k, v, o, lse, r, tie)
+        ctx.causal, ctx.sm_scale, ctx.stats = causal, sm_scale, stats
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, r, tie = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, r, tie, ctx.causal, ctx.sm_scale, ctx.stats)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3, stats=None,
+                    inject_bias=0.0):
+    """Triton path of ``flashwatch.kernels.flash_attention`` (arguments already checked there)."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    return _FlashAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps), stats,
+                                 float(inject_bias))
+
+
+def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causal=True, sm_scale=None, eps=1e-3):
+    """Triton path of ``flashwatch.kernels.attention_statistics`` (arguments already checked there)."""
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v, out, grad_out = (_last_dim_contiguous(t.detach()) for t in (q, k, v, out, grad_out))
+    B, H, N, D = q.shape
+    G = H // k.shape[1]
+    upcast, exact = _workarounds(q.device)
+    c = tuning.choose("stats", q, causal, None)
+    _attn_stats_kernel[(triton.cdiv(N, c["BLOCK_M"]), B * H)](
+        q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.max_logit,
+        stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(grad_out),
+        H, G, N, float(sm_scale), float(eps), HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        CAUSAL=causal, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    stats.rows.add_(B * N)

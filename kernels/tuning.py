@@ -1,0 +1,81 @@
+"""Block shapes, warps and pipeline stages of the Triton kernels.
+
+``TABLE`` holds the configuration each kernel uses per head dim on CUDA; the values were
+chosen by ``flashwatch bench --tune`` on an H200 (docs/KERNEL_TUNING.md has the runs).
+With FLASHWATCH_AUTOTUNE=1 the launchers time every candidate of ``CANDIDATES`` on the first
+call of each (kernel, head dim, dtype, causal, N) and keep the fastest for the process; the
+timing runs the plain kernel with statistics off into scratch buffers, so tuning never adds
+into an ``AttentionStats``. Under the Triton interpreter small blocks are used, so tests at
+small N still cross several tiles.
+
+Constraints: forward, dq and stats need BLOCK_M % BLOCK_N == 0 (the causal off-diagonal loop
+takes whole key blocks below the query block); dkdv needs BLOCK_N % BLOCK_M == 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _cfg(bm, bn, warps, stages):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+
+
+# CUDA defaults per kernel and head dim (H100/H200 class GPUs).
+TABLE = {
+    "fwd": {16: _cfg(128, 64, 4, 3), 32: _cfg(128, 64, 4, 3), 64: _cfg(128, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
+    "dkdv": {16: _cfg(32, 128, 4, 3), 32: _cfg(32, 128, 4, 3), 64: _cfg(32, 128, 4, 3), 128: _cfg(32, 128, 8, 3)},
+    "dq": {16: _cfg(128, 32, 4, 3), 32: _cfg(128, 32, 4, 3), 64: _cfg(128, 32, 4, 3), 128: _cfg(128, 32, 8, 3)},
+    "stats": {16: _cfg(128, 64, 4, 3), 32: _cfg(128, 64, 4, 3), 64: _cfg(128, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
+}
+
+CANDIDATES = {
+    "fwd": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 4),
+            _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 4), _cfg(128, 128, 8, 2)],
+    "dkdv": [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3),
+             _cfg(32, 64, 4, 4), _cfg(64, 128, 4, 2)],
+    "dq": [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3),
+           _cfg(64, 32, 4, 4), _cfg(128, 64, 4, 2)],
+    "stats": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+}
+
+INTERPRETER = {name: _cfg(16, 16, 4, 1) for name in TABLE}
+INTERPRETER["dkdv"] = _cfg(16, 32, 4, 1)  # BLOCK_N > BLOCK_M: exercises the diagonal segment
+INTERPRETER["fwd"] = _cfg(32, 16, 4, 1)  # BLOCK_M > BLOCK_N: several key tiles per diagonal
+
+_chosen: dict[tuple, dict] = {}
+_override: dict[str, dict] = {}
+
+
+def set_override(kind: str, cfg: dict | None) -> None:
+    """Force a configuration for one kernel kind (bench --tune uses this); None clears it."""
+    if cfg is None:
+        _override.pop(kind, None)
+    else:
+        _override[kind] = dict(cfg)
+
+
+def choose(kind: str, q: torch.Tensor, causal: bool, bench) -> dict:
+    """The configuration for kernel ``kind`` at q's shape. ``bench(cfg)`` returns a
+    zero-argument launcher used only for autotuning (None: never autotune this kind)."""
+    if kind in _override:
+        return _override[kind]
+    if q.device.type != "cuda":
+        return INTERPRETER[kind]
+    D = q.shape[-1]
+    if bench is None or os.environ.get("FLASHWATCH_AUTOTUNE") != "1":
+        return TABLE[kind][D]
+    key = (kind, D, q.dtype, causal, q.shape[2])
+    if key not in _chosen:
+        import triton.testing
+
+        timings = []
+        for cfg in CANDIDATES[kind]:
+            try:
+                timings.append((triton.testing.do_bench(bench(cfg), warmup=5, rep=20), cfg))
+            except Exception:  # a configuration that does not fit (shared memory, registers) is skipped
+                continue
+        _chosen[key] = min(timings, key=lambda t: t[0])[1] if timings else TABLE[kind][D]
+    return _chosen[key]

@@ -1,0 +1,107 @@
+"""Input builders and checks shared by the interpreted (CPU) and GPU kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from attention_oracles import assert_tolerance_rule, attention64, attention_same_dtype
+from flashwatch.kernels import AttentionStats, flash_attention, reference
+
+
+def random_qkv(B, H, N, D, Hkv=None, dtype=torch.bfloat16, device="cpu", seed=0, scale=1.0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    Hkv = Hkv or H
+    q = torch.randn(B, H, N, D, generator=g) * scale
+    k = torch.randn(B, Hkv, N, D, generator=g) * scale
+    v = torch.randn(B, Hkv, N, D, generator=g)
+    return [t.to(device=device, dtype=dtype).requires_grad_(True) for t in (q, k, v)]
+
+
+def check_against_float64(q, k, v, causal, variant, factor=2.0, floor=1e-5):
+    """Output and dq, dk, dv of flash_attention within the tolerance rule of float64."""
+    out = flash_attention(q, k, v, causal=causal, variant=variant)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    exact, leaves = attention64(q, k, v, causal)
+    same = attention_same_dtype(q, k, v, causal)
+    base = torch.autograd.grad(same, (q, k, v), g)
+    ex = torch.autograd.grad(exact, leaves, g.detach().cpu().double())
+    tag = f"{tuple(q.shape)} Hkv={k.shape[1]} {q.dtype} causal={causal} {variant}"
+    assert_tolerance_rule(f"out {tag}", out, same, exact, factor, floor)
+    for name, a, b, c in zip("qkv", grads, base, ex):
+        assert_tolerance_rule(f"d{name} {tag}", a, b, c, factor, floor)
+
+
+def planted_ties(B=2, H=3, N=70, D=64, dtype=torch.bfloat16, device="cpu", eps=1e-3, seed=0):
+    """Keys with exact duplicates inside a tile and across tiles, and near-ties at the eps
+    boundary: k_far = k + t * q_dir chosen so the score gap is eps/2 (inside) or 2*eps (outside)
+    for a chosen query row. Returns q, k, v in dtype."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, H, N, D, generator=g)
+    k = torch.randn(B, H, N, D, generator=g)
+    v = torch.randn(B, H, N, D, generator=g)
+    k[:, :, 5] = k[:, :, 2]  # same tile
+    k[:, :, 40] = k[:, :, 9]  # different tiles at any block size <= 32
+    k[:, :, 66] = k[:, :, 1]  # far apart, last (ragged) tile
+    # make the duplicated keys the row max for many rows: align queries with them
+    for src, rows in ((2, range(10, 20)), (9, range(45, 55)), (1, range(67, 70))):
+        for r in rows:
+            q[:, :, r] = 3.0 * k[:, :, src] + 0.1 * q[:, :, r]
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
+
+
+def check_statistics(q, k, v, causal=True, eps=1e-3, variant="plain"):
+    """Counts equal the reference's exactly; the max logit to FP32 rounding; the delta-error
+    sums equal their definition evaluated in float64 on the kernel's own output."""
+    H = q.shape[1]
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    stats = AttentionStats(H, q.device)
+    out = flash_attention(q, k, v, causal=causal, eps=eps, stats=stats, variant=variant)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref = AttentionStats(H, "cpu")
+    qc, kc, vc = (t.detach().cpu() for t in (q, k, v))
+    reference.flash_attention(qc, kc, vc, causal=causal, eps=eps, stats=ref)
+    assert stats.rows.tolist() == ref.rows.tolist()
+    assert stats.repeated_max_rows.tolist() == ref.repeated_max_rows.tolist()
+    assert stats.repeated_max_rows_bf16.tolist() == ref.repeated_max_rows_bf16.tolist()
+    torch.testing.assert_close(stats.max_logit.cpu(), ref.max_logit, rtol=1e-6, atol=1e-6)
+    exact, _ = attention64(q, k, v, causal)
+    g64 = g.detach().cpu().double()
+    delta_used = (g64 * out.detach().cpu().double()).sum(-1)
+    err = delta_used - (g64 * exact.detach()).sum(-1)  # (B, H, N)
+    scale = err.abs().sum(dim=(0, 2))
+    got = stats.delta_error.cpu().double()
+    want = err.sum(dim=(0, 2))
+    # FP32 inputs have no rounding of O to speak of: the delta error is FP32 noise there
+    if variant != "fp32_delta" and q.dtype != torch.float32:
+        assert ((got - want).abs() <= 1e-3 * scale + 1e-6).all(), (got, want, scale)
+        torch.testing.assert_close(stats.delta_error_abs.cpu().double(), scale, rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(stats.delta_error_sq.cpu().double(), (err ** 2).sum(dim=(0, 2)), rtol=2e-3, atol=1e-9)
+        tied = _tied_rows(qc, kc, causal, eps)
+        want_tied = torch.where(tied, err, torch.zeros_like(err)).sum(dim=(0, 2))
+        assert ((stats.delta_error_tied.cpu().double() - want_tied).abs() <= 1e-3 * scale + 1e-6).all()
+    return stats, ref
+
+
+def _tied_rows(q, k, causal, eps):
+    s = reference.scores(q, k, causal, q.shape[-1] ** -0.5)
+    m1, m2 = reference.row_top2(s)
+    return reference.tie_flags(m1, m2, eps)[0]
+
+
+def planted_near_ties(B=1, H=2, N=48, D=64, device="cpu", eps=1e-3, seed=1):
+    """FP32 inputs where row 30 has its max at key 3 and key 20 exactly eps/2 below it (a
+    repeated max), and row 31 its max at key 7 and key 21 at 2*eps below (not one). The near
+    keys sit in other tiles than the max keys."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    scale = D ** -0.5
+    for row, top, key, gap in ((30, 3, 20, eps / 2), (31, 7, 21, 2 * eps)):
+        q[:, :, row] = 4.0 * k[:, :, top]
+        qr = q[:, :, row]
+        # k_key = k_top - gap / scale * qr / |qr|^2  =>  s[row, key] = s[row, top] - gap
+        k[:, :, key] = k[:, :, top] - (gap / scale) * qr / (qr * qr).sum(-1, keepdim=True)
+    return [t.to(device=device, dtype=torch.float32) for t in (q, k, v)]

@@ -1,0 +1,171 @@
+"""The Triton kernels, run by Triton's CPU interpreter at small shapes (CI has no GPU).
+
+The interpreter's bf16 dot and fp32->bf16 cast are wrong (../shared/NUMERICS.md §4); the
+kernels work around both when they run on CPU tensors, and the last tests prove the
+workarounds matter by switching them off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashwatch.kernels import AttentionStats, attention_statistics, flash_attention, reference
+from attention_oracles import max_err
+from kernel_cases import (check_against_float64, check_statistics, planted_near_ties, planted_ties,
+                          random_qkv)
+
+pytestmark = pytest.mark.usefixtures("interpret_dispatch")
+_cast = None  # set by test_exact_bf16_rounding_fixes_the_interpreter_cast
+
+CASES = [  # (B, H, Hkv, N, D)
+    (1, 2, 2, 1, 64),
+    (2, 2, 2, 17, 64),
+    (1, 2, 1, 97, 64),
+    (1, 1, 1, 128, 128),
+    (1, 4, 2, 33, 32),
+    (1, 2, 2, 40, 16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}Hkv{}N{}D{}".format(*c))
+@pytest.mark.parametrize("causal", [True, False])
+def test_plain_bf16_within_tolerance_rule(case, causal):
+    B, H, Hkv, N, D = case
+    check_against_float64(*random_qkv(B, H, N, D, Hkv=Hkv, seed=N + D), causal=causal, variant="plain")
+
+
+@pytest.mark.parametrize("variant", ["fixed", "fp32_delta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_variants_and_fp16_within_tolerance_rule(variant, dtype):
+    check_against_float64(*random_qkv(1, 2, 97, 64, Hkv=1, dtype=dtype, seed=3), causal=True, variant=variant)
+
+
+def test_float32_inputs_are_computed_without_tf32():
+    q, k, v = random_qkv(1, 2, 33, 64, dtype=torch.float32, seed=4)
+    out = flash_attention(q, k, v)
+    ref = reference.flash_attention(q.double(), k.double(), v.double())
+    assert max_err(out, ref) < 1e-5
+
+
+def test_fixed_variant_on_ties_and_huge_logits_never_nan():
+    q, k, v = planted_ties(B=1, H=2, N=70, D=64)
+    for scale in (1.0, 40.0):  # 40: logits in the thousands
+        qs = (q.float() * scale).bfloat16()
+        stats = AttentionStats(2)
+        out = flash_attention(qs, k, v, variant="fixed", stats=stats)
+        assert torch.isfinite(out).all()
+        assert stats.repeated_max_rows.sum() > 0
+        want = reference.flash_attention(qs.double(), k.double(), v.double())
+        assert max_err(out, want) < 0.05
+    assert stats.max_logit.max() > 1000
+
+
+def test_statistics_on_planted_ties_match_reference():
+    stats, ref = check_statistics(*planted_ties())
+    assert stats.repeated_max_rows.min() >= 20, "the planted ties should be counted"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_statistics_on_random_inputs_gqa(causal):
+    q, k, v = random_qkv(2, 4, 57, 32, Hkv=2, seed=5)
+    check_statistics(q, k, v, causal=causal)
+
+
+def test_near_ties_inside_and_outside_eps_across_tiles():
+    q, k, v = planted_near_ties()
+    stats, ref = check_statistics(q, k, v, eps=1e-3)
+    s = reference.scores(q, k, True, 64 ** -0.5)
+    m1, m2 = reference.row_top2(s)
+    tied = reference.tie_flags(m1, m2, 1e-3)[0]
+    assert tied[:, :, 30].all() and not tied[:, :, 31].any(), "planting failed: gaps not at eps/2 and 2 eps"
+
+
+def test_statistics_pass_matches_reference_pass():
+    q, k, v = (t.detach() for t in random_qkv(1, 4, 45, 64, Hkv=1, seed=6))
+    out = reference.flash_attention(q, k, v)  # "the other kernel"
+    g = torch.randn_like(out)
+    got, want = AttentionStats(4), AttentionStats(4)
+    attention_statistics(q, k, v, out, g, got)
+    reference.attention_statistics(q, k, v, out, g, want)
+    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    torch.testing.assert_close(got.max_logit, want.max_logit)
+    scale = want.delta_error_abs
+    assert ((got.delta_error - want.delta_error).abs() <= 1e-4 * scale + 1e-6).all()
+    torch.testing.assert_close(got.delta_error_abs, want.delta_error_abs, rtol=1e-4, atol=1e-6)
+
+
+def test_fp32_delta_residual_reaches_the_backward():
+    """fp32_delta's delta is rowsum(dO * (O + R)): its delta error is only the P_bar rounding."""
+    q, k, v = random_qkv(1, 2, 64, 64, seed=7)
+    errs = {}
+    for variant in ("plain", "fp32_delta"):
+        stats = AttentionStats(2)
+        out = flash_attention(q, k, v, variant=variant, stats=stats)
+        out.backward(torch.ones_like(out))
+        errs[variant] = stats.delta_error_abs.sum().item()
+    assert errs["fp32_delta"] < 0.8 * errs["plain"], errs
+
+
+def test_injection_biases_tied_rows_and_fixed_disarms_it():
+    q, k, v = (t.detach() for t in planted_ties(B=1, H=2, N=70, D=64))
+    base = flash_attention(q, k, v)
+    injected = flash_attention(q, k, v, inject_bias=1.0)
+    assert (injected != base).float().mean() > 0.1, "most tied-row values should move"
+    assert (injected.float().abs() >= base.float().abs()).all(), "injection must round away from zero"
+    # the kernel and the reference round O_fp32 alike up to P_bar tiling: the injection adds no
+    # disagreement of its own
+    base_flips = (base != reference.flash_attention(q, k, v)).float().mean()
+    injected_flips = (injected != reference.flash_attention(q, k, v, inject_bias=1.0)).float().mean()
+    assert injected_flips <= base_flips + 0.02, (injected_flips, base_flips)
+    fixed = flash_attention(q, k, v, variant="fixed", inject_bias=1.0)
+    assert torch.equal(fixed, flash_attention(q, k, v, variant="fixed"))
+
+
+def test_nan_in_one_head_stays_there():
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 64, seed=8))
+    q[0, 1, 4, 0] = float("nan")
+    out = flash_attention(q, k, v)
+    assert torch.isnan(out[0, 1, 4]).all() and torch.isfinite(out[0, 0]).all()
+
+
+def test_non_contiguous_inputs():
+    x = torch.randn(1, 24, 2, 3 * 64).bfloat16()
+    q, k, v = (t.transpose(1, 2) for t in x.split(64, dim=-1))
+    assert not q.is_contiguous()
+    out = flash_attention(q, k, v)
+    assert torch.equal(out, flash_attention(q.contiguous(), k.contiguous(), v.contiguous()))
+
+
+def test_workarounds_matter(triton_interpreter, monkeypatch):
+    """Without the workarounds, the interpreted bf16 kernel is garbage (the dot multiplies raw
+    bits) — so the passing tests above really depend on them."""
+    q, k, v = (t.detach() for t in random_qkv(1, 1, 16, 64, seed=9))
+    want = reference.flash_attention(q.double(), k.double(), v.double())
+    assert max_err(flash_attention(q, k, v), want) < 0.02
+    monkeypatch.setattr(triton_interpreter, "INTERPRETER_WORKAROUNDS", False)
+    assert not max_err(flash_attention(q, k, v), want) < 1.0
+
+
+def test_exact_bf16_rounding_fixes_the_interpreter_cast(triton_interpreter):
+    """The interpreter truncates fp32->bf16; _cast with EXACT_BF16 rounds to nearest even."""
+    import triton
+    import triton.language as tl
+
+    global _cast
+    _cast = triton_interpreter._cast  # the kernel below resolves it from this module's globals
+
+    @triton.jit
+    def kernel(X, Y, Z, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(X + offs)
+        tl.store(Y + offs, _cast(x, tl.bfloat16, True))
+        tl.store(Z + offs, _cast(x, tl.bfloat16, False))
+
+    x = torch.randn(1024) * torch.logspace(-3, 3, 1024)
+    y = torch.empty(1024, dtype=torch.bfloat16)
+    z = torch.empty(1024, dtype=torch.bfloat16)
+    kernel[(1,)](x, y, z, BLOCK=1024)
+    assert torch.equal(y, x.bfloat16()), "explicit rounding must equal torch's round-to-nearest-even"
+    assert (z != x.bfloat16()).sum() > 100, "the interpreter's own cast truncates (bug fixed upstream?)"
