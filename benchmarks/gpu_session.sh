@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One GPU sitting on the device machine (run from the repository root, no install needed):
+# environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
+#   bash benchmarks/gpu_session.sh [tests|bench|tune ...]   (default: tests bench)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+# flashwatch without installing it: a copy of the package with kernels/ linked in as flashwatch.kernels
+site=/tmp/fwsite
+rm -rf "$site" && mkdir -p "$site" && cp -r flashwatch "$site/" && ln -s "$PWD/kernels" "$site/flashwatch/kernels"
+export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+steps=${*:-tests bench}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+for step in $steps; do
+  case $step in
+    tests) timeout 420 python3 -m pytest -q -m gpu tests/test_triton_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    bench) timeout 400 python3 -m flashwatch.cli bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+    tune) timeout 500 python3 -m flashwatch.cli bench --tune --json "$OUT/bench_tuned.json" 2>&1 | tee "$OUT/bench_tuned.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

@@ -1,0 +1,199 @@
+"""``flashwatch bench``: attention throughput of flashwatch's kernels against torch SDPA.
+
+For each shape (causal, bf16 by default) it times forward and forward+backward of torch SDPA
+flash (FlashAttention-2), torch SDPA cuDNN, and flashwatch plain (statistics off), plain
+(statistics on), fixed and fp32_delta, as medians of CUDA-event timings
+(``triton.testing.do_bench``), all in the same run, and prints ratios to SDPA flash.
+
+TFLOP/s counts causal attention as half the dense 4*B*H*N^2*D forward FLOPs and
+forward+backward as 3.5x the forward (the convention of ../shared/ANCHORS.md).
+Needs CUDA; ``--json PATH`` writes every number with the GPU, versions and date.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+
+import torch
+
+DEFAULT_SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 64), (4, 32, 4096, 128), (1, 32, 16384, 128))
+KERNELS = ("sdpa_flash", "sdpa_cudnn", "plain", "plain_stats", "fixed", "fp32_delta")
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"shape must be four positive integers B,H,N,D (e.g. 16,12,1024,64), got {text!r}")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+def attention_flops(shape, causal: bool) -> float:
+    B, H, N, D = shape
+    return 4.0 * B * H * N * N * D * (0.5 if causal else 1.0)
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def _flashwatch(variant: str, with_stats: bool):
+    from flashwatch.kernels import AttentionStats, flash_attention
+
+    def run(q, k, v, causal):
+        stats = AttentionStats(q.shape[1], q.device) if with_stats else None
+        return flash_attention(q, k, v, causal=causal, variant=variant, stats=stats)
+
+    return run
+
+
+def kernel_functions() -> dict:
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
+        "plain": _flashwatch("plain", False),
+        "plain_stats": _flashwatch("plain", True),
+        "fixed": _flashwatch("fixed", False),
+        "fp32_delta": _flashwatch("fp32_delta", False),
+    }
+
+
+def time_kernel(fn, shape, causal: bool, dtype, warmup_ms=25, rep_ms=100) -> dict:
+    """Median forward and forward+backward milliseconds, and peak extra memory of fwd+bwd."""
+    import triton.testing
+
+    B, H, N, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
+               for _ in range(3))
+    g = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen)
+
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v, causal)
+
+    def fwd_bwd():
+        out = fn(q, k, v, causal)
+        torch.autograd.grad(out, (q, k, v), g)
+
+    fwd_bwd()  # compile / autotune outside the timings
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    t_fwd = triton.testing.do_bench(fwd, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    t_fb = triton.testing.do_bench(fwd_bwd, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return {"fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "peak_extra_mib": peak / 2**20}
+
+
+def environment() -> dict:
+    import triton
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def run_bench(shapes=DEFAULT_SHAPES, causal=True, dtype=torch.bfloat16, kernels=KERNELS, rep_ms=100) -> dict:
+    fns = kernel_functions()
+    results = []
+    for shape in shapes:
+        flops = attention_flops(shape, causal)
+        row = {"shape": list(shape), "causal": causal, "dtype": str(dtype).replace("torch.", ""), "kernels": {}}
+        for name in kernels:
+            try:
+                t = time_kernel(fns[name], shape, causal, dtype, rep_ms=rep_ms)
+            except Exception as exc:  # a backend missing on this GPU/torch: say so, go on
+                row["kernels"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+                continue
+            t["fwd_tflops"] = flops / t["fwd_ms"] / 1e9
+            t["fwd_bwd_tflops"] = 3.5 * flops / t["fwd_bwd_ms"] / 1e9
+            row["kernels"][name] = t
+        ref = row["kernels"].get("sdpa_flash", {})
+        for name, t in row["kernels"].items():
+            if "fwd_ms" in t and "fwd_ms" in ref:
+                # speed ratio: > 1 means faster than SDPA flash
+                t["fwd_speed_vs_sdpa_flash"] = ref["fwd_ms"] / t["fwd_ms"]
+                t["fwd_bwd_speed_vs_sdpa_flash"] = ref["fwd_bwd_ms"] / t["fwd_bwd_ms"]
+        plain = row["kernels"].get("plain", {})
+        for name in ("plain_stats", "fixed", "fp32_delta"):
+            t = row["kernels"].get(name, {})
+            if "fwd_ms" in t and "fwd_ms" in plain:
+                t["fwd_overhead_vs_plain"] = t["fwd_ms"] / plain["fwd_ms"] - 1.0
+                t["fwd_bwd_overhead_vs_plain"] = t["fwd_bwd_ms"] / plain["fwd_bwd_ms"] - 1.0
+        results.append(row)
+    return {"environment": environment(), "results": results}
+
+
+def print_table(report: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    env = report["environment"]
+    table = Table(title=f"attention throughput, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+                        f"{env['date']} (speed ratio > 1: faster than SDPA flash)")
+    for col in ("B,H,N,D", "kernel", "fwd ms", "fwd TF/s", "f+b ms", "f+b TF/s", "fwd ×flash", "f+b ×flash",
+                "f+b vs plain", "peak MiB"):
+        table.add_column(col, justify="right")
+    for row in report["results"]:
+        for name, t in row["kernels"].items():
+            if "error" in t:
+                table.add_row(",".join(map(str, row["shape"])), name, "-", "-", "-", "-", "-", "-", "-",
+                              t["error"][:30])
+                continue
+            over = t.get("fwd_bwd_overhead_vs_plain")
+            table.add_row(",".join(map(str, row["shape"])), name, f"{t['fwd_ms']:.3f}", f"{t['fwd_tflops']:.0f}",
+                          f"{t['fwd_bwd_ms']:.3f}", f"{t['fwd_bwd_tflops']:.0f}",
+                          f"{t.get('fwd_speed_vs_sdpa_flash', math.nan):.2f}",
+                          f"{t.get('fwd_bwd_speed_vs_sdpa_flash', math.nan):.2f}",
+                          "" if over is None else f"{100 * over:+.1f}%", f"{t['peak_extra_mib']:.0f}")
+    console.print(table)
+
+
+def main(args) -> int:
+    """Entry point of ``flashwatch bench`` (arguments parsed in flashwatch.cli)."""
+    if not torch.cuda.is_available():
+        print("flashwatch bench needs a CUDA GPU (it compares Triton kernels with torch SDPA on the device); "
+              "none is visible here.")
+        return 2
+    import os
+
+    if args.tune:
+        os.environ["FLASHWATCH_AUTOTUNE"] = "1"
+    shapes = [parse_shape(s) for s in args.shape] if args.shape else list(DEFAULT_SHAPES)
+    if args.quick:
+        shapes = shapes[:2]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    report = run_bench(shapes, causal=not args.no_causal, dtype=dtype, rep_ms=50 if args.quick else 100)
+    if args.tune:
+        from flashwatch.kernels import tuning
+
+        report["tuned_configs"] = [{"kind": k[0], "head_dim": k[1], "dtype": str(k[2]), "causal": k[3], "N": k[4],
+                                    "config": v} for k, v in tuning._chosen.items()]
+    print_table(report)
+    if args.tune:
+        for item in report["tuned_configs"]:
+            print("tuned", item)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
