@@ -375,7 +375,7 @@ def test_layout_checks_its_entries():
 # -- console --------------------------------------------------------------------------------
 
 def test_console_plain_mode_logs_a_line_per_step_and_each_alert_once(caplog):
-    exporter = ConsoleExporter(console=Console(file=io.StringIO()))  # not a terminal
+    exporter = ConsoleExporter(console=Console(file=io.StringIO()), log_alerts=True)  # not a terminal
     assert exporter.mode == "log"
     exporter.open(LAYOUT)
     alert = drift_alert(20)
@@ -393,6 +393,34 @@ def test_console_plain_mode_logs_a_line_per_step_and_each_alert_once(caplog):
     alerts = [r for r in caplog.records if r.name == "flashwatch.alerts"]
     assert len(alerts) == 1 and alerts[0].levelno == logging.ERROR
     assert "delta_drift layer 1 head 2 at step 20" in alerts[0].getMessage()
+
+
+def test_console_leaves_alert_logging_to_the_monitor_by_default(caplog):
+    exporter = ConsoleExporter(console=Console(file=io.StringIO()))
+    exporter.open(LAYOUT)
+    with caplog.at_level(logging.INFO, logger="flashwatch"):
+        exporter.export(synthetic_record(LAYOUT, step=20, alerts=[drift_alert(20)]))
+    exporter.close()
+    assert [r.name for r in caplog.records] == ["flashwatch"]  # the step line only
+
+
+def test_console_routes_flashwatch_warnings_through_rich_on_a_terminal():
+    flashwatch_log = logging.getLogger("flashwatch")
+    if flashwatch_log.hasHandlers():  # pytest's capture handler sits on the root logger
+        root_handlers = logging.getLogger().handlers[:]
+        logging.getLogger().handlers.clear()
+    else:
+        root_handlers = []
+    try:
+        buf = io.StringIO()
+        exporter = ConsoleExporter(console=Console(file=buf, force_terminal=True, width=200))
+        exporter.open(LAYOUT)
+        flashwatch_log.warning("flashwatch alert [delta_drift] step 3: drifting")
+        exporter.close()
+        assert "drifting" in buf.getvalue()
+        assert not flashwatch_log.handlers  # removed at close
+    finally:
+        logging.getLogger().handlers[:] = root_handlers
 
 
 def test_console_live_mode_on_a_terminal_and_fallback_when_the_terminal_is_taken():

@@ -5,10 +5,12 @@ step: the top heads by |drift z| with their repeated-max ratios, max logit and W
 active alerts; and which kernel variant each layer runs. Without a terminal (a batch job, a
 log file, CI) each monitored step is one ``INFO`` line of the ``flashwatch`` logger.
 
-Alerts are always logged, once each, on the ``flashwatch.alerts`` logger (``WARNING`` for
-warnings, ``ERROR`` for critical ones), so they reach whatever logging the program set up. On
-a terminal where nothing handles that logger, the exporter attaches a ``rich`` handler for the
-run (and removes it at ``close()``) so alerts print in colour above the live panel.
+Alerts: the Monitor logs each alert once when it starts, on the ``flashwatch`` logger
+(``WARNING``, or ``ERROR`` when critical), so they reach whatever logging the program set up;
+this exporter shows the active ones in its panel. On a terminal where nothing handles the
+``flashwatch`` logger, the exporter attaches a ``rich`` handler to it for the run (removed at
+``close()``), so alerts print in colour above the live panel. Driving exporters without a
+Monitor, pass ``log_alerts=True`` to have this exporter log new alerts itself.
 
 ``mode="print"`` prints the panel instead of redrawing it, at most every ``print_interval_s``
 seconds; ``"live"`` falls back to it when another live display (a rich progress bar) already
@@ -66,6 +68,8 @@ class ConsoleExporter(Exporter):
         console: the rich ``Console`` to draw on (default: a new one on stderr).
         print_interval_s: in ``"print"`` mode, least seconds between two printed panels
             (steps with new alerts always print).
+        log_alerts: log each new alert here (on ``flashwatch.alerts``); off by default because
+            the Monitor already logs every alert once.
 
     Raises:
         ValueError: an unknown mode, or ``top``/``print_interval_s`` out of range.
@@ -74,7 +78,7 @@ class ConsoleExporter(Exporter):
     name = "console"
 
     def __init__(self, mode: str = "auto", *, top: int = 5, console: Console | None = None,
-                 print_interval_s: float = 30.0):
+                 print_interval_s: float = 30.0, log_alerts: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if not isinstance(top, int) or isinstance(top, bool) or top < 1:
@@ -87,6 +91,7 @@ class ConsoleExporter(Exporter):
         self.mode = mode
         self.top = top
         self.print_interval_s = float(print_interval_s)
+        self.log_alerts = bool(log_alerts)
         self.layout: Layout | None = None
         self._live: Live | None = None
         self._handler: RichHandler | None = None
@@ -94,13 +99,16 @@ class ConsoleExporter(Exporter):
 
     def open(self, layout: Layout) -> None:
         self.layout = layout
-        if self.mode != "log" and self._handler is None and not alert_log.hasHandlers():
-            self._handler = RichHandler(console=self.console, show_path=False, markup=False)
-            alert_log.addHandler(self._handler)
+        if self.mode != "log" and self._handler is None and not log.hasHandlers():
+            # Nothing would show flashwatch's warnings but Python's last-resort stderr handler,
+            # which tears the live panel: route them through rich on the same console.
+            self._handler = RichHandler(console=self.console, show_path=False, markup=False,
+                                        level=logging.WARNING)
+            log.addHandler(self._handler)
 
     def export(self, record: StepRecord) -> None:
         new = [alert_to_dict(a) for a in record.new_alerts]
-        for a in new:
+        for a in new if self.log_alerts else ():
             level = logging.ERROR if a.get("severity") == "critical" else logging.WARNING
             alert_log.log(level, _alert_text(a))
         if self.mode == "log":
@@ -133,7 +141,7 @@ class ConsoleExporter(Exporter):
                 live.stop()
         finally:
             if handler is not None:
-                alert_log.removeHandler(handler)
+                log.removeHandler(handler)
 
     # -- what is shown --------------------------------------------------------------------
 
