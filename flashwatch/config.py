@@ -1,0 +1,196 @@
+"""MonitorConfig: every option of the Monitor in one frozen, keyword-only dataclass.
+
+Each field carries a one-line comment (its manual entry); ``__post_init__`` checks every field
+and raises ``ValueError`` naming it (``MonitorConfig.interval must be ...``) and saying what is
+accepted. Counts of "steps" in detector settings are *monitored* steps (one every ``interval``
+optimizer steps), so ``warmup=20`` with ``interval=10`` is 200 optimizer steps.
+
+Starting thresholds and where they come from (../shared/NUMERICS.md section 6, a byte-level GPT
+that fails in BF16 in 3,400-4,300 steps, probed every 25 steps; to be recalibrated by the
+project's own experiments, hence all are fields):
+
+- ``drift_threshold=4``: failing runs reached |z| >= 4 some 1,400-1,800 steps before the loss
+  blew up; the one healthy BF16 run stayed at |z| <= 2.7, FP32 runs below 2.2.
+- ``repeated_max_factor=3`` and ``repeated_max_margin=0.1``: the BF16 repeated-max ratio went
+  0.02 -> 0.10-0.40 in failing runs but also 0.02 -> 0.09 in a healthy FP32 run, so a relative
+  rise alone would fire on healthy runs; the absolute margin of 0.1 keeps that one quiet.
+- ``wq_growth_factor=2`` over ``window=50`` monitored steps: W^Q's norm grows in healthy runs
+  too (1.3 -> 17.6 over 5,200 steps, about x1.3 per 500 steps); a doubling within a window is
+  faster than that.
+- ``wq_outlier_ratio=3``: Qiu & Yao found a few heads of the failing layer with outsized norms.
+- ``max_logit_bound=100``: QK-Clip's tau. A large max logit alone is weak evidence (runs with
+  10^4 trained fine), so this rule only warns.
+- ``loss_spike_rtol=2``: as Lightning's ``SpikeDetection``, for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .detectors import RULES
+
+MODES = ("own_kernel", "observe")
+VARIANTS = ("plain", "fixed", "fp32_delta")  # flashwatch.kernels.VARIANTS (kept import-free here)
+FIX_VARIANTS = ("fixed", "fp32_delta")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """Options of ``flashwatch.Monitor``. Keyword-only; invalid values raise ``ValueError``.
+
+    Example::
+
+        cfg = MonitorConfig(interval=10, mode="observe", auto_fix="fp32_delta",
+                            stop_on={"non_finite"})
+        monitor = Monitor(cfg)
+
+    Raises:
+        ValueError: naming the field (``MonitorConfig.<field>``), its value and what is accepted.
+    """
+
+    # --- schedule and kernel ---------------------------------------------------------------
+    interval: int = 10  # monitor every `interval` optimizer steps (step t monitored iff t % interval == 0)
+    mode: str = "observe"  # "observe": keep the model's SDPA and measure beside it; "own_kernel": run flashwatch's kernel
+    variant: str = "plain"  # kernel variant of every layer at start in own_kernel mode: "plain", "fixed", "fp32_delta"
+    auto_fix: str | None = None  # None, or the variant ("fixed" | "fp32_delta") a flagged layer is switched to
+    auto_fix_on: frozenset = frozenset({"delta_drift", "repeated_max_rise"})  # rules whose alerts trigger auto_fix
+    beta: float = 2.0  # the fixed variant's factor (> 1): it subtracts beta*max on repeated-max rows
+    eps: float = 1e-3  # tie tolerance in logits for repeated-max rows (>= 0)
+    layers: Any = None  # None (all), a regex searched in module names, or a list of module names / layer indices
+
+    # --- detectors (counts are monitored steps) --------------------------------------------
+    warmup: int = 20  # monitored steps before drift, repeated-max and W^Q rules may fire
+    window: int = 50  # W: monitored steps of the windowed drift z and of W^Q growth
+    drift_threshold: float = 4.0  # delta_drift fires when |z| (cumulative) >= this
+    drift_window_threshold: float | None = None  # also fire when the windowed |z| >= this (None: off)
+    drift_include_fp32: bool = False  # also judge drift of layers whose attention output is FP32 (only rounding noise there)
+    repeated_max_factor: float = 3.0  # repeated_max_rise: BF16 ratio >= factor * its baseline ...
+    repeated_max_margin: float = 0.1  # ... and >= baseline + margin (absolute, a fraction of rows)
+    repeated_max_baseline: int = 20  # monitored steps after warm-up averaged into each head's baseline
+    wq_growth_factor: float = 2.0  # wq_growth fires when sigma_t / sigma_(t-window) >= this
+    wq_outlier_ratio: float = 3.0  # wq_outlier fires when a head's sigma / its layer's median sigma >= this
+    max_logit_bound: float = 100.0  # max_logit (warning) fires when a head's max logit >= this
+    loss_spike_rtol: float = 2.0  # loss_spike: loss - running mean >= rtol * |running mean| (Lightning's default)
+    loss_spike_atol: float | None = None  # ... and >= atol if set
+    loss_spike_window: int = 10  # running mean over this many monitored losses
+    clear_ratio: float = 0.9  # hysteresis: an active "above threshold" alert clears below clear_ratio * threshold
+    stop_on: frozenset = frozenset()  # rules whose new alerts raise flashwatch.TrainingStopped
+
+    # --- W^Q spectral norm ------------------------------------------------------------------
+    power_iters: int = 1  # power iterations per monitored step (vectors persist between steps)
+    power_block: int = 4  # vectors per head (block power iteration; 1 = classic; see signals.PowerIteration)
+    power_exact_every: int = 0  # recompute exactly (torch.linalg.matrix_norm) every N monitored steps; 0: never
+
+    def __post_init__(self) -> None:
+        _int(self, "interval", 1)
+        _choice(self, "mode", MODES)
+        _choice(self, "variant", VARIANTS)
+        if self.auto_fix is not None:
+            _choice(self, "auto_fix", FIX_VARIANTS, extra="or None")
+        _rules(self, "auto_fix_on")
+        _number(self, "beta", low=1.0, low_open=True, what="a finite number > 1")
+        _number(self, "eps", low=0.0, what="a finite number >= 0 (logits)")
+        self._check_layers()
+        _int(self, "warmup", 0)
+        _int(self, "window", 2)
+        _number(self, "drift_threshold", low=0.0, what="a finite number >= 0")
+        if self.drift_window_threshold is not None:
+            _number(self, "drift_window_threshold", low=0.0, what="None or a finite number >= 0")
+        _bool(self, "drift_include_fp32")
+        _number(self, "repeated_max_factor", low=1.0, what="a finite number >= 1")
+        _number(self, "repeated_max_margin", low=0.0, what="a finite number >= 0 (a fraction of rows)")
+        _int(self, "repeated_max_baseline", 1)
+        _number(self, "wq_growth_factor", low=1.0, low_open=True, what="a finite number > 1")
+        _number(self, "wq_outlier_ratio", low=1.0, low_open=True, what="a finite number > 1")
+        _number(self, "max_logit_bound", what="a finite number")
+        _number(self, "loss_spike_rtol", low=0.0, what="a finite number >= 0")
+        if self.loss_spike_atol is not None:
+            _number(self, "loss_spike_atol", low=0.0, what="None or a finite number >= 0")
+        _int(self, "loss_spike_window", 1)
+        _number(self, "clear_ratio", low=0.0, high=1.0, low_open=True, what="a number in (0, 1]")
+        _rules(self, "stop_on")
+        _int(self, "power_iters", 1)
+        _int(self, "power_block", 1)
+        _int(self, "power_exact_every", 0)
+
+    def _check_layers(self) -> None:
+        value = self.layers
+        if value is None:
+            return
+        if isinstance(value, str):
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"MonitorConfig.layers: {value!r} is not a valid regular expression ({exc}); "
+                                 "accepted: None, a regex, or a list of module names / layer indices") from None
+            return
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                ok = isinstance(item, str) or (isinstance(item, int) and not isinstance(item, bool) and item >= 0)
+                if not ok:
+                    raise ValueError(f"MonitorConfig.layers: entry {item!r} must be a module name (str) or a layer "
+                                     "index (int >= 0)")
+            if not value:
+                raise ValueError("MonitorConfig.layers must not be an empty list; use None to monitor every layer")
+            object.__setattr__(self, "layers", tuple(value))  # hashable, immutable
+            return
+        raise ValueError(f"MonitorConfig.layers must be None, a regex string, or a list of module names / "
+                         f"layer indices, got {type(value).__name__}")
+
+    def to_dict(self) -> dict:
+        """Plain-data copy (frozensets as sorted lists), e.g. for a checkpoint or a log line."""
+        out = asdict(self)
+        for k, v in out.items():
+            if isinstance(v, frozenset):
+                out[k] = sorted(v)
+            elif isinstance(v, tuple):
+                out[k] = list(v)
+        return out
+
+
+def _fail(name: str, value: Any, accepted: str) -> None:
+    raise ValueError(f"MonitorConfig.{name} must be {accepted}, got {value!r}")
+
+
+def _int(cfg: MonitorConfig, name: str, low: int) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        _fail(name, value, f"an int >= {low}")
+
+
+def _bool(cfg: MonitorConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, bool):
+        _fail(name, value, "True or False")
+
+
+def _number(cfg: MonitorConfig, name: str, *, low: float | None = None, high: float | None = None,
+            low_open: bool = False, what: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(name, value, what)
+    if low is not None and (value <= low if low_open else value < low):
+        _fail(name, value, what)
+    if high is not None and value > high:
+        _fail(name, value, what)
+    object.__setattr__(cfg, name, float(value))
+
+
+def _choice(cfg: MonitorConfig, name: str, choices: tuple, extra: str = "") -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        _fail(name, value, "one of " + ", ".join(repr(c) for c in choices) + (f" {extra}" if extra else ""))
+
+
+def _rules(cfg: MonitorConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        _fail(name, value, f"a set of rule names out of {', '.join(RULES)}")
+    items = frozenset(value)
+    unknown = sorted(str(r) for r in items if r not in RULES)
+    if unknown:
+        raise ValueError(f"MonitorConfig.{name}: unknown rule(s) {', '.join(unknown)}; accepted: {', '.join(RULES)}")
+    object.__setattr__(cfg, name, items)
