@@ -15,12 +15,26 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_lab(args: argparse.Namespace) -> int:
+    from .lab import main as lab_main  # imports torch: only when the command runs
+
+    return lab_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashwatch", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flashwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("metrics", help="print the metric table (Markdown)")
     p.set_defaults(func=_cmd_metrics)
+    p = sub.add_parser("lab", help="the bias lab: signed rounding bias of O and delta per kernel (docs/LAB.md)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    p.add_argument("--quick", action="store_true", help="smaller default shape (a few seconds on a CPU)")
+    p.add_argument("--shape", metavar="B,H,N,D", help="override the shape (default: 8,8,1024,64 on cuda, 4,8,1024,64 on cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the input generator (default 0)")
+    p.add_argument("--tile", type=int, default=512, help="tile size of the paper emulation (default 512)")
+    p.set_defaults(func=_cmd_lab)
     return parser
 
 
