@@ -414,7 +414,8 @@ class LossSpikeDetector(Detector):
 
     A loss is a spike when it is above the last non-spike loss, and above the running mean of
     the last ``window`` non-spike finite losses by at least ``rtol`` x |mean| (and ``atol`` if
-    set). Spikes stay out of the mean. Non-finite losses are the ``non_finite`` rule's.
+    set). Spikes, and losses while a spike alert holds, stay out of the mean. Non-finite losses
+    are the ``non_finite`` rule's.
     """
 
     rule = "loss_spike"
@@ -452,7 +453,7 @@ class LossSpikeDetector(Detector):
             f"(rtol {self.rtol})"))
         if alert:
             out.append(alert)
-        if not spike:
+        if (-1, -1) not in self._active:  # spikes, and losses while one holds, stay out of the mean
             self.losses.append(loss)
             self.last = loss
         return out

@@ -1,0 +1,177 @@
+"""Pure statistics: drift z, power iteration, windows, growth, ratios, trends."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashwatch.signals import (DriftTracker, PowerIteration, Ring, SigmaHistory, drift_z, linear_slope,
+                                orthonormalize, ratio_to_median, spectral_norm_exact, top_eigenvalue)
+
+F64 = torch.float64
+
+
+def test_drift_z_grows_like_sqrt_t_under_a_persistent_sign():
+    d = DriftTracker(num_heads=3, window=4)
+    for _ in range(16):
+        d.update(torch.tensor([0.5, -2.0, 0.0], dtype=F64))
+    assert d.z[0].item() == pytest.approx(4.0)  # C/sqrt(S) = 16*0.5 / sqrt(16*0.25) = sqrt(16)
+    assert d.z[1].item() == pytest.approx(-4.0)
+    assert d.z[2].item() == 0.0  # no error seen (e.g. fp32_delta): z is 0, not NaN
+    assert d.window_z[0].item() == pytest.approx(2.0)  # sqrt(W)
+    assert d.cumulative.tolist() == [8.0, -32.0, 0.0] and d.count.tolist() == [16, 16, 16]
+
+
+def test_drift_z_of_a_coin_toss_stays_small():
+    g = torch.Generator().manual_seed(0)
+    d = DriftTracker(num_heads=64, window=50)
+    for _ in range(400):
+        d.update(torch.randn(64, generator=g, dtype=F64))
+    z = d.z
+    assert z.abs().max().item() < 4.0  # about N(0, 1) per head
+    assert 0.6 < z.std().item() < 1.5
+
+
+def test_windowed_z_sees_a_recent_change_the_cumulative_hides():
+    d = DriftTracker(num_heads=1, window=10)
+    for _ in range(10):
+        d.update(torch.tensor([1.0], dtype=F64))
+    for _ in range(10):
+        d.update(torch.tensor([-1.0], dtype=F64))
+    assert d.z.item() == 0.0
+    assert d.window_z.item() == pytest.approx(-math.sqrt(10))
+
+
+def test_non_finite_error_skips_only_that_head():
+    d = DriftTracker(num_heads=2, window=3)
+    d.update(torch.tensor([1.0, 1.0], dtype=F64))
+    finite = d.update(torch.tensor([1.0, float("nan")], dtype=F64))
+    assert finite.tolist() == [True, False]
+    d.update(torch.tensor([1.0, float("inf")], dtype=F64))
+    assert d.cumulative.tolist() == [3.0, 1.0] and d.sum_sq.tolist() == [3.0, 1.0]
+    assert d.count.tolist() == [3, 1]
+    assert torch.isfinite(d.z).all() and torch.isfinite(d.window_z).all()
+
+
+def test_drift_state_round_trip_is_exact():
+    g = torch.Generator().manual_seed(1)
+    a, b = DriftTracker(4, 5), DriftTracker(4, 5)
+    series = torch.randn(12, 4, generator=g, dtype=F64)
+    for e in series[:7]:
+        a.update(e)
+    b.load_state_dict(a.state_dict())
+    for e in series[7:]:
+        a.update(e)
+        b.update(e)
+    assert torch.equal(a.z, b.z) and torch.equal(a.window_z, b.window_z) and torch.equal(a.cumulative, b.cumulative)
+    with pytest.raises(ValueError, match="saved drift has 4 heads, this layer 3"):
+        DriftTracker(3, 5).load_state_dict(a.state_dict())
+
+
+def test_drift_z_function():
+    z = drift_z(torch.tensor([3.0, 0.0], dtype=F64), torch.tensor([9.0, 0.0], dtype=F64))
+    assert z.tolist() == [1.0, 0.0]
+
+
+def test_ring_keeps_the_last_rows_in_order():
+    r = Ring(3, 1)
+    for i in range(5):
+        r.push(torch.tensor([float(i)], dtype=F64))
+    assert r.values()[:, 0].tolist() == [2.0, 3.0, 4.0] and r.full
+    with pytest.raises(ValueError, match="length >= 1"):
+        Ring(0, 1)
+
+
+def _slowly_changing(seed=0, heads=4, d=16, c=64, steps=12, rate=0.01):
+    g = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(heads, d, c, generator=g)
+    drift = torch.randn(heads, d, c, generator=g)
+    return [w0 + rate * t * drift for t in range(steps)]
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_power_iteration_tracks_a_slowly_changing_weight_within_1_percent(block):
+    weights = _slowly_changing()
+    pi = PowerIteration(weights[0], block=block)  # seeded from the exact SVD
+    assert torch.allclose(pi.sigma, spectral_norm_exact(weights[0]), rtol=1e-5)
+    for w in weights[1:]:
+        est, exact = pi.step(w), spectral_norm_exact(w)
+        assert ((est - exact).abs() / exact).max().item() < 0.01
+        assert (est <= exact * (1 + 1e-5)).all()  # a Rayleigh-Ritz value never exceeds sigma_max
+
+
+def test_power_iteration_from_a_random_start_converges_in_a_few_steps():
+    # a Gaussian 16 x 64 matrix has close top singular values (a hard case): 2 iterations a step
+    weights = _slowly_changing(seed=3, steps=8)
+    pi = PowerIteration(weights[0], block=4, seed="random")
+    for w in weights:
+        est = pi.step(w, iters=2)
+    exact = spectral_norm_exact(weights[-1])
+    assert ((est - exact).abs() / exact).max().item() < 0.01
+
+
+def test_power_iteration_exact_on_request_and_nan_recovery():
+    w = _slowly_changing(seed=2, steps=1)[0]
+    pi = PowerIteration(w, block=2)
+    bad = w.clone()
+    bad[1] = float("nan")
+    sigma = pi.step(bad)
+    assert not math.isfinite(sigma[1].item()) and math.isfinite(sigma[0].item())
+    assert torch.isfinite(pi.v).all()  # the bad head kept its previous vectors
+    est = pi.step(w)
+    assert torch.allclose(est, spectral_norm_exact(w), rtol=1e-3)
+    assert torch.allclose(pi.exact(w * 2), spectral_norm_exact(w * 2), rtol=1e-6)
+
+
+def test_power_iteration_state_round_trip_and_errors():
+    ws = _slowly_changing(seed=4, steps=4)
+    a = PowerIteration(ws[0])
+    a.step(ws[1])
+    b = PowerIteration(ws[0])
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.step(ws[2]), b.step(ws[2])) and torch.equal(a.v, b.v)
+    with pytest.raises(ValueError, match="saved power-iteration vectors have shape"):
+        PowerIteration(ws[0][:2]).load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match=r"weight must be \(heads, head_dim, model_dim\)"):
+        PowerIteration(ws[0][0])
+    with pytest.raises(ValueError, match="seed must be 'svd' or 'random'"):
+        PowerIteration(ws[0], seed="zeros")
+
+
+def test_orthonormalize_and_top_eigenvalue():
+    g = torch.Generator().manual_seed(5)
+    q = orthonormalize(torch.randn(3, 20, 4, generator=g, dtype=F64))
+    eye = torch.eye(4, dtype=F64).expand(3, 4, 4)
+    assert torch.allclose(q.transpose(1, 2) @ q, eye, atol=1e-12)
+    a = torch.randn(6, 5, 5, generator=g, dtype=F64)
+    gram = a.transpose(1, 2) @ a
+    gram[0] = torch.diag(torch.tensor([2.0, 2.0, 1.0, 0.5, 0.0], dtype=F64))  # a repeated top eigenvalue
+    assert torch.allclose(top_eigenvalue(gram), torch.linalg.eigvalsh(gram)[:, -1], rtol=1e-6)
+
+
+def test_sigma_history_growth_over_the_window():
+    h = SigmaHistory(num_heads=2, window=3)
+    for s in ([1.0, 2.0], [1.5, 2.0], [2.0, 2.0]):
+        h.update(torch.tensor(s))
+        assert torch.isnan(h.growth).all()  # not W+1 values yet
+    h.update(torch.tensor([3.0, 2.0]))
+    assert h.growth.tolist() == [3.0, 1.0]
+    h.update(torch.tensor([6.0, 1.0]))
+    assert h.growth.tolist() == [4.0, 0.5]
+
+
+def test_ratio_to_median():
+    r = ratio_to_median(torch.tensor([1.0, 2.0, 3.0, 10.0]))  # median of an even count: (2 + 3) / 2
+    assert r.tolist() == pytest.approx([0.4, 0.8, 1.2, 4.0])
+    r = ratio_to_median(torch.tensor([1.0, float("nan"), 3.0]))
+    assert r[0].item() == 0.5 and math.isnan(r[1].item())
+    assert torch.isnan(ratio_to_median(torch.tensor([float("nan")]))).all()
+
+
+def test_linear_slope():
+    t = torch.arange(5, dtype=F64)
+    series = torch.stack([2 * t + 1, -t, torch.zeros(5, dtype=F64)], dim=1)
+    assert linear_slope(series).tolist() == pytest.approx([2.0, -1.0, 0.0])
+    assert torch.isnan(linear_slope(series[:1])).all()
