@@ -21,10 +21,11 @@ SUMMARIES: tuple[tuple[str, str, Callable[[float], float]], ...] = (
 
 
 def _rank(key: Callable[[float], float]) -> Callable[[tuple[Any, float]], float]:
-    # NaN ranks first: a head that went non-finite is the one to look at.
+    # NaN ranks last: in a snapshot it means "not measured at this step" (a layer whose
+    # attention was not seen); a head that went non-finite raises the non_finite alert.
     def rank(item: tuple[Any, float]) -> float:
         v = float(item[1])
-        return math.inf if v != v else key(v)
+        return -math.inf if v != v else key(v)
     return rank
 
 
