@@ -54,6 +54,7 @@ import contextlib
 import logging
 import re
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -387,6 +388,9 @@ class Router:
             self._handles.append(layer.module.register_forward_pre_hook(self._enter_hook(layer)))
             self._handles.append(layer.module.register_forward_hook(self._exit_hook, always_call=True))
         _install()
+        # a router dropped without remove() (model and monitor garbage-collected) still gives
+        # torch's SDPA back once the garbage collector frees it
+        self._finalizer = weakref.finalize(self, _uninstall)
         self.installed = True
 
     def remove(self) -> None:
@@ -396,7 +400,7 @@ class Router:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        _uninstall()
+        self._finalizer()  # runs _uninstall once (and never again at garbage collection)
         self.installed = False
 
     def _enter_hook(self, layer: AttentionLayer):

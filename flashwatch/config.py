@@ -59,7 +59,7 @@ class MonitorConfig:
     auto_fix_on: frozenset = frozenset({"delta_drift", "repeated_max_rise"})  # rules whose alerts trigger auto_fix
     beta: float = 2.0  # the fixed variant's factor (> 1): it subtracts beta*max on repeated-max rows
     eps: float = 1e-3  # tie tolerance in logits for repeated-max rows (>= 0)
-    layers: Any = None  # None (all), a regex searched in module names, or a list of module names / layer indices
+    layers: Any = None  # None (all), a regex searched in module names, or a list of module names / indices of attention layers in module order (labels then renumber from 0)
 
     # --- detectors (counts are monitored steps) --------------------------------------------
     warmup: int = 20  # monitored steps before drift, repeated-max and W^Q rules may fire

@@ -119,12 +119,21 @@ class _WqGroup:
                                     "sigma": torch.cat([s["sigma"] for s in states])})
 
 
+_WQ_GROUP_BYTES = 256 * 2**20  # cap on one stacked FP32 copy of query weights (big models get several groups)
+
+
 def _wq_groups(layers: list[AttentionLayer], block: int) -> list[_WqGroup]:
-    groups: dict[tuple, list[AttentionLayer]] = {}
+    groups: list[list] = []  # [(head shape, device), members, FP32 bytes]
     for layer in layers:
         w = layer.query_weight()
-        groups.setdefault((tuple(w.shape[1:]), w.device), []).append(layer)
-    return [_WqGroup(members, block) for members in groups.values()]
+        key, size = (tuple(w.shape[1:]), w.device), w.numel() * 4
+        group = next((g for g in reversed(groups) if g[0] == key), None)
+        if group is None or group[2] + size > _WQ_GROUP_BYTES:
+            groups.append([key, [layer], size])
+        else:
+            group[1].append(layer)
+            group[2] += size
+    return [_WqGroup(members, block) for _, members, _ in groups]
 
 
 class Monitor:
@@ -324,7 +333,6 @@ class Monitor:
                 on_device.append(name)
         # the one host transfer of the step (a sync point on CUDA)
         host = torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
-        self._reset_stats()
 
         total, nf = sum(heads), len(_STAT_FIELDS)
         stats = host[: nf * total].view(nf, total) if self.layers else None

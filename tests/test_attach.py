@@ -404,3 +404,14 @@ def test_router_alone():
         router.remove()
         router.remove()
     assert F.scaled_dot_product_attention is SDPA
+
+
+def test_a_monitor_dropped_without_detach_gives_sdpa_back_at_garbage_collection():
+    import gc
+
+    model = tiny_gpt()
+    Monitor().attach(model)
+    assert F.scaled_dot_product_attention is not SDPA
+    del model
+    gc.collect()
+    assert F.scaled_dot_product_attention is SDPA

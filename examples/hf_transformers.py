@@ -1,0 +1,98 @@
+"""flashwatch on Hugging Face transformers models (GPT-2 or Llama), built from a config: no downloads.
+
+flashwatch finds ``GPT2Attention`` (fused ``c_attn`` Conv1D) and Llama-style attention
+(``q_proj``, grouped-query attention) by itself; the model must use SDPA attention
+(``attn_implementation="sdpa"``), whose ``torch.nn.functional.scaled_dot_product_attention``
+calls flashwatch routes. Attention dropout and padding masks make flashwatch's kernel fall back
+to SDPA for those calls (logged once), so this example sets dropout to 0 and sends no mask.
+
+    pip install "flashwatch[transformers]"
+    python examples/hf_transformers.py --family llama --mode own_kernel --steps 30
+    python examples/hf_transformers.py --family gpt2 --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import time
+
+import torch
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.tinygpt import sample_batch, stdlib_corpus
+
+
+def build(family: str, layers: int, heads: int, embd: int, block: int):
+    """A small randomly initialised causal LM of the family, with SDPA attention."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=layers, n_head=heads, n_embd=embd, n_positions=block, vocab_size=256,
+                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=layers, num_attention_heads=heads,
+                                       num_key_value_heads=max(1, heads // 2),  # grouped-query attention
+                                       hidden_size=embd, intermediate_size=4 * embd, vocab_size=256,
+                                       max_position_embeddings=block, bos_token_id=0, eos_token_id=0)
+        cls = transformers.LlamaForCausalLM
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
+    p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--interval", type=int, default=5)
+    p.add_argument("--bf16", action="store_true", help="train under BF16 autocast")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--embd", type=int, default=128, help="model width; head dim = embd / heads must be 16..128")
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    torch.manual_seed(0)
+    model = build(args.family, args.layers, args.heads, args.embd, args.block)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    data = stdlib_corpus(2_000_000)
+    monitor = Monitor(MonitorConfig(interval=args.interval, mode=args.mode, warmup=4, window=5))
+    layers = monitor.attach(model)
+    print("attached:", ", ".join(f"{l.index}={l.name} ({l.family}, {l.num_heads} heads)" for l in layers))
+
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
+    start = time.perf_counter()
+    for step in range(args.steps):
+        x, _ = sample_batch(data, args.batch, args.block, generator=torch.Generator().manual_seed(step))
+        with autocast():
+            loss = model(input_ids=x, labels=x).loss  # labels are shifted inside the model
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        monitor.step(loss=loss.detach(), grad_norm=grad_norm)
+        if step % 10 == 0:
+            print(f"step {step:4d}  loss {loss.item():.3f}")
+    elapsed = time.perf_counter() - start
+
+    snap = monitor.snapshot()
+    print(f"\n{args.steps} steps in {elapsed:.1f} s; alerts: {len(monitor.alerts)}; errors: {monitor.errors}")
+    for (layer, head), sigma in snap["flashwatch_wq_spectral_norm"].items():
+        print(f"layer {layer} head {head}: W^Q norm {sigma:.3f}, drift z "
+              f"{snap['flashwatch_delta_drift_z'][(layer, head)]:+.2f}, max logit "
+              f"{snap['flashwatch_max_logit'][(layer, head)]:.2f}")
+    monitor.close()
+    monitor.detach()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

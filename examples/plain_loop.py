@@ -1,0 +1,101 @@
+"""flashwatch in a plain PyTorch training loop (runs in seconds on a CPU).
+
+A small byte-level GPT learns the Python standard library's source text; a ``Monitor`` watches
+its attention: every ``--interval`` optimizer steps it measures repeated-max rows, the max
+logit, the signed delta error and W^Q's spectral norm per head, and raises alerts.
+
+    python examples/plain_loop.py                       # observe mode, FP32, 60 steps
+    python examples/plain_loop.py --mode own_kernel --bf16 --auto-fix fp32_delta
+    python examples/plain_loop.py --jsonl runs/plain    # also write one JSON line per monitored step
+
+The four lines that matter::
+
+    monitor = Monitor(MonitorConfig(interval=5))
+    monitor.attach(model)                                   # before the first forward
+    ...                                                     # forward, backward, clip, optimizer.step()
+    alerts = monitor.step(loss=loss.detach(), grad_norm=grad_norm)   # once per optimizer step
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import time
+
+import torch
+
+from flashwatch import Monitor, MonitorConfig, TrainingStopped
+from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--interval", type=int, default=5, help="monitor every N optimizer steps")
+    p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe")
+    p.add_argument("--auto-fix", choices=("fixed", "fp32_delta"), default=None)
+    p.add_argument("--bf16", action="store_true", help="train under BF16 autocast")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--embd", type=int, default=64)
+    p.add_argument("--block", type=int, default=64, help="context length")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jsonl", default=None, help="folder for flashwatch's JSONL metrics")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    torch.manual_seed(args.seed)
+    data = stdlib_corpus(2_000_000)
+    model = GPT(GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, block_size=args.block))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    exporters = []
+    if args.jsonl:
+        from flashwatch.exporters import JsonlExporter
+
+        exporters.append(JsonlExporter(args.jsonl))
+    # warm-up and window are counted in monitored steps; shortened here for a 60-step demo
+    config = MonitorConfig(interval=args.interval, mode=args.mode, auto_fix=args.auto_fix, warmup=4, window=5)
+    monitor = Monitor(config, exporters=exporters)
+    monitor.attach(model)
+
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
+    start = time.perf_counter()
+    try:
+        for step in range(args.steps):
+            x, y = sample_batch(data, args.batch, args.block, generator=torch.Generator().manual_seed(step))
+            with autocast():
+                _, loss = model(x, y)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before clipping
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            monitor.step(loss=loss.detach(), grad_norm=grad_norm)  # alerts are logged by the monitor
+            if step % 10 == 0:
+                print(f"step {step:4d}  loss {loss.item():.3f}")
+    except TrainingStopped as stop:
+        print(f"stopped: {stop}")
+    finally:
+        monitor.close()
+    elapsed = time.perf_counter() - start
+
+    snap = monitor.snapshot()
+    print(f"\n{args.steps} steps in {elapsed:.1f} s; monitored steps: {monitor.monitored_steps}; "
+          f"alerts: {len(monitor.alerts)}; monitoring errors: {monitor.errors}")
+    for layer in monitor.layers:
+        heads = range(layer.num_heads)
+        z = max(abs(snap["flashwatch_delta_drift_z"].get((layer.index, h), 0.0)) for h in heads)
+        ties = max(snap["flashwatch_repeated_max_ratio_bf16"].get((layer.index, h), 0.0) for h in heads)
+        logit = max(snap["flashwatch_max_logit"].get((layer.index, h), 0.0) for h in heads)
+        wq = max(snap["flashwatch_wq_spectral_norm"].get((layer.index, h), 0.0) for h in heads)
+        print(f"layer {layer.index} ({layer.name}, {layer.variant}): max |z| {z:.2f}, BF16 repeated-max "
+              f"{ties:.1%}, max logit {logit:.2f}, W^Q norm {wq:.3f}")
+    monitor.detach()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
