@@ -4,7 +4,8 @@ A real Prometheus server (Debian package ``prometheus``) is started by the test 
 loopback port, with a temporary config made from ``dashboards/prometheus.yml`` (the committed
 rules file loaded, scrape target pointed at the exporter) and a temporary storage folder. It
 scrapes a ``PrometheusExporter`` fed by a short real training run: a tiny GPT on the CPU with a
-``Monitor`` (max-logit bound 0, so a real alert fires and the alert series exist). Then every
+``Monitor`` (max-logit bound -1000, so a real alert fires on every head and the alert series
+exist). Then every
 PromQL expression of the dashboard and of the alert rules goes through ``/api/v1/query``.
 
 Alert expressions are empty on a healthy run by design (nothing crosses a threshold), so for
@@ -125,7 +126,7 @@ def test_every_dashboard_and_rule_expression_returns_data(tmp_path):
 
     builder = _builder()
     exporter = PrometheusExporter(port=0)
-    monitor = Monitor(MonitorConfig(interval=2, max_logit_bound=0.0), exporters=[exporter])
+    monitor = Monitor(MonitorConfig(interval=2, max_logit_bound=-1e3), exporters=[exporter])
     prom_port = _free_port()
     base = f"http://127.0.0.1:{prom_port}"
     proc = None

@@ -1,0 +1,324 @@
+"""FlashWatchCallback: flashwatch's Monitor in a PyTorch Lightning ``Trainer``.
+
+A thin adapter: every decision lives in ``flashwatch.Monitor``; this module only calls it at
+the right Lightning hooks and wires up the exporters. It imports ``pytorch_lightning`` only
+(mixing in ``lightning.pytorch`` would make the Trainer reject the callback).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Sequence
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+
+from .config import MonitorConfig
+from .exporters.base import Exporter
+from .exporters.summary import scalar_summary
+from .monitor import Monitor, TrainingStopped
+
+log = logging.getLogger("flashwatch")
+
+__all__ = ["FlashWatchCallback"]
+
+_CONSOLE_MODES = ("auto", "live", "print", "log")
+
+
+class FlashWatchCallback(Callback):
+    """Monitor a Lightning training run for BF16 flash-attention instability.
+
+    Attaches a :class:`flashwatch.Monitor` to the LightningModule at fit start, feeds it once
+    per optimizer step (loss, gradient norm before clipping), serves its metrics to Prometheus,
+    writes them to a JSONL file, shows them on the console, logs scalar summaries through the
+    trainer's loggers, and saves its state in checkpoints so that ``ckpt_path=`` resumes
+    exactly.
+
+    Hooks used:
+
+    - ``on_fit_start``: attach the Monitor to ``pl_module`` (after ``configure_model`` and the
+      move to the device), open the exporters.
+    - ``on_before_optimizer_step``: on monitored steps only, the global L2 norm of the
+      gradients as a device tensor (no host sync), before Lightning clips them.
+    - ``on_train_batch_end``: on monitored steps, add up the micro-batch losses (device
+      tensors); once per optimizer step (``trainer.global_step`` advanced, so correct under
+      ``accumulate_grad_batches``), ``monitor.step(loss=..., grad_norm=...)``, after the
+      optimizer step, which is when W^Q is read. Then, on logging steps
+      (``log_every_n_steps``), the scalar summaries go to every trainer logger.
+    - ``on_fit_end``, ``on_exception``, ``teardown``: close the exporters (the HTTP server too)
+      and detach the Monitor.
+
+    Args:
+        config: a :class:`flashwatch.MonitorConfig`; or leave it None and pass its fields as
+            keywords (``interval=10, auto_fix="fp32_delta"``), not both.
+        port: Prometheus ``/metrics`` port (default 9400, the port of ``dashboards/prometheus.yml``);
+            ``0`` picks a free port (read it from ``callback.port``); ``None`` serves nothing.
+        host: address the server binds; ``127.0.0.1`` so nothing outside the machine reads it
+            unless you ask (``"0.0.0.0"``).
+        run_dir: folder of ``metrics.jsonl`` and ``alerts.log``; default
+            ``<trainer.log_dir or default_root_dir>/flashwatch``.
+        jsonl: write the JSONL and alert log (default True).
+        console: ``"auto"`` (a live panel on a terminal without a progress bar, a printed panel
+            every 30 s beside one, plain log lines without a terminal), ``"live"``, ``"print"``,
+            ``"log"``, or None for no console output.
+        exporters: further exporters (``flashwatch.exporters.Exporter``) to feed.
+        log_summaries: log the scalar summaries below through the trainer's loggers.
+        **config_fields: fields of ``MonitorConfig`` when ``config`` is None.
+
+    Raises:
+        ValueError: a bad argument or config field (the message names it), or both ``config``
+            and config fields given.
+        flashwatch.exporters.PortInUseError: at fit start, when ``host:port`` is taken; the
+            run stops before its first step.
+        OSError: at fit start, when ``run_dir`` cannot be written.
+
+    Alerts never raise: they are logged once each (``flashwatch`` logger), exported, and
+    counted. Rules listed in ``MonitorConfig.stop_on`` stop the run gracefully through
+    ``trainer.should_stop`` (as ``EarlyStopping`` does); the alerts are in ``callback.stopped``.
+
+    Example::
+
+        from pytorch_lightning import Trainer
+        from flashwatch.lightning import FlashWatchCallback
+
+        watch = FlashWatchCallback(interval=10, port=9400, auto_fix="fp32_delta")
+        trainer = Trainer(precision="bf16-mixed", callbacks=[watch])
+        trainer.fit(model, datamodule)          # http://127.0.0.1:9400/metrics while it runs
+        print(watch.monitor.alerts)
+
+    Logged metrics (through ``trainer.loggers``, values of the last monitored step):
+
+    - ``flashwatch/max_abs_drift_z``: largest |drift z| over all heads (dimensionless, a z-score).
+    - ``flashwatch/max_repeated_max_ratio``: largest repeated-max row fraction, FP32 scores (fraction, 0-1).
+    - ``flashwatch/max_repeated_max_ratio_bf16``: the same on BF16-rounded scores (fraction, 0-1).
+    - ``flashwatch/max_wq_spectral_norm``: largest W^Q spectral norm over heads (weight units).
+    - ``flashwatch/max_logit``: largest scaled attention score (natural-log units).
+    - ``flashwatch/grad_norm``: global gradient L2 norm before clipping (gradient units).
+    - ``flashwatch/alerts_total``: alerts raised so far, all rules (count).
+    - ``flashwatch/alerts_active``: alerts holding now (count).
+    """
+
+    def __init__(
+        self,
+        config: MonitorConfig | None = None,
+        *,
+        port: int | None = 9400,
+        host: str = "127.0.0.1",
+        run_dir: str | os.PathLike | None = None,
+        jsonl: bool = True,
+        console: str | None = "auto",
+        exporters: Sequence[Exporter] = (),
+        log_summaries: bool = True,
+        **config_fields: Any,
+    ):
+        if config is not None and config_fields:
+            raise ValueError(
+                f"pass either config=MonitorConfig(...) or its fields as keywords, not both "
+                f"(got config and {', '.join(sorted(config_fields))})")
+        if config is None:
+            try:
+                config = MonitorConfig(**config_fields)
+            except TypeError as exc:  # an unknown keyword
+                raise ValueError(f"FlashWatchCallback: {exc}; accepted keywords: port, host, run_dir, "
+                                 f"jsonl, console, exporters, log_summaries and the fields of "
+                                 f"MonitorConfig") from None
+        elif not isinstance(config, MonitorConfig):
+            raise ValueError(f"config must be a flashwatch.MonitorConfig or None, got {type(config).__name__}")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
+            raise ValueError(f"port must be an int in 0..65535 (0: any free port) or None (no server), got {port!r}")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"host must be an address such as '127.0.0.1', got {host!r}")
+        if console is not None and console not in _CONSOLE_MODES:
+            raise ValueError(f"console must be one of {', '.join(_CONSOLE_MODES)} or None, got {console!r}")
+        if not isinstance(jsonl, bool):
+            raise ValueError(f"jsonl must be True or False, got {jsonl!r}")
+        for e in exporters:
+            if not all(callable(getattr(e, m, None)) for m in ("open", "export", "close")):
+                raise ValueError(f"exporters must be flashwatch.exporters.Exporter instances, got {type(e).__name__}")
+        self.config = config
+        self.port_requested = port
+        self.host = host
+        self.run_dir = None if run_dir is None else os.fspath(run_dir)
+        self.jsonl = jsonl
+        self.console = console
+        self.extra_exporters = list(exporters)
+        self.log_summaries = bool(log_summaries)
+
+        self.monitor = Monitor(config)
+        self.prometheus = None  # the PrometheusExporter (rank 0, port not None); serves while fitting
+        self.stopped: TrainingStopped | None = None
+        self._exporters_added = False
+        self._seen_global_step: int | None = None
+        self._loss_sum: torch.Tensor | float | None = None
+        self._loss_batches = 0
+        self._grad_norm: torch.Tensor | None = None
+
+    # -- identity and state -------------------------------------------------------------------
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(interval=self.config.interval, mode=self.config.mode)
+
+    @property
+    def port(self) -> int | None:
+        """The port the Prometheus server listens on while fitting (None otherwise)."""
+        return None if self.prometheus is None else self.prometheus.port
+
+    @property
+    def url(self) -> str | None:
+        """``http://host:port/metrics`` while fitting (None otherwise)."""
+        return None if self.prometheus is None else self.prometheus.url
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"monitor": self.monitor.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks before on_fit_start for most strategies: the Monitor
+        # keeps the state and applies it when it attaches.
+        self.monitor.load_state_dict(state_dict["monitor"])
+
+    # -- fit start / end ----------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._exporters_added:
+            # Created once: a later fit re-opens the same exporters (same port, same JSONL).
+            # Only rank 0 exports: other ranks would fight over the port and the files.
+            for e in self._make_exporters(trainer) if trainer.is_global_zero else []:
+                self.monitor.add_exporter(e)  # not attached yet: attach() opens them
+            self._exporters_added = True
+        self.stopped = None
+        try:
+            self.monitor.attach(pl_module)
+        except BaseException:
+            self._finish()
+            raise
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After restore_training_state: global_step is the resumed one.
+        self._seen_global_step = trainer.global_step
+        self._reset_step()
+        if self.monitor.global_step != trainer.global_step:
+            log.warning("flashwatch: the Monitor has counted %d optimizer steps, the trainer %d (a resumed run "
+                        "without flashwatch state in its checkpoint?); flashwatch's step label follows its own "
+                        "count", self.monitor.global_step, trainer.global_step)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._finish()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._finish()
+
+    def _finish(self) -> None:
+        """Close exporters (the HTTP server too) and detach. Idempotent; never raises."""
+        self.monitor.close()
+        try:
+            self.monitor.detach()
+        except Exception:  # never let cleanup hide the run's own error
+            log.warning("flashwatch: detach failed", exc_info=True)
+
+    def _make_exporters(self, trainer: pl.Trainer) -> list[Exporter]:
+        from .exporters.console import ConsoleExporter
+        from .exporters.jsonl import JsonlExporter
+        from .exporters.prometheus import PrometheusExporter
+
+        out: list[Exporter] = []
+        if self.port_requested is not None:
+            self.prometheus = PrometheusExporter(port=self.port_requested, host=self.host)
+            out.append(self.prometheus)
+        if self.jsonl:
+            run_dir = self.run_dir
+            if run_dir is None:
+                run_dir = os.path.join(trainer.log_dir or trainer.default_root_dir, "flashwatch")
+            out.append(JsonlExporter(run_dir))
+        if self.console is not None:
+            mode = self.console
+            if mode == "auto":
+                from rich.console import Console
+
+                terminal = Console(stderr=True).is_terminal
+                # A progress bar redraws the terminal too: print the panel beside it instead.
+                mode = ("print" if trainer.progress_bar_callback is not None else "live") if terminal else "log"
+            out.append(ConsoleExporter(mode))
+        return out + self.extra_exporters
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _reset_step(self) -> None:
+        self._loss_sum, self._loss_batches, self._grad_norm = None, 0, None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        # Called after the (unscaled) gradients are final and before Lightning clips them.
+        if not self.monitor.monitoring or self._grad_norm is not None:
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            norms = torch._foreach_norm([g.detach() for g in grads], 2)
+            self._grad_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self.monitor.monitoring:
+            loss = _loss_of(outputs)
+            if loss is not None:
+                # Automatic optimization divides each micro-batch loss by accumulate_grad_batches;
+                # the sum over the micro-batches is the step's mean loss (device add, no sync).
+                self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+                self._loss_batches += 1
+        if self._seen_global_step is None:
+            self._seen_global_step = trainer.global_step
+        if trainer.global_step == self._seen_global_step:
+            return  # accumulating: no optimizer step in this batch
+        self._seen_global_step = trainer.global_step
+        loss = self._step_loss(trainer, pl_module)
+        grad_norm = self._grad_norm
+        self._reset_step()
+        try:
+            self.monitor.step(loss=loss, grad_norm=grad_norm)
+        except TrainingStopped as exc:
+            self.stopped = exc
+            trainer.should_stop = True
+            log.error("%s; stopping the run (MonitorConfig.stop_on)", exc)
+        if self.log_summaries:
+            self._log_summaries(trainer)
+
+    def _step_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+        if self._loss_sum is None:
+            return None
+        if pl_module.automatic_optimization:
+            n = max(1, int(trainer.accumulate_grad_batches))
+            if self._loss_batches != n:  # a short accumulation window at the end of an epoch
+                return self._loss_sum * (n / self._loss_batches)
+            return self._loss_sum
+        return self._loss_sum / self._loss_batches
+
+    def _log_summaries(self, trainer: pl.Trainer) -> None:
+        if not trainer.loggers:
+            return
+        connector = getattr(trainer, "_logger_connector", None)
+        if connector is not None and not connector.should_update_logs:
+            return
+        snap = self.monitor.snapshot()
+        if math.isnan(snap.get("flashwatch_step", math.nan)):
+            return  # no monitored step yet
+        metrics = {f"flashwatch/{k}": v for k, v in scalar_summary(snap).items()}
+        # the step Lightning logs its own metrics of this batch under
+        step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", trainer.global_step)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    """The loss in ``training_step``'s output (a tensor, or a dict's ``"loss"``), detached."""
+    if isinstance(outputs, dict):
+        outputs = outputs.get("loss")
+    if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+        return outputs.detach().reshape(())
+    return None

@@ -1,0 +1,269 @@
+"""FlashWatchCallback in real CPU Lightning runs of a tiny GPT: metrics over HTTP, JSONL, alerts,
+resume, precision, gradient accumulation, logging, errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from pytorch_lightning import Callback, LightningModule, Trainer
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import Logger
+from torch.utils.data import DataLoader, TensorDataset
+
+from flashwatch.exporters.jsonl import ALERTS_FILE, METRICS_FILE, read_jsonl, validate_record
+from flashwatch.exporters.prometheus import PortInUseError
+from flashwatch.lightning import FlashWatchCallback
+from flashwatch.metrics import METRICS
+from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+LAYERS, HEADS = 2, 4
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's few-workers hints
+
+
+class LitGPT(LightningModule):
+    """A tiny byte-level GPT (head dim 16) that records what the callback should see."""
+
+    def __init__(self, lr: float = 3e-3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(n_layer=LAYERS, n_head=HEADS, n_embd=64, block_size=32))
+        self.lr = lr
+        self.losses: dict[int, float] = {}       # batch index in the run -> loss
+        self.grad_norms: dict[int, float] = {}   # optimizer step -> norm before clipping
+        self.batches = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y)
+        self.losses[self.batches] = loss.item()
+        self.batches += 1
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.grad_norms[self.trainer.global_step] = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+@pytest.fixture(scope="module")
+def loader():
+    data = stdlib_corpus(100_000)
+    g = torch.Generator().manual_seed(0)
+    xs, ys = zip(*(sample_batch(data, 4, 32, generator=g) for _ in range(6)))
+    return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=4)  # 6 batches per epoch
+
+
+def trainer(callbacks, *, max_epochs=2, **kwargs):
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    return Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=callbacks,
+                   enable_progress_bar=False, enable_model_summary=False, **kwargs)
+
+
+class Scrape(Callback):
+    """Reads /metrics over a real socket at the end of training, while the server still runs."""
+
+    def __init__(self, watch):
+        self.watch, self.text, self.url = watch, None, None
+
+    def on_train_end(self, trainer, pl_module):
+        self.url = self.watch.url
+        with urllib.request.urlopen(self.url, timeout=10) as r:
+            self.text = r.read().decode()
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+def test_metrics_jsonl_and_a_forced_alert(precision, loader, tmp_path, caplog):
+    # a bound every head's max logit is above: each head raises one alert that holds all run
+    watch = FlashWatchCallback(interval=2, port=0, run_dir=tmp_path, console="log", max_logit_bound=-1e3)
+    scrape = Scrape(watch)
+    with caplog.at_level(logging.INFO, logger="flashwatch"):
+        trainer([watch, scrape], precision=precision).fit(LitGPT(), loader)
+    assert watch.monitor.global_step == 12 and watch.monitor.errors == 0
+
+    # /metrics over HTTP: every metric of the table, per-head ones for every (layer, head)
+    families = {f.name: f for f in text_string_to_metric_families(scrape.text)}
+    values = {}
+    for spec in METRICS:
+        fam = families[spec.name[: -len("_total")] if spec.kind == "counter" else spec.name]
+        samples = [s for s in fam.samples if not s.name.endswith("_created")]
+        assert samples, spec.name
+        for s in samples:
+            assert set(s.labels) == set(spec.labels), spec.name
+        if spec.per_head:
+            assert {(s.labels["layer"], s.labels["head"]) for s in samples} == {
+                (str(l), str(h)) for l in range(LAYERS) for h in range(HEADS)}, spec.name
+        values[spec.name] = samples
+    assert values["flashwatch_step"][0].value == 10
+    assert 0 < values["flashwatch_loss"][0].value < 10 and values["flashwatch_grad_norm"][0].value > 0
+    for name in ("flashwatch_repeated_max_ratio", "flashwatch_repeated_max_ratio_bf16"):
+        assert all(0 <= s.value <= 1 for s in values[name]), name
+    assert all(s.value > 0 and math.isfinite(s.value) for s in values["flashwatch_wq_spectral_norm"])
+    assert all(math.isfinite(s.value) for s in values["flashwatch_delta_drift_z"])
+    active = {s.labels["layer"]: s.labels["variant"] for s in values["flashwatch_kernel_variant"] if s.value == 1}
+    assert active == {"0": "sdpa", "1": "sdpa"}  # observe mode: the model's own attention
+    totals = {s.labels["rule"]: s.value for s in values["flashwatch_alerts_total"]}
+    assert totals["max_logit"] == LAYERS * HEADS and sum(totals.values()) == LAYERS * HEADS
+
+    # the forced alert: once per head in the log, the counter, the JSONL and the alert log
+    logged = [r.getMessage() for r in caplog.records if "flashwatch alert [max_logit]" in r.getMessage()]
+    assert len(logged) == LAYERS * HEADS
+    assert len({m.split(":")[1] for m in logged}) == LAYERS * HEADS  # "layer L head H" each once
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    for line in lines:
+        validate_record(json.loads(line))
+    steps = list(read_jsonl(tmp_path))
+    assert [r["step"] for r in steps] == list(range(0, 12, 2))
+    new = [(a["layer"], a["head"]) for r in steps for a in r["new_alerts"]]
+    assert sorted(new) == [(l, h) for l in range(LAYERS) for h in range(HEADS)]
+    assert all(a["rule"] == "max_logit" for r in steps for a in r["new_alerts"])
+    assert len((tmp_path / ALERTS_FILE).read_text().splitlines()) == LAYERS * HEADS
+
+    # the server is closed at fit end
+    assert watch.url is None
+    with pytest.raises(OSError):
+        urllib.request.urlopen(scrape.url, timeout=2)
+
+
+def _assert_same(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def test_resumed_run_equals_uninterrupted_run(loader, tmp_path):
+    config = dict(interval=2, port=None, console=None, max_logit_bound=0.5, warmup=2)
+    whole = FlashWatchCallback(run_dir=tmp_path / "whole", **config)
+    trainer([whole], max_epochs=4).fit(LitGPT(), loader)
+
+    first = FlashWatchCallback(run_dir=tmp_path / "parts", **config)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    trainer([first, ckpt], max_epochs=2, enable_checkpointing=True).fit(LitGPT(), loader)
+    resumed = FlashWatchCallback(run_dir=tmp_path / "parts", **config)
+    trainer([resumed], max_epochs=4).fit(LitGPT(), loader, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+
+    assert first.monitor.global_step == 12
+    assert resumed.monitor.global_step == whole.monitor.global_step == 24
+    _assert_same(whole.monitor.snapshot(), resumed.monitor.snapshot(), "snapshot")
+    _assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
+    whole_steps = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "whole")}
+    parts_steps = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "parts")}
+    assert sorted(parts_steps) == sorted(whole_steps) == list(range(0, 24, 2))
+    for step in whole_steps:
+        for name in ("flashwatch_delta_error_cumulative", "flashwatch_delta_drift_z", "flashwatch_alerts_total",
+                     "flashwatch_wq_spectral_norm"):
+            assert parts_steps[step][name] == whole_steps[step][name], (step, name)
+
+
+def test_gradient_accumulation_counts_optimizer_steps(loader, tmp_path):
+    watch = FlashWatchCallback(interval=2, port=None, console=None, run_dir=tmp_path)
+    module = LitGPT()
+    trainer([watch], max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=1e-3).fit(module, loader)
+    assert watch.monitor.global_step == 6  # 12 batches, 2 per optimizer step
+    snap = watch.monitor.snapshot()
+    assert snap["flashwatch_step"] == 4
+    # the step's loss is the mean over its two micro-batches (batches 8 and 9)
+    assert snap["flashwatch_loss"] == pytest.approx((module.losses[8] + module.losses[9]) / 2, rel=1e-6)
+    # the gradient norm before clipping (clipping to 1e-3 happens after)
+    assert snap["flashwatch_grad_norm"] == pytest.approx(module.grad_norms[4], rel=1e-5)
+    assert snap["flashwatch_grad_norm"] > 1e-2
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [0, 2, 4]
+
+
+class Recorder(Logger):
+    def __init__(self):
+        super().__init__()
+        self.logged: list[tuple[int, dict]] = []
+
+    name = "recorder"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_summaries_go_to_the_trainer_loggers_every_n_steps(loader, tmp_path):
+    logger = Recorder()
+    watch = FlashWatchCallback(interval=2, port=None, console=None, run_dir=tmp_path)
+    trainer([watch], logger=logger, log_every_n_steps=5).fit(LitGPT(), loader)
+    ours = [(step, m) for step, m in logger.logged if any(k.startswith("flashwatch/") for k in m)]
+    assert [step for step, _ in ours] == [4, 9]
+    keys = set(ours[0][1])
+    assert keys == {"flashwatch/max_abs_drift_z", "flashwatch/max_repeated_max_ratio",
+                    "flashwatch/max_repeated_max_ratio_bf16", "flashwatch/max_wq_spectral_norm",
+                    "flashwatch/max_logit", "flashwatch/grad_norm", "flashwatch/alerts_total",
+                    "flashwatch/alerts_active"}
+    assert all(isinstance(v, float) for v in ours[0][1].values())
+
+
+def test_port_in_use_fails_at_fit_start_and_leaves_the_model_untouched(loader, tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        watch = FlashWatchCallback(port=holder.getsockname()[1], console=None, run_dir=tmp_path)
+        module = LitGPT()
+        with pytest.raises(PortInUseError, match="already in use"):
+            trainer([watch]).fit(module, loader)
+    finally:
+        holder.close()
+    assert module.batches == 0 and watch.monitor.global_step == 0
+    assert watch.monitor.layers == []  # detached
+    assert torch.nn.functional.scaled_dot_product_attention.__module__ == "torch._C._nn"
+
+
+def test_stop_on_stops_the_run_gracefully(loader, tmp_path):
+    watch = FlashWatchCallback(port=None, console=None, run_dir=tmp_path, max_logit_bound=-1e3,
+                               stop_on={"max_logit"})
+    t = trainer([watch])
+    t.fit(LitGPT(), loader)
+    assert t.global_step == 1 and watch.stopped is not None
+    assert {a.rule for a in watch.stopped.alerts} == {"max_logit"}
+
+
+def test_bad_arguments():
+    from flashwatch import MonitorConfig
+
+    with pytest.raises(ValueError, match="either config=MonitorConfig.*not both.*interval"):
+        FlashWatchCallback(MonitorConfig(), interval=5)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'intervall'.*fields of MonitorConfig"):
+        FlashWatchCallback(intervall=5)
+    with pytest.raises(ValueError, match=r"MonitorConfig.interval must be an int >= 1"):
+        FlashWatchCallback(interval=0)
+    with pytest.raises(ValueError, match=r"port must be an int in 0\.\.65535"):
+        FlashWatchCallback(port=70000)
+    with pytest.raises(ValueError, match="console must be one of auto, live, print, log or None"):
+        FlashWatchCallback(console="fancy")
+
+
+def test_imports_only_pytorch_lightning():
+    code = "import sys, flashwatch.lightning; print('lightning.pytorch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
