@@ -5,8 +5,8 @@ loopback port, with a temporary config made from ``dashboards/prometheus.yml`` (
 rules file loaded, scrape target pointed at the exporter) and a temporary storage folder. It
 scrapes a ``PrometheusExporter`` fed by a short real training run: a tiny GPT on the CPU with a
 ``Monitor`` (max-logit bound -1000, so a real alert fires on every head and the alert series
-exist). Then every
-PromQL expression of the dashboard and of the alert rules goes through ``/api/v1/query``.
+exist). Then every PromQL expression of the dashboard and of the alert rules goes through
+``/api/v1/query``.
 
 Alert expressions are empty on a healthy run by design (nothing crosses a threshold), so for
 each rule the full expression must evaluate without error and its inner expressions (the
