@@ -238,13 +238,14 @@ def test_port_in_use_fails_at_fit_start_and_leaves_the_model_untouched(loader, t
     assert torch.nn.functional.scaled_dot_product_attention.__module__ == "torch._C._nn"
 
 
-def test_stop_on_stops_the_run_gracefully(loader, tmp_path):
-    watch = FlashWatchCallback(port=None, console=None, run_dir=tmp_path, max_logit_bound=-1e3,
-                               stop_on={"max_logit"})
-    t = trainer([watch])
+def test_stop_on_stops_the_run_gracefully_and_run_dir_defaults_under_the_root_dir(loader, tmp_path):
+    watch = FlashWatchCallback(port=None, console=None, max_logit_bound=-1e3, stop_on={"max_logit"})
+    t = trainer([watch], default_root_dir=tmp_path)
     t.fit(LitGPT(), loader)
     assert t.global_step == 1 and watch.stopped is not None
     assert {a.rule for a in watch.stopped.alerts} == {"max_logit"}
+    (record,) = read_jsonl(tmp_path / "flashwatch")
+    assert record["step"] == 0 and {a["rule"] for a in record["new_alerts"]} == {"max_logit"}
 
 
 def test_bad_arguments():
