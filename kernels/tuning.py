@@ -23,19 +23,22 @@ def _cfg(bm, bn, warps, stages):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
 
-# CUDA defaults per kernel and head dim (H100/H200 class GPUs).
+# CUDA defaults per kernel and head dim, from `flashwatch bench --tune` on an H200 (2026-11-30,
+# docs/KERNEL_TUNING.md): the autotuner's choice at the shapes (D=64 at N=1024 and 2048,
+# D=128 at N=4096 and 16384; for D=128 forward it picked 64x64/4 warps at 4096 and 128x64/8 warps
+# at 16384: the table keeps the long-sequence choice). D=16 and 32 reuse the D=64 shapes.
 TABLE = {
-    "fwd": {16: _cfg(128, 64, 4, 3), 32: _cfg(128, 64, 4, 3), 64: _cfg(128, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
-    "dkdv": {16: _cfg(32, 128, 4, 3), 32: _cfg(32, 128, 4, 3), 64: _cfg(32, 128, 4, 3), 128: _cfg(32, 128, 8, 3)},
-    "dq": {16: _cfg(128, 32, 4, 3), 32: _cfg(128, 32, 4, 3), 64: _cfg(128, 32, 4, 3), 128: _cfg(128, 32, 8, 3)},
-    "stats": {16: _cfg(128, 64, 4, 3), 32: _cfg(128, 64, 4, 3), 64: _cfg(128, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
+    "fwd": {16: _cfg(64, 64, 4, 3), 32: _cfg(64, 64, 4, 3), 64: _cfg(64, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
+    "dkdv": {16: _cfg(32, 64, 4, 4), 32: _cfg(32, 64, 4, 4), 64: _cfg(32, 64, 4, 4), 128: _cfg(32, 64, 4, 4)},
+    "dq": {16: _cfg(64, 64, 4, 3), 32: _cfg(64, 64, 4, 3), 64: _cfg(64, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
+    "stats": {16: _cfg(64, 64, 4, 3), 32: _cfg(64, 64, 4, 3), 64: _cfg(64, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
 }
 
 CANDIDATES = {
     "fwd": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 4),
             _cfg(64, 64, 4, 3), _cfg(128, 64, 4, 4), _cfg(128, 128, 8, 2)],
     "dkdv": [_cfg(32, 128, 4, 3), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(64, 64, 4, 3),
-             _cfg(32, 64, 4, 4), _cfg(64, 128, 4, 2)],
+             _cfg(32, 64, 4, 4), _cfg(64, 128, 4, 2), _cfg(32, 64, 4, 3), _cfg(16, 64, 4, 4)],
     "dq": [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3),
            _cfg(64, 32, 4, 4), _cfg(128, 64, 4, 2)],
     "stats": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],

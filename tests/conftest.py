@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton jits its own library (tl.zeros, ...) when triton.language is first imported, as
+    # interpreted functions only if TRITON_INTERPRET=1 then. Import it so now, before any
+    # test module imports triton, so the interpreted kernel tests work in any test order. The
+    # variable is unset again: CPU tensors keep dispatching to the PyTorch reference.
+    _old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if _old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _old
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,7 +49,6 @@ def triton_interpreter():
     compiled kernels there) or Triton is missing.
     """
     import importlib
-    import os
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the compiled kernels are tested by the gpu tests")
