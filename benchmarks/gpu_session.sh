@@ -5,10 +5,10 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# flashwatch without installing it: a copy of the package with kernels/ linked in as flashwatch.kernels
-site=/tmp/fwsite
-rm -rf "$site" && mkdir -p "$site" && cp -r flashwatch "$site/" && ln -s "$PWD/kernels" "$site/flashwatch/kernels"
-export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+# flashwatch without installing it (this runs in a throwaway copy of the tree): link kernels/ in
+# as flashwatch.kernels, the layout `pip install .` produces
+[ -e flashwatch/kernels ] || ln -s ../kernels flashwatch/kernels
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 steps=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"

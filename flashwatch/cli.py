@@ -21,6 +21,12 @@ def _cmd_lab(args: argparse.Namespace) -> int:
     return lab_main(args)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashwatch", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flashwatch {__version__}")
@@ -35,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the input generator (default 0)")
     p.add_argument("--tile", type=int, default=512, help="tile size of the paper emulation (default 512)")
     p.set_defaults(func=_cmd_lab)
+    p = sub.add_parser("bench", help="attention throughput of flashwatch's kernels vs torch SDPA (needs CUDA)")
+    p.add_argument("--shape", action="append", metavar="B,H,N,D",
+                   help="a shape to time (repeatable); default: 16,12,1024,64 8,16,2048,64 4,32,4096,128 1,32,16384,128")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--no-causal", action="store_true", help="time non-causal attention (default: causal)")
+    p.add_argument("--quick", action="store_true", help="first two shapes, shorter timings")
+    p.add_argument("--tune", action="store_true",
+                   help="autotune block shapes per kernel (FLASHWATCH_AUTOTUNE=1) and print the chosen configs")
+    p.add_argument("--json", metavar="PATH", help="write all numbers as JSON")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 
