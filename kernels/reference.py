@@ -30,7 +30,7 @@ import torch
 from .checks import check_options, check_qkv, fixed_offset
 from .stats import AttentionStats
 
-__all__ = ["flash_attention", "attention_statistics", "scores", "row_top2", "inject_rounding_bias"]
+__all__ = ["flash_attention", "attention_statistics", "scores", "row_top2", "inject_rounding_bias", "unit_p_gap"]
 
 _COMPUTE = {torch.float64: torch.float64}
 _PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
@@ -87,13 +87,21 @@ def tie_flags(m1: torch.Tensor, m2: torch.Tensor, eps: float) -> tuple[torch.Ten
     return tied, m2b >= m1b - eps
 
 
+def unit_p_gap(dtype: torch.dtype) -> float:
+    """ln(1 - 2**-p): P_bar = exp(s - m) rounds to exactly 1 in ``dtype`` iff s - m >= this
+    (values in (1 - 2**-p, 1] round to 1; the midpoint rounds to 1, the even neighbour).
+    About -0.00196 for BF16, -0.00049 for FP16, -6e-8 for FP32."""
+    return math.log1p(-(2.0 ** -_PRECISION_BITS[dtype]))
+
+
 def inject_rounding_bias(o_fp32: torch.Tensor, rows: torch.Tensor, strength: float, dtype: torch.dtype) -> torch.Tensor:
     """INJECTED FAULT (experiments only): inflate |O| by strength * 2**-p before rounding.
 
     p is the dtype's precision in bits (8 for BF16), so strength 1 pushes every value of the
     selected rows by at least half a unit in the last place: rounding then always goes away
     from zero, the direction of the bias Qiu & Yao describe. ``rows`` (B, H, N) bool selects
-    the rows where the kernel accumulates P_bar V with P_bar exactly 1 at two or more keys.
+    the rows where the kernel accumulates P_bar V with P_bar exactly 1 at two or more keys:
+    second score - max >= ``unit_p_gap(dtype)``.
     """
     factor = 1.0 + strength * 2.0 ** -_PRECISION_BITS[dtype]
     return torch.where(rows.unsqueeze(-1), o_fp32 * factor, o_fp32)
@@ -132,7 +140,8 @@ class _ReferenceAttention(torch.autograd.Function):
         o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / row_sum.unsqueeze(-1)
         if inject_bias and variant != "fixed":
             # the fixed variant keeps every P_bar < 1, so the injected fault never triggers there
-            o_fp32 = inject_rounding_bias(o_fp32, tied, inject_bias, dtype)
+            unit_rows = (m2 - m1) >= unit_p_gap(dtype)  # P_bar rounds to 1 at two or more keys
+            o_fp32 = inject_rounding_bias(o_fp32, unit_rows, inject_bias, dtype)
         out = o_fp32.to(dtype)
         residual = (o_fp32 - out.to(o_fp32.dtype)).to(dtype) if variant == "fp32_delta" else None
         lse = shift + torch.log(row_sum)

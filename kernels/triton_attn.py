@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
+from .reference import unit_p_gap
 from .stats import AttentionStats
 
 # Set to False only to demonstrate the interpreter bugs (tests do, to prove the workaround matters).
@@ -155,7 +156,7 @@ def _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, stride_kn, stride_vn,
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, R, TIE, ST_REP, ST_REP_B, ST_MAXL,
                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                     H, G, N, sm_scale, eps, beta, min_off, max_off, inject_factor,
+                     H, G, N, sm_scale, eps, beta, min_off, max_off, inject_factor, unit_gap,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FIXED: tl.constexpr, FP32_DELTA: tl.constexpr,
                      STATS: tl.constexpr, INJECT: tl.constexpr, IEEE: tl.constexpr,
@@ -206,10 +207,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, TIE, ST_REP, ST_REP_B, ST_MAXL,
         s2 = m2 * sm_scale
         tied = (s2 >= s1 - eps) & row_ok
     if INJECT:
-        # INJECTED FAULT: on rows where P_bar was exactly 1 at two or more keys (never under
-        # the fixed variant), inflate |O| by inject_factor = 1 + strength * 2**-p before rounding
+        # INJECTED FAULT: on rows where P_bar rounds to exactly 1 at two or more keys (second
+        # score within unit_gap = ln(1 - 2**-p) of the max; never under the fixed variant, whose
+        # P_bar stay below 1), inflate |O| by inject_factor = 1 + strength * 2**-p before rounding
         if not FIXED:
-            o32 = tl.where(tied[:, None], o32 * inject_factor, o32)
+            unit_rows = (s2 - s1) >= unit_gap
+            o32 = tl.where(unit_rows[:, None], o32 * inject_factor, o32)
     o = _cast(o32, DTYPE, EXACT_BF16)
     o_off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :]
     o_ptrs = O + o_off
@@ -546,6 +549,7 @@ def _launch_fwd(q, k, v, o, lse, r, tie, st, causal, sm_scale, variant, beta, ep
         q, k, v, o, lse, r, tie, *st,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         H, H // k.shape[1], N, sm_scale, eps, beta, FIXED_MIN_OFFSET, FIXED_MAX_OFFSET[q.dtype], inject_factor,
+        unit_p_gap(q.dtype),
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
         FIXED=variant == "fixed", FP32_DELTA=variant == "fp32_delta", STATS=stats_on,
         INJECT=inject_factor != 1.0, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
