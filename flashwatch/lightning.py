@@ -258,10 +258,13 @@ class FlashWatchCallback(Callback):
         # Called after the (unscaled) gradients are final and before Lightning clips them.
         if not self.monitor.monitoring or self._grad_norm is not None:
             return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
         if grads:
-            norms = torch._foreach_norm([g.detach() for g in grads], 2)
-            self._grad_norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), 2)
+            # One fused norm kernel per device and dtype (as clip_grad_norm_), then the global
+            # L2 norm in FP32; the result stays on the device until the Monitor's one transfer.
+            norms = torch._foreach_norm(grads, 2)
+            device = norms[0].device
+            self._grad_norm = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in norms]), 2)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:

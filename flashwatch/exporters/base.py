@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -120,8 +121,6 @@ def alert_to_dict(alert: Any) -> dict:
     to_dict = getattr(alert, "to_dict", None)
     if callable(to_dict):
         return to_dict()
-    import dataclasses
-
     if dataclasses.is_dataclass(alert):
         return dataclasses.asdict(alert)
     raise TypeError(f"an alert must be a flashwatch Alert, a dataclass or a dict, got {type(alert).__name__}")

@@ -50,17 +50,10 @@ from .base import Exporter, Layout, StepRecord
 
 log = logging.getLogger("flashwatch.exporters.prometheus")
 
-# The contract's rule names (docs/INTERFACES.md); flashwatch.detectors.RULES wins when present.
-_CONTRACT_RULES = ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier", "max_logit",
-                   "non_finite", "loss_spike")
-
-
 def known_rules() -> tuple[str, ...]:
-    """Alert rule names: ``flashwatch.detectors.RULES`` (or the contract's list before it exists)."""
-    try:
-        from ..detectors import RULES
-    except ImportError:
-        return _CONTRACT_RULES
+    """Alert rule names (``flashwatch.detectors.RULES``): each gets a ``flashwatch_alerts_total`` series."""
+    from ..detectors import RULES  # imported late: it brings torch, which export() never needs
+
     return tuple(RULES)
 
 

@@ -13,9 +13,8 @@ from typing import Any
 
 from ..metrics import METRICS
 from .base import Layout, StepRecord
-from .prometheus import known_rules
-
-VARIANTS = ("plain", "fixed", "fp32_delta")
+from ..detectors import RULES
+from ..monitor import VARIANT_LABELS
 
 
 def synthetic_layout(num_layers: int = 2, num_heads: int = 4) -> Layout:
@@ -47,8 +46,8 @@ def synthetic_snapshot(layout: Layout, step: int = 0, *, seed: int = 0,
             draw = per_head[spec.name]
             snap[spec.name] = {key: draw() for key in heads}
     snap["flashwatch_kernel_variant"] = {
-        (layer, v): float(v == "plain") for layer in range(layout.num_layers) for v in VARIANTS}
-    totals = {(rule,): 0.0 for rule in known_rules()}
+        (layer, v): float(v == "sdpa") for layer in range(layout.num_layers) for v in VARIANT_LABELS}
+    totals = {(rule,): 0.0 for rule in RULES}
     active = {}
     for a in alerts:
         totals[(a.rule,)] = totals.get((a.rule,), 0.0) + 1.0
