@@ -388,7 +388,7 @@ def test_console_plain_mode_logs_a_line_per_step_and_each_alert_once(caplog):
     exporter.close()
     steps = [r.getMessage() for r in caplog.records if r.name == "flashwatch"]
     assert len(steps) == 3 and steps[0].startswith("flashwatch step 10: loss ")
-    assert "top |drift z| L" in steps[0] and "max W^Q norm" in steps[0] and "variants plainx2" in steps[0]
+    assert "top |drift z| L" in steps[0] and "max W^Q norm" in steps[0] and "variants sdpax2" in steps[0]
     assert "active alerts 1" in steps[2]
     alerts = [r for r in caplog.records if r.name == "flashwatch.alerts"]
     assert len(alerts) == 1 and alerts[0].levelno == logging.ERROR
@@ -432,7 +432,7 @@ def test_console_live_mode_on_a_terminal_and_fallback_when_the_terminal_is_taken
     exporter.export(synthetic_record(LAYOUT, step=10, alerts=[drift_alert(10, severity="warning")]))
     exporter.close()
     out = buf.getvalue()
-    assert "top 3 heads by |drift z|" in out and "active alerts" in out and "plain on layers 0-1" in out
+    assert "top 3 heads by |drift z|" in out and "active alerts" in out and "sdpa on layers 0-1" in out
 
     other = ConsoleExporter("live", console=console)
     other.open(LAYOUT)
