@@ -30,9 +30,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # tensors arrive from the Monitor; deciding needs no torch import (exporters read RULES)
+    import torch
 
 RULES = ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier", "max_logit", "non_finite", "loss_spike")
 SEVERITIES = ("warning", "critical")
@@ -184,6 +185,10 @@ def _where(layer: int, head: int) -> str:
 
 class DeltaDriftDetector(Detector):
     """``delta_drift``: the signed delta error keeps one sign (|z| >= threshold after warm-up).
+
+    After an auto-fix to ``fp32_delta`` the layer's e_t is 0, so its cumulative z stays where it
+    was and the alert keeps holding: it records that the layer drifted (the windowed z decays,
+    and ``flashwatch_kernel_variant`` shows the fix).
 
     Args:
         threshold: on |z| (cumulative).

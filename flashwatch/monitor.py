@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from typing import Any, Mapping, Sequence
 
@@ -44,6 +45,7 @@ from .attach import AttentionLayer, Router, find_attention, select_layers
 from .config import VARIANTS, MonitorConfig
 from .detectors import RULES, Alert, LayerSignals, StepSignals, build_detectors
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
+from .kernels import STAT_FIELDS
 from .metrics import METRICS
 from .signals import DriftTracker, PowerIteration, SigmaHistory, ratio_to_median
 
@@ -53,8 +55,7 @@ __all__ = ["Monitor", "TrainingStopped"]
 
 STATE_VERSION = 1
 VARIANT_LABELS = ("sdpa",) + VARIANTS  # values of the `variant` label of flashwatch_kernel_variant
-_STAT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "max_logit", "delta_error",
-                "delta_error_abs", "delta_error_sq", "delta_error_tied")  # flashwatch.kernels.STAT_FIELDS
+_STAT_FIELDS = STAT_FIELDS  # rows of AttentionStats.packed(), read by name below
 
 
 class TrainingStopped(RuntimeError):
@@ -588,7 +589,7 @@ class Monitor:
 
 
 def _check_scalar(name: str, value: Any) -> None:
-    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+    if value is None or isinstance(value, numbers.Real) and not isinstance(value, bool):
         return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:

@@ -85,3 +85,11 @@ def test_normalises_sets_and_lists():
 def test_bad_values_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MonitorConfig(**kwargs)
+
+
+def test_config_and_rules_import_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, flashwatch.config, flashwatch.detectors; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
