@@ -263,7 +263,8 @@ def select_layers(found: Sequence[tuple], layers: Any) -> list[tuple]:
 
 _local = threading.local()  # .current: (Router, AttentionLayer) | None; .stack: saved outer values
 _install_lock = threading.Lock()
-_original_sdpa: Callable | None = None
+_original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
+_import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
 _users = 0
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -274,7 +275,7 @@ def _sdpa_dispatch(*args, **kwargs):
     """Stand-in for ``torch.nn.functional.scaled_dot_product_attention`` while flashwatch is attached."""
     current = getattr(_local, "current", None)
     if current is None:
-        return _original_sdpa(*args, **kwargs)
+        return original_sdpa()(*args, **kwargs)
     router, layer = current
     return router.call(layer, args, kwargs)
 
@@ -304,7 +305,7 @@ def _uninstall() -> None:
 
 def original_sdpa() -> Callable:
     """The SDPA function flashwatch wraps (torch's own when nothing else wrapped it first)."""
-    return _original_sdpa if _original_sdpa is not None else F.scaled_dot_product_attention
+    return _original_sdpa if _original_sdpa is not None else _import_time_sdpa
 
 
 def _bind(args: tuple, kwargs: dict) -> list:

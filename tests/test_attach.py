@@ -126,8 +126,9 @@ def test_wq_attribution_per_head_matches_the_right_slice(family, build):
         monitor.detach()
 
 
-def test_llama_grouped_query_attention_own_kernel_matches_sdpa_and_measures():
-    model = hf_llama()
+@pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2", "llama_gqa"])
+def test_hf_own_kernel_matches_sdpa_and_measures(build):
+    model = build()
     x = torch.randint(0, 256, (2, 16))
     ref = model(input_ids=x).logits
     monitor = Monitor(MonitorConfig(mode="own_kernel", interval=1))
@@ -138,9 +139,21 @@ def test_llama_grouped_query_attention_own_kernel_matches_sdpa_and_measures():
         out.loss.backward()
         stats = monitor.layers[0].stats.as_dict()
         assert stats["rows"] == [2 * 16] * 4  # per query head: batch x rows
-        assert monitor.layers[0].calls == 1
+        assert monitor.layers[0].calls == 1 and monitor.errors == 0
     finally:
         monitor.detach()
+
+
+def test_a_dispatcher_kept_after_detach_still_works():
+    from flashwatch.attach import _sdpa_dispatch
+
+    monitor = Monitor()
+    monitor.attach(tiny_gpt())
+    held = F.scaled_dot_product_attention  # e.g. `from torch.nn.functional import ...` while attached
+    monitor.detach()
+    assert held is _sdpa_dispatch
+    q = torch.randn(1, 2, 4, 16)
+    assert torch.equal(held(q, q, q), SDPA(q, q, q))
 
 
 class WqAttention(nn.Module):
