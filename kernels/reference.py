@@ -107,12 +107,15 @@ def inject_rounding_bias(o_fp32: torch.Tensor, rows: torch.Tensor, strength: flo
     return torch.where(rows.unsqueeze(-1), o_fp32 * factor, o_fp32)
 
 
-def _add_forward_stats(stats: AttentionStats, m1, tied, tied_bf16) -> None:
-    B, H, N = m1.shape
+def _add_max_logit(stats: AttentionStats, m1) -> None:
+    stats.max_logit.copy_(torch.maximum(stats.max_logit, m1.amax(dim=(0, 2)).to(torch.float32)))
+
+
+def _add_row_counts(stats: AttentionStats, tied, tied_bf16) -> None:
+    B, H, N = tied.shape
     stats.rows.add_(B * N)
     stats.repeated_max_rows.add_(tied.sum(dim=(0, 2)))
     stats.repeated_max_rows_bf16.add_(tied_bf16.sum(dim=(0, 2)))
-    stats.max_logit.copy_(torch.maximum(stats.max_logit, m1.amax(dim=(0, 2)).to(torch.float32)))
 
 
 def _add_delta_stats(stats: AttentionStats, err: torch.Tensor, tied: torch.Tensor) -> None:
@@ -145,15 +148,16 @@ class _ReferenceAttention(torch.autograd.Function):
         out = o_fp32.to(dtype)
         residual = (o_fp32 - out.to(o_fp32.dtype)).to(dtype) if variant == "fp32_delta" else None
         lse = shift + torch.log(row_sum)
-        if stats is not None:
-            _add_forward_stats(stats, m1, tied, tied_bf16)
-        ctx.save_for_backward(q, k, v, out, lse, residual, tied if stats is not None else None)
+        if stats is not None:  # as the kernel: max logit here, rows and tie counts in the backward
+            _add_max_logit(stats, m1)
+        ctx.save_for_backward(q, k, v, out, lse, residual, tied if stats is not None else None,
+                              tied_bf16 if stats is not None else None)
         ctx.causal, ctx.sm_scale, ctx.stats = causal, sm_scale, stats
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, residual, tied = ctx.saved_tensors
+        q, k, v, out, lse, residual, tied, tied_bf16 = ctx.saved_tensors
         dtype = q.dtype
         H, Hkv = q.shape[1], k.shape[1]
         s = scores(q, k, ctx.causal, ctx.sm_scale)
@@ -175,6 +179,7 @@ class _ReferenceAttention(torch.autograd.Function):
             dv = dv.view(B, Hkv, H // Hkv, N, D).sum(2)
         if ctx.stats is not None:
             delta_hp = (p * dp).sum(-1)
+            _add_row_counts(ctx.stats, tied, tied_bf16)
             _add_delta_stats(ctx.stats, delta_used - delta_hp, tied)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
 
@@ -214,7 +219,8 @@ def attention_statistics(q, k, v, out, grad_out, stats, *, causal=True, sm_scale
     s = scores(q, k, causal, float(sm_scale))
     m1, m2 = row_top2(s)
     tied, tied_bf16 = tie_flags(m1, m2, eps)
-    _add_forward_stats(stats, m1, tied, tied_bf16)
+    _add_max_logit(stats, m1)
+    _add_row_counts(stats, tied, tied_bf16)
     cd = s.dtype
     # P through the log-sum-exp, exactly as the own-kernel backward recomputes it
     lse = m1 + torch.log(torch.exp(s - m1.unsqueeze(-1)).sum(-1))

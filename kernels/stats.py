@@ -2,7 +2,9 @@
 
 One ``AttentionStats`` belongs to one attention layer. Pass it as ``stats=`` to
 ``flash_attention`` (or ``attention_statistics``) on a monitored step: the forward adds the
-repeated-max counts and the max logit, the backward adds the signed delta-error sums. Nothing
+max logit; the backward adds the rows, the repeated-max counts and the signed delta-error sums
+(the kernel's dQ pass sees whole rows, so counting there costs no extra pass; a forward
+without backward, e.g. under ``torch.no_grad``, adds the max logit only). Nothing
 is read back to the host here; the Monitor reads every layer's statistics once per monitored
 step (``packed()``), and ``reset()`` zeroes them for the next one. Micro-batches of one
 optimizer step simply add up.

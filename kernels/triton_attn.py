@@ -7,15 +7,18 @@ for flashwatch.
 
 Changes:
 - Statistics behind the constexpr flag STATS (``stats=None`` compiles them away):
-  * forward: the two largest raw scores of each row are tracked online (with multiplicity),
-    so the repeated-max test s_(2) >= m - eps is exact over the whole row however it is tiled;
-    the BF16 test rounds those two (rounding is monotone). Per-head atomics add the counts and
-    the max logit; a per-row int8 flag keeps the tie status for the backward.
-  * backward (dQ kernel, which sees whole rows): delta_hp = rowsum(P * dP) accumulates beside
-    dS at the cost of one multiply-add per score; e = delta_used - delta_hp is summed per head
-    (signed, absolute, squared, tied rows). No output-sized buffer is kept for it.
-- Variants: ``fixed`` (Qiu & Yao's shifted max on repeated-max rows, guarded, decided on the
-  running top two, so every P_bar < 1 once a row's running max repeats) and ``fp32_delta``
+  * forward: nothing per score (the softmax there is ALU-bound: a running top-two cost +66%
+    forward time at D=64 on an H200, docs/KERNEL_TUNING.md); it stores each row's final max
+    (B*H*N floats) and adds the head's max logit.
+  * backward, dQ kernel (it sees whole rows): the repeated-max test "at least two scores
+    >= m - eps" is a count against the stored row max, exact however the row is tiled; the
+    BF16 test counts scores whose BF16 rounding is >= bf16(m) - eps through one FP32 threshold
+    per row (``_bf16_lower_bound``). delta_hp = rowsum(P * dP) accumulates beside dS at one
+    multiply-add per score; e = delta_used - delta_hp is summed per head (signed, absolute,
+    squared, tied rows). No output-sized buffer is kept for any of it.
+- Variants: ``fixed`` (Qiu & Yao's shifted max on repeated-max rows, guarded; an online exact
+  tie flag, one compare-and-count per score, decides it, so every P_bar < 1 once a row's
+  running max repeats) and ``fp32_delta``
   (the forward stores R = O_fp32 - O in the input dtype; the backward's delta uses O + R).
 - A statistics-only kernel for observe mode (another kernel's output and its gradient in,
   per-head statistics out): one pass over K with an online rescaled rowsum(P * dP).
@@ -97,15 +100,14 @@ def _top2_update(qk, m1, m2):
 
 
 @triton.jit
-def _row_shift(m1_raw, m2_raw, sm_scale, eps, beta, min_off, max_off, FIXED: tl.constexpr):
+def _row_shift(m1_raw, tied, sm_scale, beta, min_off, max_off, FIXED: tl.constexpr):
     """The subtracted max of each row in log2 units. Plain: m. Fixed: m + guarded offset on
     rows whose running max repeats within eps (Qiu & Yao: beta*m for m > 0, 0 for m < 0)."""
     m1 = m1_raw * sm_scale
     if FIXED:
-        tied = m2_raw * sm_scale >= m1 - eps
         off = tl.where(m1 > 0, (beta - 1.0) * m1, -m1)
         off = tl.minimum(tl.maximum(off, min_off), max_off)
-        shift = m1 + tl.where(tied, off, 0.0)
+        shift = m1 + tl.where(tied != 0, off, 0.0)
     else:
         shift = m1
     # a row that has seen only masked scores so far keeps shift 0 instead of -inf (no inf - inf)
@@ -113,16 +115,33 @@ def _row_shift(m1_raw, m2_raw, sm_scale, eps, beta, min_off, max_off, FIXED: tl.
     return shift * 1.4426950408889634
 
 
+@triton.jit
+def _tie_update(qk, m1, tied, eps_raw):
+    """Online exact repeated-max flag of each row: does the running max have a second score
+    within eps? Costs one compare-and-count per score (the fixed variant needs it to decide
+    its shift). A new tile whose max t1 exceeds the running max m keeps a tie iff m is within
+    eps of t1 or the tile itself has two scores within eps of t1; otherwise the flag turns on
+    once a tile's max comes within eps of m. Raw (unscaled) units: eps_raw = eps / sm_scale."""
+    t1 = tl.max(qk, 1)
+    n_near = tl.sum((qk >= (t1 - eps_raw)[:, None]).to(tl.int32), 1)
+    rises = t1 > m1
+    keep = (m1 >= t1 - eps_raw) | (n_near >= 2)
+    joins = (t1 >= m1 - eps_raw) & (t1 > float("-inf"))
+    tied = tl.where(rises, keep.to(tl.int32), tied | joins.to(tl.int32))
+    return tl.maximum(m1, t1), tied
+
+
 # --------------------------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
-               lo, hi, N, sm_scale, eps, beta, min_off, max_off,
+def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+               lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               TRACK: tl.constexpr, FIXED: tl.constexpr, DTYPE: tl.constexpr,
+               FIXED: tl.constexpr, TOP2: tl.constexpr, DTYPE: tl.constexpr,
                IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    # aux: the running tie flag (FIXED), the running second-largest raw score (TOP2), else unused
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -139,29 +158,32 @@ def _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, stride_kn, stride_vn,
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             qk = tl.where(valid, qk, float("-inf"))
-        if TRACK:
-            new_m1, new_m2 = _top2_update(qk, m1, m2)
+        if FIXED:
+            new_m1, aux = _tie_update(qk, m1, aux, eps_raw)
+        elif TOP2:
+            new_m1, aux = _top2_update(qk, m1, aux)
         else:
             new_m1 = tl.maximum(m1, tl.max(qk, 1))
-            new_m2 = m2
-        new_shift = _row_shift(new_m1, new_m2, sm_scale, eps, beta, min_off, max_off, FIXED)
+        new_shift = _row_shift(new_m1, aux, sm_scale, beta, min_off, max_off, FIXED)
         p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
         alpha = tl.math.exp2(shift - new_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(_cast(p, DTYPE, EXACT_BF16), v, IEEE, UPCAST)
-        m1, m2, shift = new_m1, new_m2, new_shift
-    return acc, l_i, m1, m2, shift
+        m1, shift = new_m1, new_shift
+    return acc, l_i, m1, aux, shift
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, R, TIE, ST_REP, ST_REP_B, ST_MAXL,
+def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
                      sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                     H, G, N, sm_scale, eps, beta, min_off, max_off, inject_factor, unit_gap,
+                     H, G, N, sm_scale, eps_raw, beta, min_off, max_off, inject_factor, unit_gap,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FIXED: tl.constexpr, FP32_DELTA: tl.constexpr,
                      STATS: tl.constexpr, INJECT: tl.constexpr, IEEE: tl.constexpr,
                      UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head
+    # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
+    # Statistics cost the forward nothing per score: it stores each row's max (the backward's
+    # dQ pass counts repeated maxima against it) and the head's max logit.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // H
@@ -177,58 +199,51 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, TIE, ST_REP, ST_REP_B, ST_MAXL,
     q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of raw scores
-    m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running second largest (TRACK only)
     shift = tl.full([BLOCK_M], float("-inf"), tl.float32)  # subtracted max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    TRACK: tl.constexpr = STATS or FIXED or INJECT
+    TOP2: tl.constexpr = INJECT and not FIXED  # the injected fault needs the second-largest score
+    if TOP2:
+        aux = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    else:
+        aux = tl.zeros([BLOCK_M], tl.int32)
 
     if CAUSAL:
         # keys [0, start_m) are below the diagonal for every row of the block: no mask
-        acc, l_i, m1, m2, shift = _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                             0, start_m, N, sm_scale, eps, beta, min_off, max_off,
-                                             BLOCK_N, False, CAUSAL, TRACK, FIXED, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                              0, start_m, N, sm_scale, eps_raw, beta, min_off, max_off,
+                                              BLOCK_N, False, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
         hi = tl.minimum(start_m + BLOCK_M, N)
-        acc, l_i, m1, m2, shift = _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                             start_m, hi, N, sm_scale, eps, beta, min_off, max_off,
-                                             BLOCK_N, True, CAUSAL, TRACK, FIXED, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                              start_m, hi, N, sm_scale, eps_raw, beta, min_off, max_off,
+                                              BLOCK_N, True, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
     else:
         n_full = (N // BLOCK_N) * BLOCK_N
-        acc, l_i, m1, m2, shift = _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                             0, n_full, N, sm_scale, eps, beta, min_off, max_off,
-                                             BLOCK_N, False, CAUSAL, TRACK, FIXED, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        acc, l_i, m1, m2, shift = _fwd_inner(acc, l_i, m1, m2, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                             n_full, N, N, sm_scale, eps, beta, min_off, max_off,
-                                             BLOCK_N, True, CAUSAL, TRACK, FIXED, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                              0, n_full, N, sm_scale, eps_raw, beta, min_off, max_off,
+                                              BLOCK_N, False, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                              n_full, N, N, sm_scale, eps_raw, beta, min_off, max_off,
+                                              BLOCK_N, True, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
 
     o32 = acc / l_i[:, None]
-    if TRACK:
-        s1 = m1 * sm_scale
-        s2 = m2 * sm_scale
-        tied = (s2 >= s1 - eps) & row_ok
-    if INJECT:
+    if TOP2:
         # INJECTED FAULT: on rows where P_bar rounds to exactly 1 at two or more keys (second
         # score within unit_gap = ln(1 - 2**-p) of the max; never under the fixed variant, whose
         # P_bar stay below 1), inflate |O| by inject_factor = 1 + strength * 2**-p before rounding
-        if not FIXED:
-            unit_rows = (s2 - s1) >= unit_gap
-            o32 = tl.where(unit_rows[:, None], o32 * inject_factor, o32)
+        unit_rows = (aux * sm_scale - m1 * sm_scale) >= unit_gap
+        o32 = tl.where(unit_rows[:, None], o32 * inject_factor, o32)
     o = _cast(o32, DTYPE, EXACT_BF16)
     o_off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :]
-    o_ptrs = O + o_off
-    tl.store(o_ptrs, o, mask=row_ok[:, None])
+    tl.store(O + o_off, o, mask=row_ok[:, None])
     lse_ptrs = LSE + bh.to(tl.int64) * N + offs_m
     tl.store(lse_ptrs, shift + tl.math.log2(l_i), mask=row_ok)
     if FP32_DELTA:
         r = _cast(o32 - o.to(tl.float32), DTYPE, EXACT_BF16)
         tl.store(R + o_off, r, mask=row_ok[:, None])
     if STATS:
-        s1b = _cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32)
-        s2b = _cast(s2, tl.bfloat16, EXACT_BF16).to(tl.float32)
-        tied_b = (s2b >= s1b - eps) & row_ok
-        tl.store(TIE + bh.to(tl.int64) * N + offs_m, tied.to(tl.int8), mask=row_ok)
-        tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
-        tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
+        s1 = m1 * sm_scale  # the row max in natural-log units, as the reference computes it
+        tl.store(ROWMAX + bh.to(tl.int64) * N + offs_m, s1, mask=row_ok)
         tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
 
 
@@ -345,8 +360,39 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
-                  lo, hi, N, qk_scale,
+def _next_up_f32(x):
+    """The next FP32 value above a finite x."""
+    b = x.to(tl.int32, bitcast=True)
+    up = tl.where(x > 0, b + 1, tl.where(x < 0, b - 1, 1))  # +-0 -> the smallest positive subnormal
+    return up.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_step(y, UP: tl.constexpr):
+    """The BF16 value next to a BF16 value y (held in FP32), above (UP) or below."""
+    b = y.to(tl.int32, bitcast=True)
+    if UP:
+        r = tl.where(y > 0, b + 0x10000, tl.where(y < 0, b - 0x10000, 0x10000))
+    else:
+        r = tl.where(y > 0, b - 0x10000, tl.where(y < 0, b + 0x10000, -2147418112))  # 0x80010000
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_lower_bound(t, EXACT_BF16: tl.constexpr):
+    """Smallest FP32 x with bf16(x) >= t (round-to-nearest-even), for finite FP32 t, so that
+    counting bf16(s) >= t costs one FP32 compare per score. c = the smallest BF16 value >= t;
+    the FP32 values rounding up to c start at the midpoint between c and its lower neighbour
+    (included when it rounds to c, i.e. when c is the even one)."""
+    r = _cast(t, tl.bfloat16, EXACT_BF16).to(tl.float32)
+    c = tl.where(r >= t, r, _bf16_step(r, True))
+    mid = (c + _bf16_step(c, False)) * 0.5  # exact: adjacent BF16 values need 9 significant bits
+    return tl.where(_cast(mid, tl.bfloat16, EXACT_BF16).to(tl.float32) >= c, mid, _next_up_f32(mid))
+
+
+@triton.jit
+def _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn, offs_m, offs_d,
+                  lo, hi, N, sm_scale, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, STATS: tl.constexpr,
                   DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
@@ -369,19 +415,30 @@ def _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, 
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
+            # scores within eps of the row max (FP32, and after BF16 rounding), packed in one
+            # sum: low 16 bits FP32, high 16 bits BF16 (a tile has at most BLOCK_N of each)
+            x = qk * sm_scale
+            near = (x >= t32[:, None]).to(tl.int32) + (x >= tb16[:, None]).to(tl.int32) * 65536
+            if MASKED:
+                near = tl.where(valid, near, 0)
+            packed = tl.sum(near, 1)
+            n32 += packed & 0xFFFF
+            nb16 += packed >> 16
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
-    return dq, dhp
+    return dq, dhp, n32, nb16
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, TIE, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
-                        H, G, N, sm_scale,
+                        H, G, N, sm_scale, eps,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, STATS: tl.constexpr, IEEE: tl.constexpr,
                         UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head
+    # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
+    # With STATS it also counts repeated maxima against the row max the forward stored, and
+    # accumulates delta_hp = rowsum(P * dP) beside dS.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b = bh // H
@@ -401,24 +458,40 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, TIE, ST_E, ST_EABS, ST_ESQ,
     v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dhp = tl.zeros([BLOCK_M], tl.float32)
+    n32 = tl.zeros([BLOCK_M], tl.int32)  # scores within eps of the row max, FP32
+    nb16 = tl.zeros([BLOCK_M], tl.int32)  # the same after BF16 rounding
+    if STATS:
+        s1 = tl.load(ROWMAX + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
+        t32 = s1 - eps
+        tb16 = _bf16_lower_bound(_cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32) - eps, EXACT_BF16)
+    else:
+        t32 = lse
+        tb16 = lse
     qk_scale = sm_scale * 1.4426950408889634
     if CAUSAL:
-        dq, dhp = _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
-                                0, start_m, N, qk_scale, BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
+                                        offs_m, offs_d, 0, start_m, N, sm_scale, qk_scale,
+                                        BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
         hi = tl.minimum(start_m + BLOCK_M, N)
-        dq, dhp = _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
-                                start_m, hi, N, qk_scale, BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
+                                        offs_m, offs_d, start_m, hi, N, sm_scale, qk_scale,
+                                        BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     else:
         n_full = (N // BLOCK_N) * BLOCK_N
-        dq, dhp = _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
-                                0, n_full, N, qk_scale, BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        dq, dhp = _bwd_dq_inner(dq, dhp, q, do, lse, delta, k_base, v_base, skn, svn, offs_m, offs_d,
-                                n_full, N, N, qk_scale, BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
+                                        offs_m, offs_d, 0, n_full, N, sm_scale, qk_scale,
+                                        BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
+                                        offs_m, offs_d, n_full, N, N, sm_scale, qk_scale,
+                                        BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     out_off = bh.to(tl.int64) * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DQ + out_off, _cast(dq * sm_scale, DTYPE, EXACT_BF16), mask=row_ok[:, None])
     if STATS:
+        tied = (n32 >= 2) & row_ok
+        tied_b = (nb16 >= 2) & row_ok
         err = tl.where(row_ok, delta - dhp, 0.0)
-        tied = tl.load(TIE + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0) != 0
+        tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
+        tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
         tl.atomic_add(ST_E + h, tl.sum(err, 0))
         tl.atomic_add(ST_EABS + h, tl.sum(tl.abs(err), 0))
         tl.atomic_add(ST_ESQ + h, tl.sum(err * err, 0))
@@ -541,15 +614,16 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 from . import tuning  # noqa: E402
 
 
-def _launch_fwd(q, k, v, o, lse, r, tie, st, causal, sm_scale, variant, beta, eps, stats_on, inject_factor, cfg):
+def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, beta, eps, stats_on,
+                inject_factor, cfg):
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
     grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, r, tie, *st,
+        q, k, v, o, lse, r, rowmax, maxlogit,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        H, H // k.shape[1], N, sm_scale, eps, beta, FIXED_MIN_OFFSET, FIXED_MAX_OFFSET[q.dtype], inject_factor,
-        unit_p_gap(q.dtype),
+        H, H // k.shape[1], N, sm_scale, eps / sm_scale, beta, FIXED_MIN_OFFSET, FIXED_MAX_OFFSET[q.dtype],
+        inject_factor, unit_p_gap(q.dtype),
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
         FIXED=variant == "fixed", FP32_DELTA=variant == "fp32_delta", STATS=stats_on,
         INJECT=inject_factor != 1.0, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
@@ -562,21 +636,20 @@ def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # log2 units
     fp32_delta = variant == "fp32_delta"
     r = torch.empty_like(o) if fp32_delta else o  # R = O_fp32 - O, written only under fp32_delta
-    tie = torch.empty((B, H, N), dtype=torch.int8, device=q.device) if stats is not None else lse
-    st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.max_logit) if stats is not None else (lse,) * 3
+    # each row's max score, for the backward's repeated-max count (statistics only)
+    rowmax = torch.empty((B, H, N), dtype=torch.float32, device=q.device) if stats is not None else lse
+    maxlogit = stats.max_logit if stats is not None else lse
     inject_factor = 1.0 + inject_bias * 2.0 ** -_PRECISION_BITS[q.dtype]
 
     def bench(cfg):  # plain, statistics off, into scratch outputs: tuning never touches stats
         scratch_o, scratch_lse = torch.empty_like(o), torch.empty_like(lse)
-        return lambda: _launch_fwd(q, k, v, scratch_o, scratch_lse, scratch_o, scratch_lse, (scratch_lse,) * 3,
+        return lambda: _launch_fwd(q, k, v, scratch_o, scratch_lse, scratch_o, scratch_lse, scratch_lse,
                                    causal, sm_scale, "plain", beta, eps, False, 1.0, cfg)
 
     cfg = tuning.choose("fwd", q, causal, bench)
-    _launch_fwd(q, k, v, o, lse, r, tie, st, causal, sm_scale, variant, beta, eps, stats is not None,
+    _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, beta, eps, stats is not None,
                 inject_factor, cfg)
-    if stats is not None:
-        stats.rows.add_(B * N)
-    return o, lse, (r if fp32_delta else None), (tie if stats is not None else None)
+    return o, lse, (r if fp32_delta else None), (rowmax if stats is not None else None)
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
@@ -590,18 +663,18 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _launch_dq(q, k, v, do, lse, delta, dq, tie, st, causal, sm_scale, stats_on, cfg):
+def _launch_dq(q, k, v, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg):
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
     _attn_bwd_dq_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, tie, *st,
+        q, k, v, do, lse, delta, dq, rowmax, *st,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        H, H // k.shape[1], N, sm_scale, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        H, H // k.shape[1], N, sm_scale, eps, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, STATS=stats_on, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _backward(do, q, k, v, o, lse, r, tie, causal, sm_scale, stats):
+def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     B, H, N, D = q.shape
     do = _last_dim_contiguous(do)
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
@@ -619,12 +692,16 @@ def _backward(do, q, k, v, o, lse, r, tie, causal, sm_scale, stats):
 
     def bench_dq(cfg):
         sq = torch.empty_like(dq)
-        return lambda: _launch_dq(q, k, v, do, lse, delta, sq, delta, (delta,) * 4, causal, sm_scale, False, cfg)
+        return lambda: _launch_dq(q, k, v, do, lse, delta, sq, delta, (delta,) * 6, causal, sm_scale, eps, False, cfg)
 
     _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
-    st = ((stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied)
-          if stats is not None else (delta,) * 4)
-    _launch_dq(q, k, v, do, lse, delta, dq, tie if tie is not None else delta, st, causal, sm_scale,
+    if stats is not None:
+        st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.delta_error, stats.delta_error_abs,
+              stats.delta_error_sq, stats.delta_error_tied)
+        stats.rows.add_(B * N)
+    else:
+        st = (delta,) * 6
+    _launch_dq(q, k, v, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
                stats is not None, tuning.choose("dq", q, causal, bench_dq))
     return dq, dk, dv
 
@@ -633,15 +710,15 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        o, lse, r, tie = _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias)
-        ctx.save_for_backward(q, k, v, o, lse, r, tie)
-        ctx.causal, ctx.sm_scale, ctx.stats = causal, sm_scale, stats
+        o, lse, r, rowmax = _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias)
+        ctx.save_for_backward(q, k, v, o, lse, r, rowmax)
+        ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats = causal, sm_scale, eps, stats
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, r, tie = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, r, tie, ctx.causal, ctx.sm_scale, ctx.stats)
+        q, k, v, o, lse, r, rowmax = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, r, rowmax, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 

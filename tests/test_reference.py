@@ -75,7 +75,11 @@ def test_fixed_variant_survives_huge_logits():
     k[:, :, 1::2] = k[:, :, 0::2]  # exact ties at the row max
     q, k, v = (t.bfloat16() for t in (q, k, torch.randn(B, H, N, D)))
     stats = AttentionStats(H, "cpu")
+    q.requires_grad_(True)
     out = reference.flash_attention(q, k, v, variant="fixed", stats=stats)
+    out.backward(torch.ones_like(out))  # rows and repeated-max counts are added by the backward
+    assert torch.isfinite(q.grad).all()
+    q = q.detach()
     assert stats.max_logit.max() > 1000, "test inputs should reach logits in the thousands"
     assert stats.repeated_max_rows.sum() > 0
     assert torch.isfinite(out).all()
@@ -99,7 +103,11 @@ def test_statistics_count_planted_ties_exactly():
     q, k, v = (t.float() for t in _inputs(B, H, N, D, dtype=torch.float32))
     k[:, :, 7] = k[:, :, 3]  # an exact duplicate key
     stats = AttentionStats(H, "cpu")
+    q.requires_grad_(True)
     out = reference.flash_attention(q, k, v, stats=stats, eps=eps)
+    assert stats.rows.sum() == 0 and torch.isfinite(stats.max_logit).all(), "forward adds the max logit only"
+    out.backward(torch.ones_like(out))
+    q = q.detach()
     s = reference.scores(q, k, True, 1 / 8)
     tied, tied_b, m = _brute_force_ties(s, eps)
     assert stats.rows.tolist() == [B * N] * H
