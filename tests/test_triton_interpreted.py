@@ -171,3 +171,34 @@ def test_exact_bf16_rounding_fixes_the_interpreter_cast(triton_interpreter):
     kernel[(1,)](x, y, z, BLOCK=1024)
     assert torch.equal(y, x.bfloat16()), "explicit rounding must equal torch's round-to-nearest-even"
     assert (z != x.bfloat16()).sum() > 100, "the interpreter's own cast truncates (bug fixed upstream?)"
+
+
+def test_bf16_lower_bound_is_the_exact_rounding_threshold(triton_interpreter):
+    """bf16(x) >= t  <=>  x >= _bf16_lower_bound(t), for thresholds of every sign and scale,
+    including BF16 values themselves and midpoints between BF16 neighbours."""
+    import triton
+    import triton.language as tl
+
+    global _bound
+    _bound = triton_interpreter._bf16_lower_bound
+
+    @triton.jit
+    def kernel(T, L, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(L + offs, _bound(tl.load(T + offs), True))
+
+    g = torch.Generator().manual_seed(10)
+    t = torch.randn(4096, generator=g) * torch.logspace(-4, 3, 4096)
+    t[:512] = t[:512].bfloat16().float()  # exactly representable thresholds
+    b = t[512:1024].bfloat16().float()
+    t[512:1024] = b + (b.abs() * 2.0 ** -9)  # midpoints-ish between neighbours
+    t[1024] = 0.0
+    t[1025] = -0.0
+    bound = torch.empty_like(t)
+    kernel[(1,)](t, bound, BLOCK=4096)
+    assert (bound.bfloat16().float() >= t).all(), "x = bound must round to >= t"
+    below = torch.nextafter(bound, torch.full_like(bound, -float("inf")))
+    assert (below.bfloat16().float() < t).all(), "the FP32 value just below must round to < t"
+
+
+_bound = None  # set by test_bf16_lower_bound_is_the_exact_rounding_threshold
