@@ -182,7 +182,8 @@ class Monitor:
         self._error_kinds: set[str] = set()
         self._warned: set = set()
         self._last: dict | None = None
-        self._pending_state: dict | None = None
+        self._pending_state: dict | None = None  # from load_state_dict() before attach
+        self._detached_state: dict | None = None  # from detach(): attaching the same layers again continues
 
     # --- attach / detach --------------------------------------------------------------------------
     def attach(self, model: nn.Module, attention: Mapping[str, Any] | None = None) -> list[AttentionLayer]:
@@ -221,8 +222,12 @@ class Monitor:
         router.install()
         try:
             self._fan.open(Layout(layers=[(layer.name, layer.num_heads) for layer in layers]))
-            if self._pending_state is not None:
-                state, self._pending_state = self._pending_state, None
+            state, self._pending_state = self._pending_state, None
+            resumed, self._detached_state = self._detached_state, None
+            if state is None and resumed is not None and [(s["name"], s["num_heads"]) for s in resumed["layers"]] \
+                    == [(layer.name, layer.num_heads) for layer in layers]:
+                state = resumed  # the same layers again (e.g. a second fit): carry on where detach() left off
+            if state is not None:
                 self.load_state_dict(state)
         except BaseException:
             self.detach()
@@ -235,10 +240,13 @@ class Monitor:
         """Remove every hook and restore ``torch.nn.functional.scaled_dot_product_attention``.
 
         The model is exactly as before ``attach``. History (alerts, counts, the last snapshot)
-        stays readable; ``attach`` may be called again.
+        stays readable; ``attach`` may be called again, and attaching layers of the same names
+        and head counts continues every signal where it stopped (drift sums, power-iteration
+        vectors, variants), as a resume from ``state_dict()`` would.
         """
         if self._router is not None:
             self._router.remove()
+            self._detached_state = self.state_dict()
         self._router = None
         self.layers, self._states, self._wq = [], [], []
 

@@ -426,3 +426,16 @@ def test_wq_power_iteration_groups_split_by_memory_and_agree(monkeypatch):
     assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)
     state = two.monitor.state_dict()
     assert [tuple(layer["power"]["v"].shape) for layer in state["layers"]] == [(4, 64, 4), (4, 64, 4)]
+
+
+def test_detach_then_attach_again_continues_the_signals():
+    cfg = MonitorConfig(interval=1, auto_fix="fixed", drift_threshold=0.0, warmup=0, drift_include_fp32=True,
+                        layers=[0])
+    whole, parts = Run(cfg), Run(cfg)
+    whole.train(4)
+    parts.train(2)
+    parts.monitor.detach()
+    parts.monitor.attach(parts.model)  # e.g. a second trainer.fit with the same callback
+    assert parts.monitor.variants == {0: "fixed"}
+    parts.train(2)
+    _assert_same(whole.monitor.state_dict(), parts.monitor.state_dict())
