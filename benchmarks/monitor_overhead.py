@@ -1,0 +1,160 @@
+"""What the Monitor costs a real training step (CUDA): GPT-2 small, batch 16 x 1024, bf16.
+
+Four arms on the same model, data and optimizer, one after another in one process:
+
+- ``sdpa``: torch SDPA, no monitor (the user's baseline in observe mode);
+- ``sdpa+observe``: the same with ``Monitor(MonitorConfig(mode="observe", interval=10))``;
+- ``flashwatch``: attention through flashwatch's plain kernel, no monitor (own-kernel baseline);
+- ``flashwatch+own_kernel``: ``Monitor(MonitorConfig(mode="own_kernel", interval=10))``.
+
+Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--steps`` timed
+steps (CUDA events around every step, read once at the end, so timing adds no host sync).
+Reported: mean step time, mean monitored / unmonitored step, and the overheads the Monitor
+issue targets: mean step <= 1% above its baseline, monitored step <= 15% above an
+unmonitored one.
+
+    python benchmarks/monitor_overhead.py --json monitor_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.kernels import flash_attention
+from flashwatch.tinygpt import GPT, GPTConfig
+
+
+@contextlib.contextmanager
+def flashwatch_attention():
+    """Route every F.scaled_dot_product_attention(q, k, v, is_causal=True) through the plain
+    flashwatch kernel, without a monitor: the own-kernel baseline."""
+    original = F.scaled_dot_product_attention
+
+    def route(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        if attn_mask is None and dropout_p == 0.0 and not kw:
+            return flash_attention(q, k, v, causal=is_causal, sm_scale=scale)
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+
+    F.scaled_dot_product_attention = route
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+class _HostEvent:
+    """A host-clock stand-in for torch.cuda.Event on the CPU."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def run_arm(name: str, args) -> dict:
+    torch.manual_seed(0)
+    dev = args.device
+    if args.tiny:  # a CPU smoke test of this script
+        cfg = GPTConfig(block_size=args.seq, vocab_size=256, n_layer=2, n_head=2, n_embd=128, bias=True)
+    else:
+        cfg = GPTConfig(block_size=args.seq, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=True)
+    model = GPT(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=dev, generator=g)
+               for _ in range(8)]
+    monitor = None
+    route = contextlib.nullcontext()
+    if name == "sdpa+observe":
+        monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval))
+    elif name == "flashwatch":
+        route = flashwatch_attention()
+    elif name == "flashwatch+own_kernel":
+        monitor = Monitor(MonitorConfig(mode="own_kernel", interval=args.interval))
+    if monitor is not None:
+        monitor.attach(model)
+    total = args.warmup + args.steps
+    if dev == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)]
+    else:
+        events = [(_HostEvent(), _HostEvent()) for _ in range(total)]
+    monitored = []
+    with route:
+        for step in range(total):
+            xb = batches[step % len(batches)]
+            is_monitored = monitor is not None and monitor.monitoring
+            events[step][0].record()
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                _, loss = model(xb[:, :-1], xb[:, 1:])
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if monitor is not None:
+                monitor.step(loss=loss.detach(), grad_norm=norm)
+            events[step][1].record()
+            monitored.append(is_monitored)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in events][args.warmup:]
+    flags = monitored[args.warmup:]
+    mon = [t for t, f in zip(times, flags) if f]
+    unmon = [t for t, f in zip(times, flags) if not f]
+    if monitor is not None:
+        monitor.detach()
+        monitor.close()
+    return {"arm": name, "mean_ms": statistics.mean(times), "median_ms": statistics.median(times),
+            "monitored_ms": statistics.mean(mon) if mon else None,
+            "unmonitored_ms": statistics.mean(unmon) if unmon else None, "steps": len(times),
+            "monitored_steps": len(mon), "final_loss": float(loss.detach())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--interval", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=15)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model: a smoke test of this script on the CPU")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("needs CUDA (or --device cpu --tiny for a smoke test)")
+        return 2
+    arms = [run_arm(name, args) for name in ("sdpa", "sdpa+observe", "flashwatch", "flashwatch+own_kernel")]
+    by = {a["arm"]: a for a in arms}
+    for monitored, base in (("sdpa+observe", "sdpa"), ("flashwatch+own_kernel", "flashwatch")):
+        a = by[monitored]
+        a["mean_overhead_vs_baseline"] = a["mean_ms"] / by[base]["mean_ms"] - 1.0
+        a["monitored_vs_unmonitored"] = a["monitored_ms"] / a["unmonitored_ms"] - 1.0
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{'tiny GPT' if args.tiny else 'GPT-2 small'}, batch {args.batch} x {args.seq}, bf16, {device_name}, "
+          f"torch {torch.__version__}")
+    print(f"{'arm':24s} {'mean ms':>8s} {'median':>8s} {'monitored':>10s} {'unmonitored':>12s} "
+          f"{'vs baseline':>12s} {'mon vs unmon':>13s}")
+    for a in arms:
+        over = a.get("mean_overhead_vs_baseline")
+        rel = a.get("monitored_vs_unmonitored")
+        print(f"{a['arm']:24s} {a['mean_ms']:8.2f} {a['median_ms']:8.2f} "
+              f"{a['monitored_ms'] or float('nan'):10.2f} {a['unmonitored_ms'] or float('nan'):12.2f} "
+              f"{'' if over is None else f'{100 * over:+.2f}%':>12s} {'' if rel is None else f'{100 * rel:+.1f}%':>13s}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": device_name, "torch": torch.__version__,
+                       "arms": arms}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
