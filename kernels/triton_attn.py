@@ -131,6 +131,18 @@ def _tie_update(qk, m1, tied, eps_raw):
     return tl.maximum(m1, t1), tied
 
 
+@triton.jit
+def _query_block_start(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """First query row of this program. Causal programs of late query blocks have the most
+    keys to visit: hand those out first (the longest-processing-time order), so the grid's
+    last wave is made of short programs."""
+    if CAUSAL:
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+    return pid * BLOCK_M
+
+
 # --------------------------------------------------------------------------------------------
 # forward
 # --------------------------------------------------------------------------------------------
@@ -184,7 +196,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # Statistics cost the forward nothing per score: it stores each row's max (the backward's
     # dQ pass counts repeated maxima against it) and the head's max logit.
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _query_block_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -439,7 +451,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, S
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # With STATS it also counts repeated maxima against the row max the forward stored, and
     # accumulates delta_hp = rowsum(P * dP) beside dS.
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _query_block_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -542,7 +554,7 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS,
     # grid: (cdiv(N, BLOCK_M), B * H). Reads q, k, v, the other kernel's output O and dO;
     # adds per-head counts, max logit and delta-error sums. delta_hp = rowsum(P * dP) is
     # accumulated online like the softmax denominator: d = sum exp(s - m) * dP, then d / l.
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _query_block_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
