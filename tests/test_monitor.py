@@ -439,3 +439,32 @@ def test_detach_then_attach_again_continues_the_signals():
     assert parts.monitor.variants == {0: "fixed"}
     parts.train(2)
     _assert_same(whole.monitor.state_dict(), parts.monitor.state_dict())
+
+
+@pytest.mark.parametrize("script, args", [
+    ("plain_loop.py", ["--steps", "6", "--interval", "2", "--mode", "own_kernel", "--bf16", "--auto-fix", "fixed"]),
+    ("hf_transformers.py", ["--steps", "3", "--interval", "2", "--family", "llama"]),
+])
+def test_examples_run(script, args, capsys):
+    import pathlib
+    import runpy
+
+    if script.startswith("hf_"):
+        pytest.importorskip("transformers")
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / script
+    main = runpy.run_path(str(path))["main"]
+    n = torch.get_num_threads()
+    try:
+        assert main(args) == 0
+    finally:
+        torch.set_num_threads(n)
+    assert "errors: 0" in capsys.readouterr().out
+    assert _sdpa_restored()
+
+
+def _sdpa_restored():
+    import torch.nn.functional as F
+
+    from flashwatch.attach import _import_time_sdpa
+
+    return F.scaled_dot_product_attention is _import_time_sdpa
