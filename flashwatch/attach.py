@@ -46,6 +46,10 @@ Cautions:
   are counted twice (the ratios stay right; sums double).
 - Statistics are collected only where autograd records (``torch.is_grad_enabled()``), so
   evaluation passes under ``no_grad`` never count.
+- In ``own_kernel`` mode a failure of flashwatch's kernel in the forward falls back to SDPA
+  (logged, counted); one in its backward cannot be caught there and surfaces as the backward's
+  error, as any attention kernel's would. Observe mode never runs flashwatch code in the
+  model's own forward or backward math.
 """
 
 from __future__ import annotations
