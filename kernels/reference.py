@@ -127,8 +127,22 @@ def _add_delta_stats(stats: AttentionStats, err: torch.Tensor, tied: torch.Tenso
     stats.delta_error_tied.add_(torch.where(tied, err, torch.zeros_like(err)).sum(dim=(0, 2)))
 
 
+def _no_autocast(fn):
+    """Run ``fn`` with autocast off on its inputs' device: the reference chooses its own
+    precision (FP32 scores and accumulation), as the Triton kernel does; an enclosing
+    autocast region must not turn its matrix products into BF16 ones."""
+
+    def wrapped(ctx, first, *args):
+        with torch.autocast(device_type=first.device.type, enabled=False):
+            return fn(ctx, first, *args)
+
+    wrapped.__doc__ = fn.__doc__
+    return wrapped
+
+
 class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
+    @_no_autocast
     def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
         dtype = q.dtype
         s = scores(q, k, causal, sm_scale)  # (B, H, N, N)
@@ -156,6 +170,7 @@ class _ReferenceAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, grad_out):
         q, k, v, out, lse, residual, tied, tied_bf16 = ctx.saved_tensors
         dtype = q.dtype
@@ -216,7 +231,12 @@ def attention_statistics(q, k, v, out, grad_out, stats, *, causal=True, sm_scale
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     stats.check_compatible(q.shape[1], q.device)
-    s = scores(q, k, causal, float(sm_scale))
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        _statistics(q, k, v, out, grad_out, stats, causal, float(sm_scale), eps)
+
+
+def _statistics(q, k, v, out, grad_out, stats, causal, sm_scale, eps):
+    s = scores(q, k, causal, sm_scale)
     m1, m2 = row_top2(s)
     tied, tied_bf16 = tie_flags(m1, m2, eps)
     _add_max_logit(stats, m1)

@@ -157,3 +157,18 @@ def test_statistics_pass_equals_own_kernel_statistics():
         assert torch.equal(getattr(own, name), getattr(seen, name)), name
     for name in ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied"):
         torch.testing.assert_close(getattr(own, name), getattr(seen, name), rtol=1e-4, atol=1e-6)
+
+
+def test_autocast_does_not_change_the_reference():
+    """An enclosing BF16 autocast region must not turn the reference's FP32 products into BF16."""
+    torch.manual_seed(8)
+    q, k, v = (t.bfloat16().requires_grad_(True) for t in _inputs(1, 2, 33, 64, dtype=torch.float32))
+    out = reference.flash_attention(q, k, v)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ac = reference.flash_attention(q, k, v)
+        grads_ac = torch.autograd.grad(out_ac, (q, k, v), g)
+    assert torch.equal(out, out_ac)
+    for a, b in zip(grads, grads_ac):
+        assert torch.equal(a, b)
