@@ -48,8 +48,14 @@ def _sdpa(backend):
 def _flashwatch(variant: str, with_stats: bool):
     from flashwatch.kernels import AttentionStats, flash_attention
 
+    held: dict = {}  # one AttentionStats per head count, kept across calls as a Monitor keeps its layers'
+
     def run(q, k, v, causal):
-        stats = AttentionStats(q.shape[1], q.device) if with_stats else None
+        stats = None
+        if with_stats:
+            stats = held.get(q.shape[1])
+            if stats is None:
+                stats = held[q.shape[1]] = AttentionStats(q.shape[1], q.device)
         return flash_attention(q, k, v, causal=causal, variant=variant, stats=stats)
 
     return run

@@ -56,16 +56,21 @@ class AttentionStats:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
         self.device = torch.device(device)
-        for name in COUNT_FIELDS:
-            setattr(self, name, torch.zeros(num_heads, dtype=torch.int64, device=self.device))
-        self.max_logit = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=self.device)
-        for name in SUM_FIELDS:
-            setattr(self, name, torch.zeros(num_heads, dtype=torch.float32, device=self.device))
+        # Two buffers, every field a view of one row: reset() and packed() are a few kernel
+        # launches however many fields there are (they run once per layer per monitored step).
+        self._counts = torch.zeros(len(COUNT_FIELDS), num_heads, dtype=torch.int64, device=self.device)
+        self._values = torch.zeros(len(MAX_FIELDS) + len(SUM_FIELDS), num_heads, dtype=torch.float32,
+                                   device=self.device)
+        for i, name in enumerate(COUNT_FIELDS):
+            setattr(self, name, self._counts[i])
+        for i, name in enumerate(MAX_FIELDS + SUM_FIELDS):
+            setattr(self, name, self._values[i])
+        self.max_logit.fill_(float("-inf"))
 
     def reset(self) -> None:
         """Zero every field in place (max_logit back to -inf). No host synchronisation."""
-        for name in COUNT_FIELDS + SUM_FIELDS:
-            getattr(self, name).zero_()
+        self._counts.zero_()
+        self._values.zero_()
         self.max_logit.fill_(float("-inf"))
 
     def packed(self) -> torch.Tensor:
@@ -73,9 +78,9 @@ class AttentionStats:
 
         One tensor so that a monitored step needs a single host transfer, and a distributed
         run a single all-reduce (sums for counts and delta sums, max for max_logit: reduce
-        rows ``max_rows()`` with MAX and the others with SUM).
+        rows ``max_rows()`` with MAX and the others with SUM). Rows follow ``FIELDS``.
         """
-        return torch.stack([getattr(self, name).to(torch.float64) for name in FIELDS])
+        return torch.cat([self._counts.to(torch.float64), self._values.to(torch.float64)])
 
     @staticmethod
     def max_rows() -> list[int]:
