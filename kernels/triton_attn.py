@@ -380,6 +380,27 @@ def _next_up_f32(x):
 
 
 @triton.jit
+def _next_down_f32(x):
+    """The next FP32 value below a finite x."""
+    b = x.to(tl.int32, bitcast=True)
+    down = tl.where(x > 0, b - 1, tl.where(x < 0, b + 1, -2147483647))  # +-0 -> minus the smallest subnormal
+    return down.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _raw_threshold(t, sm_scale):
+    """Smallest FP32 raw score r with fp32(r * sm_scale) >= t, so that the test on scaled
+    scores ``qk * sm_scale >= t`` becomes ``qk >= r`` (one multiply per score saved; exact,
+    since rounding a product is monotone). t / sm_scale lands within an ulp or two of r."""
+    r = t / sm_scale
+    r = tl.where(r * sm_scale >= t, r, _next_up_f32(r))
+    r = tl.where(r * sm_scale >= t, r, _next_up_f32(r))
+    r = tl.where(_next_down_f32(r) * sm_scale >= t, _next_down_f32(r), r)
+    r = tl.where(_next_down_f32(r) * sm_scale >= t, _next_down_f32(r), r)
+    return r
+
+
+@triton.jit
 def _bf16_step(y, UP: tl.constexpr):
     """The BF16 value next to a BF16 value y (held in FP32), above (UP) or below."""
     b = y.to(tl.int32, bitcast=True)
@@ -428,9 +449,9 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_ba
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
             # scores within eps of the row max (FP32, and after BF16 rounding), packed in one
-            # sum: low 16 bits FP32, high 16 bits BF16 (a tile has at most BLOCK_N of each)
-            x = qk * sm_scale
-            near = (x >= t32[:, None]).to(tl.int32) + (x >= tb16[:, None]).to(tl.int32) * 65536
+            # sum: low 16 bits FP32, high 16 bits BF16 (a tile has at most BLOCK_N of each);
+            # t32 and tb16 are thresholds on raw scores (see _raw_threshold)
+            near = (qk >= t32[:, None]).to(tl.int32) + (qk >= tb16[:, None]).to(tl.int32) * 65536
             if MASKED:
                 near = tl.where(valid, near, 0)
             packed = tl.sum(near, 1)
@@ -474,8 +495,10 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, S
     nb16 = tl.zeros([BLOCK_M], tl.int32)  # the same after BF16 rounding
     if STATS:
         s1 = tl.load(ROWMAX + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
-        t32 = s1 - eps
-        tb16 = _bf16_lower_bound(_cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32) - eps, EXACT_BF16)
+        # repeated max (FP32): sm_scale*qk >= s1 - eps; (BF16): bf16(sm_scale*qk) >= bf16(s1) - eps
+        t32 = _raw_threshold(s1 - eps, sm_scale)
+        tb16 = _raw_threshold(_bf16_lower_bound(_cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32) - eps,
+                                                EXACT_BF16), sm_scale)
     else:
         t32 = lse
         tb16 = lse

@@ -202,3 +202,31 @@ def test_bf16_lower_bound_is_the_exact_rounding_threshold(triton_interpreter):
 
 
 _bound = None  # set by test_bf16_lower_bound_is_the_exact_rounding_threshold
+
+
+def test_raw_threshold_turns_a_scaled_test_into_a_raw_one(triton_interpreter):
+    """fp32(r * scale) >= t  <=>  r >= _raw_threshold(t, scale), checked at the threshold's
+    neighbours for many t and the scales attention uses."""
+    import triton
+    import triton.language as tl
+
+    global _raw
+    _raw = triton_interpreter._raw_threshold
+
+    @triton.jit
+    def kernel(T, R, scale, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(R + offs, _raw(tl.load(T + offs), scale))
+
+    g = torch.Generator().manual_seed(11)
+    t = torch.randn(2048, generator=g) * torch.logspace(-3, 3, 2048)
+    for scale in (64 ** -0.5, 128 ** -0.5, 0.3, 1.0):
+        r = torch.empty_like(t)
+        kernel[(1,)](t, r, scale, BLOCK=2048)
+        s = torch.tensor(scale, dtype=torch.float32)
+        assert (r * s >= t).all()
+        below = torch.nextafter(r, torch.full_like(r, -float("inf")))
+        assert (below * s < t).all()
+
+
+_raw = None  # set by test_raw_threshold_turns_a_scaled_test_into_a_raw_one
