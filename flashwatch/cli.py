@@ -27,6 +27,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _cmd_experiment(args: argparse.Namespace) -> int:
+    from .experiments.cli import main as experiment_main  # imports torch: only when the command runs
+
+    return experiment_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashwatch", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flashwatch {__version__}")
@@ -51,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autotune block shapes per kernel (FLASHWATCH_AUTOTUNE=1) and print the chosen configs")
     p.add_argument("--json", metavar="PATH", help="write all numbers as JSON")
     p.set_defaults(func=_cmd_bench)
+    # everything after `experiment` goes to flashwatch.experiments.cli (its own --help, subcommands)
+    p = sub.add_parser("experiment", add_help=False, prefix_chars="\x00",
+                       help="early-warning and real-failure experiments, replay analysis (--help for the manual)")
+    p.add_argument("rest", nargs="*")
+    p.set_defaults(func=_cmd_experiment)
     return parser
 
 

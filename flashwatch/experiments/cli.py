@@ -1,0 +1,423 @@
+"""flashwatch experiment: prove the early warning on runs that fail, and replay what was recorded.
+
+Commands
+  flashwatch experiment early-warning   issue 7: the INJECTED-fault scenario (CPU) and the
+                                        real-numerics scenario (CUDA; skipped without it)
+  flashwatch experiment real-failure    issue 9: the probe's BF16 failure (CUDA only), six arms
+  flashwatch experiment analyze PATH    replay detectors and baselines on recorded runs
+  flashwatch experiment list            scenarios, arms, defaults
+
+What a run is. One (scenario, arm, seed): a byte-level GPT trained on the Python standard
+library's source with flashwatch's Monitor attached, in its own process, stopped at blow-up,
+at --max-steps or at --max-seconds. Its folder (OUT/SCENARIO/ARM/seedN) records every step's
+loss and gradient norm (steps.csv) and every monitored step's per-head signals
+(signals.jsonl.gz: delta error e_t, C_T, drift z, windowed z, repeated-max counts on FP32 and
+BF16 scores, max logit, W^Q spectral norm, variants, alerts), plus run.json and worker.log.
+
+Blow-up: a non-finite loss, or a loss above 1.5x its running minimum for 20 consecutive steps
+(the blow-up step is where that excursion starts). Lead time = blow-up step - first alert step.
+
+Results. After each run its recordings are analysed and merged into ONE JSON (--json), keyed
+by scenario/arm/seed, so runs from several sittings (other seeds, other GPUs) add up; a rerun
+replaces its key. The JSON holds per run: status, blow-up step, every flashwatch rule's first
+alert (replayed with the current MonitorConfig defaults), the baselines' first alerts
+(Lightning-style loss spike, ZClip grad-norm z, QK-Clip max logit > 100), lead times, final
+loss; per arm aggregates; the issues' targets. A table is printed at the end.
+
+Analyze. `analyze` re-reads run folders (or the folders a results JSON names) and replays the
+detectors WITHOUT retraining: with MonitorConfig's defaults (whatever flashwatch/config.py says
+now), or with --set FIELD=VALUE overrides; --calibrate sweeps thresholds and writes the evidence;
+--figures renders one PNG per arm (do this on your machine, not on the GPU).
+
+Parallel runs. --parallel N runs N workers at a time; --devices 0,1 spreads CUDA runs over
+those GPUs (CUDA_VISIBLE_DEVICES per worker, least-loaded first); CPU runs share the cores
+(threads = cores / N). --budget SECONDS ends everything in time: no run starts that cannot get
+30 s, the last ones get shorter --max-seconds, stragglers are stopped (and keep what they
+recorded). A failing run is recorded as an error; the others go on. Worker output goes to
+RUN_DIR/worker.log. Without installing flashwatch: from the repository root, with
+flashwatch/kernels linked to kernels/ and PYTHONPATH=$PWD (see benchmarks/gpu_session.sh),
+`python -m flashwatch.cli experiment ...`; workers inherit that environment.
+
+Check before spending GPU time: --dry-run prints the plan (runs, arms, seeds, devices, bounds)
+and an estimated wall time; --device cpu --tiny runs the same code path on a tiny model on the
+CPU in seconds.
+
+Examples
+  flashwatch experiment early-warning --scenario injection --parallel 2 \\
+      --json results/early-warning.json --out runs/experiments
+  python -m flashwatch.cli experiment real-failure --seeds 0-2 --parallel 8 --devices 0,1 \\
+      --budget 540 --out $OUT/runs --json $OUT/real-failure.json
+  flashwatch experiment real-failure --device cpu --tiny --seeds 0 --out /tmp/smoke --json /tmp/smoke.json
+  flashwatch experiment analyze runs/experiments --json results/early-warning.json \\
+      --figures docs/figures --calibrate results/calibration.json
+  flashwatch experiment analyze runs/experiments --set drift_threshold=3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+EPILOG = "Run `flashwatch experiment COMMAND --help` for a command's options."
+
+
+def _seeds(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part[1:]:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    if not out:
+        raise argparse.ArgumentTypeError(f"no seeds in {text!r}; e.g. 0-4 or 0,2,5")
+    return out
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _overrides(items: list[str] | None) -> dict:
+    out = {}
+    for item in items or ():
+        if "=" not in item:
+            raise SystemExit(f"--set takes FIELD=VALUE (a MonitorConfig field), got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = _value(v.strip())
+    if out:
+        from ..config import MonitorConfig
+
+        MonitorConfig(**out)  # fail early, naming the field
+    return out
+
+
+def _add_run_options(p: argparse.ArgumentParser, default_json: str) -> None:
+    g = p.add_argument_group("what to run")
+    g.add_argument("--arms", metavar="A,B", help="arms to run (default: the scenario's default arms; see `list`)")
+    g.add_argument("--seeds", type=_seeds, metavar="0-4", help="seeds, e.g. 0-4 or 0,2 (default: 0-4)")
+    g.add_argument("--tiny", action="store_true", help="tiny model and 30 steps: a smoke run of the same code path")
+    g.add_argument("--device", choices=("cpu", "cuda"), help="where the runs train (default: the scenario's)")
+    g.add_argument("--monitor-set", action="append", metavar="FIELD=VALUE",
+                   help="MonitorConfig field for the runs' Monitor (repeatable), e.g. interval=5; recorded in the "
+                        "runs and used by their analysis")
+    g = p.add_argument_group("bounds and parallelism")
+    g.add_argument("--max-steps", type=int, metavar="N", help="steps per run (default: the scenario's)")
+    g.add_argument("--max-seconds", type=float, metavar="S", help="seconds per run, start-up excluded "
+                                                                  "(default: the scenario's)")
+    g.add_argument("--parallel", type=int, default=1, metavar="N", help="runs at a time (default 1)")
+    g.add_argument("--devices", default=None, metavar="0,1",
+                   help="GPU indices for CUDA runs (default: every visible GPU)")
+    g.add_argument("--budget", type=float, metavar="S", help="overall wall-clock budget in seconds (see above)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="runs/experiments", metavar="DIR",
+                   help="run folders go to DIR/SCENARIO/ARM/seedN (default runs/experiments)")
+    g.add_argument("--json", default=default_json, metavar="PATH",
+                   help=f"results JSON, merged by scenario/arm/seed (default {default_json})")
+    g.add_argument("--figures", metavar="DIR", help="also render one PNG per arm into DIR when done "
+                                                     "(better: `analyze --figures` on your own machine)")
+    g.add_argument("--dry-run", action="store_true", help="print the plan and an estimated wall time; run nothing")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .scenarios import SCENARIOS
+
+    parser = argparse.ArgumentParser(prog="flashwatch experiment", description=__doc__, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def scen_doc(name: str) -> str:
+        s = SCENARIOS[name]
+        lines = [f"{s.name} (issue {s.issue}, {s.device}): {s.summary}",
+                 f"  recipe: {_recipe_text(s.recipe)}; {s.max_steps} steps, {s.max_seconds:g} s per run by default"]
+        for a in s.arms:
+            mark = "*" if a.name in s.default_arms else " "
+            lines.append(f"  {mark} {a.name:20s} [{a.expect}] {a.summary}")
+            if a.note:
+                lines.append(f"      note: {a.note}")
+        return "\n".join(lines)
+
+    p = sub.add_parser("early-warning", help="issue 7: injected-fault scenario (CPU) and real-numerics (CUDA)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Early-warning scenarios (issue 7). Arms marked * run by default.\n\n"
+                                   + scen_doc("injection") + "\n\n" + scen_doc("real-numerics") +
+                                   "\n\nWithout CUDA the real-numerics scenario is skipped (said so); "
+                                   "--device cpu --tiny runs it as a smoke test.")
+    p.add_argument("--scenario", choices=("injection", "real-numerics", "all"), default="all",
+                   help="which scenario (default: all)")
+    _add_run_options(p, "results/early-warning.json")
+    p.set_defaults(func=_cmd_run, command_name="early-warning")
+
+    p = sub.add_parser("real-failure", help="issue 9: the probe's real BF16 failure, six arms (CUDA)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="The real BF16 failure (issue 9). Arms marked * run by default.\n\n"
+                                   + scen_doc("real-failure") +
+                                   "\n\nNeeds CUDA: without it the command says so and exits with status 2 "
+                                   "(--device cpu --tiny runs the same code path on a tiny model).")
+    _add_run_options(p, "results/real-failure.json")
+    p.set_defaults(func=_cmd_run, command_name="real-failure", scenario="real-failure")
+
+    p = sub.add_parser("analyze", help="replay detectors and baselines on recorded runs (no training)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Replay on recorded runs. PATH: a run folder, a folder of run folders, or a "
+                                   "results JSON (its runs' folders are read where they exist).\n"
+                                   "Thresholds: MonitorConfig's defaults, or --set FIELD=VALUE (repeatable), e.g. "
+                                   "--set drift_threshold=3 --set warmup=50.")
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="MonitorConfig override for the replay")
+    p.add_argument("--json", metavar="PATH", help="merge the re-analysed runs into this results JSON")
+    p.add_argument("--figures", metavar="DIR", help="render one PNG per (scenario, arm) into DIR")
+    p.add_argument("--calibrate", metavar="PATH", help="write the calibration evidence (JSON) to PATH and print it")
+    p.add_argument("--markdown", metavar="PATH", help="write the run table as Markdown to PATH")
+    p.set_defaults(func=_cmd_analyze)
+
+    p = sub.add_parser("list", help="scenarios, arms and defaults")
+    p.set_defaults(func=_cmd_list)
+    return parser
+
+
+def _recipe_text(r) -> str:
+    return (f"{r.n_layer} layers x {r.n_head} heads, d={r.n_embd}, ctx {r.block_size}, batch {r.batch_size}, "
+            f"AdamW lr {r.lr:g} ({r.warmup_steps} warm-up steps, betas ({r.beta1}, {r.beta2}), wd {r.weight_decay:g}), "
+            f"clip {r.clip:g}, Monitor every {r.interval} steps")
+
+
+def _cmd_list(args) -> int:
+    from .scenarios import SCENARIOS
+
+    for s in SCENARIOS.values():
+        print(f"{s.name} (issue {s.issue}, {s.device}): {s.summary}")
+        print(f"  recipe: {_recipe_text(s.recipe)}")
+        print(f"  tiny:   {_recipe_text(s.tiny)}")
+        print(f"  seeds {','.join(map(str, s.seeds))}; {s.max_steps} steps, {s.max_seconds:g} s per run")
+        for a in s.arms:
+            mark = "*" if a.name in s.default_arms else " "
+            print(f"  {mark} {a.label:34s} [{a.expect}] {a.summary}")
+    return 0
+
+
+def _cuda_devices(text: str | None) -> list[str]:
+    if text:
+        return [d.strip() for d in text.split(",") if d.strip()]
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+    except Exception:
+        n = 0
+    return [str(i) for i in range(max(n, 1))]
+
+
+def _cmd_run(args) -> int:
+    import torch
+
+    from .runner import estimate, load_results, make_plan, measured_speeds, run_plan
+    from .scenarios import get_scenario
+
+    names = ["injection", "real-numerics"] if getattr(args, "scenario", None) == "all" else [args.scenario]
+    cuda = torch.cuda.is_available()
+    chosen = []
+    for name in names:
+        scenario = get_scenario(name)
+        device = args.device or scenario.device
+        if device == "cuda" and not cuda and not args.dry_run:
+            msg = (f"flashwatch experiment: the {name} scenario needs a CUDA GPU and torch.cuda.is_available() is "
+                   f"False on this machine (torch {torch.__version__}). For a smoke run of the same code path on the "
+                   f"CPU: --device cpu --tiny.")
+            if args.command_name == "real-failure" or len(names) == 1:
+                print(msg, file=sys.stderr)
+                return 2
+            print(msg.replace("needs", "is skipped: it needs"), file=sys.stderr)
+            continue
+        if device == "cpu" and scenario.device == "cuda" and not args.tiny:
+            print(f"flashwatch experiment: the {name} recipe on a CPU would take days; --device cpu is for "
+                  "--tiny smoke runs", file=sys.stderr)
+            return 2
+        arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(scenario.default_arms)
+        try:
+            for a in arms:
+                scenario.arm(a)
+        except ValueError as exc:
+            if len(names) == 1:
+                print(f"flashwatch experiment: {exc}", file=sys.stderr)
+                return 2
+            arms = [a for a in arms if a in {x.name for x in scenario.arms}]
+            if not arms:
+                continue
+        chosen.append((scenario, arms))
+    if not chosen:
+        print("flashwatch experiment: nothing to run", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    json_path = Path(args.json)
+    plan = make_plan(chosen, args.seeds, out, device=args.device, tiny=args.tiny, max_steps=args.max_steps,
+                     max_seconds=args.max_seconds, monitor_overrides=_overrides(args.monitor_set))
+    devices = _cuda_devices(args.devices) if any(s.device == "cuda" for s in plan) else []
+    if args.parallel < 1:
+        print("flashwatch experiment: --parallel must be >= 1", file=sys.stderr)
+        return 2
+    est = estimate(plan, args.parallel, devices, measured_speeds(load_results(json_path)))
+    print(f"plan: {len(plan)} runs, --parallel {args.parallel}"
+          f"{', GPUs ' + ','.join(devices) if devices else ''}; results -> {json_path}; run folders -> {out}")
+    for spec, row in zip(plan, est["runs"]):
+        print(f"  {spec.key:40s} {spec.device:4s} {spec.max_steps:6d} steps <= {spec.max_seconds:5.0f} s  "
+              f"~{row['ms_per_step']} ms/step ({row['source']}){'  INJECTED x%g' % spec.arm['inject'] if spec.arm.get('inject') else ''}")
+    budget_note = f" (capped by --budget {args.budget:g} s)" if args.budget else ""
+    print(f"estimated wall time at most ~{est['wall_s']} s{budget_note}; {est['assumption']}")
+    if args.dry_run:
+        if any(s.device == "cuda" for s in plan) and not cuda:
+            print("note: no CUDA here; the real run needs it")
+        return 0
+    results = run_plan(plan, parallel=args.parallel, devices=devices, json_path=json_path, budget_s=args.budget,
+                       extra={"machine": _machine()})
+    keys = {s.key for s in plan}
+    _print_results(results, keys)
+    if args.figures:
+        from .figures import figures_for
+
+        paths = figures_for([Path(s.run_dir) for s in plan if (Path(s.run_dir) / "run.json").exists()],
+                            Path(args.figures))
+        print("figures:", ", ".join(str(p) for p in paths))
+    errors = [k for k in keys if results.get("runs", {}).get(k, {}).get("status") == "error"]
+    return 1 if errors else 0
+
+
+def _machine() -> dict:
+    import platform
+
+    import torch
+
+    out = {"host_cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return out
+
+
+def _print_results(results: dict, keys: set | None = None) -> None:
+    from .analysis import format_table
+
+    runs = {k: v for k, v in results.get("runs", {}).items() if keys is None or k in keys}
+    print()
+    print(format_table(runs))
+    scenarios = {r["scenario"] for r in runs.values()}
+    for name, t in results.get("targets", {}).items():
+        if name not in scenarios:
+            continue
+        b = t["alert_before_blowup"]
+        line = (f"{name}: flashwatch (mechanism rules) alerted before blow-up in {b['runs']}/{b['of']} blown-up runs; "
+                + "; ".join(f"earlier than {k} in {v['flashwatch_earlier']}/{v['of']}"
+                            f" ({k} fired on {v['healthy_runs_where_baseline_fired']}/{v['of_healthy']} healthy runs)"
+                            for k, v in t["earlier_than_baseline"].items())
+                + f"; healthy runs with a flashwatch alert: {t['healthy_runs_with_flashwatch_alerts']}/"
+                  f"{t['healthy_runs']}")
+        if "lead_at_least" in t:
+            la = t["lead_at_least"]
+            line += f"; lead >= {la['steps']} steps in {la['runs']}/{la['of']}"
+        for row in t.get("auto_fix", []):
+            ratio = row.get("loss_ratio")
+            line += (f"; {row['key']}: blow-up {row['blowup_step']}, {row['switches']} switch(es), final loss "
+                     f"{'-' if ratio is None else f'{ratio:.3f}'} x healthy")
+        print(line)
+
+
+def _cmd_analyze(args) -> int:
+    from .analysis import analyze_run, calibrate, find_runs, format_table
+    from .runner import merge_results
+
+    overrides = _overrides(args.set)
+    run_dirs: list[Path] = []
+    for p in args.paths:
+        path = Path(p)
+        if path.is_file() and path.suffix == ".json":
+            with open(path) as f:
+                data = json.load(f)
+            run_dirs += [Path(r["run_dir"]) for r in data.get("runs", {}).values()
+                         if r.get("run_dir") and (Path(r["run_dir"]) / "run.json").exists()]
+        elif path.exists():
+            run_dirs += find_runs(path)
+        else:
+            print(f"flashwatch experiment analyze: {p} does not exist", file=sys.stderr)
+            return 2
+    run_dirs = sorted(set(run_dirs))
+    if not run_dirs:
+        print("flashwatch experiment analyze: no run folders (with run.json) found", file=sys.stderr)
+        return 2
+    summaries = []
+    for d in run_dirs:
+        try:
+            summaries.append(analyze_run(d, overrides))
+        except Exception as exc:
+            print(f"  {d}: cannot analyse ({type(exc).__name__}: {exc})", file=sys.stderr)
+    runs = {s["key"]: s for s in summaries}
+    if overrides:
+        print(f"replayed with MonitorConfig overrides {overrides}")
+    print(format_table(runs))
+    mismatched = [s["key"] for s in summaries if s["in_training"]["replay_matches"] is False and not overrides]
+    if mismatched:
+        print(f"note: replay with the runs' own configs differs from the in-training alerts for {mismatched}")
+    if args.json:
+        results = merge_results(Path(args.json), summaries)
+        _print_results(results, set(runs))
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(format_table(runs, markdown=True) + "\n")
+    if args.calibrate:
+        from .records import write_json_atomic
+
+        cal = calibrate(run_dirs)
+        write_json_atomic(Path(args.calibrate), cal)
+        _print_calibration(cal)
+    if args.figures:
+        from .figures import figures_for
+
+        for p in figures_for(run_dirs, Path(args.figures), overrides):
+            print("figure:", p)
+    return 0
+
+
+def _print_calibration(cal: dict) -> None:
+    print(f"\ncalibration over {cal['runs']} runs (healthy: no blow-up, no auto-fix switch)")
+    print(f"  {'statistic':24s} {'healthy max':>12s} {'failing min(max before blow-up)':>32s} {'margin':>7s}")
+    for k, v in cal["extremes"].items():
+        h, f = v["healthy_max"], v["failing_min_of_max_before_blowup"]
+        print(f"  {k:24s} {('%.4g' % h['max']) if h else '-':>12s} "
+              f"{('%.4g' % f['min_of_max']) if f else '-':>32s} {('%.3g' % v['margin']) if v['margin'] else '-':>7s}")
+    for field, rows in cal["sweeps"].items():
+        cells = []
+        for r in rows:
+            mark = "*" if r["default"] else ""
+            cells.append(f"{r['value']:g}{mark}: {r['blown_up_alerted_before']}/{r['blown_up']} before"
+                         f" (median lead {r['median_lead']}), {r['healthy_with_alert']}/{r['healthy']} healthy alerted")
+        print(f"  {field}: " + " | ".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

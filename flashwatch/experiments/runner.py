@@ -1,0 +1,316 @@
+"""Run many experiment runs as subprocesses, a few at a time, and gather their results in one JSON.
+
+``run_plan(plan, ...)`` starts each run as ``sys.executable -m flashwatch.experiments.worker
+--spec RUN_DIR/spec.json`` with the caller's environment (so ``PYTHONPATH=$PWD`` from the
+repository root works without installing the package), at most ``parallel`` at a time, spread
+over ``devices`` (``CUDA_VISIBLE_DEVICES`` per subprocess; CPU runs get ``CUDA_VISIBLE_DEVICES=""``
+and ``threads`` CPU threads each). A subprocess's output goes to ``RUN_DIR/worker.log``.
+
+Bounds: each run stops itself at ``max_steps``, at ``max_seconds`` of its own time, or at
+blow-up; the runner kills one that overstays (``max_seconds`` + ``GRACE_S``) and never starts a
+run that the overall ``budget_s`` cannot hold, shortening the last runs' ``max_seconds`` to fit
+(a run cut by the budget is recorded as such, with what it recorded). A run that fails (a
+crash, a missing device, a kill) is recorded as an error with the tail of its log; the others
+go on.
+
+After each run the runner analyses its folder (``analysis.analyze_run``: blow-up, replayed
+alerts, baselines) and merges the summary into the results JSON under the key
+``scenario/arm/seed``: runs of earlier sittings stay, a rerun replaces its key. The JSON also
+carries the aggregate per arm, the targets, and the definitions (recomputed at every merge).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .analysis import BLOWUP_FACTOR, BLOWUP_PATIENCE, EARLY_RULES, FINAL_WINDOW, MECHANISM_RULES, aggregate, \
+    analyze_run, evaluate_targets, format_table, run_key
+from .records import RUN_FILE, write_json_atomic
+from .scenarios import Scenario
+
+__all__ = ["RunSpec", "make_plan", "run_plan", "merge_results", "estimate", "GRACE_S", "STARTUP_S"]
+
+GRACE_S = 90.0  # a worker past max_seconds + this is killed (start-up, compilation, the last flush)
+STARTUP_S = {"cpu": 5.0, "cuda": 40.0}  # process start, imports, corpus, CUDA context (+ Triton compile: own kernel)
+# Assumed ms per step for the dry-run estimate when the results JSON has no measurement of the
+# arm: one process alone on an H200 (NUMERICS.md section 6: SDPA ~19 ms a step incl. its probe).
+ASSUMED_MS = {("cuda", "sdpa", "bf16"): 20.0, ("cuda", "own", "bf16"): 30.0, ("cuda", "sdpa", "fp32"): 45.0,
+              ("cuda", "paper", "bf16"): 90.0, ("cpu", "own", "bf16_attention"): 35.0}
+SHARE = 2.0  # processes that share one GPU without slowing each other (launch-bound small models); beyond: linear
+
+
+@dataclass
+class RunSpec:
+    """One planned run (what the worker's spec.json holds)."""
+
+    scenario: str
+    arm: dict
+    recipe: dict
+    seed: int
+    run_dir: str
+    device: str
+    max_steps: int
+    max_seconds: float
+    label: str
+    tiny: bool = False
+    threads: int | None = None
+    flush_every: int = 50
+    monitor_overrides: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return run_key(self.scenario, self.arm["name"], self.seed)
+
+
+def make_plan(scenarios: list[tuple[Scenario, list[str]]], seeds: list[int] | None, out: Path, *, device: str | None,
+              tiny: bool, max_steps: int | None, max_seconds: float | None,
+              monitor_overrides: dict | None = None) -> list[RunSpec]:
+    """Runs for each (scenario, arm names) x seed, seeds interleaved (seed 0 of every arm first)."""
+    plan = []
+    seed_lists = {}
+    for scenario, arms in scenarios:
+        seed_lists[scenario.name] = list(seeds if seeds is not None else scenario.seeds)
+    rounds = max((len(v) for v in seed_lists.values()), default=0)
+    for i in range(rounds):
+        for scenario, arms in scenarios:
+            sl = seed_lists[scenario.name]
+            if i >= len(sl):
+                continue
+            seed = sl[i]
+            for name in arms:
+                arm = scenario.arm(name)
+                recipe = scenario.tiny if tiny else scenario.recipe
+                if arm.lr is not None and not tiny:
+                    recipe = replace(recipe, lr=arm.lr)
+                dev = device or scenario.device
+                steps = max_steps if max_steps is not None else (scenario.tiny_max_steps if tiny else scenario.max_steps)
+                secs = max_seconds if max_seconds is not None else scenario.max_seconds
+                plan.append(RunSpec(scenario=scenario.name, arm=arm.to_dict(), recipe=recipe.to_dict(), seed=seed,
+                                    run_dir=str(out / scenario.name / name / f"seed{seed}"), device=dev,
+                                    max_steps=steps, max_seconds=secs, label=arm.label, tiny=tiny,
+                                    monitor_overrides=dict(monitor_overrides or {})))
+    return plan
+
+
+def _ms_per_step(spec: RunSpec, measured: dict) -> tuple[float, str]:
+    key = (spec.scenario, spec.arm["name"], spec.tiny, spec.device)
+    if key in measured:
+        return measured[key], "measured"
+    kind = "paper" if spec.arm["attention"] == "paper" else ("own" if spec.arm["monitor"].get("mode") == "own_kernel"
+                                                              else "sdpa")
+    ms = ASSUMED_MS.get((spec.device, kind, spec.arm["precision"]))
+    if ms is None:
+        ms = ASSUMED_MS.get((spec.device, kind, "bf16"), 30.0)
+    if spec.tiny:
+        ms = 30.0
+    scale = (spec.recipe["n_layer"] * spec.recipe["n_embd"] ** 2 * spec.recipe["batch_size"] *
+             spec.recipe["block_size"]) / (6 * 384 ** 2 * 32 * 512) if spec.device == "cuda" and not spec.tiny else 1.0
+    return ms * max(scale, 0.25), "assumed"
+
+
+def measured_speeds(results: dict) -> dict:
+    """ms per step measured in earlier runs (median per scenario, arm, tiny, device), from a results JSON."""
+    acc: dict = {}
+    for r in results.get("runs", {}).values():
+        if r.get("ms_per_step") and r.get("status") in ("completed", "blown_up", "time_limit", "budget"):
+            dev = "cuda" if "H" in str(r.get("device") or "") or "NVIDIA" in str(r.get("device") or "") else "cpu"
+            acc.setdefault((r["scenario"], r["arm"], bool(r.get("tiny")), dev), []).append(r["ms_per_step"])
+    return {k: sorted(v)[len(v) // 2] for k, v in acc.items()}
+
+
+def estimate(plan: list[RunSpec], parallel: int, devices: list[str], measured: dict | None = None) -> dict:
+    """Estimated wall time of a plan: greedy list scheduling of each run's bound-limited time."""
+    measured = measured or {}
+    gpus = max(1, len(devices))
+    per_gpu = math.ceil(parallel / gpus)
+    slow = max(1.0, per_gpu / SHARE)
+    slots = [0.0] * max(1, parallel)
+    rows = []
+    for spec in plan:
+        ms, source = _ms_per_step(spec, measured)
+        if spec.device == "cuda":
+            ms *= slow
+        run_s = min(spec.max_seconds, spec.max_steps * ms / 1000.0) + STARTUP_S.get(spec.device, 5.0)
+        i = min(range(len(slots)), key=slots.__getitem__)
+        slots[i] += run_s
+        rows.append({"key": spec.key, "ms_per_step": round(ms, 1), "source": source, "seconds_at_most": round(run_s)})
+    return {"wall_s": round(max(slots)), "runs": rows, "processes_per_gpu": per_gpu,
+            "assumption": f"{per_gpu} processes per GPU run {slow:.2f}x slower each than one alone "
+                          f"(up to {SHARE:g} share a GPU for free: these models are launch-bound); "
+                          "runs go to their max_steps or max_seconds (a blow-up ends them sooner)"}
+
+
+# --- results JSON ----------------------------------------------------------------------------------
+
+def load_results(path: Path) -> dict:
+    if path.exists():
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def merge_results(path: Path, summaries: list[dict], extra: dict | None = None) -> dict:
+    """Merge run summaries into the results JSON at ``path`` (by key), recompute aggregates, write atomically."""
+    data = load_results(path)
+    runs = data.get("runs", {})
+    for s in summaries:
+        runs[s["key"]] = s
+    data.update({
+        "schema": 1, "kind": "flashwatch-experiments",
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "definitions": {
+            "blowup": f"first step t with a non-finite loss, or loss > {BLOWUP_FACTOR} x the running minimum of "
+                      f"earlier losses for {BLOWUP_PATIENCE} consecutive steps from t (t = the start of that "
+                      "excursion)",
+            "lead": "blow-up step - first alert step (positive: the alert came first)",
+            "flashwatch_first": f"first alert of the rules {', '.join(EARLY_RULES)}",
+            "flashwatch_mechanism_first": f"first alert of the rules {', '.join(MECHANISM_RULES)} "
+                                          "(without max_logit, the QK-Clip criterion)",
+            "final_loss": f"mean of the last {FINAL_WINDOW} recorded losses",
+            "injected": "runs whose attention carries the INJECTED fault (inject_bias): not a real failure",
+        },
+        "runs": dict(sorted(runs.items())),
+    })
+    data["aggregate"] = aggregate(data["runs"])
+    data["targets"] = evaluate_targets(data["runs"], min_lead={"real-failure": 1000})
+    if extra:
+        data.update(extra)
+    write_json_atomic(path, data)
+    return data
+
+
+def _error_summary(spec: RunSpec, message: str) -> dict:
+    return {"key": spec.key, "scenario": spec.scenario, "arm": spec.arm["name"], "seed": spec.seed,
+            "label": spec.label, "injected": bool(spec.arm.get("inject")), "expect": spec.arm.get("expect"),
+            "status": "error", "error": message, "summary_error": True, "run_dir": spec.run_dir, "tiny": spec.tiny}
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        data = path.read_bytes()
+        return data[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def summarize(spec: RunSpec, returncode: int | None, note: str | None = None) -> dict:
+    """The analysed summary of a finished run, or an error record that says what went wrong."""
+    run_dir = Path(spec.run_dir)
+    try:
+        summary = analyze_run(run_dir)
+    except Exception as exc:
+        log_tail = _tail(run_dir / "worker.log")
+        return _error_summary(spec, f"{note or f'exit code {returncode}'}; analysis failed ({type(exc).__name__}: "
+                                    f"{exc}); log tail: {log_tail[-800:]}")
+    if note:
+        summary["runner_note"] = note
+        if summary.get("status") in (None, "starting", "running"):
+            summary["status"] = "budget" if "budget" in note else "killed"
+    if returncode not in (0, None) and summary.get("status") != "error":
+        summary["runner_note"] = (summary.get("runner_note") or "") + f" exit code {returncode}"
+    if summary.get("status") == "error":
+        summary["error"] = summary.get("error") or _tail(run_dir / "worker.log", 800)
+    return summary
+
+
+def run_plan(plan: list[RunSpec], *, parallel: int, devices: list[str], json_path: Path, budget_s: float | None = None,
+             poll_s: float = 0.5, echo=print, extra: dict | None = None) -> dict:
+    """Run ``plan`` (see the module docstring); returns the merged results."""
+    t0 = time.monotonic()
+    deadline = None if budget_s is None else t0 + budget_s
+    cpu_count = os.cpu_count() or 1
+    queue = list(plan)
+    running: list[tuple[subprocess.Popen, RunSpec, str, float, object]] = []
+    load = {d: 0 for d in devices} if devices else {}
+    results = load_results(json_path)
+    skipped: list[RunSpec] = []
+    while queue or running:
+        while queue and len(running) < parallel:
+            spec = queue[0]
+            startup = STARTUP_S.get(spec.device, 5.0)
+            if deadline is not None:
+                left = deadline - time.monotonic() - startup - 20.0
+                if left < 30.0:
+                    skipped.extend(queue)
+                    queue.clear()
+                    break
+                if left < spec.max_seconds:
+                    spec.max_seconds = round(left, 1)
+            queue.pop(0)
+            env = dict(os.environ)
+            env["PYTHONUNBUFFERED"] = "1"
+            dev = ""
+            if spec.device == "cuda":
+                dev = min(load, key=load.get) if load else "0"
+                env["CUDA_VISIBLE_DEVICES"] = dev
+                if load:
+                    load[dev] += 1
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = ""
+                spec.threads = spec.threads or max(1, cpu_count // max(1, parallel))
+                env["OMP_NUM_THREADS"] = str(spec.threads)
+            run_dir = Path(spec.run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / RUN_FILE).unlink(missing_ok=True)
+            with open(run_dir / "spec.json", "w") as f:
+                json.dump(asdict(spec), f, indent=1)
+            log = open(run_dir / "worker.log", "w")
+            try:
+                proc = subprocess.Popen([sys.executable, "-m", "flashwatch.experiments.worker", "--spec",
+                                         str(run_dir / "spec.json")], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+            except OSError as exc:
+                log.close()
+                results = merge_results(json_path, [_error_summary(spec, f"could not start the worker: {exc}")], extra)
+                continue
+            running.append((proc, spec, dev, time.monotonic(), log))
+            echo(f"[{time.monotonic() - t0:6.0f}s] start {spec.key} on {spec.device}{(':' + dev) if dev else ''}")
+        time.sleep(poll_s)
+        for item in list(running):
+            proc, spec, dev, started, log = item
+            code = proc.poll()
+            note = None
+            overdue = time.monotonic() - started > spec.max_seconds + GRACE_S
+            past_budget = deadline is not None and time.monotonic() > deadline
+            if code is None and (overdue or past_budget):
+                note = "killed by the runner: " + ("over the budget" if past_budget else "over max_seconds + grace")
+                _terminate(proc)
+                code = proc.returncode
+            if code is None:
+                continue
+            running.remove(item)
+            log.close()
+            if dev and dev in load:
+                load[dev] -= 1
+            summary = summarize(spec, code, note)
+            results = merge_results(json_path, [summary], extra)
+            echo(f"[{time.monotonic() - t0:6.0f}s] done  {spec.key}: {summary.get('status')}"
+                 f"{'' if summary.get('blowup_step') is None else ', blow-up at ' + str(summary['blowup_step'])}"
+                 f"{'' if not summary.get('error') else ' ERROR ' + str(summary['error'])[:200]}")
+    if skipped:
+        echo(f"not started (budget): {', '.join(s.key for s in skipped)}")
+    return results
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM the worker's process group (it saves its recordings), SIGKILL after 20 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()

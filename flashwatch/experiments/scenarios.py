@@ -1,0 +1,253 @@
+"""The experiments' scenarios and arms: what is trained, how, and what each arm is meant to show.
+
+A *scenario* is one model and data recipe (``Recipe``) with several *arms* (``Arm``: kernel,
+precision, monitor mode, injected fault, learning rate); a *run* is one (scenario, arm, seed).
+Every arm of a scenario trains the same model from the same initial weights on the same
+batches for a given seed (the seed drives both), so arms are paired comparisons.
+
+Scenarios (``SCENARIOS``):
+
+- ``injection`` (issue 7, CPU): a small byte-level GPT whose attention runs BF16 through
+  flashwatch's own kernel (the PyTorch reference on the CPU) with the INJECTED fault
+  ``inject_bias`` (``flashwatch.kernels.reference.inject_rounding_bias``): on rows where P_bar
+  rounds to exactly 1 at two or more keys, |O| is inflated by ``strength * 2**-8`` before
+  rounding, so O and delta carry a one-sided error where the paper's error enters. Arms:
+  ``healthy`` (no fault), ``injected``, ``injected_auto_fix`` (the Monitor switches a flagged
+  layer to ``fixed``, which keeps every P_bar below 1 and so disarms the fault; ``fp32_delta``
+  does not disarm it, see the arm's note). Everything shown from this scenario is labelled
+  INJECTED.
+- ``real-numerics`` (issue 7, CUDA): the probe's model with the paper's all-BF16 attention
+  (``kernels/paper.py``, installed as an SDPA shim and observed), and flashwatch's ``plain``
+  kernel at an aggressive learning rate, with an FP32 control at that rate.
+- ``real-failure`` (issue 9, CUDA): the probe's recipe (../shared/NUMERICS.md section 6) with
+  the arms ``sdpa_observe``, ``plain``, ``fixed``, ``fp32_delta``, ``auto_fix`` (observe mode,
+  switching a flagged layer to ``fp32_delta``) and ``fp32`` (FP32 control, TF32 off).
+
+``tiny`` (``--tiny``): the same arms on a model small enough for a CPU smoke run (2 layers, 2
+heads, d=64, context 64, batch 4), exercising the same code path as the full run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+__all__ = ["Recipe", "Arm", "Scenario", "SCENARIOS", "TINY", "PRECISIONS", "ATTENTIONS", "EXPECTS", "get_scenario"]
+
+PRECISIONS = ("bf16", "fp32", "bf16_attention")
+ATTENTIONS = ("sdpa", "paper")
+EXPECTS = ("failure", "healthy", "rescued")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Model, data and optimiser of a scenario (the probe's, NUMERICS.md section 6, by default)."""
+
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    block_size: int = 512  # context length
+    batch_size: int = 32
+    lr: float = 3e-3  # AdamW peak learning rate, constant after a linear warm-up
+    warmup_steps: int = 200
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    clip: float = 1.0  # gradient-norm clipping (the norm recorded is the one before clipping)
+    corpus_bytes: int = 32_000_000  # Python standard library source, bytes read (flashwatch.tinygpt.stdlib_corpus)
+    interval: int = 10  # the Monitor's interval (MonitorConfig.interval)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of training the scenario's recipe.
+
+    Attributes:
+        name: the arm's name (a table column, a folder name).
+        summary: one line for humans.
+        expect: what the arm is meant to show: ``"failure"`` (the loss should blow up),
+            ``"healthy"`` (a control), ``"rescued"`` (a failing setup the Monitor's auto_fix should save).
+        precision: ``"bf16"`` (BF16 autocast, as the probe), ``"fp32"`` (no autocast, TF32 off),
+            ``"bf16_attention"`` (FP32 model, attention inputs cast to BF16: the CPU scenario).
+        attention: ``"sdpa"`` (the model calls torch SDPA; in own_kernel mode the Monitor routes it
+            to flashwatch's kernel) or ``"paper"`` (an SDPA shim running the paper's all-BF16
+            emulation, installed before the Monitor attaches, so observe mode measures it).
+        monitor: ``MonitorConfig`` fields of the arm (mode, variant, auto_fix, ...).
+        inject: INJECTED fault strength passed as ``inject_bias`` to flashwatch's kernel (0: none).
+        lr: learning rate overriding the recipe's (None: the recipe's).
+        device: ``"cuda"`` or ``"cpu"``: where the arm is meant to run.
+        note: caveats shown in the manual and the docs.
+    """
+
+    name: str
+    summary: str
+    expect: str
+    precision: str = "bf16"
+    attention: str = "sdpa"
+    monitor: dict = field(default_factory=dict)
+    inject: float = 0.0
+    lr: float | None = None
+    device: str = "cuda"
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Arm.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"Arm.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.expect not in EXPECTS:
+            raise ValueError(f"Arm.expect must be one of {EXPECTS}, got {self.expect!r}")
+        if self.inject and self.monitor.get("mode") != "own_kernel":
+            raise ValueError(f"arm {self.name}: the injected fault lives in flashwatch's kernel; it needs "
+                             "monitor mode 'own_kernel'")
+
+    @property
+    def injected(self) -> bool:
+        return bool(self.inject)
+
+    @property
+    def label(self) -> str:
+        """The arm's name as shown: INJECTED arms say so."""
+        return f"{self.name} [INJECTED x{self.inject:g}]" if self.injected else self.name
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A recipe, its arms and defaults.
+
+    Attributes:
+        name: the scenario's name.
+        issue: the issue it answers.
+        summary: one line.
+        recipe: the full-size recipe.
+        tiny: the smoke-test recipe (``--tiny``).
+        arms: the arms in display order.
+        default_arms: arms run when none are named.
+        seeds: default seeds.
+        max_steps, max_seconds: default bounds per run.
+        device: where it runs by default (``"cpu"`` or ``"cuda"``).
+    """
+
+    name: str
+    issue: int
+    summary: str
+    recipe: Recipe
+    tiny: Recipe
+    arms: tuple
+    default_arms: tuple
+    seeds: tuple = (0, 1, 2, 3, 4)
+    max_steps: int = 5000
+    max_seconds: float = 600.0
+    tiny_max_steps: int = 30
+    device: str = "cuda"
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise ValueError(f"scenario {self.name} has no arm {name!r}; arms: {', '.join(a.name for a in self.arms)}")
+
+    @property
+    def injected(self) -> bool:
+        return any(a.injected for a in self.arms)
+
+
+TINY = Recipe(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=4, warmup_steps=5, corpus_bytes=1_000_000,
+              interval=2)
+
+# --- injection (CPU) -----------------------------------------------------------------------------
+
+INJECT_STRENGTH = 512.0  # |O| x (1 + 512 * 2**-8) = x3 on unit-P_bar tie rows: chosen by the sweep in docs/EXPERIMENTS.md
+
+_INJECTION_RECIPE = Recipe(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=16, lr=3e-3, warmup_steps=100,
+                           corpus_bytes=4_000_000, interval=10)
+
+
+def _own(variant: str = "plain", **extra) -> dict:
+    return {"mode": "own_kernel", "variant": variant, **extra}
+
+
+INJECTION = Scenario(
+    name="injection", issue=7, device="cpu",
+    summary="INJECTED fault: small BF16-attention GPT on the CPU, |O| inflated on unit-P_bar tie rows",
+    recipe=_INJECTION_RECIPE,
+    tiny=replace(TINY, warmup_steps=5),
+    max_steps=1500, max_seconds=240.0,
+    arms=(
+        Arm("healthy", "no fault: flashwatch plain kernel (reference on the CPU), BF16 attention", "healthy",
+            precision="bf16_attention", monitor=_own(), device="cpu"),
+        Arm("injected", "INJECTED fault on unit-P_bar tie rows, plain kernel", "failure",
+            precision="bf16_attention", monitor=_own(), inject=INJECT_STRENGTH, device="cpu"),
+        Arm("injected_auto_fix", "INJECTED fault; auto_fix switches a flagged layer to 'fixed'", "rescued",
+            precision="bf16_attention", monitor=_own(auto_fix="fixed"), inject=INJECT_STRENGTH, device="cpu",
+            note="auto_fix='fixed' because 'fixed' keeps every P_bar below 1, which disarms the injected fault; "
+                 "under 'fp32_delta' the injected inflation is in the FP32 output too (the kernel inflates O_fp32 "
+                 "before it keeps the residual), so delta still carries it"),
+        Arm("injected_fixed", "INJECTED fault, 'fixed' kernel from the start (disarms it)", "healthy",
+            precision="bf16_attention", monitor=_own("fixed"), inject=INJECT_STRENGTH, device="cpu"),
+        Arm("injected_fp32_delta", "INJECTED fault, 'fp32_delta' kernel from the start", "failure",
+            precision="bf16_attention", monitor=_own("fp32_delta"), inject=INJECT_STRENGTH, device="cpu",
+            note="shows that fp32_delta does not remove this injected fault (see injected_auto_fix)"),
+    ),
+    default_arms=("healthy", "injected", "injected_auto_fix"),
+)
+
+# --- real failure (CUDA, issue 9) ----------------------------------------------------------------
+
+_PROBE = Recipe()
+
+REAL_FAILURE = Scenario(
+    name="real-failure", issue=9, device="cuda",
+    summary="the probe's byte-level GPT (6x6, d=384, ctx 512, batch 32, lr 3e-3) in BF16: a real failure",
+    recipe=_PROBE, tiny=TINY, max_steps=5000, max_seconds=540.0,
+    arms=(
+        Arm("sdpa_observe", "BF16 autocast, torch SDPA (FA2), Monitor in observe mode", "failure",
+            monitor={"mode": "observe"}),
+        Arm("plain", "BF16, flashwatch kernel 'plain' (own_kernel mode)", "failure", monitor=_own("plain")),
+        Arm("fixed", "BF16, flashwatch kernel 'fixed' (Qiu & Yao's shift, guarded)", "healthy", monitor=_own("fixed")),
+        Arm("fp32_delta", "BF16, flashwatch kernel 'fp32_delta' (delta from the FP32 output)", "healthy",
+            monitor=_own("fp32_delta")),
+        Arm("auto_fix", "BF16 SDPA observed; auto_fix moves a flagged layer to flashwatch 'fp32_delta'", "rescued",
+            monitor={"mode": "observe", "auto_fix": "fp32_delta"},
+            note="observe mode with auto_fix (the Monitor's default mode, as a user would run it): a layer "
+                 "flagged by delta_drift or repeated_max_rise leaves SDPA for the fp32_delta kernel"),
+        Arm("fp32", "FP32 control (no autocast, TF32 off), SDPA observed", "healthy", precision="fp32",
+            monitor={"mode": "observe"}),
+    ),
+    default_arms=("sdpa_observe", "plain", "fixed", "fp32_delta", "auto_fix", "fp32"),
+)
+
+# --- real numerics (CUDA, issue 7 part 2) --------------------------------------------------------
+
+AGGRESSIVE_LR = 6e-3
+
+REAL_NUMERICS = Scenario(
+    name="real-numerics", issue=7, device="cuda",
+    summary="real BF16 numerics: the paper's all-BF16 kernel (lr 3e-3), flashwatch plain at an aggressive lr",
+    recipe=_PROBE, tiny=TINY, max_steps=3000, max_seconds=420.0,
+    arms=(
+        Arm("paper", "the paper's all-BF16 tiled attention (kernels/paper.py) as an SDPA shim, observed",
+            "failure", attention="paper", monitor={"mode": "observe"},
+            note="NUMERICS.md section 6: failed at step ~700 at lr 3e-3 (one seed)"),
+        Arm("plain_fast", f"flashwatch 'plain' kernel at lr {AGGRESSIVE_LR:g}", "failure", monitor=_own("plain"),
+            lr=AGGRESSIVE_LR),
+        Arm("fp32_fast", f"FP32 control (TF32 off) at lr {AGGRESSIVE_LR:g}, SDPA observed", "healthy",
+            precision="fp32", monitor={"mode": "observe"}, lr=AGGRESSIVE_LR,
+            note="tells a BF16 failure from a learning rate that is simply too high"),
+    ),
+    default_arms=("paper", "plain_fast", "fp32_fast"),
+)
+
+SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERICS, REAL_FAILURE)}
+
+
+def get_scenario(name: str) -> Scenario:
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; scenarios: {', '.join(SCENARIOS)}") from None

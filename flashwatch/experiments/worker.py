@@ -1,0 +1,303 @@
+"""One run in its own process: train the arm's recipe with the Monitor attached, record, stop.
+
+Started by the runner as ``python -m flashwatch.experiments.worker --spec SPEC.json`` (the spec
+is a JSON file the runner writes in the run folder); runnable by hand the same way. Exit codes:
+0 the run finished (healthy, blown up, or stopped by a bound), 1 it failed (``run.json`` has
+the error and traceback), 3 the device it needs is missing.
+
+The loop (a plain PyTorch loop, as ../shared/probes/tie_dynamics.py):
+
+    batch (seeded per seed) -> forward (BF16 autocast, or FP32, or FP32 with BF16 attention)
+    -> backward -> grad norm (before clipping) -> clip -> AdamW step -> monitor.step(loss, norm)
+
+Every step's loss and gradient norm stay on the device and are read in one transfer every
+``flush_every`` steps (no per-step host sync); the blow-up rule (``analysis.BlowupTracker``)
+runs on them then, so a run stops at most ``flush_every`` steps after its blow-up is confirmed.
+Monitored steps are recorded from the Monitor's public readings right after ``monitor.step``.
+
+Set-ups done before the Monitor attaches (so it keeps them as "the model's attention"):
+
+- ``attention == "paper"``: ``torch.nn.functional.scaled_dot_product_attention`` is replaced by
+  a shim that runs ``flashwatch.kernels.paper.paper_attention`` (the paper's all-BF16 tiled
+  numerics, tile 512) for causal self-attention calls; observe mode then measures that kernel.
+- ``inject > 0`` (INJECTED fault): ``flashwatch.kernels.flash_attention`` is wrapped to pass
+  ``inject_bias=inject``; the Monitor's router looks that function up at every call, so every
+  own-kernel attention call of this process carries the fault (the ``fixed`` variant disarms it
+  by construction: its P_bar stay below 1).
+
+SIGTERM or SIGINT ends the run cleanly at the next step (status "killed"), with its recordings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+__all__ = ["main", "run"]
+
+FLUSH_EVERY = 50
+
+
+def _versions() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception:
+        out["triton"] = None
+    from .. import __version__
+
+    out["flashwatch"] = __version__
+    try:
+        import subprocess
+
+        root = Path(__file__).resolve().parents[2]
+        out["git_commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True, timeout=5).stdout.strip() or None
+    except Exception:
+        out["git_commit"] = None
+    return out
+
+
+def install_paper_sdpa():
+    """Replace ``F.scaled_dot_product_attention`` by the paper's all-BF16 attention; returns an undo function.
+
+    Calls the emulation cannot take (a mask, dropout, query and key lengths that differ) go to
+    the SDPA that was there before.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from flashwatch.kernels.paper import paper_attention
+
+    original = F.scaled_dot_product_attention
+
+    def paper_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or dropout_p or query.shape[-2] != key.shape[-2] or query.shape[1] != key.shape[1]:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        dev = query.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else query.dtype
+        return paper_attention(query.to(dtype), key.to(dtype), value.to(dtype), causal=bool(is_causal),
+                               sm_scale=scale)
+
+    F.scaled_dot_product_attention = paper_sdpa
+
+    def undo():
+        if F.scaled_dot_product_attention is paper_sdpa:
+            F.scaled_dot_product_attention = original
+
+    return undo
+
+
+def install_injection(strength: float):
+    """INJECTED FAULT: make every ``flashwatch.kernels.flash_attention`` call pass ``inject_bias=strength``.
+
+    Returns an undo function. For experiments only.
+    """
+    import flashwatch.kernels as kernels
+
+    original = kernels.flash_attention
+
+    def injected_flash_attention(*args, **kwargs):
+        kwargs["inject_bias"] = strength
+        return original(*args, **kwargs)
+
+    kernels.flash_attention = injected_flash_attention
+
+    def undo():
+        if kernels.flash_attention is injected_flash_attention:
+            kernels.flash_attention = original
+
+    return undo
+
+
+class _Stop:
+    def __init__(self):
+        self.signal: int | None = None
+
+    def __call__(self, signum, frame):
+        self.signal = signum
+
+
+def run(spec: dict) -> int:
+    """Train one run described by ``spec`` (see ``runner.make_spec``); returns the exit code."""
+    import torch
+
+    from .. import Monitor, MonitorConfig
+    from ..tinygpt import stdlib_corpus
+    from .analysis import BlowupTracker
+    from .model import ProbeGPT
+    from .records import RUN_FILE, SignalsWriter, StepsWriter, write_json_atomic
+
+    run_dir = Path(spec["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("steps.csv", "signals.jsonl", "signals.jsonl.gz"):
+        (run_dir / stale).unlink(missing_ok=True)
+    recipe, arm = spec["recipe"], spec["arm"]
+    info = {**spec, "status": "starting", "pid": os.getpid(), "started": time.time(), "versions": _versions(),
+            "label": spec.get("label", arm["name"])}
+    write_json_atomic(run_dir / RUN_FILE, info)
+
+    device = spec["device"]
+    if device == "cuda" and not torch.cuda.is_available():
+        info.update(status="error", error="this arm needs CUDA and torch.cuda.is_available() is False")
+        write_json_atomic(run_dir / RUN_FILE, info)
+        print(info["error"], file=sys.stderr)
+        return 3
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    undo = []
+    steps_w = signals_w = monitor = None
+    t_start = time.monotonic()
+    step = 0
+    try:
+        if spec.get("threads"):
+            torch.set_num_threads(int(spec["threads"]))
+        fp32 = arm["precision"] == "fp32"
+        if device == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = not fp32  # as the probe: TF32 off in the FP32 control
+            torch.backends.cudnn.allow_tf32 = not fp32
+            info["device_name"] = torch.cuda.get_device_name(0)
+        else:
+            info["device_name"] = platform.processor() or platform.machine()
+        seed = int(spec["seed"])
+        torch.manual_seed(seed)
+        data = stdlib_corpus(int(recipe["corpus_bytes"]))
+        dev = torch.device(device)
+        data_dev = data.to(dev)
+        model = ProbeGPT(recipe["n_layer"], recipe["n_head"], recipe["n_embd"], recipe["block_size"],
+                         attn_dtype=torch.bfloat16 if arm["precision"] == "bf16_attention" else None).to(dev)
+        if arm["attention"] == "paper":
+            undo.append(install_paper_sdpa())
+        if arm.get("inject"):
+            undo.append(install_injection(float(arm["inject"])))
+        config = MonitorConfig(**{**arm.get("monitor", {}), "interval": int(recipe["interval"]),
+                                  **spec.get("monitor_overrides", {})})
+        monitor = Monitor(config)
+        layers = monitor.attach(model)
+        info["monitor_config"] = config.to_dict()
+        info["layers"] = [{"name": l.name, "heads": l.num_heads} for l in layers]
+        opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=(recipe["beta1"], recipe["beta2"]),
+                                weight_decay=recipe["weight_decay"], **({"fused": True} if device == "cuda" else {}))
+        steps_w = StepsWriter(run_dir)
+        signals_w = SignalsWriter(run_dir, [l.num_heads for l in layers])
+        tracker = BlowupTracker()
+        gen = torch.Generator().manual_seed(seed)
+        T, B = int(recipe["block_size"]), int(recipe["batch_size"])
+        offsets = torch.arange(T + 1, device=dev)
+        autocast = arm["precision"] == "bf16"
+        max_steps, max_seconds = int(spec["max_steps"]), float(spec["max_seconds"])
+        flush_every = int(spec.get("flush_every", FLUSH_EVERY))
+        pending: list = []  # (step, loss tensor, grad-norm tensor, lr, time)
+        info["status"] = "running"
+        write_json_atomic(run_dir / RUN_FILE, info)
+        status = "completed"
+        t0 = time.monotonic()
+
+        def flush() -> bool:
+            """Write the pending steps; True once the blow-up is confirmed."""
+            if not pending:
+                return tracker.blowup is not None
+            vals = torch.stack([torch.stack([l.float(), g.float()]) for _, l, g, _, _ in pending]).cpu().tolist()
+            rows = [(s, lv, gv, lr, t) for (s, _, _, lr, t), (lv, gv) in zip(pending, vals)]
+            steps_w.write(rows)
+            pending.clear()
+            for s, lv, *_ in rows:
+                if tracker.update(s, lv) is not None:
+                    return True
+            return False
+
+        for step in range(max_steps):
+            lr = recipe["lr"] * min(1.0, (step + 1) / max(1, recipe["warmup_steps"]))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            ix = torch.randint(data.numel() - T - 1, (B,), generator=gen).to(dev)
+            window = data_dev[ix.unsqueeze(1) + offsets].long()  # (B, T+1)
+            x, y = window[:, :-1], window[:, 1:]
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x, y)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["clip"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            monitored, index, errors = monitor.monitoring, monitor.monitored_steps, monitor.errors
+            alerts = monitor.step(loss=loss.detach(), grad_norm=grad_norm)
+            if monitored:
+                signals_w.write(step, index, monitor, alerts, monitor.errors != errors)
+            pending.append((step, loss.detach(), grad_norm.detach(), lr, time.monotonic() - t0))
+            last = step == max_steps - 1
+            if len(pending) >= flush_every or last:
+                if flush():
+                    status = "blown_up"
+                    break
+            if stop.signal is not None:
+                status = "killed"
+                break
+            if time.monotonic() - t_start > max_seconds:
+                status = "time_limit"
+                break
+        if flush() and status != "blown_up":
+            status = "blown_up"
+        wall = time.monotonic() - t0
+        info.update(status=status, steps_done=step + 1, wall_s=round(wall, 2),
+                    total_s=round(time.monotonic() - t_start, 2),
+                    ms_per_step=round(1000 * wall / max(1, step + 1), 2), blowup_step=tracker.blowup,
+                    blowup_confirmed_step=tracker.confirmed_at,
+                    alerts=[a.to_dict() for a in monitor.alerts], switches=list(monitor.switches),
+                    monitor_errors=monitor.errors, variants_final=monitor.variants)
+        if device == "cuda":
+            info["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        code = 0
+    except Exception as exc:
+        info.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                    steps_done=step, total_s=round(time.monotonic() - t_start, 2))
+        traceback.print_exc()
+        code = 1
+    finally:
+        for closer in (steps_w, signals_w):
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception:
+                    traceback.print_exc()
+        if monitor is not None:
+            monitor.close()
+            monitor.detach()
+        for u in reversed(undo):
+            u()
+    info["finished"] = time.time()
+    for a in info.get("alerts", []):
+        for k in ("value", "threshold"):
+            if not math.isfinite(a[k]):
+                a[k] = str(a[k])
+    write_json_atomic(run_dir / RUN_FILE, info)
+    print(f"{spec['scenario']}/{arm['name']}/{spec['seed']}: {info['status']} after {info.get('steps_done')} steps "
+          f"({info.get('ms_per_step')} ms/step), blow-up {info.get('blowup_step')}", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flashwatch.experiments.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spec", required=True, help="the run's spec (JSON), as the runner writes it")
+    args = parser.parse_args(argv)
+    with open(args.spec) as f:
+        spec = json.load(f)
+    return run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
