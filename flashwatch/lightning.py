@@ -3,6 +3,12 @@
 A thin adapter: every decision lives in ``flashwatch.Monitor``; this module only calls it at
 the right Lightning hooks and wires up the exporters. It imports ``pytorch_lightning`` only
 (mixing in ``lightning.pytorch`` would make the Trainer reject the callback).
+
+Multi-process strategies (DDP, ``ddp_spawn``, FSDP; docs/DISTRIBUTED.md): every rank runs the
+callback and its Monitor; the Monitor combines the ranks' statistics, loss and gradient norm
+on monitored steps over the process group Lightning initialized, so every rank decides and
+switches identically. Rank 0 exports (Prometheus, JSONL, console, trainer loggers) and logs
+alerts; ``per_rank_endpoints=True`` gives every rank its own ``/metrics`` endpoint.
 """
 
 from __future__ import annotations
@@ -64,8 +70,13 @@ class FlashWatchCallback(Callback):
         console: ``"auto"`` (a live panel on a terminal without a progress bar, a printed panel
             every 30 s beside one, plain log lines without a terminal), ``"live"``, ``"print"``,
             ``"log"``, or None for no console output.
-        exporters: further exporters (``flashwatch.exporters.Exporter``) to feed.
+        exporters: further exporters (``flashwatch.exporters.Exporter``) to feed (on global
+            rank 0).
         log_summaries: log the scalar summaries below through the trainer's loggers.
+        per_rank_endpoints: under a multi-process strategy, serve ``/metrics`` on every rank,
+            on ``port + local rank`` (``port=0``: a free port each), each series labelled
+            ``rank="<global rank>"``; default False: one endpoint, on global rank 0, without a
+            ``rank`` label. JSONL, console and logger output stay on rank 0 either way.
         **config_fields: fields of ``MonitorConfig`` when ``config`` is None.
 
     Raises:
@@ -112,6 +123,7 @@ class FlashWatchCallback(Callback):
         console: str | None = "auto",
         exporters: Sequence[Exporter] = (),
         log_summaries: bool = True,
+        per_rank_endpoints: bool = False,
         **config_fields: Any,
     ):
         if config is not None and config_fields:
@@ -123,8 +135,8 @@ class FlashWatchCallback(Callback):
                 config = MonitorConfig(**config_fields)
             except TypeError as exc:  # an unknown keyword
                 raise ValueError(f"FlashWatchCallback: {exc}; accepted keywords: port, host, run_dir, "
-                                 f"jsonl, console, exporters, log_summaries and the fields of "
-                                 f"MonitorConfig") from None
+                                 f"jsonl, console, exporters, log_summaries, per_rank_endpoints and the "
+                                 f"fields of MonitorConfig") from None
         elif not isinstance(config, MonitorConfig):
             raise ValueError(f"config must be a flashwatch.MonitorConfig or None, got {type(config).__name__}")
         if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
@@ -135,6 +147,8 @@ class FlashWatchCallback(Callback):
             raise ValueError(f"console must be one of {', '.join(_CONSOLE_MODES)} or None, got {console!r}")
         if not isinstance(jsonl, bool):
             raise ValueError(f"jsonl must be True or False, got {jsonl!r}")
+        if not isinstance(per_rank_endpoints, bool):
+            raise ValueError(f"per_rank_endpoints must be True or False, got {per_rank_endpoints!r}")
         for e in exporters:
             if not all(callable(getattr(e, m, None)) for m in ("open", "export", "close")):
                 raise ValueError(f"exporters must be flashwatch.exporters.Exporter instances, got {type(e).__name__}")
@@ -146,9 +160,10 @@ class FlashWatchCallback(Callback):
         self.console = console
         self.extra_exporters = list(exporters)
         self.log_summaries = bool(log_summaries)
+        self.per_rank_endpoints = per_rank_endpoints
 
-        self.monitor = Monitor(config)
-        self.prometheus = None  # the PrometheusExporter (rank 0, port not None); serves while fitting
+        self.monitor = Monitor(config)  # picks up Lightning's process group at attach
+        self.prometheus = None  # the PrometheusExporter (rank 0, or every rank per_rank_endpoints); serves while fitting
         self.stopped: TrainingStopped | None = None
         self._exporters_added = False
         self._seen_global_step: int | None = None
@@ -185,10 +200,18 @@ class FlashWatchCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._exporters_added:
             # Created once: a later fit re-opens the same exporters (same port, same JSONL).
-            # Only rank 0 exports: other ranks would fight over the port and the files.
-            for e in self._make_exporters(trainer) if trainer.is_global_zero else []:
+            # Only rank 0 exports: other ranks would fight over the port and the files
+            # (per_rank_endpoints: every rank serves its own port).
+            if trainer.is_global_zero:
+                exporters = self._make_exporters(trainer)
+            elif self.per_rank_endpoints and self.port_requested is not None:
+                exporters = [self._make_prometheus(trainer)]
+            else:
+                exporters = []
+            for e in exporters:
                 self.monitor.add_exporter(e)  # not attached yet: attach() opens them
             self._exporters_added = True
+        self._setup_distributed(trainer)
         self.stopped = None
         try:
             self.monitor.attach(pl_module)
@@ -223,15 +246,42 @@ class FlashWatchCallback(Callback):
         except Exception:  # never let cleanup hide the run's own error
             log.warning("flashwatch: detach failed", exc_info=True)
 
+    def _setup_distributed(self, trainer: pl.Trainer) -> None:
+        """Tell the Monitor what the strategy knows: sharded weights (FSDP) and their gradient norms."""
+        sharding = _strategy_sharding(trainer.strategy)
+        self.monitor._sharding_hint = sharding
+        # DDP: every rank's gradients are the all-reduced ones, so each rank's norm is the global
+        # norm; a sharded strategy leaves each rank its shard's gradients: sqrt(sum of squares)
+        self.monitor._grad_norm_mode = "l2" if sharding else "max"
+        if trainer.world_size > 1:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                log.warning("flashwatch: %d processes but torch.distributed is not initialized (strategy %s): each "
+                            "rank's Monitor sees only its own statistics", trainer.world_size,
+                            type(trainer.strategy).__name__)
+
+    def _make_prometheus(self, trainer: pl.Trainer) -> Exporter:
+        from .exporters.prometheus import PrometheusExporter
+
+        if self.per_rank_endpoints and trainer.world_size > 1:
+            port = self.port_requested + trainer.local_rank if self.port_requested else self.port_requested
+            if port > 65535:
+                raise ValueError(f"per_rank_endpoints: port {self.port_requested} + local rank {trainer.local_rank} "
+                                 "is above 65535")
+            self.prometheus = PrometheusExporter(port=port, host=self.host,
+                                                 const_labels={"rank": str(trainer.global_rank)})
+        else:
+            self.prometheus = PrometheusExporter(port=self.port_requested, host=self.host)
+        return self.prometheus
+
     def _make_exporters(self, trainer: pl.Trainer) -> list[Exporter]:
         from .exporters.console import ConsoleExporter
         from .exporters.jsonl import JsonlExporter
-        from .exporters.prometheus import PrometheusExporter
 
         out: list[Exporter] = []
         if self.port_requested is not None:
-            self.prometheus = PrometheusExporter(port=self.port_requested, host=self.host)
-            out.append(self.prometheus)
+            out.append(self._make_prometheus(trainer))
         if self.jsonl:
             run_dir = self.run_dir
             if run_dir is None:
@@ -258,7 +308,8 @@ class FlashWatchCallback(Callback):
         # Called after the (unscaled) gradients are final and before Lightning clips them.
         if not self.monitor.monitoring or self._grad_norm is not None:
             return
-        grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
+        grads = [_local(p.grad.detach()) for p in pl_module.parameters() if p.grad is not None]
+        grads = [g for g in grads if g.numel()]  # FSDP: parameters outside this rank's shard have empty views
         if grads:
             # One fused norm kernel per device and dtype (as clip_grad_norm_), then the global
             # L2 norm in FP32; the result stays on the device until the Monitor's one transfer.
@@ -287,8 +338,9 @@ class FlashWatchCallback(Callback):
             self.monitor.step(loss=loss, grad_norm=grad_norm)
         except TrainingStopped as exc:
             self.stopped = exc
-            trainer.should_stop = True
-            log.error("%s; stopping the run (MonitorConfig.stop_on)", exc)
+            trainer.should_stop = True  # every rank: the alert was decided on the same data everywhere
+            if trainer.is_global_zero:
+                log.error("%s; stopping the run (MonitorConfig.stop_on)", exc)
         if self.log_summaries:
             self._log_summaries(trainer)
 
@@ -316,6 +368,24 @@ class FlashWatchCallback(Callback):
         step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", trainer.global_step)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+
+def _strategy_sharding(strategy: Any) -> str | None:
+    """Why a Lightning strategy leaves no rank the whole weights between steps, or None."""
+    name = type(strategy).__name__
+    if "FSDP" in name:
+        return f"Lightning's {name} shards the weights"
+    if name == "ModelParallelStrategy":
+        return "Lightning's ModelParallelStrategy shards the weights (FSDP2 / tensor parallelism)"
+    if name.startswith("DeepSpeed") and getattr(strategy, "zero_stage_3", False):
+        return "DeepSpeed ZeRO-3 partitions the weights"
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 gradients), any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:

@@ -11,6 +11,15 @@ device until one host transfer in ``step()``: every layer's ``AttentionStats.pac
 (through ``_reduce``, the DDP hook), the W^Q power-iteration results and the loss / gradient
 norm (if given as device tensors) are concatenated and copied with one ``.cpu()``.
 
+Distributed data parallel (docs/DISTRIBUTED.md): when ``torch.distributed`` is initialized
+with more than one process (Lightning's DDP strategy does that; a plain DDP script calls
+``init_process_group``), ``attach`` picks up the default process group (``process_group=``
+chooses another, or None for none) and every monitored step combines the ranks' statistics,
+loss, gradient norm and W^Q norms in one packed all-reduce (``flashwatch.distributed``) before
+the host transfer, so every rank decides and acts identically. Every rank must then call
+``step()`` once per optimizer step, as every rank calls DDP's backward. Alerts, clearings
+and switches are logged by rank 0 only; failures by the rank that has them.
+
 Logged as "flashwatch" (Python ``logging``): each alert once when it starts (warning, or error
 when critical), its clearing (info), each auto-fix switch (warning), and the first failure of
 each kind inside monitoring (warning with traceback; later ones are only counted in
@@ -32,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
@@ -44,6 +54,7 @@ from torch import nn
 from .attach import AttentionLayer, Router, find_attention, select_layers
 from .config import VARIANTS, MonitorConfig
 from .detectors import RULES, Alert, LayerSignals, StepSignals, build_detectors
+from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, structural_attention
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
 from .kernels import STAT_FIELDS
 from .metrics import METRICS
@@ -55,6 +66,7 @@ __all__ = ["Monitor", "TrainingStopped"]
 
 STATE_VERSION = 1
 VARIANT_LABELS = ("sdpa",) + VARIANTS  # values of the `variant` label of flashwatch_kernel_variant
+_VARIANT_CODE = {v: i for i, v in enumerate(VARIANT_LABELS)}  # how ranks compare variants (higher: more fixed)
 _STAT_FIELDS = STAT_FIELDS  # rows of AttentionStats.packed(), read by name below
 
 
@@ -143,7 +155,13 @@ class Monitor:
     Args:
         config: a ``MonitorConfig`` (None: defaults).
         exporters: ``flashwatch.exporters.Exporter`` instances; opened at ``attach``, given a
-            ``StepRecord`` at every monitored step, closed by ``close()``.
+            ``StepRecord`` at every monitored step, closed by ``close()``. Under DDP pass them
+            on the rank that should export (usually rank 0): the Monitor exports wherever it has
+            exporters.
+        process_group: whose statistics to combine, resolved at ``attach``: ``"auto"`` (the
+            default ``torch.distributed`` group when it is initialized with more than one
+            process, else nothing), None (this process alone), or a process group. With a
+            group, every member must call ``step()`` once per optimizer step.
 
     Attributes:
         config: the configuration.
@@ -153,19 +171,33 @@ class Monitor:
         global_step: optimizer steps seen by ``step()``.
         errors: failures inside monitoring (each kind logged once); training never stops for them.
         detectors: the rule objects (``flashwatch.detectors``), in ``RULES`` order.
+        rank, world_size: this process's rank in the group the statistics are combined over,
+            and its size (0 and 1 without one), as of ``attach``.
+        sharding: why W^Q norms are skipped (a sharded model, e.g. FSDP), or None.
 
     Raises:
         TypeError: config is not a MonitorConfig.
         flashwatch.TrainingStopped: from ``step()``, for rules in ``config.stop_on``.
     """
 
-    def __init__(self, config: MonitorConfig | None = None, exporters: Sequence[Exporter] = ()):
+    def __init__(self, config: MonitorConfig | None = None, exporters: Sequence[Exporter] = (), *,
+                 process_group: Any = AUTO):
         if config is None:
             config = MonitorConfig()
         if not isinstance(config, MonitorConfig):
             raise TypeError(f"config must be a flashwatch.MonitorConfig or None, got {type(config).__name__}")
+        if isinstance(process_group, str) and process_group != AUTO:
+            raise ValueError(f"process_group must be 'auto', None or a torch.distributed process group, "
+                             f"got {process_group!r}")
         self.config = config
-        self._fan = FanOut(exporters, on_error=lambda exporter, phase, exc: self._count_error())
+        # a bound method, not a lambda: the Monitor pickles (Lightning's ddp_spawn sends the callback to its processes)
+        self._fan = FanOut(exporters, on_error=self._on_export_error)
+        self.process_group = process_group
+        self.rank, self.world_size = 0, 1
+        self._reducer: Reducer | None = None
+        self.sharding: str | None = None
+        self._sharding_hint: str | None = None  # set by an adapter that knows the strategy (FSDP in Lightning)
+        self._grad_norm_mode = "max"  # "l2" when each rank passes its own shard's gradient norm (FSDP)
         self.layers: list[AttentionLayer] = []
         self._states: list[_LayerState] = []
         self._wq: list[_WqGroup] = []
@@ -198,13 +230,27 @@ class Monitor:
         Returns:
             the attached layers (also ``monitor.layers``).
 
+        Under ``torch.distributed`` (see ``process_group``) this is where the group is picked
+        up; every rank must attach the same model. A sharded model (FSDP, FSDP2, DeepSpeed
+        ZeRO-3; ``flashwatch.distributed.sharding_of``) is attached by module structure and its
+        W^Q norms are skipped, with one warning saying why.
+
         Raises:
             RuntimeError: already attached (``detach()`` first).
-            ValueError: no attention layer found, or ``config.layers`` selects nothing.
+            ValueError: no attention layer found, or ``config.layers`` selects nothing, or a
+                ``process_group`` this process cannot use.
             Whatever an exporter's ``open`` raises (a port in use, ...): nothing stays attached.
         """
         if self._router is not None:
             raise RuntimeError("this Monitor is already attached to a model; call monitor.detach() first")
+        group = resolve_process_group(self.process_group)
+        sharding = self._sharding_hint or sharding_of(model)
+        if sharding is not None and attention is None:
+            # a rank holds a shard of each weight between steps: find the layers without reading one
+            attention = structural_attention(model)
+            if not attention:
+                raise ValueError(f"no attention layer found in the sharded model ({sharding}): name them with "
+                                 "attach(model, attention={'blocks.0.attn': query_weight_fn, ...})")
         found = select_layers(find_attention(model, attention), self.config.layers)
         own = self.config.mode == "own_kernel"
         layers = []
@@ -215,7 +261,14 @@ class Monitor:
             layer.ensure_stats(layer.query_weight().device)
             layers.append(layer)
         states = [_LayerState(layer, self.config.window) for layer in layers]
-        self._wq = _wq_groups(layers, self.config.power_block)
+        self.sharding = sharding
+        self._wq = [] if sharding is not None else _wq_groups(layers, self.config.power_block)
+        if group is None:
+            self._reducer, self.rank, self.world_size = None, 0, 1
+        else:
+            self._reducer = Reducer(*group, [layer.num_heads for layer in layers], n_fields=len(_STAT_FIELDS),
+                                    max_rows=layers[0].stats.max_rows(), grad_norm=self._grad_norm_mode)
+            self.rank, self.world_size = group[1], group[2]
         router = Router(layers, beta=self.config.beta, eps=self.config.eps, on_error=self._error)
         router.monitoring = self._monitoring
         self.layers, self._states, self._router = layers, states, router
@@ -232,8 +285,19 @@ class Monitor:
         except BaseException:
             self.detach()
             raise
-        log.info("flashwatch attached to %d attention layers (%s mode, interval %d): %s", len(layers),
-                 self.config.mode, self.config.interval, ", ".join(f"{l.index}={l.name}" for l in layers))
+        if self._reporting:
+            log.info("flashwatch attached to %d attention layers (%s mode, interval %d): %s", len(layers),
+                     self.config.mode, self.config.interval, ", ".join(f"{l.index}={l.name}" for l in layers))
+            if self._reducer is not None:
+                log.info("flashwatch: statistics, loss, gradient norm and W^Q norms are combined over %d ranks on "
+                         "monitored steps (%s); every rank must call monitor.step() once per optimizer step",
+                         self.world_size, self._reducer.describe())
+            if sharding is not None:
+                log.warning("flashwatch: W^Q spectral norms are skipped: %s, so no rank holds a layer's W^Q whole "
+                            "between steps (gathering it would cost an all-gather of every query weight per "
+                            "monitored step); flashwatch_wq_spectral_norm is NaN and the wq_growth and wq_outlier "
+                            "rules are off. Attention statistics, loss and gradient norm are monitored as usual.",
+                            sharding)
         return self.layers
 
     def detach(self) -> None:
@@ -249,10 +313,16 @@ class Monitor:
             self._detached_state = self.state_dict()
         self._router = None
         self.layers, self._states, self._wq = [], [], []
+        self._reducer = None
 
     def add_exporter(self, exporter: Exporter) -> None:
         """Add an exporter; opened at once if the Monitor is attached (its errors raise)."""
         self._fan.add(exporter)
+
+    @property
+    def _reporting(self) -> bool:
+        """Whether this process logs alerts and decisions (rank 0 of the group, or a lone process)."""
+        return self.rank == 0
 
     def close(self) -> None:
         """Close every exporter. Never raises (failures are logged and counted)."""
@@ -314,20 +384,125 @@ class Monitor:
         return new
 
     def _reduce(self, packed: torch.Tensor) -> torch.Tensor:
-        """Combine statistics across processes before the host transfer (identity here).
+        """Combine this process's packed values with the other ranks' before the host transfer.
 
-        ``packed`` is (len(STAT_FIELDS), total heads) float64 on the device: every layer's
-        ``AttentionStats.packed()`` side by side, in layer order. DDP support replaces this with
-        one all-reduce: SUM for all rows but ``AttentionStats.max_rows()``, which take MAX.
+        A lone process (no ``process_group``): the identity on ``packed``, the
+        (len(STAT_FIELDS), total heads) float64 device tensor of every layer's
+        ``AttentionStats.packed()`` side by side, in layer order.
+
+        Under ``torch.distributed``: ``packed`` is ``Reducer.pack``'s vector (statistics, W^Q
+        norms, loss, gradient norm, step and variant codes) and the result is
+        ``Reducer.all_reduce``'s: one SUM all-reduce in which the rows of
+        ``AttentionStats.max_rows()`` (and the other max-combined values) travel in per-rank
+        slots (two collectives, SUM then MAX, past ``flashwatch.distributed.SLOT_BYTES_LIMIT``).
+        Every rank calls it on every monitored step, also when its own measurement failed.
         """
-        return packed
+        return packed if self._reducer is None else self._reducer.all_reduce(packed)
+
+    def _combined_step(self, t: int, loss: Any, grad_norm: Any):
+        """This step's values combined over the ranks, or None when a rank could not measure it.
+
+        The collective runs whatever happened on this rank before it (a failure sends a
+        "failed" vector), so no rank is left waiting in it; everything after it is decided on
+        identical host data, hence identically on every rank.
+        """
+        r = self._reducer
+        device = self.layers[0].stats.device
+        try:
+            packed = torch.cat([layer.stats.packed().to(device) for layer in self.layers], dim=1)
+            sigma = torch.cat([s.to(device=device, dtype=torch.float64) for s in self._wq_sigmas()])
+            local = r.pack(packed, sigma, loss, grad_norm, t, [_VARIANT_CODE[layer.variant] for layer in self.layers])
+        except Exception as exc:
+            self._error("step", exc)
+            local = r.failed_local(device)
+        # the collective(s) and the one host transfer of the step (a sync point on CUDA)
+        red = r.unpack(self._reduce(local).cpu())
+        if red.failed:
+            self._warn_once(("dist", "failed"), "flashwatch: %d of %d ranks could not measure monitored step %d; every "
+                            "rank skips it (the failing rank logged why)", red.failed, self.world_size, t)
+            return None
+        if red.steps[0] != red.steps[1]:
+            self._warn_once(("dist", "steps"), "flashwatch: the ranks are at different steps (%d to %d) at a monitored "
+                            "step: every rank must call monitor.step() once per optimizer step", *red.steps)
+        for layer, hi, lo in zip(self.layers, red.variants, red.variants_min):
+            if hi != lo:  # cannot happen while every rank decides on the same data; repaired if it does
+                target = VARIANT_LABELS[hi]
+                if self._reporting or layer.variant != target:
+                    log.error("flashwatch%s: layer %d (%s) ran different variants on different ranks (%s to %s); "
+                              "every rank runs %s from step %d on", self._rank_tag(), layer.index, layer.name,
+                              VARIANT_LABELS[lo], target, target, t + 1)
+                layer.mode, layer.variant = ("observe", "sdpa") if hi == 0 else ("own_kernel", target)
+        spread = Reducer.sigma_spread(red)
+        if self.sharding is None and spread > 1e-6:
+            self._warn_once(("dist", "sigma"), "flashwatch: W^Q spectral norms differ between ranks by up to %.2g "
+                            "(relative) at step %d: the replicas' weights are not identical (DDP keeps them so); "
+                            "the detectors use the largest", spread, t)
+        return red.stats, red.sigma, red.loss, red.grad_norm, red.loss_given, red.grad_norm_given
+
+    def _warn_once(self, key: Any, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            if self._reporting:
+                log.warning(message, *args)
+
+    def _rank_tag(self) -> str:
+        return f" (rank {self.rank})" if self.world_size > 1 else ""
 
     # --- the monitored step ------------------------------------------------------------------------
     def _monitored_step(self, t: int, loss: Any, grad_norm: Any) -> list[Alert]:
         cfg = self.config
+        heads = [layer.num_heads for layer in self.layers]
+        if self._reducer is not None and self.layers:
+            combined = self._combined_step(t, loss, grad_norm)
+            if combined is None:
+                return []
+            stats, sigma_all, loss_v, gn_v, loss_given, gn_given = combined
+        else:
+            stats, sigma_all, loss_v, gn_v = self._local_step(loss, grad_norm, heads)
+            loss_given, gn_given = loss is not None, grad_norm is not None
+        if self.sharding is not None and sigma_all is not None:
+            sigma_all = torch.full_like(sigma_all, math.nan)  # skipped: NaN, as the metric shows
+
+        layer_signals = []
+        offset = 0
+        for layer, state, h in zip(self.layers, self._states, heads):
+            cols = slice(offset, offset + h)
+            offset += h
+            layer_signals.append(self._layer_signals(t, layer, state, stats[:, cols], sigma_all[cols]))
+        signals = StepSignals(step=t, index=self.monitored_steps, loss=loss_v, grad_norm=gn_v, layers=layer_signals,
+                              loss_given=loss_given, grad_norm_given=gn_given)
+        judged = signals
+        if self.sharding is not None:  # skipped W^Q norms are no non-finite values
+            judged = dataclasses.replace(signals, layers=[dataclasses.replace(ls, wq_sigma=torch.zeros_like(ls.wq_sigma))
+                                                          for ls in layer_signals])
+
+        new: list[Alert] = []
+        for det in self.detectors:
+            try:
+                new.extend(det.update(judged))
+            except Exception as exc:
+                self._error(f"detector {det.rule}", exc)
+            if self._reporting:
+                for a in det.cleared:
+                    log.info("flashwatch alert cleared [%s] layer %d head %d at step %d", a.rule, a.layer, a.head, t)
+        for a in new:
+            self.alerts.append(a)
+            self.alert_counts[a.rule] += 1
+            self._ever_active.add((a.rule, a.layer, a.head))
+            if self._reporting:
+                log.log(logging.ERROR if a.severity == "critical" else logging.WARNING,
+                        "flashwatch alert [%s] step %d: %s", a.rule, a.step, a.message)
+        self._last = self._host_record(signals)
+        if cfg.auto_fix is not None:
+            self._auto_fix(t, [a for a in new if a.rule in cfg.auto_fix_on and a.layer >= 0])
+        self._fan.export(StepRecord(step=t, time=time.time(), snapshot=self.snapshot(), new_alerts=list(new),
+                                    active_alerts=self.active_alerts))
+        return new
+
+    def _local_step(self, loss: Any, grad_norm: Any, heads: list[int]):
+        """This process's statistics, W^Q norms, loss and gradient norm, in one host transfer."""
         parts: list[torch.Tensor] = []
         device = None
-        heads = [layer.num_heads for layer in self.layers]
         if self.layers:
             device = self.layers[0].stats.device
             packed = torch.cat([layer.stats.packed().to(device) for layer in self.layers], dim=1)  # (F, sum H)
@@ -349,39 +524,16 @@ class Monitor:
         tail = dict(zip(on_device, (host[nf * total + total:] if self.layers else host).tolist()))
         loss_v, gn_v = (tail[name] if name in tail else math.nan if value is None else float(value)
                         for name, value in (("loss", loss), ("grad_norm", grad_norm)))
-
-        layer_signals = []
-        offset = 0
-        for layer, state, h in zip(self.layers, self._states, heads):
-            cols = slice(offset, offset + h)
-            offset += h
-            layer_signals.append(self._layer_signals(t, layer, state, stats[:, cols], sigma_all[cols]))
-        signals = StepSignals(step=t, index=self.monitored_steps, loss=loss_v, grad_norm=gn_v, layers=layer_signals,
-                              loss_given=loss is not None, grad_norm_given=grad_norm is not None)
-
-        new: list[Alert] = []
-        for det in self.detectors:
-            try:
-                new.extend(det.update(signals))
-            except Exception as exc:
-                self._error(f"detector {det.rule}", exc)
-            for a in det.cleared:
-                log.info("flashwatch alert cleared [%s] layer %d head %d at step %d", a.rule, a.layer, a.head, t)
-        for a in new:
-            self.alerts.append(a)
-            self.alert_counts[a.rule] += 1
-            self._ever_active.add((a.rule, a.layer, a.head))
-            log.log(logging.ERROR if a.severity == "critical" else logging.WARNING,
-                    "flashwatch alert [%s] step %d: %s", a.rule, a.step, a.message)
-        self._last = self._host_record(signals)
-        if cfg.auto_fix is not None:
-            self._auto_fix(t, [a for a in new if a.rule in cfg.auto_fix_on and a.layer >= 0])
-        self._fan.export(StepRecord(step=t, time=time.time(), snapshot=self.snapshot(), new_alerts=list(new),
-                                    active_alerts=self.active_alerts))
-        return new
+        return stats, sigma_all, loss_v, gn_v
 
     def _wq_sigmas(self) -> list[torch.Tensor]:
-        """This step's W^Q spectral norms, one (H,) device tensor per layer in layer order (NaN on failure)."""
+        """This step's W^Q spectral norms, one (H,) device tensor per layer in layer order (NaN on failure).
+
+        A sharded model (``self.sharding``) has no W^Q power iteration: NaN for every head.
+        """
+        if self.sharding is not None:
+            return [torch.full((layer.num_heads,), math.nan, dtype=torch.float64, device=layer.stats.device)
+                    for layer in self.layers]
         every = self.config.power_exact_every
         exact = bool(every) and self.monitored_steps % every == every - 1
         out: dict[int, torch.Tensor] = {}
@@ -403,9 +555,10 @@ class Monitor:
         seen = bool(rows.sum() > 0)
         if not seen and (layer.index, "no_call") not in self._warned:
             self._warned.add((layer.index, "no_call"))
-            log.warning("flashwatch: layer %d (%s) saw no measured attention call during monitored step %d: does "
-                        "the model call torch.nn.functional.scaled_dot_product_attention (Hugging Face: "
-                        "attn_implementation='sdpa') with gradients enabled?", layer.index, layer.name, t)
+            if self._reporting:
+                log.warning("flashwatch: layer %d (%s) saw no measured attention call during monitored step %d: "
+                            "does the model call torch.nn.functional.scaled_dot_product_attention (Hugging Face: "
+                            "attn_implementation='sdpa') with gradients enabled?", layer.index, layer.name, t)
         safe_rows = torch.where(rows > 0, rows, torch.ones_like(rows))
         nan = torch.full_like(rows, math.nan)
         if seen:
@@ -444,8 +597,9 @@ class Monitor:
             layer.mode, layer.variant = "own_kernel", target
             self.switches.append({"step": t, "layer": layer.index, "name": layer.name, "from": before, "to": target,
                                   "rule": a.rule})
-            log.warning("flashwatch auto_fix: layer %d (%s) switched from %s to %s from step %d on (%s)",
-                        layer.index, layer.name, before, target, t + 1, a.rule)
+            if self._reporting:
+                log.warning("flashwatch auto_fix: layer %d (%s) switched from %s to %s from step %d on (%s)",
+                            layer.index, layer.name, before, target, t + 1, a.rule)
 
     def _reset_stats(self) -> None:
         for layer in self.layers:
@@ -456,13 +610,20 @@ class Monitor:
     def _count_error(self) -> None:
         self.errors += 1
 
+    def _on_export_error(self, exporter: Exporter, phase: str, exc: BaseException) -> None:
+        self._count_error()
+
     def _error(self, kind: str, exc: BaseException) -> None:
-        """A failure inside monitoring: log the first of each kind, count all; training goes on."""
+        """A failure inside monitoring: log the first of each kind, count all; training goes on.
+
+        Logged by the rank that has it (any rank), with its rank under ``torch.distributed``.
+        """
         self.errors += 1
         if kind not in self._error_kinds:
             self._error_kinds.add(kind)
-            log.warning("flashwatch: %s failed; training goes on unchanged (later failures of this kind are only "
-                        "counted in monitor.errors)", kind, exc_info=(type(exc), exc, exc.__traceback__))
+            log.warning("flashwatch%s: %s failed; training goes on unchanged (later failures of this kind are only "
+                        "counted in monitor.errors)", self._rank_tag(), kind,
+                        exc_info=(type(exc), exc, exc.__traceback__))
 
     # --- reading -----------------------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -549,10 +710,12 @@ class Monitor:
             "last": self._last,
         }
 
-    def _power_state(self, layer: AttentionLayer) -> dict:
+    def _power_state(self, layer: AttentionLayer) -> dict | None:
         for group in self._wq:
             if layer in group.layers:
                 return group.state_of(group.layers.index(layer))
+        if self.sharding is not None:
+            return None  # W^Q skipped: no power iteration
         raise KeyError(layer.index)
 
     def load_state_dict(self, state: dict) -> None:
@@ -580,7 +743,9 @@ class Monitor:
             layer.mode, layer.variant = s["mode"], s["variant"]
             st.load_state_dict(s)
         for group in self._wq:
-            group.load([state["layers"][layer.index]["power"] for layer in group.layers])
+            powers = [state["layers"][layer.index]["power"] for layer in group.layers]
+            if all(p is not None for p in powers):  # None: saved by a sharded run, which had no W^Q vectors
+                group.load(powers)
         for d in self.detectors:
             if d.rule in state["detectors"]:
                 d.load_state_dict(state["detectors"][d.rule])

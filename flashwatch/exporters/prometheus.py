@@ -17,6 +17,11 @@ Server: ``open()`` (or ``start()``) binds ``host:port`` (default ``127.0.0.1:940
 port actually bound is ``exporter.port``. A port already in use raises :class:`PortInUseError`
 at ``open()``, before training starts. ``close()`` shuts the server down.
 
+Constant labels: ``const_labels={"rank": "1"}`` adds the same labels to every series (the
+Lightning callback's one-endpoint-per-rank mode labels each rank's endpoint so). They are not
+in the metric table, which defines what a series *is*; a constant label says which process
+serves it, as Prometheus's own ``instance`` and ``job`` target labels do.
+
 Pushgateway (batch jobs that end before a scrape): ``pushgateway="http://host:9091"`` pushes
 the same registry under ``job`` (and ``grouping_key``) at most every ``push_interval_s``
 seconds from ``export()`` and once more at ``close()``; a failing push is the exporter's
@@ -36,6 +41,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import re
 import threading
 import time
 from typing import Any, Iterable, Mapping
@@ -64,11 +70,11 @@ class PortInUseError(OSError):
 class _SnapshotCollector:
     """Builds metric families from the last exported snapshot when a scrape asks for them."""
 
-    def __init__(self, created: float, rules: tuple[str, ...]) -> None:
+    def __init__(self, created: float, rules: tuple[str, ...], const_labels: Mapping[str, str] | None = None) -> None:
         self._lock = threading.Lock()  # the HTTP server scrapes from several threads
         self._created = created
         self._rules = rules
-        self._labels = _LabelCache()
+        self._labels = _LabelCache(const_labels)
         self._snapshot: dict | None = None
         self._version = 0
         self._built: tuple[Metric, ...] = ()
@@ -146,8 +152,9 @@ class _LabelCache:
     step was half of the export time; the dicts are never mutated, so sharing them is safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, const_labels: Mapping[str, str] | None = None) -> None:
         self._by_names: dict[tuple[str, ...], dict[tuple, dict[str, str]]] = {}
+        self.const = dict(const_labels or {})  # added to every label dict (e.g. {"rank": "1"})
 
     def get(self, metric: str, names: tuple[str, ...], key: Any) -> dict[str, str]:
         table = self._by_names.setdefault(names, {})
@@ -158,23 +165,26 @@ class _LabelCache:
                     f"snapshot[{metric!r}] keys must be ({', '.join(names)}) tuples of "
                     f"{len(names)} values, got {key!r}"
                 )
-            labels = table[key] = {n: str(k) for n, k in zip(names, key)}
+            labels = table[key] = {**{n: str(k) for n, k in zip(names, key)}, **self.const}
         return labels
 
 
 def build_families(snapshot: Mapping[str, Any], *, created: float = 0.0,
-                   rules: Iterable[str] = (), cache: _LabelCache | None = None) -> tuple[Metric, ...]:
+                   rules: Iterable[str] = (), cache: _LabelCache | None = None,
+                   const_labels: Mapping[str, str] | None = None) -> tuple[Metric, ...]:
     """Metric families of a ``Monitor.snapshot()``, in the order of the metric table.
 
     Metrics missing from the snapshot are left out (Prometheus marks their series stale);
     names not in the table are ignored. ``flashwatch_alerts_total`` gets a 0 for every rule
     of ``rules`` that has not fired, so that ``increase()`` sees a rule's first alert.
+    ``const_labels`` (or the ``cache``'s) are added to every sample.
 
     Raises:
         ValueError: a value is not a number, or a labelled metric is not a dict keyed by
             tuples of as many label values as the table gives it.
     """
-    cache = cache if cache is not None else _LabelCache()
+    cache = cache if cache is not None else _LabelCache(const_labels)
+    const_names = tuple(cache.const)
     families = []
     for spec in METRICS:
         if spec.name not in snapshot:
@@ -182,7 +192,7 @@ def build_families(snapshot: Mapping[str, Any], *, created: float = 0.0,
         value = snapshot[spec.name]
         counter = spec.kind == "counter"
         fam = (CounterMetricFamily if counter else GaugeMetricFamily)(spec.name, spec.help,
-                                                                       labels=spec.labels)
+                                                                       labels=spec.labels + const_names)
         if not spec.labels:
             items: Iterable[tuple[Any, Any]] = [((), value)]
         elif isinstance(value, Mapping):
@@ -210,6 +220,26 @@ def build_families(snapshot: Mapping[str, Any], *, created: float = 0.0,
     return tuple(families)
 
 
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _check_const_labels(const_labels: Mapping[str, Any] | None) -> dict[str, str]:
+    if const_labels is None:
+        return {}
+    if not isinstance(const_labels, Mapping):
+        raise ValueError(f"const_labels must be a dict of label name -> value, got {type(const_labels).__name__}")
+    taken = {label for spec in METRICS for label in spec.labels}
+    out = {}
+    for name, value in const_labels.items():
+        if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
+            raise ValueError(f"const_labels: {name!r} is not a valid Prometheus label name")
+        if name in taken:
+            raise ValueError(f"const_labels: {name!r} is a label of the metric table ({', '.join(sorted(taken))}); "
+                             "choose another name")
+        out[name] = str(value)
+    return out
+
+
 def _number(name: str, value: Any) -> float:
     try:
         return float(value)
@@ -231,9 +261,12 @@ class PrometheusExporter(Exporter):
         push_interval_s: least seconds between pushes from ``export()`` (0: every monitored
             step). The last state is always pushed at ``close()``.
         push_timeout_s: timeout of one push.
+        const_labels: labels added to every series, e.g. ``{"rank": "1"}`` for one endpoint
+            per rank; names must be valid Prometheus label names and none of the metric
+            table's labels (``layer``, ``head``, ``variant``, ``rule``).
 
     Raises:
-        ValueError: a bad port, host or push setting (the message names it).
+        ValueError: a bad port, host, push setting or constant label (the message names it).
         PortInUseError: at ``open()``/``start()``, when ``host:port`` is already taken.
         OSError: at ``open()``/``start()``, when the address cannot be bound otherwise.
     """
@@ -250,6 +283,7 @@ class PrometheusExporter(Exporter):
         grouping_key: Mapping[str, str] | None = None,
         push_interval_s: float = 0.0,
         push_timeout_s: float = 5.0,
+        const_labels: Mapping[str, Any] | None = None,
     ):
         if port is not None and (not isinstance(port, int) or isinstance(port, bool)
                                  or not 0 <= port <= 65535):
@@ -266,6 +300,7 @@ class PrometheusExporter(Exporter):
             raise ValueError(f"push_interval_s must be a number >= 0, got {push_interval_s!r}")
         if not (isinstance(push_timeout_s, (int, float)) and push_timeout_s > 0):
             raise ValueError(f"push_timeout_s must be a number > 0, got {push_timeout_s!r}")
+        self.const_labels = _check_const_labels(const_labels)
         self.requested_port = port
         self.host = host
         self.pushgateway = pushgateway
@@ -275,7 +310,8 @@ class PrometheusExporter(Exporter):
         self.push_timeout_s = float(push_timeout_s)
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self._collector = _SnapshotCollector(created=time.time(), rules=known_rules())
+        self._collector = _SnapshotCollector(created=time.time(), rules=known_rules(),
+                                             const_labels=self.const_labels)
         self.registry.register(self._collector)
         self._known_keys: dict[str, Any] = {}
         self._server = None

@@ -1,0 +1,407 @@
+"""Data-parallel training: every rank sees the same statistics, decides the same, acts the same.
+
+How (docs/DISTRIBUTED.md is the user's guide):
+
+- On a monitored step each rank packs what it measured into one float64 vector on its device
+  and the ranks combine it in ONE collective, an all-reduce with ``SUM``: counts, delta-error
+  sums and the loss add up; values that must be combined with MAX (the max logit, the W^Q
+  spectral norm, the gradient norm, and the step and kernel variants that are checked for
+  agreement) travel in *slots*: rank r writes its values at offset r of a block of
+  ``world_size`` slots and zeros elsewhere, so the sum hands every rank every rank's values
+  exactly (x + 0 == x, also for inf and NaN) and each rank takes the max (and min) itself, in
+  the same order on the same numbers. Only the small MAX part grows with the world size (one
+  row of heads per rank); the SUM part is the size of one rank's statistics.
+- When the slots would exceed ``SLOT_BYTES_LIMIT`` (many ranks, many heads) the Reducer uses
+  two collectives instead: the SUM all-reduce, then one MAX all-reduce of ``[x, -x]`` for the
+  max and min of the MAX part (NaN is sent as +inf there, so a non-finite value stays non-finite).
+- All-reduce results are bitwise identical on every rank (DDP relies on that to keep its
+  replicas identical), so every rank's detectors get identical inputs, hence identical alerts
+  and identical ``auto_fix`` switches at the same step, without a broadcast.
+- Checks that cost nothing more (they ride in the same collective): a rank whose local
+  measurement failed (every rank then skips the step, instead of one rank skipping the
+  collective and the others hanging in it); ranks at different steps; kernel variants that
+  differ between ranks (every rank then adopts the highest: a switch made anywhere is made
+  everywhere); W^Q norms that differ between replicas (they should not under DDP).
+
+Sharded models (FSDP, FSDP2 / DTensor, DeepSpeed ZeRO-3): a rank holds a shard of W^Q between
+steps, so the W^Q spectral norms are skipped, with one warning (``sharding_of``), and the
+attention layers are found by module structure alone (``structural_attention``), without
+reading a weight; the attention statistics, loss and gradient norm are reduced as above.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+log = logging.getLogger("flashwatch")
+
+__all__ = ["AUTO", "SLOT_BYTES_LIMIT", "Reducer", "Reduced", "resolve_process_group", "sharding_of",
+           "structural_attention"]
+
+AUTO = "auto"  # Monitor(process_group="auto"): the default group when torch.distributed is initialized
+SLOT_BYTES_LIMIT = 256 * 2**10  # above this many bytes of MAX slots, two collectives instead of one
+_SUM_TAIL = ("loss_sum", "grad_norm_sq_sum", "loss_n", "grad_norm_n", "failed")
+_SPREAD_RTOL = 1e-6  # W^Q norms of replicas differing more than this are reported
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def resolve_process_group(process_group: Any) -> tuple[Any, int, int] | None:
+    """The group to reduce over as ``(group, rank in it, its size)``, or None for no reduction.
+
+    Args:
+        process_group: ``"auto"`` (the default group when ``torch.distributed`` is initialized
+            with more than one process, else None), None (never reduce), or a process group.
+
+    Raises:
+        ValueError: a group was given but torch.distributed is not initialized, or this
+            process is not a member of it.
+    """
+    if process_group is None:
+        return None
+    dist = _dist()
+    ready = dist.is_available() and dist.is_initialized()
+    if isinstance(process_group, str):
+        if process_group != AUTO:
+            raise ValueError(f"process_group must be 'auto', None or a torch.distributed process group, "
+                             f"got {process_group!r}")
+        if not ready:
+            return None
+        group = None  # the default (world) group
+    else:
+        if not ready:
+            raise ValueError("process_group was given but torch.distributed is not initialized; call "
+                             "torch.distributed.init_process_group first, or pass process_group=None")
+        group = process_group
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the process_group given to the Monitor")
+    if world < 2:
+        return None
+    return group, rank, world
+
+
+# --- sharded models -----------------------------------------------------------------------------
+
+def sharding_of(model: nn.Module) -> str | None:
+    """Why this rank does not hold ``model``'s weights whole between steps, or None.
+
+    Recognised: ``torch.distributed.fsdp.FullyShardedDataParallel`` (FSDP1, also its flattened
+    parameters when the wrapper sits above ``model``, as Lightning's FSDPStrategy does),
+    FSDP2 ``fully_shard`` and tensor parallelism (DTensor parameters), DeepSpeed ZeRO-3
+    (partitioned parameters). Cheap: nothing is imported or read unless torch.distributed is
+    initialized.
+    """
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    fsdp1 = fsdp2 = dtensor = None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as fsdp1
+    except Exception:  # pragma: no cover - builds without FSDP
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule as fsdp2
+    except Exception:  # pragma: no cover - torch < 2.6
+        pass
+    try:
+        from torch.distributed.tensor import DTensor as dtensor
+    except Exception:  # pragma: no cover
+        pass
+    for m in model.modules():
+        if fsdp1 is not None and isinstance(m, fsdp1):
+            return "FSDP (FullyShardedDataParallel) shards the weights"
+        if fsdp2 is not None and isinstance(m, fsdp2):
+            return "FSDP2 (fully_shard) shards the weights"
+    for p in model.parameters():
+        if dtensor is not None and isinstance(p, dtensor):
+            return "the weights are DTensors (FSDP2 fully_shard or tensor parallelism)"
+        if getattr(p, "_fsdp_flattened", False):
+            return "FSDP (FullyShardedDataParallel) shards the weights"
+        if hasattr(p, "ds_id"):
+            return "DeepSpeed ZeRO-3 partitions the weights"
+    return None
+
+
+def _query_shape(module: nn.Module) -> tuple[int, int, int] | None:
+    """(heads, head dim, model dim) of an attention module's W^Q from its structure alone.
+
+    The families of ``flashwatch.attach.find_attention``, recognised without reading a
+    weight (a sharded weight has the wrong shape, or none, between steps).
+    """
+    c_attn, n_head = getattr(module, "c_attn", None), getattr(module, "n_head", None)
+    if isinstance(c_attn, nn.Linear) and isinstance(n_head, int) and not isinstance(n_head, bool):
+        c = c_attn.in_features  # nanoGPT
+        if c_attn.out_features == 3 * c and n_head >= 1 and c % n_head == 0:
+            return n_head, c // n_head, c
+        return None
+    if c_attn is not None and type(c_attn).__name__ == "Conv1D" and not getattr(module, "is_cross_attention", False):
+        nf, nx, heads = getattr(c_attn, "nf", None), getattr(c_attn, "nx", None), getattr(module, "num_heads", None)
+        if isinstance(nf, int) and isinstance(nx, int) and isinstance(heads, int) and nf == 3 * nx \
+                and heads >= 1 and nx % heads == 0:  # Hugging Face GPT-2
+            return heads, nx // heads, nx
+        return None
+    q_proj = getattr(module, "q_proj", None)
+    if isinstance(q_proj, nn.Linear) and hasattr(module, "k_proj") and hasattr(module, "o_proj"):
+        config = getattr(module, "config", None)  # Llama-style
+        heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
+        head_dim = getattr(module, "head_dim", None)
+        if not heads and head_dim:
+            heads = q_proj.out_features // head_dim
+        if isinstance(heads, int) and heads >= 1 and q_proj.out_features % heads == 0:
+            return heads, q_proj.out_features // heads, q_proj.in_features
+    return None
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        local = getattr(t, "to_local", None)
+        return local().device if callable(local) else t.device
+    return torch.device("cpu")
+
+
+def structural_attention(model: nn.Module) -> dict[str, Any]:
+    """``{module name: query_weight_fn}`` for ``attach(model, attention=...)`` on a sharded model.
+
+    Modules are found as ``find_attention`` finds them (module order, children of an
+    attention module skipped), by structure alone; each function returns a placeholder of
+    W^Q's shape (a zero-stride view of one zero: no memory, no weight read), since a rank
+    does not hold W^Q whole between steps. The Monitor skips the W^Q norms of such a model.
+    """
+    found: dict[str, Any] = {}
+    skip: str | None = None
+    for name, module in model.named_modules():
+        if skip is not None and name.startswith(skip):
+            continue
+        shape = _query_shape(module)
+        if shape is None:
+            continue
+        device = _device_of(module)
+        found[name] = lambda m, shape=shape, device=device: torch.zeros((), device=device).expand(*shape)
+        skip = name + "."
+    return found
+
+
+# --- the reduction --------------------------------------------------------------------------------
+
+@dataclass
+class Reduced:
+    """One monitored step combined over every rank (host data, identical on every rank).
+
+    ``stats`` is (len(STAT_FIELDS), total heads) float64 as ``AttentionStats.packed()``;
+    ``sigma`` the W^Q norms (max over ranks) and ``sigma_min`` their min; ``variants`` and
+    ``variants_min`` the per-layer variant codes' max and min; ``steps`` (min, max) of the
+    ranks' step counters; ``failed`` how many ranks could not measure the step.
+    """
+
+    stats: torch.Tensor
+    sigma: torch.Tensor
+    sigma_min: torch.Tensor
+    loss: float
+    loss_given: bool
+    grad_norm: float
+    grad_norm_given: bool
+    variants: list[int]
+    variants_min: list[int]
+    steps: tuple[int, int]
+    failed: int
+
+
+class Reducer:
+    """Packs one rank's monitored step, combines it over the group, unpacks the result.
+
+    Args:
+        group, rank, world_size: from ``resolve_process_group``.
+        heads: heads per attached layer, in layer order.
+        n_fields: rows of ``AttentionStats.packed()``.
+        max_rows: the rows combined with max (``AttentionStats.max_rows()``).
+        grad_norm: ``"max"`` when every rank passes the same global gradient norm (DDP: the
+            gradients are all-reduced before the optimizer step; the max of equal values is
+            that value), ``"l2"`` when each rank passes the norm of its own shard (FSDP):
+            sqrt of the sum of squares.
+        slot_bytes_limit: largest MAX-slot block (bytes) for the one-collective scheme.
+
+    Layout of the local vector (float64): the SUM part, ``sum rows x heads`` then
+    ``loss_sum, grad_norm^2, loss_n, grad_norm_n, failed``; then the MAX part,
+    ``max rows x heads, sigma (heads), grad_norm, variant codes (layers), step``.
+    """
+
+    def __init__(self, group: Any, rank: int, world_size: int, heads: Sequence[int], *, n_fields: int,
+                 max_rows: Sequence[int], grad_norm: str = "max", slot_bytes_limit: int = SLOT_BYTES_LIMIT):
+        if grad_norm not in ("max", "l2"):
+            raise ValueError(f"grad_norm must be 'max' or 'l2', got {grad_norm!r}")
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.heads = list(heads)
+        self.num_heads, self.num_layers = sum(self.heads), len(self.heads)
+        self.n_fields = n_fields
+        self.max_rows = sorted(max_rows)
+        self.sum_rows = [i for i in range(n_fields) if i not in self.max_rows]
+        self.grad_norm = grad_norm
+        h = self.num_heads
+        self.sum_size = len(self.sum_rows) * h + len(_SUM_TAIL)
+        self.max_size = len(self.max_rows) * h + h + 1 + self.num_layers + 1
+        self.slot_bytes_limit = slot_bytes_limit
+        self.last_local: torch.Tensor | None = None  # this rank's vector of the last monitored step (device)
+        self.last_host: torch.Tensor | None = None  # the combined vector as read to the host
+        backend = str(_dist().get_backend(group))
+        self._backend = backend
+
+    # layout -----------------------------------------------------------------------------------
+    @property
+    def slots(self) -> bool:
+        """True: one collective (MAX values in per-rank slots); False: two (SUM, then MAX)."""
+        return self.world_size * self.max_size * 8 <= self.slot_bytes_limit
+
+    @property
+    def collectives(self) -> int:
+        return 1 if self.slots else 2
+
+    @property
+    def local_size(self) -> int:
+        return self.sum_size + self.max_size
+
+    def describe(self) -> str:
+        """What crosses the wire per monitored step, for logs and reports."""
+        if self.slots:
+            n = self.sum_size + self.world_size * self.max_size
+            return f"1 all-reduce (SUM) of {n} float64 ({n * 8 / 1024:.1f} KiB)"
+        return (f"2 all-reduces: SUM of {self.sum_size} float64 and MAX of {2 * self.max_size} float64 "
+                f"({(self.sum_size + 2 * self.max_size) * 8 / 1024:.1f} KiB)")
+
+    # packing ----------------------------------------------------------------------------------
+    def pack(self, stats: torch.Tensor, sigma: torch.Tensor, loss: Any, grad_norm: Any, step: int,
+             variant_codes: Sequence[int]) -> torch.Tensor:
+        """This rank's local vector, on ``stats.device`` (no host synchronisation).
+
+        ``stats`` (n_fields, heads) and ``sigma`` (heads,) are device tensors; ``loss`` and
+        ``grad_norm`` floats, one-element tensors or None.
+        """
+        dev, f64 = stats.device, torch.float64
+        if stats.shape != (self.n_fields, self.num_heads) or sigma.shape != (self.num_heads,):
+            raise ValueError(f"statistics of shape {tuple(stats.shape)} / {tuple(sigma.shape)} do not match the "
+                             f"layout ({self.n_fields}, {self.num_heads}) the Reducer was built for")
+        if len(variant_codes) != self.num_layers:
+            raise ValueError(f"{len(variant_codes)} variant codes for {self.num_layers} layers")
+
+        def one(v: Any, absent: float) -> torch.Tensor:
+            if v is None:
+                return torch.full((1,), absent, dtype=f64, device=dev)
+            if isinstance(v, torch.Tensor):
+                v = v.detach()
+                to_local = getattr(v, "full_tensor", None)  # a DTensor scalar (FSDP2): its value
+                if callable(to_local):
+                    v = to_local()
+                return v.reshape(1).to(device=dev, dtype=f64)
+            return torch.tensor([float(v)], dtype=f64, device=dev)
+
+        loss_t, gn_t = one(loss, 0.0), one(grad_norm, -math.inf)
+        counts = torch.tensor([loss is not None, grad_norm is not None, 0.0, *variant_codes, step],
+                              dtype=f64).to(dev)  # one small copy
+        gn_sq = torch.where(torch.isinf(gn_t) & (gn_t < 0), torch.zeros_like(gn_t), gn_t * gn_t)
+        s = stats.to(f64)
+        local = torch.cat([
+            s[self.sum_rows].reshape(-1), loss_t, gn_sq, counts[:3],                 # SUM part
+            s[self.max_rows].reshape(-1), sigma.to(device=dev, dtype=f64), gn_t, counts[3:],  # MAX part
+        ])
+        self.last_local = local
+        return local
+
+    def failed_local(self, device: torch.device) -> torch.Tensor:
+        """The vector of a rank that could not measure the step: zeros, -inf maxima, and 1 in ``failed``."""
+        local = torch.zeros(self.local_size, dtype=torch.float64, device=device)
+        local[self.sum_size - 1] = 1.0  # "failed"
+        local[self.sum_size:] = -math.inf  # leaves every other rank's maxima alone
+        self.last_local = local
+        return local
+
+    # the collective -----------------------------------------------------------------------------
+    def _comm_device(self, t: torch.Tensor) -> torch.device:
+        backend = self._backend
+        if backend == "nccl" and t.device.type != "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        if backend == "gloo" and t.device.type != "cpu":
+            return torch.device("cpu")
+        return t.device
+
+    def all_reduce(self, local: torch.Tensor) -> torch.Tensor:
+        """Combine over the group: one SUM all-reduce (slots), or SUM then MAX. Every rank must call it."""
+        dist = _dist()
+        x = local.to(self._comm_device(local))
+        s, m = self.sum_size, self.max_size
+        if self.slots:
+            buf = x.new_zeros(s + self.world_size * m)
+            buf[:s] = x[:s]
+            buf[s + self.rank * m: s + (self.rank + 1) * m] = x[s:]
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            return buf
+        head = x[:s].clone()
+        dist.all_reduce(head, op=dist.ReduceOp.SUM, group=self.group)
+        g = torch.nan_to_num(x[s:], nan=math.inf, posinf=math.inf, neginf=-math.inf)
+        both = torch.cat([g, -g])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        return torch.cat([head, both])
+
+    # unpacking ----------------------------------------------------------------------------------
+    def _max_min(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, m = self.sum_size, self.max_size
+        if self.slots:
+            slots = host[s:].view(self.world_size, m)
+            return slots.amax(0), slots.amin(0)  # NaN propagates, the same on every rank
+        return host[s: s + m], -host[s + m: s + 2 * m]
+
+    def unpack(self, host: torch.Tensor) -> Reduced:
+        """The combined step from ``all_reduce``'s result, read to the host (float64, CPU)."""
+        self.last_host = host
+        h, nsum, nmax = self.num_heads, len(self.sum_rows), len(self.max_rows)
+        head = host[: self.sum_size]
+        loss_sum, gn_sq, loss_n, gn_n, failed = head[nsum * h:].tolist()
+        mx, mn = self._max_min(host)
+        stats = torch.empty(self.n_fields, h, dtype=torch.float64)
+        stats[self.sum_rows] = head[: nsum * h].view(nsum, h)
+        stats[self.max_rows] = mx[: nmax * h].view(nmax, h)
+        o = nmax * h
+        sigma, sigma_min = mx[o: o + h].clone(), mn[o: o + h].clone()
+        gn_max = float(mx[o + h])
+        codes = slice(o + h + 1, o + h + 1 + self.num_layers)
+        variants = [int(v) if math.isfinite(v) else 0 for v in mx[codes].tolist()]
+        variants_min = [int(v) if math.isfinite(v) else 0 for v in mn[codes].tolist()]
+        steps = (int(mn[-1]) if math.isfinite(mn[-1]) else -1, int(mx[-1]) if math.isfinite(mx[-1]) else -1)
+        grad_norm = (math.sqrt(gn_sq) if self.grad_norm == "l2" else gn_max) if gn_n > 0 else math.nan
+        return Reduced(stats=stats, sigma=sigma, sigma_min=sigma_min,
+                       loss=loss_sum / loss_n if loss_n > 0 else math.nan, loss_given=loss_n > 0,
+                       grad_norm=grad_norm, grad_norm_given=gn_n > 0, variants=variants, variants_min=variants_min,
+                       steps=steps, failed=int(failed) if math.isfinite(failed) else self.world_size)
+
+    def split_local(self, local: torch.Tensor) -> dict:
+        """One rank's own values from its local vector (host copy): for tests and debugging."""
+        local = local.detach().to("cpu", torch.float64)
+        h, nsum, nmax = self.num_heads, len(self.sum_rows), len(self.max_rows)
+        stats = torch.empty(self.n_fields, h, dtype=torch.float64)
+        stats[self.sum_rows] = local[: nsum * h].view(nsum, h)
+        loss_sum, gn_sq, loss_n, gn_n, failed = local[nsum * h: self.sum_size].tolist()
+        mx = local[self.sum_size:]
+        stats[self.max_rows] = mx[: nmax * h].view(nmax, h)
+        o = nmax * h
+        return {"stats": stats, "sigma": mx[o: o + h].clone(), "loss": loss_sum if loss_n else math.nan,
+                "grad_norm": float(mx[o + h]) if gn_n else math.nan, "step": int(mx[-1]),
+                "variants": [int(v) for v in mx[o + h + 1: o + h + 1 + self.num_layers].tolist()]}
+
+    @staticmethod
+    def sigma_spread(reduced: Reduced) -> float:
+        """Largest relative difference of a head's W^Q norm between ranks (0 for identical replicas)."""
+        hi, lo = reduced.sigma, reduced.sigma_min
+        ok = torch.isfinite(hi) & torch.isfinite(lo) & (hi > 0)
+        if not bool(ok.any()):
+            return 0.0
+        return float(((hi - lo)[ok] / hi[ok]).max())
