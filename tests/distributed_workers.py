@@ -1,0 +1,251 @@
+"""Helpers of tests/test_distributed.py: the plain-PyTorch rank workers and the comparisons.
+
+A module of its own, without Lightning, so that the processes the plain-PyTorch test spawns
+import only torch and flashwatch (a few seconds less per process on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.kernels import STAT_FIELDS, AttentionStats
+from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+LAYERS, HEADS = 2, 4
+MAX_ROWS = AttentionStats.max_rows()
+SUM_ROWS = [i for i in range(len(STAT_FIELDS)) if i not in MAX_ROWS]
+
+
+def _free_ports(n: int = 1) -> int:
+    """A base port p with p .. p+n-1 free now (for one endpoint per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError("no free ports")
+
+
+def _run_ranks(fn, args, *, nprocs=2, timeout=90.0):
+    """Spawn ``fn(rank, *args)`` in ``nprocs`` processes; fail the test if they outlive ``timeout``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"the {nprocs} ranks did not finish within {timeout:.0f} s (a hang in a collective?)")
+
+
+def _tiny_gpt() -> GPT:
+    torch.manual_seed(0)  # the same weights on every rank, as DDP makes them
+    return GPT(GPTConfig(n_layer=LAYERS, n_head=HEADS, n_embd=64, block_size=32))
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+# --- plain PyTorch: the workers ------------------------------------------------------------------
+
+def _reduced(monitor: Monitor) -> dict:
+    r = monitor._reducer
+    red = r.unpack(r.last_host)
+    return {"local": r.split_local(r.last_local), "stats": red.stats, "sigma": red.sigma, "loss": red.loss,
+            "grad_norm": red.grad_norm}
+
+
+def _crafted(rank: int, scheme: str) -> dict:
+    """Hand-made statistics: rank 1 alone sees a logit above the bound; its alert and switch must be everyone's."""
+    model = _tiny_gpt()
+    monitor = Monitor(MonitorConfig(interval=1, max_logit_bound=100.0, auto_fix="fp32_delta",
+                                    auto_fix_on={"max_logit"}))
+    monitor.attach(model)
+    if scheme == "two":
+        monitor._reducer.slot_bytes_limit = 0
+    g = torch.Generator().manual_seed(100 + rank)
+    for layer in monitor.layers:  # what the kernels would have added up on this rank
+        st = layer.stats
+        st.rows += 1000 * (rank + 1)
+        st.repeated_max_rows += torch.randint(0, 50, (HEADS,), generator=g)
+        st.repeated_max_rows_bf16 += torch.randint(0, 200, (HEADS,), generator=g)
+        st.max_logit.copy_(torch.rand(HEADS, generator=g) * 10)
+        for name in ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied"):
+            getattr(st, name).copy_(torch.randn(HEADS, generator=g) * 1e-3)
+    if rank == 1:
+        monitor.layers[1].stats.max_logit[2] = 150.0
+    alerts = monitor.step(loss=torch.tensor(1.0 + 2.0 * rank), grad_norm=torch.tensor(0.5))
+    out = {"collectives": monitor._reducer.collectives, "alerts": [a.to_dict() for a in alerts],
+           "switches": monitor.switches, "variants": monitor.variants, "snapshot": monitor.snapshot(),
+           "errors": monitor.errors, **_reduced(monitor)}
+    monitor.detach()
+    return out
+
+
+def _ddp_run(rank: int) -> dict:
+    """A real DDP run, different data on each rank; the Monitor attached to the DDP wrapper."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    data = stdlib_corpus(100_000)
+    model = DDP(_tiny_gpt())
+    monitor = Monitor(MonitorConfig(interval=2, warmup=1, max_logit_bound=-1e3))
+    monitor.attach(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    records = []
+    for t in range(6):
+        x, y = sample_batch(data, 4, 32, generator=torch.Generator().manual_seed(1000 * t + rank))
+        loss = model(x, y)[1]
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        monitored = monitor.monitoring
+        monitor.step(loss=loss.detach(), grad_norm=grad_norm)
+        if monitored:
+            records.append({"step": t, "snapshot": monitor.snapshot(), **_reduced(monitor)})
+    out = {"records": records, "alerts": [a.to_dict() for a in monitor.alerts], "state": monitor.state_dict(),
+           "errors": monitor.errors, "world_size": monitor.world_size, "rank": monitor.rank,
+           "describe": monitor._reducer.describe()}
+    monitor.detach()
+    return out
+
+
+def _repair(rank: int) -> dict:
+    """Variants that differ between ranks (they cannot, short of a bug): every rank adopts the switched one."""
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(_tiny_gpt())
+    if rank == 1:
+        monitor.layers[0].mode, monitor.layers[0].variant = "own_kernel", "fixed"
+    monitor.step()
+    out = {"variants": monitor.variants, "modes": [layer.mode for layer in monitor.layers]}
+    monitor.detach()
+    return out
+
+
+def _failure(rank: int) -> dict:
+    """Rank 1 cannot read its statistics at step 0: every rank skips that step, nobody hangs, step 1 works."""
+    data = stdlib_corpus(100_000)
+    model = _tiny_gpt()
+    monitor = Monitor(MonitorConfig(interval=1, max_logit_bound=-1e3))
+    monitor.attach(model)
+    steps = []
+    for t in range(2):
+        x, y = sample_batch(data, 2, 32, generator=torch.Generator().manual_seed(t + 10 * rank))
+        model(x, y)[1].backward()
+        stats = monitor.layers[0].stats
+        if rank == 1 and t == 0:
+            def broken():
+                raise RuntimeError("injected failure on rank 1")
+            stats.packed = broken
+        steps.append(len(monitor.step()))
+        stats.__dict__.pop("packed", None)
+    out = {"new_alerts": steps, "errors": monitor.errors, "step": monitor.snapshot()["flashwatch_step"]}
+    monitor.detach()
+    return out
+
+
+def _fsdp2(rank: int, messages: _Messages) -> dict:
+    """FSDP2 (fully_shard) on the CPU: attached by structure, W^Q skipped with one warning, no crash."""
+    from torch.distributed.fsdp import fully_shard
+
+    data = stdlib_corpus(100_000)
+    model = _tiny_gpt()
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    before = len(messages.messages)
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    records = []
+    for t in range(2):
+        x, y = sample_batch(data, 4, 32, generator=torch.Generator().manual_seed(1000 * t + rank))
+        loss = model(x, y)[1]
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        monitor.step(loss=loss.detach(), grad_norm=grad_norm)
+        records.append(_reduced(monitor))
+    skipped = [m for m in messages.messages[before:] if "W^Q spectral norms are skipped" in m]
+    out = {"records": records, "sharding": monitor.sharding, "errors": monitor.errors, "skip_warnings": skipped,
+           "alerts": [a.to_dict() for a in monitor.alerts], "snapshot": monitor.snapshot()}
+    monitor.detach()
+    return out
+
+
+def _plain_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    messages = _Messages()
+    logging.getLogger("flashwatch").addHandler(messages)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        result = {"slots": _crafted(rank, "slots"), "two": _crafted(rank, "two"), "ddp": _ddp_run(rank),
+                  "repair": _repair(rank), "failure": _failure(rank), "fsdp2": _fsdp2(rank, messages),
+                  "messages": messages.messages}
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# --- comparisons -------------------------------------------------------------------------------------
+
+def _same(a, b, where="value"):
+    """Exact equality, NaN equal to NaN, through dicts, lists and tensors."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape, where
+        assert torch.equal(torch.nan_to_num(a, nan=1234.5), torch.nan_to_num(b, nan=1234.5)), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _assert_combined(r0: dict, r1: dict, where: str) -> None:
+    """Each rank's combined statistics are the sum (counts, delta sums) and max (max logit) of both ranks' own."""
+    l0, l1 = r0["local"]["stats"], r1["local"]["stats"]
+    _same(r0["stats"], r1["stats"], f"{where}: combined stats differ between ranks")
+    assert torch.equal(r0["stats"][SUM_ROWS], l0[SUM_ROWS] + l1[SUM_ROWS]), where
+    assert torch.equal(r0["stats"][MAX_ROWS], torch.maximum(l0[MAX_ROWS], l1[MAX_ROWS])), where
+    assert r0["loss"] == r1["loss"] == (r0["local"]["loss"] + r1["local"]["loss"]) / 2, where
