@@ -33,10 +33,42 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     return experiment_main(args.rest)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main  # imports torch and Lightning: only when the command runs
+
+    return demo_main(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import main as report_main
+
+    return report_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashwatch", description=__doc__)
     parser.add_argument("--version", action="version", version=f"flashwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("demo", help="train a small GPT with flashwatch watching (about a minute on a CPU)",
+                       description="Train a small byte-level GPT on the Python standard library's source with "
+                                   "flashwatch's Lightning callback: Prometheus metrics on 127.0.0.1, a run folder, "
+                                   "a live summary, a short report at the end.")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches (default 0)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="default auto: cuda (flashwatch's Triton kernel) if available, else cpu (observe mode)")
+    p.add_argument("--port", type=int, default=9400, help="Prometheus port on 127.0.0.1 (default 9400; 0: any free port)")
+    p.add_argument("--run-dir", metavar="DIR", help="run folder (default runs/demo-<timestamp>/)")
+    p.add_argument("--provoke", action="store_true",
+                   help="early-warning scenario with an INJECTED fault in flashwatch's kernel (labelled INJECTED)")
+    p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("report", help="render a run's metrics.jsonl as HTML (default) or PNG",
+                       description="Loss with alert markers and per-head heatmaps over steps (drift z, repeated-max "
+                                   "ratio on BF16 scores, W^Q spectral norm) from a run folder's metrics.jsonl.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (or its metrics.jsonl)")
+    p.add_argument("--out", metavar="PATH",
+                   help="output file, .html (self-contained) or .png (needs matplotlib); default RUN_DIR/report.html")
+    p.set_defaults(func=_cmd_report)
     p = sub.add_parser("metrics", help="print the metric table (Markdown)")
     p.set_defaults(func=_cmd_metrics)
     p = sub.add_parser("lab", help="the bias lab: signed rounding bias of O and delta per kernel (docs/LAB.md)")

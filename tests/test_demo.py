@@ -1,0 +1,92 @@
+"""flashwatch demo, in-process on the CPU with a few steps: run folder, report lines, --provoke alerts."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+from flashwatch.cli import main as cli_main
+from flashwatch.exporters.jsonl import ALERTS_FILE, METRICS_FILE, read_jsonl, validate_record
+
+
+def _demo(capsys, *args: str) -> tuple[int, str]:
+    code = cli_main(["demo", "--device", "cpu", "--port", "0", *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_demo_writes_the_run_folder_and_reports(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code, out = _demo(capsys, "--steps", "24", "--run-dir", str(run_dir))
+    assert code == 0, out
+
+    # the run folder: JSONL (one record per step: every step is monitored), alerts, checkpoint, report
+    records = list(read_jsonl(run_dir / METRICS_FILE, kinds=None))
+    for r in records:
+        validate_record(r)
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(24))
+    assert records[0]["kind"] == "open" and records[-1]["kind"] == "close"
+    assert (run_dir / ALERTS_FILE).exists()
+    ckpt = torch.load(run_dir / "checkpoint.ckpt", map_location="cpu", weights_only=False)
+    state = next(v for k, v in ckpt["callbacks"].items() if "FlashWatchCallback" in k)
+    assert state["monitor"]["global_step"] == 24 and len(state["monitor"]["layers"]) == 4
+    meta = json.loads((run_dir / "demo.json").read_text())
+    assert meta["mode"] == "observe" and not meta["injected"] and meta["steps_done"] == 24
+    assert "<svg" in (run_dir / "report.html").read_text()
+
+    # what a person reads: progress lines, the served URL, and the final report
+    assert "Prometheus metrics: http://127.0.0.1:" in out
+    assert "[100%] flashwatch step 23" in out
+    report = out.split("flashwatch demo report", 1)[1]
+    for line in ("steps:   24 optimizer steps", "loss:", "|drift z|", "repeated-max ratio (BF16)",
+                 "W^Q spectral norm", "max logit", "alerts:", "metrics: http://127.0.0.1:", "checkpoint.ckpt",
+                 "report.html", f"files:   {run_dir}/"):
+        assert line in report, line
+    assert "INJECTED" not in out
+
+
+def test_provoke_raises_alerts_labelled_injected(tmp_path, capsys):
+    run_dir = tmp_path / "provoked"
+    code, out = _demo(capsys, "--steps", "100", "--provoke", "--run-dir", str(run_dir))
+    assert code == 0, out
+    meta = json.loads((run_dir / "demo.json").read_text())
+    assert meta["injected"] and meta["inject_bias"] > 0 and meta["mode"] == "own_kernel"
+
+    alerts = [a for r in read_jsonl(run_dir) for a in r["new_alerts"]]
+    assert alerts, out
+    # every alert, in every output, says INJECTED
+    assert all(a["message"].startswith("[INJECTED] ") for a in alerts)
+    lines = (run_dir / ALERTS_FILE).read_text().splitlines()
+    assert len(lines) == len(alerts) and all("[INJECTED]" in l for l in lines)
+    assert "flashwatch demo report [INJECTED FAULT" in out
+    assert "INJECTED FAULT: inject_bias=" in out
+    warnings = [l for l in out.splitlines() if l.startswith(("WARNING", "ERROR"))]
+    assert warnings and all(l.split(" ", 1)[1].startswith("INJECTED") for l in warnings)
+    assert "INJECTED FAULT" in (run_dir / "report.html").read_text()
+
+
+def test_port_in_use_says_to_use_port_0(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code = cli_main(["demo", "--steps", "2", "--port", str(port), "--run-dir", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert f"port {port} on 127.0.0.1 is taken" in out and "--port 0" in out
+    assert not (tmp_path / "r").exists()
+
+
+def test_refuses_a_run_folder_that_holds_a_run(tmp_path, capsys):
+    (tmp_path / METRICS_FILE).write_text("")
+    code, out = _demo(capsys, "--steps", "2", "--run-dir", str(tmp_path))
+    assert code == 2 and "already holds a run" in out
+
+
+@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be a positive integer")])
+def test_bad_arguments(args, message, tmp_path, capsys):
+    code, out = _demo(capsys, *args, "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and message in out

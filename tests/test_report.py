@@ -1,0 +1,176 @@
+"""flashwatch report: HTML (inline SVG, self-contained) and PNG from the JSONL of a short real run."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.cli import main as cli_main
+from flashwatch.exporters.jsonl import JsonlExporter, read_jsonl
+from flashwatch.report import HEATMAPS, MissingMatplotlib, _bins, load_run, render, to_html
+from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+LAYERS, HEADS, STEPS = 2, 2, 24
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real (tiny) BF16 training run with the Monitor and the JSONL exporter; max_logit forced to alert."""
+    path = tmp_path_factory.mktemp("run")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=LAYERS, n_head=HEADS, n_embd=32, block_size=32))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # max_logit_bound below every logit: each head raises one alert at step 0; warm-up 4 so that
+    # other rules may fire too
+    monitor = Monitor(MonitorConfig(interval=2, warmup=4, window=3, max_logit_bound=-1e3),
+                      exporters=[JsonlExporter(path)])
+    monitor.attach(model)
+    data = stdlib_corpus(200_000)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(STEPS):
+        x, y = sample_batch(data, 4, 32, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        monitor.step(loss=loss.detach(), grad_norm=grad_norm)
+    monitor.close()
+    monitor.detach()
+    assert len(monitor.alerts) >= LAYERS * HEADS
+    return path
+
+
+class _Balance(HTMLParser):
+    """Checks that every non-void element is closed, in order."""
+
+    VOID = {"meta", "link", "br", "hr", "img", "input", "col", "area", "base", "wbr", "source", "track", "embed"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+        self.tags: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        self.tags.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+
+def test_load_run_reads_columns(run_dir):
+    run = load_run(run_dir)
+    assert run.steps == list(range(0, STEPS, 2))
+    assert run.rows == [(l, h) for l in range(LAYERS) for h in range(HEADS)]
+    for hm in HEATMAPS:
+        grid = run.series[hm.metric]
+        assert len(grid) == LAYERS * HEADS and all(len(row) == len(run.steps) for row in grid)
+    assert all(v == v for v in run.loss)
+    assert {a["rule"] for a in run.alerts} >= {"max_logit"}
+    assert not run.injected
+
+
+def test_html_is_well_formed_self_contained_with_svgs_and_alert_markers(run_dir):
+    out = render(run_dir)
+    assert out == run_dir / "report.html"
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("<!DOCTYPE html>")
+
+    parser = _Balance()
+    parser.feed(text)
+    parser.close()
+    assert not parser.errors and not parser.stack, (parser.errors, parser.stack)
+
+    # self-contained: no scripts, no external files, no CDN
+    assert "<script" not in text.lower()
+    assert not re.search(r"""(src|href)\s*=\s*['"](?!#)""", text), "external reference"
+    assert set(re.findall(r"https?://[^\s'\"<)]+", text)) <= {"http://www.w3.org/2000/svg"}
+
+    # every SVG parses as XML: the loss chart and one heatmap per signal
+    svgs = re.findall(r"<svg\b.*?</svg>", text, flags=re.S)
+    assert len(svgs) == 1 + len(HEATMAPS)
+    trees = [ET.fromstring(s) for s in svgs]
+    ns = "{http://www.w3.org/2000/svg}"
+    assert trees[0].get("id") == "loss-chart"
+    assert [t.get("data-metric") for t in trees[1:]] == [h.metric for h in HEATMAPS]
+
+    # alert markers on the loss: one per step where alerts started, with the alerts as tooltip
+    run = load_run(run_dir)
+    alert_steps = sorted({a["step"] for a in run.alerts})
+    markers = [g for g in trees[0].iter(f"{ns}g") if g.get("class") == "alert-marker"]
+    assert sorted(int(g.get("data-step")) for g in markers) == alert_steps
+    assert all("max_logit" in g.find(f"{ns}title").text for g in markers if int(g.get("data-step")) == 0)
+    # the max-logit heatmap outlines the cells of its alerts
+    ml = trees[1 + [h.metric for h in HEATMAPS].index("flashwatch_max_logit")]
+    cells = [g for g in ml.iter(f"{ns}g") if g.get("class") == "alert-cell"]
+    assert len(cells) == sum(a["rule"] == "max_logit" for a in run.alerts)
+    # one row label per head, the loss as a polyline
+    assert "L1.H1" in svgs[1]
+    assert trees[0].find(f"{ns}polyline") is not None
+    # the alert table
+    assert text.count("<tr>") >= 1 + len(run.alerts)
+
+
+def test_injected_runs_say_so(run_dir, tmp_path):
+    for name in ("metrics.jsonl",):
+        (tmp_path / name).write_bytes((run_dir / name).read_bytes())
+    (tmp_path / "demo.json").write_text(json.dumps({"injected": True, "inject_bias": 128.0,
+                                                    "label": "INJECTED FAULT: test"}))
+    text = to_html(load_run(tmp_path))
+    assert "INJECTED" in text.split("<body>", 1)[1][:2000]
+    assert "[INJECTED]" in text.split("</title>")[0]
+
+
+def test_png_when_matplotlib_is_installed(run_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = render(run_dir, tmp_path / "run.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_png_without_matplotlib_says_what_to_install(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(MissingMatplotlib, match=r"pip install flashwatch\[report\]"):
+        render(run_dir, tmp_path / "run.png")
+    assert not (tmp_path / "run.png").exists()
+
+
+def test_cli(run_dir, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    assert cli_main(["report", str(run_dir / "metrics.jsonl"), "--out", str(out)]) == 0
+    assert out.exists() and f"wrote {out}" in capsys.readouterr().out
+    assert cli_main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert cli_main(["report", str(run_dir), "--out", str(tmp_path / "r.pdf")]) == 2
+    assert ".html (default) or .png" in capsys.readouterr().err
+
+
+def test_resumed_steps_keep_the_last_record_and_long_runs_are_binned(run_dir, tmp_path):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    step_lines = [l for l in lines if '"kind":"step"' in l]
+    # a resumed run appends an open record and repeats steps; the reader keeps the last of each
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines + [lines[0]] + step_lines[-2:]) + "\n")
+    run = load_run(tmp_path)
+    assert run.steps == sorted(set(run.steps)) and len(run.steps) == len(step_lines)
+    assert len(list(read_jsonl(tmp_path))) == len(step_lines) + 2
+    assert _bins(10) == [(i, i + 1) for i in range(10)]
+    bins = _bins(1000, 240)
+    assert len(bins) == 240 and bins[0][0] == 0 and bins[-1][1] == 1000
+    assert all(a < b for a, b in bins) and all(b == c for (_, b), (c, _) in zip(bins, bins[1:]))
