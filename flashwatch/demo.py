@@ -215,7 +215,7 @@ def _labelled_exporter(inner, label: str):
 
 # --- display --------------------------------------------------------------------------------------
 
-def _display_callback(console, *, live: bool, steps: int, title: str, watch):
+def _display_callback(console, *, live: bool, steps: int, title: str, watch, label: str = ""):
     """A Lightning callback: rich progress and flashwatch's panel on a terminal, plain lines otherwise."""
     from pytorch_lightning.callbacks import Callback
     from rich.console import Group
@@ -266,7 +266,7 @@ def _display_callback(console, *, live: bool, steps: int, title: str, watch):
             self.start = time.monotonic()
             self.url = watch.url
             served = f"{self.url} (while it trains)" if self.url else "not served"
-            _say(console, f"  Prometheus metrics: {served}")
+            _say(console, f"  {label}Prometheus metrics: {served}")
             if live:
                 self.live = Live(self._renderable(), console=console, refresh_per_second=4, transient=False)
                 self.live.start()
@@ -284,7 +284,7 @@ def _display_callback(console, *, live: bool, steps: int, title: str, watch):
                 rate = n / max(now - self.start, 1e-9)
                 record = self.latest.record
                 line = self.panel.summary_line(record) if record is not None else f"step {n}"
-                _say(console, f"[{100 * n // steps:3d}%] {line} ({rate:.1f} steps/s)")
+                _say(console, f"{label}[{100 * n // steps:3d}%] {line} ({rate:.1f} steps/s)")
 
         def stop(self) -> None:
             if self.live is not None:
@@ -344,6 +344,25 @@ def _alert_logging(console, *, rich_output: bool, prefix: str) -> Iterator[None]
 
 
 # --- the run --------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _cpu_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads for the run. The demo's matrices are tiny (64 x 64): one thread is
+    as fast as two on an idle 2-core machine, and on a busy one two threads wait on each other
+    (measured here: 35-55 ms per step with one thread, 500-800 ms with two while two other
+    processes ran)."""
+    import torch
+
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 def _check_port(host: str, port: int) -> None:
     """Fail before training when ``host:port`` is taken (the exporter would fail at fit start)."""
@@ -440,7 +459,7 @@ def run(*, steps: int = DEFAULT_STEPS, seed: int = 0, device: str | None = None,
                                    exporters=[_labelled_exporter(jsonl, INJECTED) if provoke else jsonl],
                                    log_summaries=False)
         title = f"{INJECTED} FAULT demo" if provoke else "flashwatch demo"
-        display = _display_callback(console, live=live, steps=steps, title=title, watch=watch)
+        display = _display_callback(console, live=live, steps=steps, title=title, watch=watch, label=label)
         watch.monitor.add_exporter(display.latest)
         checkpoint = ModelCheckpoint(dirpath=run_dir, filename="checkpoint", save_top_k=1,
                                      enable_version_counter=False, save_on_train_epoch_end=True)
@@ -458,7 +477,8 @@ def run(*, steps: int = DEFAULT_STEPS, seed: int = 0, device: str | None = None,
 
         start = time.monotonic()
         try:
-            with _alert_logging(console, rich_output=live, prefix=label), injected_fault(strength):
+            with _alert_logging(console, rich_output=live, prefix=label), injected_fault(strength), \
+                    _cpu_threads(1 if dev == "cpu" else None):
                 trainer.fit(module, loader)
         except PortInUseError:
             raise DemoError(_port_message(host, port)) from None

@@ -63,6 +63,7 @@ def test_provoke_raises_alerts_labelled_injected(tmp_path, capsys):
     assert len(lines) == len(alerts) and all("[INJECTED]" in l for l in lines)
     assert "flashwatch demo report [INJECTED FAULT" in out
     assert "INJECTED FAULT: inject_bias=" in out
+    assert "INJECTED [100%] flashwatch step 99" in out
     warnings = [l for l in out.splitlines() if l.startswith(("WARNING", "ERROR"))]
     assert warnings and all(l.split(" ", 1)[1].startswith("INJECTED") for l in warnings)
     assert "INJECTED FAULT" in (run_dir / "report.html").read_text()
