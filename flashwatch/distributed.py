@@ -31,15 +31,12 @@ reading a weight; the attention statistics, loss and gradient norm are reduced a
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import nn
-
-log = logging.getLogger("flashwatch")
 
 __all__ = ["AUTO", "SLOT_BYTES_LIMIT", "Reducer", "Reduced", "resolve_process_group", "sharding_of",
            "structural_attention"]
@@ -294,25 +291,31 @@ class Reducer:
         if len(variant_codes) != self.num_layers:
             raise ValueError(f"{len(variant_codes)} variant codes for {self.num_layers} layers")
 
-        def one(v: Any, absent: float) -> torch.Tensor:
-            if v is None:
-                return torch.full((1,), absent, dtype=f64, device=dev)
-            if isinstance(v, torch.Tensor):
-                v = v.detach()
-                to_local = getattr(v, "full_tensor", None)  # a DTensor scalar (FSDP2): its value
-                if callable(to_local):
-                    v = to_local()
-                return v.reshape(1).to(device=dev, dtype=f64)
-            return torch.tensor([float(v)], dtype=f64, device=dev)
+        # what the host knows (Python numbers, counts, variants, step) in one small copy, pinned
+        # and asynchronous on CUDA so that packing adds no synchronisation of its own
+        host = [0.0 if loss is None else math.nan, -math.inf if grad_norm is None else math.nan,
+                float(loss is not None), float(grad_norm is not None), 0.0, *map(float, variant_codes), float(step)]
+        for i, v in ((0, loss), (1, grad_norm)):
+            if v is not None and not isinstance(v, torch.Tensor):
+                host[i] = float(v)
+        h = torch.tensor(host, dtype=f64)
+        h = h.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else h.to(dev)
 
-        loss_t, gn_t = one(loss, 0.0), one(grad_norm, -math.inf)
-        counts = torch.tensor([loss is not None, grad_norm is not None, 0.0, *variant_codes, step],
-                              dtype=f64).to(dev)  # one small copy
-        gn_sq = torch.where(torch.isinf(gn_t) & (gn_t < 0), torch.zeros_like(gn_t), gn_t * gn_t)
+        def one(v: Any, i: int) -> torch.Tensor:
+            if not isinstance(v, torch.Tensor):
+                return h[i: i + 1]
+            v = v.detach()
+            full = getattr(v, "full_tensor", None)  # a DTensor scalar (FSDP2): its value
+            if callable(full):
+                v = full()
+            return v.reshape(1).to(device=dev, dtype=f64)
+
+        loss_t, gn_t = one(loss, 0), one(grad_norm, 1)
+        gn_sq = gn_t * gn_t if grad_norm is not None else torch.zeros_like(gn_t)
         s = stats.to(f64)
         local = torch.cat([
-            s[self.sum_rows].reshape(-1), loss_t, gn_sq, counts[:3],                 # SUM part
-            s[self.max_rows].reshape(-1), sigma.to(device=dev, dtype=f64), gn_t, counts[3:],  # MAX part
+            s[self.sum_rows].reshape(-1), loss_t, gn_sq, h[2:5],                          # SUM part
+            s[self.max_rows].reshape(-1), sigma.to(device=dev, dtype=f64), gn_t, h[5:],  # MAX part
         ])
         self.last_local = local
         return local
@@ -324,6 +327,24 @@ class Reducer:
         local[self.sum_size:] = -math.inf  # leaves every other rank's maxima alone
         self.last_local = local
         return local
+
+    def check_layout(self) -> None:
+        """Once, at attach: every rank attached the same layers and heads (else the packed vectors
+        would not line up). One small MAX all-reduce; every rank raises alike on a mismatch.
+
+        Raises:
+            ValueError: the ranks' layouts differ.
+        """
+        dist = _dist()
+        mine = [float(self.num_layers), float(self.num_heads), float(sum((i + 1) * h for i, h in enumerate(self.heads)))]
+        t = torch.tensor(mine + [-v for v in mine], dtype=torch.float64)
+        t = t.to(self._comm_device(t))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        hi, lo = t[:3].tolist(), [-v for v in t[3:].tolist()]
+        if hi != lo:
+            raise ValueError(f"the ranks attached different attention layouts (layers {lo[0]:.0f} to {hi[0]:.0f}, "
+                             f"heads {lo[1]:.0f} to {hi[1]:.0f}; this rank: {self.heads}): every rank must attach the "
+                             "same model with the same MonitorConfig.layers")
 
     # the collective -----------------------------------------------------------------------------
     def _comm_device(self, t: torch.Tensor) -> torch.device:

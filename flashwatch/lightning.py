@@ -223,7 +223,7 @@ class FlashWatchCallback(Callback):
         # After restore_training_state: global_step is the resumed one.
         self._seen_global_step = trainer.global_step
         self._reset_step()
-        if self.monitor.global_step != trainer.global_step:
+        if self.monitor.global_step != trainer.global_step and trainer.is_global_zero:
             log.warning("flashwatch: the Monitor has counted %d optimizer steps, the trainer %d (a resumed run "
                         "without flashwatch state in its checkpoint?); flashwatch's step label follows its own "
                         "count", self.monitor.global_step, trainer.global_step)
@@ -256,7 +256,7 @@ class FlashWatchCallback(Callback):
         if trainer.world_size > 1:
             import torch.distributed as dist
 
-            if not (dist.is_available() and dist.is_initialized()):
+            if not (dist.is_available() and dist.is_initialized()) and trainer.is_global_zero:
                 log.warning("flashwatch: %d processes but torch.distributed is not initialized (strategy %s): each "
                             "rank's Monitor sees only its own statistics", trainer.world_size,
                             type(trainer.strategy).__name__)

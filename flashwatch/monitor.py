@@ -266,9 +266,10 @@ class Monitor:
         if group is None:
             self._reducer, self.rank, self.world_size = None, 0, 1
         else:
-            self._reducer = Reducer(*group, [layer.num_heads for layer in layers], n_fields=len(_STAT_FIELDS),
-                                    max_rows=layers[0].stats.max_rows(), grad_norm=self._grad_norm_mode)
-            self.rank, self.world_size = group[1], group[2]
+            reducer = Reducer(*group, [layer.num_heads for layer in layers], n_fields=len(_STAT_FIELDS),
+                              max_rows=layers[0].stats.max_rows(), grad_norm=self._grad_norm_mode)
+            reducer.check_layout()  # one small collective at attach; raises alike on every rank
+            self._reducer, self.rank, self.world_size = reducer, group[1], group[2]
         router = Router(layers, beta=self.config.beta, eps=self.config.eps, on_error=self._error)
         router.monitoring = self._monitoring
         self.layers, self._states, self._router = layers, states, router

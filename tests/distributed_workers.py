@@ -152,6 +152,17 @@ def _repair(rank: int) -> dict:
     return out
 
 
+def _layout_mismatch(rank: int) -> str:
+    """Rank 1 monitors one layer, rank 0 two: attach fails on both ranks, at attach, not at a later step."""
+    monitor = Monitor(MonitorConfig(layers=[0] if rank == 1 else None))
+    try:
+        monitor.attach(_tiny_gpt())
+    except ValueError as exc:
+        assert monitor.layers == [] and monitor._reducer is None
+        return str(exc)
+    return "attached"
+
+
 def _failure(rank: int) -> dict:
     """Rank 1 cannot read its statistics at step 0: every rank skips that step, nobody hangs, step 1 works."""
     data = stdlib_corpus(100_000)
@@ -214,7 +225,7 @@ def _plain_worker(rank: int, port: int, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         result = {"slots": _crafted(rank, "slots"), "two": _crafted(rank, "two"), "ddp": _ddp_run(rank),
-                  "repair": _repair(rank), "failure": _failure(rank), "fsdp2": _fsdp2(rank, messages),
+                  "repair": _repair(rank), "layout": _layout_mismatch(rank), "failure": _failure(rank), "fsdp2": _fsdp2(rank, messages),
                   "messages": messages.messages}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:

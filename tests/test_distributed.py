@@ -69,6 +69,8 @@ def test_monitor_reduces_across_two_gloo_processes(tmp_path):
 
     assert r0["repair"] == r1["repair"] == {"variants": {0: "fixed", 1: "sdpa"}, "modes": ["own_kernel", "observe"]}
     assert any("ran different variants on different ranks" in m for m in r0["messages"])
+    for r in (r0, r1):
+        assert "the ranks attached different attention layouts" in r["layout"]
 
     assert r0["failure"]["new_alerts"] == r1["failure"]["new_alerts"] == [0, LAYERS * HEADS]
     assert (r0["failure"]["errors"], r1["failure"]["errors"]) == (0, 1)
