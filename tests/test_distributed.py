@@ -15,6 +15,7 @@ bounded by a timeout, and the process group's own timeout turns a mismatch into 
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import pickle
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_workers import (HEADS, LAYERS, MAX_ROWS, SUM_ROWS, _assert_combined, _free_ports, _plain_worker,
-                                 _reduced, _run_ranks, _same, _tiny_gpt)
+from distributed_workers import (HEADS, LAYERS, MAX_ROWS, SUM_ROWS, _assert_combined, _free_ports, _Messages,
+                                 _plain_worker, _reduced, _run_ranks, _same, _tiny_gpt)
 
 from flashwatch import Monitor
 from flashwatch.distributed import Reducer
@@ -119,6 +120,11 @@ class RankRecorder(Callback):
         self.watch, self.out = watch, out
         self.records: list[dict] = []
         self._seen = 0
+        self.messages = None
+
+    def setup(self, trainer, pl_module, stage):
+        self.messages = _Messages()  # this rank's "flashwatch" log
+        logging.getLogger("flashwatch").addHandler(self.messages)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         monitor = self.watch.monitor
@@ -135,7 +141,8 @@ class RankRecorder(Callback):
         torch.save({"records": self.records, "alerts": [a.to_dict() for a in monitor.alerts],
                     "switches": monitor.switches, "variants": monitor.variants, "errors": monitor.errors,
                     "state": monitor.state_dict(), "url": self.watch.url, "port": self.watch.port, "text": text,
-                    "rank": monitor.rank, "world_size": monitor.world_size, "global_step": monitor.global_step},
+                    "rank": monitor.rank, "world_size": monitor.world_size, "global_step": monitor.global_step,
+                    "messages": self.messages.messages},
                    os.path.join(self.out, f"rank{trainer.global_rank}.pt"))
 
 
@@ -172,7 +179,7 @@ def _samples(text: str) -> list:
 @pytest.mark.parametrize("per_rank", [False, True], ids=["one_endpoint", "per_rank_endpoints"])
 def test_lightning_ddp_two_ranks_one_view(per_rank, tmp_path):
     base = _free_ports(2)
-    steps = 8 if not per_rank else 4
+    steps = 24 if not per_rank else 8
     r0, r1 = _fit_ddp(tmp_path, per_rank=per_rank, base_port=base, max_steps=steps)
 
     assert (r0["rank"], r1["rank"], r0["world_size"], r1["world_size"]) == (0, 1, 2, 2)
@@ -193,6 +200,11 @@ def test_lightning_ddp_two_ranks_one_view(per_rank, tmp_path):
     assert r0["switches"] == r1["switches"] and [(s["step"], s["layer"]) for s in r0["switches"]] == [(0, 0), (0, 1)]
     assert r0["variants"] == r1["variants"] == {0: "fp32_delta", 1: "fp32_delta"}
     assert [x["variants"] for x in r0["records"]] == [x["variants"] for x in r1["records"]]
+
+    # logs from rank 0 only: each alert and each switch once
+    logged = lambda r, what: [m for m in r["messages"] if m.startswith(what)]
+    assert len(logged(r0, "flashwatch alert [max_logit]")) == LAYERS * HEADS and logged(r1, "flashwatch alert") == []
+    assert len(logged(r0, "flashwatch auto_fix")) == LAYERS and logged(r1, "flashwatch auto_fix") == []
 
     # JSONL from rank 0 only: one record per monitored step
     assert [rec["step"] for rec in read_jsonl(tmp_path / "run")] == monitored
