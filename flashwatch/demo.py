@@ -16,19 +16,21 @@ prints a short report and renders ``report.html`` (``flashwatch report``).
   rounds to exactly 1 at two or more keys, inflates the output by 128 * 2**-8 = 50 % before
   rounding to BF16 (kernels/reference.py ``inject_rounding_bias``). Every output of such a
   run says INJECTED: the console, the log lines, the alert messages in ``metrics.jsonl`` and
-  ``alerts.log``, ``demo.json``, the report and the run folder's name.
+  ``alerts.log``, ``demo.json``, the report, the run folder's name, and a constant label
+  ``injected="true"`` on every Prometheus series.
 
 Monitoring schedule. The demo monitors every optimizer step (``interval=1``) and scales the
 detectors' clocks to the run (``warmup`` = steps/4, ``window`` and ``repeated_max_baseline`` =
 steps/8 monitored steps); thresholds are ``MonitorConfig``'s defaults. A training run of
 thousands of steps would use the defaults (``interval=10``, warm-up 20 monitored steps).
 
-What to expect (measured on a 2-core CPU, 400 steps, seeds 0-2, in a plain-loop replica of
-this set-up): without the fault the largest |drift z| stayed below 2.5 and no critical alert
-fired, but the warning rules ``repeated_max_rise`` and ``wq_growth`` fired 1-8 times, on the
-normal changes of early training (their defaults are set for long runs, see config.py); with
-``--provoke`` ``delta_drift`` (critical) fired in every seed, between steps 99 and 204, and
-the max logit rose to 100-500 (not injected: 20-35).
+What to expect (this demo, 400 steps, seeds 0-2, on the 2-core development CPU, 2026-11-30):
+without the fault no critical alert fired, the largest |drift z| of any head at any step was
+2.1-2.7 and the max logit stayed below 28; the warning rules ``repeated_max_rise`` and
+``wq_growth`` fired 2-14 times, on the normal changes of early training (their defaults are set
+for runs of thousands of steps, see config.py). With ``--provoke`` ``delta_drift`` (critical)
+fired in every seed (first at steps 166, 99 and 204), the largest |drift z| reached 6.5-7.8, and
+the max logit passed 100 in two seeds of three (67-349).
 
 Run folder (default ``runs/demo-<timestamp>/``, ``runs/demo-<timestamp>-INJECTED/`` with
 ``--provoke``): ``metrics.jsonl`` (one JSON line per monitored step), ``alerts.log``,
@@ -215,7 +217,7 @@ def _labelled_exporter(inner, label: str):
 
 # --- display --------------------------------------------------------------------------------------
 
-def _display_callback(console, *, live: bool, steps: int, title: str, watch, label: str = ""):
+def _display_callback(console, *, live: bool, steps: int, title: str, prometheus, label: str = ""):
     """A Lightning callback: rich progress and flashwatch's panel on a terminal, plain lines otherwise."""
     from pytorch_lightning.callbacks import Callback
     from rich.console import Group
@@ -264,7 +266,7 @@ def _display_callback(console, *, live: bool, steps: int, title: str, watch, lab
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.start = time.monotonic()
-            self.url = watch.url
+            self.url = prometheus.url if prometheus is not None else None
             served = f"{self.url} (while it trains)" if self.url else "not served"
             _say(console, f"  {label}Prometheus metrics: {served}")
             if live:
@@ -449,17 +451,24 @@ def run(*, steps: int = DEFAULT_STEPS, seed: int = 0, device: str | None = None,
         import pytorch_lightning as pl
         from pytorch_lightning.callbacks import ModelCheckpoint
 
-        from .exporters import PortInUseError
         from .exporters.jsonl import JsonlExporter
+        from .exporters.prometheus import PortInUseError, PrometheusExporter
         from .lightning import FlashWatchCallback
 
         module, loader = _lightning_parts(model, steps, seed)
         jsonl = JsonlExporter(run_dir)
-        watch = FlashWatchCallback(config, port=port, host=host, run_dir=run_dir, jsonl=False, console=None,
-                                   exporters=[_labelled_exporter(jsonl, INJECTED) if provoke else jsonl],
-                                   log_summaries=False)
+        exporters = [_labelled_exporter(jsonl, INJECTED) if provoke else jsonl]
+        prometheus = None
+        if port is not None:
+            # an injected run's series carry injected="true", so a dashboard never mistakes them
+            prometheus = PrometheusExporter(port=port, host=host,
+                                            const_labels={"injected": "true"} if provoke else None)
+            exporters.insert(0, prometheus)
+        watch = FlashWatchCallback(config, port=None, run_dir=run_dir, jsonl=False, console=None,
+                                   exporters=exporters, log_summaries=False)
         title = f"{INJECTED} FAULT demo" if provoke else "flashwatch demo"
-        display = _display_callback(console, live=live, steps=steps, title=title, watch=watch, label=label)
+        display = _display_callback(console, live=live, steps=steps, title=title, prometheus=prometheus,
+                                    label=label)
         watch.monitor.add_exporter(display.latest)
         checkpoint = ModelCheckpoint(dirpath=run_dir, filename="checkpoint", save_top_k=1,
                                      enable_version_counter=False, save_on_train_epoch_end=True)
