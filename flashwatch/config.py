@@ -79,6 +79,9 @@ class MonitorConfig:
     clear_ratio: float = 0.9  # hysteresis: an active "above threshold" alert clears below clear_ratio * threshold
     stop_on: frozenset = frozenset()  # rules whose new alerts raise flashwatch.TrainingStopped
 
+    # --- host work -----------------------------------------------------------------------
+    async_transfer: bool = True  # CUDA: copy a monitored step's values to the host without waiting and decide its alerts at the next step() (one optimizer step later), so the GPU never drains; False: decide at the monitored step (one host sync there). No effect on the CPU
+
     # --- W^Q spectral norm ------------------------------------------------------------------
     power_iters: int = 1  # power iterations per monitored step (vectors persist between steps)
     power_block: int = 4  # vectors per head (block power iteration; 1 = classic; see signals.PowerIteration)
@@ -112,6 +115,7 @@ class MonitorConfig:
         _int(self, "loss_spike_window", 1)
         _number(self, "clear_ratio", low=0.0, high=1.0, low_open=True, what="a number in (0, 1]")
         _rules(self, "stop_on")
+        _bool(self, "async_transfer")
         _int(self, "power_iters", 1)
         _int(self, "power_block", 1)
         _int(self, "power_exact_every", 0)

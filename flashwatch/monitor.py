@@ -70,6 +70,16 @@ _VARIANT_CODE = {v: i for i, v in enumerate(VARIANT_LABELS)}  # how ranks compar
 _STAT_FIELDS = STAT_FIELDS  # rows of AttentionStats.packed(), read by name below
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A monitored step between its device half and its host half."""
+
+    step: int
+    host: torch.Tensor  # the packed values, on the host (being filled when event is set)
+    event: Any  # torch.cuda.Event marking the end of the copy, or None when host is already filled
+    finish: Any  # host tensor -> (stats, sigma, loss, grad_norm, loss_given, grad_norm_given) | None
+
+
 class TrainingStopped(RuntimeError):
     """Raised by ``Monitor.step`` when an alert of a rule in ``MonitorConfig.stop_on`` starts.
 
@@ -216,6 +226,8 @@ class Monitor:
         self._last: dict | None = None
         self._pending_state: dict | None = None  # from load_state_dict() before attach
         self._detached_state: dict | None = None  # from detach(): attaching the same layers again continues
+        self._pending: _Pending | None = None  # a monitored step whose host copy is on its way (CUDA)
+        self._stops_due: list[Alert] = []  # stop_on alerts decided by flush(), raised at the next step()
 
     # --- attach / detach --------------------------------------------------------------------------
     def attach(self, model: nn.Module, attention: Mapping[str, Any] | None = None) -> list[AttentionLayer]:
@@ -311,7 +323,7 @@ class Monitor:
         """
         if self._router is not None:
             self._router.remove()
-            self._detached_state = self.state_dict()
+            self._detached_state = self.state_dict()  # flushes a monitored step in flight
         self._router = None
         self.layers, self._states, self._wq = [], [], []
         self._reducer = None
@@ -326,7 +338,12 @@ class Monitor:
         return self.rank == 0
 
     def close(self) -> None:
-        """Close every exporter. Never raises (failures are logged and counted)."""
+        """Decide a monitored step still in flight, then close every exporter. Never raises
+        (failures are logged and counted)."""
+        try:
+            self.flush()
+        except Exception as exc:
+            self._error("flush", exc)
         try:
             self._fan.close()
         except Exception as exc:
@@ -366,23 +383,73 @@ class Monitor:
         _check_scalar("loss", loss)
         _check_scalar("grad_norm", grad_norm)
         t = self.global_step
-        new: list[Alert] = []
+        new = self._drain()  # an earlier monitored step whose values were still on their way (CUDA)
         if self._monitoring:
+            pending = None
             try:
-                new = self._monitored_step(t, loss, grad_norm)
+                pending = self._collect(t, loss, grad_norm)
             except Exception as exc:  # monitoring never stops training
                 self._error("step", exc)
+                self.monitored_steps += 1
             finally:
                 self._reset_stats()
-            self.monitored_steps += 1
+            if pending is not None:
+                if pending.event is None:
+                    new.extend(self._decide_safely(pending))
+                else:
+                    self._pending = pending
         self.global_step = t + 1
         self._monitoring = self.global_step % self.config.interval == 0
         if self._router is not None:
             self._router.monitoring = self._monitoring
         stops = [a for a in new if a.rule in self.config.stop_on]
         if stops:
-            raise TrainingStopped(stops, t)
+            raise TrainingStopped(stops, stops[0].step)
         return new
+
+    def flush(self) -> list[Alert]:
+        """Decide a monitored step whose values are still on their way to the host.
+
+        With ``config.async_transfer`` on CUDA, ``step()`` only starts the host copy of a
+        monitored step and decides its alerts at the next ``step()`` call. ``state_dict()``,
+        ``detach()`` and ``close()`` flush first, so nothing measured is lost; call it yourself
+        before reading ``snapshot()`` or ``alerts`` right after a monitored step. Returns the
+        alerts that started (a ``stop_on`` rule among them raises at the next ``step()``).
+        """
+        new = self._drain()
+        self._stops_due.extend(a for a in new if a.rule in self.config.stop_on)
+        return new
+
+    def _drain(self) -> list[Alert]:
+        new: list[Alert] = []
+        if self._stops_due:
+            new, self._stops_due = self._stops_due, []
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            new.extend(self._decide_safely(pending))
+        return new
+
+    def _decide_safely(self, pending: "_Pending") -> list[Alert]:
+        try:
+            new = self._decide(pending)
+        except Exception as exc:  # monitoring never stops training
+            self._error("step", exc)
+            new = []
+        self.monitored_steps += 1
+        return new
+
+    def _start_host_copy(self, values: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The step's one device->host transfer: (host tensor, CUDA event or None).
+
+        On CUDA with ``async_transfer`` the copy goes to pinned memory without waiting and an
+        event marks its end; otherwise ``.cpu()`` (a sync point on CUDA)."""
+        if values.is_cuda and self.config.async_transfer:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return host, event
+        return values.cpu(), None
 
     def _reduce(self, packed: torch.Tensor) -> torch.Tensor:
         """Combine this process's packed values with the other ranks' before the host transfer.
@@ -400,8 +467,9 @@ class Monitor:
         """
         return packed if self._reducer is None else self._reducer.all_reduce(packed)
 
-    def _combined_step(self, t: int, loss: Any, grad_norm: Any):
-        """This step's values combined over the ranks, or None when a rank could not measure it.
+    def _combined_collect(self, t: int, loss: Any, grad_norm: Any) -> "_Pending":
+        """This step's values combined over the ranks; ``finish`` gives None when a rank could
+        not measure it.
 
         The collective runs whatever happened on this rank before it (a failure sends a
         "failed" vector), so no rank is left waiting in it; everything after it is decided on
@@ -416,8 +484,13 @@ class Monitor:
         except Exception as exc:
             self._error("step", exc)
             local = r.failed_local(device)
-        # the collective(s) and the one host transfer of the step (a sync point on CUDA)
-        red = r.unpack(self._reduce(local).cpu())
+        # the collective(s) and the one host transfer of the step
+        host, event = self._start_host_copy(self._reduce(local))
+        return _Pending(t, host, event, lambda values: self._combined_finish(t, values))
+
+    def _combined_finish(self, t: int, host: torch.Tensor):
+        r = self._reducer
+        red = r.unpack(host)
         if red.failed:
             self._warn_once(("dist", "failed"), "flashwatch: %d of %d ranks could not measure monitored step %d; every "
                             "rank skips it (the failing rank logged why)", red.failed, self.world_size, t)
@@ -431,7 +504,7 @@ class Monitor:
                 if self._reporting or layer.variant != target:
                     log.error("flashwatch%s: layer %d (%s) ran different variants on different ranks (%s to %s); "
                               "every rank runs %s from step %d on", self._rank_tag(), layer.index, layer.name,
-                              VARIANT_LABELS[lo], target, target, t + 1)
+                              VARIANT_LABELS[lo], target, target, self.global_step + 1)
                 layer.mode, layer.variant = ("observe", "sdpa") if hi == 0 else ("own_kernel", target)
         spread = Reducer.sigma_spread(red)
         if self.sharding is None and spread > 1e-6:
@@ -450,17 +523,25 @@ class Monitor:
         return f" (rank {self.rank})" if self.world_size > 1 else ""
 
     # --- the monitored step ------------------------------------------------------------------------
-    def _monitored_step(self, t: int, loss: Any, grad_norm: Any) -> list[Alert]:
+    def _collect(self, t: int, loss: Any, grad_norm: Any) -> "_Pending":
+        """The device half of a monitored step: statistics, W^Q norms, loss and gradient norm
+        packed (and reduced over ranks) on the device, their host copy started."""
+        if self._reducer is not None and self.layers:
+            return self._combined_collect(t, loss, grad_norm)
+        return self._local_collect(t, loss, grad_norm)
+
+    def _decide(self, pending: "_Pending") -> list[Alert]:
+        """The host half: signals, detectors, alerts, actions and exports of monitored step
+        ``pending.step``, once its values are on the host."""
+        if pending.event is not None:
+            pending.event.synchronize()  # the copy was started a whole optimizer step ago
+        values = pending.finish(pending.host)
+        if values is None:
+            return []
+        stats, sigma_all, loss_v, gn_v, loss_given, gn_given = values
+        t = pending.step
         cfg = self.config
         heads = [layer.num_heads for layer in self.layers]
-        if self._reducer is not None and self.layers:
-            combined = self._combined_step(t, loss, grad_norm)
-            if combined is None:
-                return []
-            stats, sigma_all, loss_v, gn_v, loss_given, gn_given = combined
-        else:
-            stats, sigma_all, loss_v, gn_v = self._local_step(loss, grad_norm, heads)
-            loss_given, gn_given = loss is not None, grad_norm is not None
         if self.sharding is not None and sigma_all is not None:
             sigma_all = torch.full_like(sigma_all, math.nan)  # skipped: NaN, as the metric shows
 
@@ -500,8 +581,9 @@ class Monitor:
                                     active_alerts=self.active_alerts))
         return new
 
-    def _local_step(self, loss: Any, grad_norm: Any, heads: list[int]):
+    def _local_collect(self, t: int, loss: Any, grad_norm: Any) -> "_Pending":
         """This process's statistics, W^Q norms, loss and gradient norm, in one host transfer."""
+        heads = [layer.num_heads for layer in self.layers]
         parts: list[torch.Tensor] = []
         device = None
         if self.layers:
@@ -516,16 +598,21 @@ class Monitor:
                     device = value.device
                 parts.append(value.detach().reshape(1).to(device=device, dtype=torch.float64))
                 on_device.append(name)
-        # the one host transfer of the step (a sync point on CUDA)
-        host = torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.float64)
+        # the one host transfer of the step
+        host, event = self._start_host_copy(torch.cat(parts)) if parts else (torch.zeros(0, dtype=torch.float64), None)
+        plain = {name: (math.nan if value is None else float(value))
+                 for name, value in (("loss", loss), ("grad_norm", grad_norm)) if not isinstance(value, torch.Tensor)}
+        given = (loss is not None, grad_norm is not None)
 
-        total, nf = sum(heads), len(_STAT_FIELDS)
-        stats = host[: nf * total].view(nf, total) if self.layers else None
-        sigma_all = host[nf * total: nf * total + total] if self.layers else None
-        tail = dict(zip(on_device, (host[nf * total + total:] if self.layers else host).tolist()))
-        loss_v, gn_v = (tail[name] if name in tail else math.nan if value is None else float(value)
-                        for name, value in (("loss", loss), ("grad_norm", grad_norm)))
-        return stats, sigma_all, loss_v, gn_v
+        def finish(host: torch.Tensor):
+            total, nf = sum(heads), len(_STAT_FIELDS)
+            stats = host[: nf * total].view(nf, total) if heads else None
+            sigma_all = host[nf * total: nf * total + total] if heads else None
+            tail = dict(zip(on_device, (host[nf * total + total:] if heads else host).tolist()))
+            tail.update(plain)
+            return stats, sigma_all, tail["loss"], tail["grad_norm"], given[0], given[1]
+
+        return _Pending(t, host, event, finish)
 
     def _wq_sigmas(self) -> list[torch.Tensor]:
         """This step's W^Q spectral norms, one (H,) device tensor per layer in layer order (NaN on failure).
@@ -599,8 +686,8 @@ class Monitor:
             self.switches.append({"step": t, "layer": layer.index, "name": layer.name, "from": before, "to": target,
                                   "rule": a.rule})
             if self._reporting:
-                log.warning("flashwatch auto_fix: layer %d (%s) switched from %s to %s from step %d on (%s)",
-                            layer.index, layer.name, before, target, t + 1, a.rule)
+                log.warning("flashwatch auto_fix: layer %d (%s) switched from %s to %s from step %d on (%s at step %d)",
+                            layer.index, layer.name, before, target, self.global_step + 1, a.rule, t)
 
     def _reset_stats(self) -> None:
         for layer in self.layers:
@@ -693,7 +780,10 @@ class Monitor:
 
     # --- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly: plain Python data and CPU tensors (``torch.save``-able)."""
+        """Everything needed to continue exactly: plain Python data and CPU tensors (``torch.save``-able).
+
+        Decides a monitored step still in flight first (``flush``)."""
+        self.flush()
         return {
             "version": STATE_VERSION,
             "global_step": self.global_step,

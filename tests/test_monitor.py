@@ -468,3 +468,64 @@ def _sdpa_restored():
     from flashwatch.attach import _import_time_sdpa
 
     return F.scaled_dot_product_attention is _import_time_sdpa
+
+
+class _CopyDone:
+    """Stands in for the CUDA event of an asynchronous host copy (the copy is a clone here)."""
+
+    synchronized = 0
+
+    def synchronize(self):
+        _CopyDone.synchronized += 1
+
+
+def _defer_like_cuda(monkeypatch):
+    """Make the Monitor take its CUDA path on the CPU: the host copy of a monitored step is
+    'in flight' until the next step() call decides it."""
+    monkeypatch.setattr(Monitor, "_start_host_copy", lambda self, values: (values.clone(), _CopyDone()))
+
+
+def test_deferred_decisions_equal_immediate_ones_one_step_later(monkeypatch):
+    """async_transfer on CUDA: the same alerts, states and exports, reported at the next step()."""
+    cfg = MonitorConfig(interval=2, warmup=0, max_logit_bound=-1000.0, auto_fix="fp32_delta",
+                        auto_fix_on=frozenset({"max_logit"}), mode="own_kernel")
+    now = Run(cfg)
+    now_alerts = [(run_step, a.step, a.rule, a.layer, a.head) for run_step in range(6)
+                  for a in now.train(1)]
+    _defer_like_cuda(monkeypatch)
+    later = Run(cfg)
+    later_alerts = [(run_step, a.step, a.rule, a.layer, a.head) for run_step in range(6)
+                    for a in later.train(1)]
+    assert now_alerts and later_alerts
+    # same alerts about the same monitored steps, each returned by the following step() call
+    assert [x[1:] for x in later_alerts] == [x[1:] for x in now_alerts]
+    assert all(when == step + 1 for when, step, *_ in later_alerts)
+    assert all(when == step for when, step, *_ in now_alerts)
+    # the switch lands one step later, so the models differ from then on; the monitor's
+    # decisions about what it measured do not
+    assert [s["step"] for s in later.monitor.switches] == [s["step"] for s in now.monitor.switches]
+    later.train(1)  # step 6 (monitored) is in flight now
+    assert later.monitor.monitored_steps == 3
+    state = later.monitor.state_dict()  # flushes
+    assert later.monitor.monitored_steps == 4 and state["last"]["step"] == 6
+
+
+def test_deferred_stop_on_raises_at_the_next_step_and_close_flushes(monkeypatch):
+    _defer_like_cuda(monkeypatch)
+    records = []
+
+    class Keep(Exporter):
+        def export(self, record):
+            records.append(record.step)
+
+    run = Run(MonitorConfig(interval=1, warmup=0, max_logit_bound=-1000.0, stop_on=frozenset({"max_logit"})),
+              exporters=[Keep()])
+    run.train(1)  # step 0 measured, decision pending
+    assert records == []
+    with pytest.raises(TrainingStopped):
+        run.train(1)  # step 0 decided at step 1's step(): stop
+    run2 = Run(MonitorConfig(interval=1), exporters=[Keep()])
+    run2.train(3)
+    assert records == [0, 0, 1]
+    run2.monitor.close()  # the in-flight step 2 is decided and exported before the exporters close
+    assert records == [0, 0, 1, 2]
