@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
     p = sub.add_parser("report", help="render a run's metrics.jsonl as HTML (default) or PNG",
                        description="Loss with alert markers and per-head heatmaps over steps (drift z, repeated-max "
-                                   "ratio on BF16 scores, W^Q spectral norm) from a run folder's metrics.jsonl.")
+                                   "ratio on BF16 scores, W^Q spectral norm, max logit) from a run folder's "
+                                   "metrics.jsonl.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (or its metrics.jsonl)")
     p.add_argument("--out", metavar="PATH",
                    help="output file, .html (self-contained) or .png (needs matplotlib); default RUN_DIR/report.html")

@@ -168,28 +168,24 @@ def _lightning_parts(model_cfg: DemoModel, steps: int, seed: int):
 
 @contextlib.contextmanager
 def injected_fault(strength: float) -> Iterator[None]:
-    """Route own-kernel attention through ``flash_attention(..., inject_bias=strength)`` (INJECTED).
+    """Every own-kernel attention call of the run passes ``inject_bias=strength`` (INJECTED).
 
-    flashwatch's router looks ``flashwatch.kernels.flash_attention`` up at every call and
-    ``MonitorConfig`` has no fault option, so the demo swaps that attribute for the run and
-    puts the original back afterwards.
+    The experiments' hook (``flashwatch.experiments.worker.install_injection``): flashwatch's
+    router looks ``flashwatch.kernels.flash_attention`` up at every call and ``MonitorConfig``
+    has no fault option, so the hook swaps that attribute for the run; the original is back
+    afterwards. The strength is the demo's own (``PROVOKE_STRENGTH``, checked on the demo's
+    model and 400 steps); the experiments' injection scenario uses 512 on its own model.
     """
-    import flashwatch.kernels as kernels
-
-    original = kernels.flash_attention
     if not strength:
         yield
         return
+    from .experiments.worker import install_injection
 
-    def faulty(*args: Any, **kwargs: Any):
-        kwargs.setdefault("inject_bias", strength)
-        return original(*args, **kwargs)
-
-    kernels.flash_attention = faulty
+    undo = install_injection(strength)
     try:
         yield
     finally:
-        kernels.flash_attention = original
+        undo()
 
 
 def _labelled_exporter(inner, label: str):

@@ -666,6 +666,9 @@ def to_png(run: RunData, out: str | os.PathLike) -> Path:
         ax.axvline(key[0], color=_RED if crit else _ORANGE, lw=0.8, ls="--", alpha=0.8,
                    label=("critical alert" if crit else "warning") if (crit, "l") not in seen else None)
         seen.add((crit, "l"))
+    if not run.steps:
+        ax.text(0.5, 0.5, f"no monitored step in {run.path.name} yet", ha="center", va="center",
+                transform=ax.transAxes, color="#555")
     ax.legend(loc="upper right", fontsize=8, frameon=False)
     n_alerts = Counter(a.get("severity") for a in run.alerts)
     ax.set_title(f"loss; alerts: {n_alerts.get('critical', 0)} critical, {n_alerts.get('warning', 0)} warning",
