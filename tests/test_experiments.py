@@ -80,18 +80,20 @@ def test_a_failing_run_is_recorded_as_an_error_and_the_others_go_on(tmp_path):
 # --- blow-up and lead time on synthetic series --------------------------------------------------------
 
 def test_blowup_is_the_start_of_a_sustained_excursion_or_a_non_finite_loss():
-    falling = [5.0 - 0.01 * i for i in range(300)]  # minimum 2.01
+    falling = [5.0 - 0.01 * i for i in range(300)]  # the 20-step median ends at ~2.1
     steps = list(range(400))
-    assert analysis.blowup_step(steps, falling + [2.5] * 100) is None  # 1.24x the minimum: not a blow-up
-    assert analysis.blowup_step(steps, falling + [3.5] * 100) == 300  # the start, though confirmed at 319
-    short = falling + [3.5] * 19 + [2.0] * 81  # 19 steps up, then back: a spike, not a blow-up
-    assert analysis.blowup_step(steps, short) is None
+    assert analysis.blowup_step(steps, falling + [2.5] * 100) is None  # 1.19x the best median: not a blow-up
+    assert analysis.blowup_step(steps, falling + [3.5] * 100) == 300  # where the loss left its trend
+    spike = falling + [3.5] * 10 + [2.0] * 90  # ten steps up, then back: a spike, not a blow-up
+    assert analysis.blowup_step(steps, spike) is None
+    noisy = falling + [20.0 if i % 7 == 0 else 2.0 for i in range(100)]  # single bad batches: the median ignores them
+    assert analysis.blowup_step(steps, noisy) is None
     assert analysis.blowup_step(steps, falling + [2.0] * 50 + [math.nan] + [2.0] * 49) == 350
-    assert analysis.blowup_step(steps, falling + [3.5] * 5 + [math.inf] + [2.0] * 94) == 300  # inside an excursion
+    assert analysis.blowup_step(steps, falling + [3.5] * 15 + [math.inf] + [2.0] * 84) == 300  # inside an excursion
     tracker = analysis.BlowupTracker()
     for s, loss in zip(steps, falling + [3.5] * 100):
         tracker.update(s, loss)
-    assert (tracker.blowup, tracker.confirmed_at) == (300, 319)
+    assert (tracker.blowup, tracker.confirmed_at) == (300, 328)  # the median crosses at 309, 20 steps of it
 
 
 def _synthetic_run(run_dir: Path, *, drift_from: int, blowup_at: int, n_steps: int = 1000, interval: int = 10,
@@ -132,8 +134,8 @@ def test_lead_time_counts_from_the_first_alert_to_the_blowup(tmp_path):
     # a higher threshold fires later: the replay follows MonitorConfig
     later = analysis.analyze_run(tmp_path / "run", {"drift_threshold": 8.0})["flashwatch"]["delta_drift"]["first"]
     assert later > first
-    cal = analysis.calibrate([tmp_path / "run"], sweeps={"drift_threshold": (4.0, 100.0)})
-    assert [r["blown_up_alerted_before"] for r in cal["sweeps"]["drift_threshold"]] == [1, 0]
+    cal = analysis.calibrate([tmp_path / "run"], sweeps=[("drift", "drift_threshold", (4.0, 100.0), ("delta_drift",))])
+    assert [r["blown_up_alerted_before"] for r in cal["sweeps"]["drift"]] == [1, 0]
 
 
 # --- baselines -----------------------------------------------------------------------------------------

@@ -3,20 +3,25 @@
 Nothing here trains. A run folder (``records``) holds every step's loss and gradient norm and
 every monitored step's per-head signals; from them:
 
-Blow-up (``BlowupTracker``, the same code the worker uses to stop a run). The blow-up step is
-the first step t at which either
+Blow-up (``BlowupTracker``, the same code the worker uses to stop a run). With m_t the median
+of the last ``BLOWUP_WINDOW`` (20) losses and b_t the lowest m_s so far (s < t), the run blew up
+when either
 
-- the loss is not finite, or
-- the loss exceeds ``BLOWUP_FACTOR`` (1.5) x its running minimum (over steps before t) and
-  stays above 1.5 x that running minimum for ``BLOWUP_PATIENCE`` (20) consecutive steps.
+- a loss is not finite (the blow-up step is that step), or
+- m_t >= ``BLOWUP_FACTOR`` (1.25) x b_t at ``BLOWUP_PATIENCE`` (20) consecutive steps; the
+  blow-up step is the first step of the 20-loss window where that began whose own loss is
+  >= 1.25 x b_t (where the loss left its trend), so a run is stopped (confirmed) 20 steps or
+  more after its blow-up step.
 
-It is the *start* of that excursion (the run is stopped when it is confirmed, 19 steps
-later), so lead times are counted to the moment the loss left its trend, not to when the
-excursion was confirmed. A run that never does this within its budget is "healthy through
-step S" (censored: it could fail later). Why this rule: the failures of NUMERICS.md section 6
-take the loss from ~0.6 to ~2 and keep it there; 1.5x the running minimum is crossed only by
-such a departure, never by batch noise (a 20-step streak 50% above the best loss so far); a
-single spike that recovers within 20 steps is not a blow-up.
+A run that never does this within its budget is "healthy through step S" (censored: it could
+fail later). Why this rule and not "1.5 x the running minimum for 20 steps" (issue 7's
+example): the running minimum of single-batch losses sits a few noise widths below the
+trend (small batches on the CPU: 5-10% noise), so a ratio to it measures noise as much as
+failure; the median of 20 steps ignores single spikes and that noise. 1.25 because the small
+CPU models collapse from a loss of ~2.3 to ~3.0-3.3 (1.3-1.7x), while the healthy runs' 20-step
+median never rose more than 8% above its best (measured on the injection scenario's runs,
+docs/EXPERIMENTS.md); the GPU failures of NUMERICS.md section 6 go from ~0.6 to ~2 (3x). A
+lower factor dates a blow-up earlier, which shortens lead times: it cannot flatter a detector.
 
 Replay (``replay``): the detectors of ``flashwatch.detectors`` built by ``build_detectors`` from
 a ``MonitorConfig`` are fed ``StepSignals`` rebuilt from the recording with the Monitor's own
@@ -43,7 +48,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from dataclasses import replace
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -55,12 +60,13 @@ from ..signals import DriftTracker, SigmaHistory, ratio_to_median
 from .baselines import BASELINES, run_baselines
 from .records import RUN_FILE, read_run, read_signals, read_steps
 
-__all__ = ["BLOWUP_FACTOR", "BLOWUP_PATIENCE", "FINAL_WINDOW", "EARLY_RULES", "MECHANISM_RULES", "BlowupTracker",
+__all__ = ["BLOWUP_FACTOR", "BLOWUP_PATIENCE", "BLOWUP_WINDOW", "FINAL_WINDOW", "EARLY_RULES", "MECHANISM_RULES", "BlowupTracker",
            "blowup_step", "lead_time", "replay", "build_signals", "analyze_run", "find_runs", "aggregate",
            "evaluate_targets", "calibrate", "config_for", "format_table", "run_key"]
 
-BLOWUP_FACTOR = 1.5
+BLOWUP_FACTOR = 1.25
 BLOWUP_PATIENCE = 20
+BLOWUP_WINDOW = 20
 FINAL_WINDOW = 100
 EARLY_RULES = ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier", "max_logit")
 MECHANISM_RULES = ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier")
@@ -71,14 +77,15 @@ MECHANISM_RULES = ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier"
 class BlowupTracker:
     """Online blow-up detection: ``update(step, loss)`` once per step, in order.
 
-    ``blowup`` is the blow-up step (the start of the excursion) once confirmed, else None;
-    ``confirmed_at`` the step at which it was confirmed. See the module docstring.
+    ``blowup`` is the blow-up step once confirmed, else None; ``confirmed_at`` the step at
+    which it was confirmed. See the module docstring.
     """
 
-    def __init__(self, factor: float = BLOWUP_FACTOR, patience: int = BLOWUP_PATIENCE):
-        self.factor, self.patience = factor, patience
-        self.runmin = math.inf
-        self.start: int | None = None
+    def __init__(self, factor: float = BLOWUP_FACTOR, patience: int = BLOWUP_PATIENCE, window: int = BLOWUP_WINDOW):
+        self.factor, self.patience, self.window = factor, patience, window
+        self.recent: deque = deque(maxlen=window)  # (step, loss) of the last `window` finite steps
+        self.best = math.inf  # lowest median so far
+        self.start: int | None = None  # blow-up step candidate of the current streak
         self.count = 0
         self.blowup: int | None = None
         self.confirmed_at: int | None = None
@@ -90,22 +97,27 @@ class BlowupTracker:
             self.blowup = self.start if self.start is not None else int(step)
             self.confirmed_at = int(step)
             return self.blowup
-        if math.isfinite(self.runmin) and loss > self.factor * self.runmin:
+        self.recent.append((int(step), float(loss)))
+        if len(self.recent) < self.window:
+            return None
+        median = statistics.median(v for _, v in self.recent)
+        threshold = self.factor * self.best
+        if math.isfinite(self.best) and median >= threshold:
             if self.start is None:
-                self.start = int(step)
+                self.start = next((s for s, v in self.recent if v >= threshold), int(step))
             self.count += 1
             if self.count >= self.patience:
                 self.blowup, self.confirmed_at = self.start, int(step)
         else:
             self.start, self.count = None, 0
-        self.runmin = min(self.runmin, loss)
+        self.best = min(self.best, median)
         return self.blowup
 
 
 def blowup_step(steps: Sequence[int], losses: Sequence[float], factor: float = BLOWUP_FACTOR,
-                patience: int = BLOWUP_PATIENCE) -> int | None:
+                patience: int = BLOWUP_PATIENCE, window: int = BLOWUP_WINDOW) -> int | None:
     """The blow-up step of a loss series, or None (see the module docstring)."""
-    tracker = BlowupTracker(factor, patience)
+    tracker = BlowupTracker(factor, patience, window)
     for s, loss in zip(steps, losses):
         if tracker.update(int(s), float(loss)) is not None:
             break
@@ -304,6 +316,29 @@ def _extremes(signals: list[StepSignals], config: MonitorConfig, upto: int | Non
     return {k: {"max": v, "step": st} for k, (v, st) in out.items()}
 
 
+def _tie_rows(records: list[dict], upto: int | None) -> dict:
+    """How often rows repeat their max: mean over heads of the FP32-score and BF16-score
+    repeated-max ratios, averaged over monitored steps (before ``upto``), over the first and
+    the last tenth of them. The injected fault fires on the FP32-score ones (with a gap of
+    ln(1 - 2**-8) ~ 0.002 rather than eps = 0.001, so a little more often)."""
+    def mean_ratio(r: dict, key: str) -> float | None:
+        vals = [c / r["rows"][layer] for layer, row in enumerate(r[key]) for c in row
+                if c is not None and r["rows"][layer] > 0]
+        return sum(vals) / len(vals) if vals else None
+
+    out = {}
+    rs = [r for r in records if not r.get("monitor_error") and (upto is None or r["step"] < upto)]
+    n = len(rs)
+    for key, name in (("rm", "fp32"), ("rm16", "bf16")):
+        series = [m for m in (mean_ratio(r, key) for r in rs) if m is not None]
+        tenth = max(1, len(series) // 10)
+        out[name] = {"mean": statistics.fmean(series) if series else None,
+                     "first_tenth": statistics.fmean(series[:tenth]) if series else None,
+                     "last_tenth": statistics.fmean(series[-tenth:]) if series else None}
+    out["monitored_steps"] = n
+    return out
+
+
 def analyze_run(run_dir: str | os.PathLike, overrides: dict | None = None) -> dict:
     """Summary of one recorded run (JSON-ready): blow-up, replayed alerts per rule, baselines, leads.
 
@@ -355,7 +390,8 @@ def analyze_run(run_dir: str | os.PathLike, overrides: dict | None = None) -> di
         "status": run.get("status"), "error": run.get("error"),
         "steps": len(step_list), "last_step": step_list[-1] if step_list else None,
         "max_steps": run.get("max_steps"), "wall_s": run.get("wall_s"), "ms_per_step": run.get("ms_per_step"),
-        "device": run.get("device_name"),
+        "device": run.get("device_name"), "device_kind": run.get("device"),
+        "parallel": run.get("parallel"),  # runs the runner kept going at once (ms_per_step was measured so)
         "blowup_step": blowup, "blowup_confirmed_step": tracker.confirmed_at,
         "final_loss": _jnum(_finite_mean(tail)), "min_loss": min(finite) if finite else None,
         "monitored_steps": len(records),
@@ -369,6 +405,7 @@ def analyze_run(run_dir: str | os.PathLike, overrides: dict | None = None) -> di
         "switches": run.get("switches", []),
         "monitor_errors": run.get("monitor_errors"),
         "extremes": _extremes(signals, config, blowup),
+        "tie_rows": _tie_rows(records, blowup),
         "replay_config": {k: v for k, v in config.to_dict().items() if k not in ("layers",)},
         "run_dir": str(run_dir),
     }
@@ -440,6 +477,12 @@ def aggregate(runs: dict[str, dict]) -> dict:
     return out
 
 
+def _healthy_reference(run: dict) -> bool:
+    """A run that counts as healthy for false alarms and calibration: an arm meant to stay healthy
+    (``expect == "healthy"``) that did not blow up and was not switched by auto_fix."""
+    return run.get("expect") == "healthy" and run.get("blowup_step") is None and not run.get("switches")
+
+
 def evaluate_targets(runs: dict[str, dict], min_lead: dict[str, int] | None = None) -> dict:
     """The issues' targets per scenario, with the numbers behind each verdict.
 
@@ -447,7 +490,8 @@ def evaluate_targets(runs: dict[str, dict], min_lead: dict[str, int] | None = No
       (and at least ``min_lead[scenario]`` steps before, where given: issue 9 asks 1,000);
     - that alert is earlier than every baseline's first alert (a baseline that never fired
       counts as later); baselines that also fire on healthy runs are marked;
-    - no flashwatch alert (any rule) on runs that did not blow up and have no auto_fix;
+    - no flashwatch alert (any rule) on healthy reference runs (arms meant to stay healthy that
+      did not blow up and were not switched); failure arms that did not blow up are listed apart;
     - auto_fix arms (``expect == "rescued"``): no blow-up, and the final loss within 10% of the
       scenario's healthy non-injected runs of the same seeds at a common step.
     """
@@ -459,8 +503,8 @@ def evaluate_targets(runs: dict[str, dict], min_lead: dict[str, int] | None = No
             by_scenario.setdefault(run["scenario"], []).append(run)
     for scenario, rs in sorted(by_scenario.items()):
         blown = [r for r in rs if r.get("blowup_step") is not None]
-        quiet = [r for r in rs if r.get("blowup_step") is None and not r.get("switches")
-                 and r.get("expect") != "rescued"]
+        quiet = [r for r in rs if _healthy_reference(r)]
+        unexpected = [r["key"] for r in rs if r.get("blowup_step") is None and r.get("expect") == "failure"]
         before = [r for r in blown if (r["flashwatch_mechanism_first"].get("lead") or -1) > 0]
         need = min_lead.get(scenario)
         enough = [r for r in blown if (r["flashwatch_mechanism_first"].get("lead") or -1) >= (need or 1)]
@@ -498,6 +542,7 @@ def evaluate_targets(runs: dict[str, dict], min_lead: dict[str, int] | None = No
             **({"lead_at_least": {"steps": need, "runs": len(enough), "of": len(blown)}} if need else {}),
             "earlier_than_baseline": earlier,
             "healthy_runs": len(quiet),
+            "failure_arm_runs_without_blowup": unexpected,
             "healthy_runs_with_flashwatch_alerts": sum(1 for r in quiet if any(r["flashwatch"][x]["count"]
                                                                                 for x in RULES)),
             "healthy_runs_with_alerts_by_rule": false_alarms,
@@ -508,35 +553,36 @@ def evaluate_targets(runs: dict[str, dict], min_lead: dict[str, int] | None = No
 
 # --- calibration ---------------------------------------------------------------------------------
 
-SWEEPS = {
-    "drift_threshold": (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0),
-    "drift_window_threshold": (3.0, 4.0, 5.0),
-    "repeated_max_factor": (2.0, 3.0, 4.0, 6.0),
-    "repeated_max_margin": (0.05, 0.1, 0.2),
-    "wq_growth_factor": (1.5, 2.0, 3.0, 5.0),
-    "wq_outlier_ratio": (2.0, 3.0, 4.0),
-    "max_logit_bound": (100.0, 300.0, 1000.0),
-    "warmup": (10, 20, 50, 100),
-}
-SWEEP_RULES = {"drift_threshold": ("delta_drift",), "drift_window_threshold": ("delta_drift",),
-               "repeated_max_factor": ("repeated_max_rise",), "repeated_max_margin": ("repeated_max_rise",),
-               "wq_growth_factor": ("wq_growth",), "wq_outlier_ratio": ("wq_outlier",),
-               "max_logit_bound": ("max_logit",), "warmup": MECHANISM_RULES}
+# (label, MonitorConfig field, values, rules replayed)
+SWEEPS = (
+    ("drift_threshold", "drift_threshold", (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0), ("delta_drift",)),
+    ("drift_window_threshold", "drift_window_threshold", (3.0, 4.0, 5.0), ("delta_drift",)),
+    ("repeated_max_factor", "repeated_max_factor", (2.0, 3.0, 4.0, 6.0), ("repeated_max_rise",)),
+    ("repeated_max_margin", "repeated_max_margin", (0.05, 0.1, 0.2), ("repeated_max_rise",)),
+    ("wq_growth_factor", "wq_growth_factor", (1.5, 2.0, 3.0, 5.0), ("wq_growth",)),
+    # wq_growth compares sigma_t with sigma_(t - window): with warmup >= window + 20 its first
+    # comparison starts after warm-up instead of at initialisation
+    ("warmup (wq_growth only)", "warmup", (20, 50, 70, 100), ("wq_growth",)),
+    ("wq_outlier_ratio", "wq_outlier_ratio", (2.0, 3.0, 4.0), ("wq_outlier",)),
+    ("max_logit_bound", "max_logit_bound", (100.0, 300.0, 1000.0), ("max_logit",)),
+    ("warmup", "warmup", (10, 20, 50, 100), MECHANISM_RULES),
+)
 
 
 def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] | None = None,
-              sweeps: dict | None = None) -> dict:
+              sweeps: Sequence[tuple] | None = None) -> dict:
     """Evidence for the default thresholds, from recorded runs (not only the summaries).
 
     Two parts:
 
-    - ``extremes``: per rule statistic, the largest value reached on runs that stayed healthy
-      (no blow-up, no auto-fix switch) against the smallest over blown-up runs of their
+    - ``extremes``: per rule statistic, the largest value reached on healthy reference runs
+      (arms meant to stay healthy, no blow-up, no auto-fix switch) against the smallest over blown-up runs of their
       largest value before the blow-up. A threshold between the two separates them on these
       runs; ``margin`` = failing / healthy says by how much (> 1: separable).
     - ``sweeps``: one field of ``MonitorConfig`` at a time over a grid (the others at their
-      defaults), replayed on every run: blown-up runs alerted before blow-up, median lead,
-      healthy runs with an alert. Only the rules the field concerns are replayed.
+      defaults), replayed on every run: blown-up runs alerted before blow-up, median and
+      smallest lead, healthy reference runs with an alert. Only the rules the sweep names are
+      replayed. ``sweeps``: (label, field, values, rules) tuples (default ``SWEEPS``).
     """
     sweeps = SWEEPS if sweeps is None else sweeps
     loaded = []
@@ -547,7 +593,9 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
         s = read_steps(d)
         blow = blowup_step(s["step"].tolist(), s["loss"].tolist())
         records = list(read_signals(d))
-        loaded.append((run, blow, records, bool(run.get("switches"))))
+        healthy_ref = _healthy_reference({"expect": run.get("arm", {}).get("expect"), "blowup_step": blow,
+                                          "switches": run.get("switches")})
+        loaded.append((run, blow, records, healthy_ref))
     base = MonitorConfig()
     healthy, failing = {}, {}
     cache: dict[tuple, list] = {}
@@ -558,10 +606,10 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
             cache[key] = build_signals(loaded[i][2], window)
         return cache[key]
 
-    for i, (run, blow, records, switched) in enumerate(loaded):
+    for i, (run, blow, records, healthy_ref) in enumerate(loaded):
         ext = _extremes(signals_of(i, config_for(run).window), config_for(run), blow)
         label = f"{run['scenario']}/{run['arm']['name']}/{run['seed']}"
-        if blow is None and not switched:
+        if healthy_ref:
             for k, v in ext.items():
                 if k not in healthy or v["max"] > healthy[k]["max"]:
                     healthy[k] = {"max": v["max"], "run": label, "step": v["step"]}
@@ -576,33 +624,33 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
         extremes[k] = {"healthy_max": h, "failing_min_of_max_before_blowup": f, "margin": margin}
 
     sweep_out: dict[str, list] = {}
-    for field_name, values in sweeps.items():
+    for label, field_name, values, rules in sweeps:
         rows = []
         for value in values:
             n_blown = n_before = n_healthy = n_fa = 0
             leads = []
-            for i, (run, blow, records, switched) in enumerate(loaded):
+            for i, (run, blow, records, healthy_ref) in enumerate(loaded):
                 try:
                     cfg = config_for(run, {field_name: value})
                 except ValueError:
                     continue
-                alerts = replay(signals_of(i, cfg.window), cfg, SWEEP_RULES[field_name])
+                alerts = replay(signals_of(i, cfg.window), cfg, rules)
                 first = _first(a.step for a in alerts if blow is None or a.step < blow)
                 if blow is not None:
                     n_blown += 1
                     if first is not None:
                         n_before += 1
                         leads.append(blow - first)
-                elif not switched:
+                elif healthy_ref:
                     n_healthy += 1
                     n_fa += bool(alerts)
             rows.append({"value": value, "default": getattr(base, field_name) == value,
                          "blown_up_alerted_before": n_before, "blown_up": n_blown,
                          "median_lead": _median(leads), "min_lead": min(leads) if leads else None,
                          "healthy_with_alert": n_fa, "healthy": n_healthy})
-        sweep_out[field_name] = rows
+        sweep_out[label] = rows
     return {"runs": len(loaded), "extremes": extremes, "sweeps": sweep_out,
-            "defaults": {k: getattr(base, k) for k in sweeps}}
+            "defaults": {f: getattr(base, f) for _, f, _, _ in sweeps}}
 
 
 # --- tables --------------------------------------------------------------------------------------

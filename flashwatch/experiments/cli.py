@@ -14,8 +14,9 @@ loss and gradient norm (steps.csv) and every monitored step's per-head signals
 (signals.jsonl.gz: delta error e_t, C_T, drift z, windowed z, repeated-max counts on FP32 and
 BF16 scores, max logit, W^Q spectral norm, variants, alerts), plus run.json and worker.log.
 
-Blow-up: a non-finite loss, or a loss above 1.5x its running minimum for 20 consecutive steps
-(the blow-up step is where that excursion starts). Lead time = blow-up step - first alert step.
+Blow-up: a non-finite loss, or the median of the last 20 losses at >= 1.25x its lowest earlier
+value for 20 consecutive steps (the blow-up step is where that excursion starts; see
+flashwatch/experiments/analysis.py for why). Lead time = blow-up step - first alert step.
 
 Results. After each run its recordings are analysed and merged into ONE JSON (--json), keyed
 by scenario/arm/seed, so runs from several sittings (other seeds, other GPUs) add up; a rerun
@@ -30,8 +31,8 @@ now), or with --set FIELD=VALUE overrides; --calibrate sweeps thresholds and wri
 --figures renders one PNG per arm (do this on your machine, not on the GPU).
 
 Parallel runs. --parallel N runs N workers at a time; --devices 0,1 spreads CUDA runs over
-those GPUs (CUDA_VISIBLE_DEVICES per worker, least-loaded first); CPU runs share the cores
-(threads = cores / N). --budget SECONDS ends everything in time: no run starts that cannot get
+those GPUs (CUDA_VISIBLE_DEVICES per worker, least-loaded first); CPU runs take one thread each
+(small models gain nothing from intra-op threads, and on a busy CPU they spin). --budget SECONDS ends everything in time: no run starts that cannot get
 30 s, the last ones get shorter --max-seconds, stragglers are stopped (and keep what they
 recorded). A failing run is recorded as an error; the others go on. Worker output goes to
 RUN_DIR/worker.log. Without installing flashwatch: from the repository root, with
@@ -82,6 +83,22 @@ def _seeds(text: str) -> list[int]:
     return out
 
 
+def _parse_arms(text: str) -> list:
+    """"a,b@0-2" -> ["a", ("b", [0, 1, 2])]."""
+    out: list = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "@" in part:
+            name, seeds = part.split("@", 1)
+            out.append((name.strip(), _seeds(seeds.replace(";", ","))))
+        else:
+            out.append(part)
+    # "a@0-2" splits "0-2" fine; "a@0,1" would split at the comma: write a@0;1 or a@0-1
+    return out
+
+
 def _value(text: str):
     low = text.lower()
     if low in ("none", "null"):
@@ -112,7 +129,9 @@ def _overrides(items: list[str] | None) -> dict:
 
 def _add_run_options(p: argparse.ArgumentParser, default_json: str) -> None:
     g = p.add_argument_group("what to run")
-    g.add_argument("--arms", metavar="A,B", help="arms to run (default: the scenario's default arms; see `list`)")
+    g.add_argument("--arms", metavar="A,B@0-2", help="arms to run (default: the scenario's default arms; see `list`); "
+                                                       "ARM@SEEDS gives one arm its own seeds, e.g. "
+                                                       "sdpa_observe,fp32,fixed@0")
     g.add_argument("--seeds", type=_seeds, metavar="0-4", help="seeds, e.g. 0-4 or 0,2 (default: 0-4)")
     g.add_argument("--tiny", action="store_true", help="tiny model and 30 steps: a smoke run of the same code path")
     g.add_argument("--device", choices=("cpu", "cuda"), help="where the runs train (default: the scenario's)")
@@ -251,15 +270,19 @@ def _cmd_run(args) -> int:
             print(f"flashwatch experiment: the {name} recipe on a CPU would take days; --device cpu is for "
                   "--tiny smoke runs", file=sys.stderr)
             return 2
-        arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(scenario.default_arms)
         try:
-            for a in arms:
-                scenario.arm(a)
-        except ValueError as exc:
+            arms = _parse_arms(args.arms) if args.arms else list(scenario.default_arms)
+        except argparse.ArgumentTypeError as exc:
+            print(f"flashwatch experiment: --arms: {exc}", file=sys.stderr)
+            return 2
+        names_of = {x.name for x in scenario.arms}
+        unknown = [a if isinstance(a, str) else a[0] for a in arms if (a if isinstance(a, str) else a[0]) not in names_of]
+        if unknown:
             if len(names) == 1:
-                print(f"flashwatch experiment: {exc}", file=sys.stderr)
+                print(f"flashwatch experiment: scenario {name} has no arm(s) {', '.join(unknown)}; arms: "
+                      f"{', '.join(sorted(names_of))}", file=sys.stderr)
                 return 2
-            arms = [a for a in arms if a in {x.name for x in scenario.arms}]
+            arms = [a for a in arms if (a if isinstance(a, str) else a[0]) in names_of]
             if not arms:
                 continue
         chosen.append((scenario, arms))
@@ -329,6 +352,8 @@ def _print_results(results: dict, keys: set | None = None) -> None:
                             for k, v in t["earlier_than_baseline"].items())
                 + f"; healthy runs with a flashwatch alert: {t['healthy_runs_with_flashwatch_alerts']}/"
                   f"{t['healthy_runs']}")
+        if t.get("failure_arm_runs_without_blowup"):
+            line += f"; failure-arm runs that did not blow up: {', '.join(t['failure_arm_runs_without_blowup'])}"
         if "lead_at_least" in t:
             la = t["lead_at_least"]
             line += f"; lead >= {la['steps']} steps in {la['runs']}/{la['of']}"
@@ -395,7 +420,7 @@ def _cmd_analyze(args) -> int:
 
 
 def _print_calibration(cal: dict) -> None:
-    print(f"\ncalibration over {cal['runs']} runs (healthy: no blow-up, no auto-fix switch)")
+    print(f"\ncalibration over {cal['runs']} runs (healthy: arms meant to stay healthy, no blow-up, no auto-fix switch)")
     print(f"  {'statistic':24s} {'healthy max':>12s} {'failing min(max before blow-up)':>32s} {'margin':>7s}")
     for k, v in cal["extremes"].items():
         h, f = v["healthy_max"], v["failing_min_of_max_before_blowup"]

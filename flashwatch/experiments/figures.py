@@ -137,9 +137,9 @@ def arm_figure(run_dirs: list[Path], out_path: Path, title: str, overrides: dict
     handles += [plt.Line2D([], [], marker="x", color=c, ls="", mew=2, label=f"baseline {b}")
                 for b, c in _BASE_MARKERS.items()]
     handles.append(plt.Line2D([], [], color="k", ls="--", label="blow-up"))
-    axes[1].legend(handles=handles, fontsize=6, ncol=4, loc="upper left")
+    fig.legend(handles=handles, fontsize=6, ncol=6, loc="lower center", frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.035, 1, 1))
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path)
@@ -160,7 +160,7 @@ def figures_for(run_dirs: list[Path], out_dir: Path, overrides: dict | None = No
         run = read_run(dirs[0])
         label = run.get("label") or arm
         inj = " (INJECTED fault)" if run["arm"].get("inject") else ""
-        title = f"{scenario}: {label}{inj}{' [tiny smoke run]' if tiny else ''}"
+        title = f"{scenario}: {label}{'' if 'INJECTED' in label else inj}{' [tiny smoke run]' if tiny else ''}"
         name = f"{scenario}-{arm}{'-tiny' if tiny else ''}{'-INJECTED' if inj else ''}.png"
         dirs = sorted(dirs, key=lambda p: read_run(p)["seed"])
         out.append(arm_figure(dirs, Path(out_dir) / name, title, overrides))

@@ -4,7 +4,7 @@
 --spec RUN_DIR/spec.json`` with the caller's environment (so ``PYTHONPATH=$PWD`` from the
 repository root works without installing the package), at most ``parallel`` at a time, spread
 over ``devices`` (``CUDA_VISIBLE_DEVICES`` per subprocess; CPU runs get ``CUDA_VISIBLE_DEVICES=""``
-and ``threads`` CPU threads each). A subprocess's output goes to ``RUN_DIR/worker.log``.
+and one CPU thread each unless the spec says otherwise). A subprocess's output goes to ``RUN_DIR/worker.log``.
 
 Bounds: each run stops itself at ``max_steps``, at ``max_seconds`` of its own time, or at
 blow-up; the runner kills one that overstays (``max_seconds`` + ``GRACE_S``) and never starts a
@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .analysis import BLOWUP_FACTOR, BLOWUP_PATIENCE, EARLY_RULES, FINAL_WINDOW, MECHANISM_RULES, aggregate, \
+from .analysis import BLOWUP_FACTOR, BLOWUP_PATIENCE, BLOWUP_WINDOW, EARLY_RULES, FINAL_WINDOW, MECHANISM_RULES, aggregate, \
     analyze_run, evaluate_targets, format_table, run_key
 from .records import RUN_FILE, write_json_atomic
 from .scenarios import Scenario
@@ -39,11 +39,12 @@ from .scenarios import Scenario
 __all__ = ["RunSpec", "make_plan", "run_plan", "merge_results", "estimate", "GRACE_S", "STARTUP_S"]
 
 GRACE_S = 90.0  # a worker past max_seconds + this is killed (start-up, compilation, the last flush)
-STARTUP_S = {"cpu": 5.0, "cuda": 40.0}  # process start, imports, corpus, CUDA context (+ Triton compile: own kernel)
+STARTUP_S = {"cpu": 5.0, "cuda": 45.0}  # process start, imports, corpus, CUDA context, Triton compiles
 # Assumed ms per step for the dry-run estimate when the results JSON has no measurement of the
 # arm: one process alone on an H200 (NUMERICS.md section 6: SDPA ~19 ms a step incl. its probe).
-ASSUMED_MS = {("cuda", "sdpa", "bf16"): 20.0, ("cuda", "own", "bf16"): 30.0, ("cuda", "sdpa", "fp32"): 45.0,
-              ("cuda", "paper", "bf16"): 90.0, ("cpu", "own", "bf16_attention"): 35.0}
+# Own kernel: flashwatch's own-kernel GPT step measured within 3% of SDPA's (docs/gpu-runs sitting 2).
+ASSUMED_MS = {("cuda", "sdpa", "bf16"): 22.0, ("cuda", "own", "bf16"): 24.0, ("cuda", "sdpa", "fp32"): 45.0,
+              ("cuda", "paper", "bf16"): 50.0, ("cpu", "own", "bf16_attention"): 35.0}
 SHARE = 2.0  # processes that share one GPU without slowing each other (launch-bound small models); beyond: linear
 
 
@@ -70,33 +71,32 @@ class RunSpec:
         return run_key(self.scenario, self.arm["name"], self.seed)
 
 
-def make_plan(scenarios: list[tuple[Scenario, list[str]]], seeds: list[int] | None, out: Path, *, device: str | None,
+def make_plan(scenarios: list[tuple[Scenario, list]], seeds: list[int] | None, out: Path, *, device: str | None,
               tiny: bool, max_steps: int | None, max_seconds: float | None,
               monitor_overrides: dict | None = None) -> list[RunSpec]:
-    """Runs for each (scenario, arm names) x seed, seeds interleaved (seed 0 of every arm first)."""
+    """Runs for each (scenario, arms) x seed, seeds interleaved (seed 0 of every arm first).
+
+    An arm is a name (run with ``seeds``, or the scenario's seeds) or a (name, seeds) pair.
+    """
     plan = []
-    seed_lists = {}
+    jobs: list[tuple[int, Scenario, str, int]] = []
     for scenario, arms in scenarios:
-        seed_lists[scenario.name] = list(seeds if seeds is not None else scenario.seeds)
-    rounds = max((len(v) for v in seed_lists.values()), default=0)
-    for i in range(rounds):
-        for scenario, arms in scenarios:
-            sl = seed_lists[scenario.name]
-            if i >= len(sl):
-                continue
-            seed = sl[i]
-            for name in arms:
-                arm = scenario.arm(name)
-                recipe = scenario.tiny if tiny else scenario.recipe
-                if arm.lr is not None and not tiny:
-                    recipe = replace(recipe, lr=arm.lr)
-                dev = device or scenario.device
-                steps = max_steps if max_steps is not None else (scenario.tiny_max_steps if tiny else scenario.max_steps)
-                secs = max_seconds if max_seconds is not None else scenario.max_seconds
-                plan.append(RunSpec(scenario=scenario.name, arm=arm.to_dict(), recipe=recipe.to_dict(), seed=seed,
-                                    run_dir=str(out / scenario.name / name / f"seed{seed}"), device=dev,
-                                    max_steps=steps, max_seconds=secs, label=arm.label, tiny=tiny,
-                                    monitor_overrides=dict(monitor_overrides or {})))
+        for item in arms:
+            name, own = (item, None) if isinstance(item, str) else item
+            for i, seed in enumerate(own if own is not None else (seeds if seeds is not None else scenario.seeds)):
+                jobs.append((i, scenario, name, seed))
+    order = {id(s): k for k, (s, _) in enumerate(scenarios)}
+    jobs.sort(key=lambda j: (j[0], order[id(j[1])]))  # stable: arm order kept within a round
+    for _, scenario, name, seed in jobs:
+        arm = scenario.arm(name)
+        recipe = scenario.tiny if tiny else scenario.recipe
+        if arm.lr is not None and not tiny:
+            recipe = replace(recipe, lr=arm.lr)
+        steps = max_steps if max_steps is not None else (scenario.tiny_max_steps if tiny else scenario.max_steps)
+        plan.append(RunSpec(scenario=scenario.name, arm=arm.to_dict(), recipe=recipe.to_dict(), seed=seed,
+                            run_dir=str(out / scenario.name / name / f"seed{seed}"), device=device or scenario.device,
+                            max_steps=steps, max_seconds=max_seconds if max_seconds is not None else scenario.max_seconds,
+                            label=arm.label, tiny=tiny, monitor_overrides=dict(monitor_overrides or {})))
     return plan
 
 
@@ -121,7 +121,7 @@ def measured_speeds(results: dict) -> dict:
     acc: dict = {}
     for r in results.get("runs", {}).values():
         if r.get("ms_per_step") and r.get("status") in ("completed", "blown_up", "time_limit", "budget"):
-            dev = "cuda" if "H" in str(r.get("device") or "") or "NVIDIA" in str(r.get("device") or "") else "cpu"
+            dev = r.get("device_kind") or "cpu"
             acc.setdefault((r["scenario"], r["arm"], bool(r.get("tiny")), dev), []).append(r["ms_per_step"])
     return {k: sorted(v)[len(v) // 2] for k, v in acc.items()}
 
@@ -142,10 +142,14 @@ def estimate(plan: list[RunSpec], parallel: int, devices: list[str], measured: d
         i = min(range(len(slots)), key=slots.__getitem__)
         slots[i] += run_s
         rows.append({"key": spec.key, "ms_per_step": round(ms, 1), "source": source, "seconds_at_most": round(run_s)})
+    if any(spec.device == "cuda" for spec in plan):
+        how = (f"{per_gpu} processes per GPU, each assumed {slow:.2f}x slower than alone (a guess: up to {SHARE:g} "
+               "share a GPU for free, these small models being launch-bound; measured ms/step replace it once a "
+               "results JSON has them)")
+    else:
+        how = "CPU runs, one thread each, on as many cores as --parallel"
     return {"wall_s": round(max(slots)), "runs": rows, "processes_per_gpu": per_gpu,
-            "assumption": f"{per_gpu} processes per GPU run {slow:.2f}x slower each than one alone "
-                          f"(up to {SHARE:g} share a GPU for free: these models are launch-bound); "
-                          "runs go to their max_steps or max_seconds (a blow-up ends them sooner)"}
+            "assumption": how + "; every run taken to its max_steps or max_seconds (a blow-up ends one sooner)"}
 
 
 # --- results JSON ----------------------------------------------------------------------------------
@@ -167,9 +171,9 @@ def merge_results(path: Path, summaries: list[dict], extra: dict | None = None) 
         "schema": 1, "kind": "flashwatch-experiments",
         "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "definitions": {
-            "blowup": f"first step t with a non-finite loss, or loss > {BLOWUP_FACTOR} x the running minimum of "
-                      f"earlier losses for {BLOWUP_PATIENCE} consecutive steps from t (t = the start of that "
-                      "excursion)",
+            "blowup": f"a non-finite loss (that step), or the median of the last {BLOWUP_WINDOW} losses >= "
+                      f"{BLOWUP_FACTOR} x its lowest earlier value at {BLOWUP_PATIENCE} consecutive steps (the "
+                      "blow-up step: the first loss >= that threshold in the window where it began)",
             "lead": "blow-up step - first alert step (positive: the alert came first)",
             "flashwatch_first": f"first alert of the rules {', '.join(EARLY_RULES)}",
             "flashwatch_mechanism_first": f"first alert of the rules {', '.join(MECHANISM_RULES)} "
@@ -212,7 +216,7 @@ def summarize(spec: RunSpec, returncode: int | None, note: str | None = None) ->
                                     f"{exc}); log tail: {log_tail[-800:]}")
     if note:
         summary["runner_note"] = note
-        if summary.get("status") in (None, "starting", "running"):
+        if summary.get("status") in (None, "starting", "running", "killed"):
             summary["status"] = "budget" if "budget" in note else "killed"
     if returncode not in (0, None) and summary.get("status") != "error":
         summary["runner_note"] = (summary.get("runner_note") or "") + f" exit code {returncode}"
@@ -226,12 +230,40 @@ def run_plan(plan: list[RunSpec], *, parallel: int, devices: list[str], json_pat
     """Run ``plan`` (see the module docstring); returns the merged results."""
     t0 = time.monotonic()
     deadline = None if budget_s is None else t0 + budget_s
-    cpu_count = os.cpu_count() or 1
     queue = list(plan)
     running: list[tuple[subprocess.Popen, RunSpec, str, float, object]] = []
     load = {d: 0 for d in devices} if devices else {}
     results = load_results(json_path)
     skipped: list[RunSpec] = []
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        results = _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_path, poll_s, echo,
+                        extra)
+    except KeyboardInterrupt:
+        echo("interrupted: stopping the running workers (they keep what they recorded)")
+        for proc, spec, dev, started, log in running:
+            _terminate(proc)
+            log.close()
+            results = merge_results(json_path, [summarize(spec, proc.returncode, "killed by the runner: interrupted")],
+                                    extra)
+        skipped.extend(queue)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if skipped:
+        echo(f"not started: {', '.join(s.key for s in skipped)}")
+    return results
+
+
+def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_path, poll_s, echo, extra) -> dict:
     while queue or running:
         while queue and len(running) < parallel:
             spec = queue[0]
@@ -253,20 +285,25 @@ def run_plan(plan: list[RunSpec], *, parallel: int, devices: list[str], json_pat
                 env["CUDA_VISIBLE_DEVICES"] = dev
                 if load:
                     load[dev] += 1
+                spec.threads = spec.threads or 2  # the CPU side of a GPU run is the data index and launches
+                env["OMP_NUM_THREADS"] = str(spec.threads)
             else:
                 env["CUDA_VISIBLE_DEVICES"] = ""
-                spec.threads = spec.threads or max(1, cpu_count // max(1, parallel))
+                # one thread each by default: these models are too small for intra-op threads to pay,
+                # and on a shared or oversubscribed CPU OpenMP threads spin (measured 10x slower)
+                spec.threads = spec.threads or 1
                 env["OMP_NUM_THREADS"] = str(spec.threads)
             run_dir = Path(spec.run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / RUN_FILE).unlink(missing_ok=True)
             with open(run_dir / "spec.json", "w") as f:
-                json.dump(asdict(spec), f, indent=1)
+                json.dump({**asdict(spec), "parallel": parallel}, f, indent=1)
             log = open(run_dir / "worker.log", "w")
             try:
+                # same session as the runner: if the runner is killed outright, whoever kills its session
+                # (a terminal, a job runner) takes the workers with it
                 proc = subprocess.Popen([sys.executable, "-m", "flashwatch.experiments.worker", "--spec",
-                                         str(run_dir / "spec.json")], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+                                         str(run_dir / "spec.json")], stdout=log, stderr=subprocess.STDOUT, env=env)
             except OSError as exc:
                 log.close()
                 results = merge_results(json_path, [_error_summary(spec, f"could not start the worker: {exc}")], extra)
@@ -295,22 +332,18 @@ def run_plan(plan: list[RunSpec], *, parallel: int, devices: list[str], json_pat
             echo(f"[{time.monotonic() - t0:6.0f}s] done  {spec.key}: {summary.get('status')}"
                  f"{'' if summary.get('blowup_step') is None else ', blow-up at ' + str(summary['blowup_step'])}"
                  f"{'' if not summary.get('error') else ' ERROR ' + str(summary['error'])[:200]}")
-    if skipped:
-        echo(f"not started (budget): {', '.join(s.key for s in skipped)}")
     return results
 
 
 def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM the worker's process group (it saves its recordings), SIGKILL after 20 s."""
+    """SIGTERM the worker (it ends its run at the next step and saves its recordings), SIGKILL after 20 s."""
+    if proc.poll() is not None:
+        return
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
+        proc.terminate()
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        proc.kill()
         proc.wait()
+    except ProcessLookupError:
+        pass

@@ -162,7 +162,7 @@ TINY = Recipe(n_layer=2, n_head=2, n_embd=64, block_size=64, batch_size=4, warmu
 
 # --- injection (CPU) -----------------------------------------------------------------------------
 
-INJECT_STRENGTH = 512.0  # |O| x (1 + 512 * 2**-8) = x3 on unit-P_bar tie rows: chosen by the sweep in docs/EXPERIMENTS.md
+INJECT_STRENGTH = 512.0  # |O| x (1 + 512 * 2**-8) = x3 on unit-P_bar tie rows: the sweep in docs/EXPERIMENTS.md
 
 _INJECTION_RECIPE = Recipe(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=16, lr=3e-3, warmup_steps=100,
                            corpus_bytes=4_000_000, interval=10)
@@ -177,7 +177,7 @@ INJECTION = Scenario(
     summary="INJECTED fault: small BF16-attention GPT on the CPU, |O| inflated on unit-P_bar tie rows",
     recipe=_INJECTION_RECIPE,
     tiny=replace(TINY, warmup_steps=5),
-    max_steps=1500, max_seconds=240.0,
+    max_steps=2000, max_seconds=300.0,
     arms=(
         Arm("healthy", "no fault: flashwatch plain kernel (reference on the CPU), BF16 attention", "healthy",
             precision="bf16_attention", monitor=_own(), device="cpu"),
