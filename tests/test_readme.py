@@ -21,7 +21,7 @@ def _value(text: str):
 def test_quoted_config_defaults_are_the_code_defaults():
     fields = {f.name for f in dataclasses.fields(MonitorConfig)}
     defaults = MonitorConfig()
-    quoted = re.findall(r"`([a-z_]+)=([^`]+)`", README)
+    quoted = re.findall(r"`([a-z_0-9]+)=([^`]+)`", README)
     checked = 0
     for name, text in quoted:
         if name not in fields or text.startswith(('"', "{", "'")):
