@@ -55,8 +55,13 @@ def test_provoke_raises_alerts_labelled_injected(tmp_path, capsys):
     meta = json.loads((run_dir / "demo.json").read_text())
     assert meta["injected"] and meta["inject_bias"] > 0 and meta["mode"] == "own_kernel"
 
-    alerts = [a for r in read_jsonl(run_dir) for a in r["new_alerts"]]
+    records = list(read_jsonl(run_dir))
+    alerts = [a for r in records for a in r["new_alerts"]]
     assert alerts, out
+    # the fault shows in the signals too: without it the demo's max logit stays below 30 over
+    # 400 steps (seeds 0-2); with it, it passed 100 within 100 steps here
+    max_logit = max(v for r in records for row in r["metrics"]["flashwatch_max_logit"] for v in row if v == v)
+    assert max_logit > 60, max_logit
     # every alert, in every output, says INJECTED
     assert all(a["message"].startswith("[INJECTED] ") for a in alerts)
     lines = (run_dir / ALERTS_FILE).read_text().splitlines()
