@@ -349,6 +349,12 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int
     return None
 
 
+def _compiling() -> bool:
+    """True while torch.compile traces (the Python of an attention call then runs once, at trace time)."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
 def _autocast_inputs(q, k, v):
     """Cast q, k, v as autocast would for SDPA (to the autocast dtype) when autocast is on."""
     dev = q.device.type
@@ -433,6 +439,14 @@ class Router:
         if layer.mode != "own_kernel":
             out = sdpa(*args, **kwargs)
             if self.monitoring and torch.is_grad_enabled():  # observe, monitored step
+                if _compiling():
+                    # a compiled graph replays without our hooks setting the current layer, so
+                    # what it measured would land on the wrong layer: measure nothing instead
+                    self._log_once(("compile", layer.index),
+                                   "flashwatch: layer %d (%s) runs inside torch.compile; observe mode cannot "
+                                   "attribute its attention there and does not measure it (attach to the "
+                                   "uncompiled model, or use mode='own_kernel')", layer.index, layer.name)
+                    return out
                 self._observe(layer, args, kwargs, out)
             return out
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)

@@ -428,3 +428,30 @@ def test_a_monitor_dropped_without_detach_gives_sdpa_back_at_garbage_collection(
     del model
     gc.collect()
     assert F.scaled_dot_product_attention is SDPA
+
+
+def test_observe_mode_under_torch_compile_measures_nothing_rather_than_the_wrong_layer(caplog):
+    """A compiled graph replays without the layer hooks: observe mode must not attribute its
+    attention to whichever layer was current at trace time."""
+    import logging
+
+    from flashwatch import Monitor, MonitorConfig
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    monitor = Monitor(MonitorConfig(interval=1, mode="observe"))
+    monitor.attach(model)
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        x = torch.randint(0, 256, (2, 17))
+        with caplog.at_level(logging.WARNING, logger="flashwatch"):
+            for _ in range(2):
+                _, loss = compiled(x[:, :-1], x[:, 1:])
+                loss.backward()
+                monitor.step(loss=loss.detach())
+        rows = monitor.signals()["rows"]
+        assert all(v == 0 for v in rows.values()), rows
+        assert "runs inside torch.compile" in caplog.text
+    finally:
+        monitor.detach()
