@@ -135,6 +135,8 @@ def _add_run_options(p: argparse.ArgumentParser, default_json: str) -> None:
     g.add_argument("--seeds", type=_seeds, metavar="0-4", help="seeds, e.g. 0-4 or 0,2 (default: 0-4)")
     g.add_argument("--tiny", action="store_true", help="tiny model and 30 steps: a smoke run of the same code path")
     g.add_argument("--device", choices=("cpu", "cuda"), help="where the runs train (default: the scenario's)")
+    g.add_argument("--inject", type=float, metavar="STRENGTH",
+                   help="INJECTED fault strength for the arms that inject (default: the scenario's, 512)")
     g.add_argument("--monitor-set", action="append", metavar="FIELD=VALUE",
                    help="MonitorConfig field for the runs' Monitor (repeatable), e.g. interval=5; recorded in the "
                         "runs and used by their analysis")
@@ -292,7 +294,7 @@ def _cmd_run(args) -> int:
     out = Path(args.out)
     json_path = Path(args.json)
     plan = make_plan(chosen, args.seeds, out, device=args.device, tiny=args.tiny, max_steps=args.max_steps,
-                     max_seconds=args.max_seconds, monitor_overrides=_overrides(args.monitor_set))
+                     max_seconds=args.max_seconds, monitor_overrides=_overrides(args.monitor_set), inject=args.inject)
     devices = _cuda_devices(args.devices) if any(s.device == "cuda" for s in plan) else []
     if args.parallel < 1:
         print("flashwatch experiment: --parallel must be >= 1", file=sys.stderr)
@@ -395,7 +397,8 @@ def _cmd_analyze(args) -> int:
     runs = {s["key"]: s for s in summaries}
     if overrides:
         print(f"replayed with MonitorConfig overrides {overrides}")
-    print(format_table(runs))
+    if not args.json:
+        print(format_table(runs))
     mismatched = [s["key"] for s in summaries if s["in_training"]["replay_matches"] is False and not overrides]
     if mismatched:
         print(f"note: replay with the runs' own configs differs from the in-training alerts for {mismatched}")

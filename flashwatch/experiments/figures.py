@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from .analysis import MECHANISM_RULES, blowup_step, config_for, replay
-from .baselines import BASELINES
 from .records import read_run, read_signals, read_steps
 
 __all__ = ["arm_figure", "figures_for"]

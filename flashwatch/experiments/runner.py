@@ -31,8 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .analysis import BLOWUP_FACTOR, BLOWUP_PATIENCE, BLOWUP_WINDOW, EARLY_RULES, FINAL_WINDOW, MECHANISM_RULES, aggregate, \
-    analyze_run, evaluate_targets, format_table, run_key
+from .analysis import (BLOWUP_FACTOR, BLOWUP_PATIENCE, BLOWUP_WINDOW, EARLY_RULES, FINAL_WINDOW, MECHANISM_RULES,
+                       aggregate, analyze_run, evaluate_targets, run_key)
 from .records import RUN_FILE, write_json_atomic
 from .scenarios import Scenario
 
@@ -73,10 +73,11 @@ class RunSpec:
 
 def make_plan(scenarios: list[tuple[Scenario, list]], seeds: list[int] | None, out: Path, *, device: str | None,
               tiny: bool, max_steps: int | None, max_seconds: float | None,
-              monitor_overrides: dict | None = None) -> list[RunSpec]:
+              monitor_overrides: dict | None = None, inject: float | None = None) -> list[RunSpec]:
     """Runs for each (scenario, arms) x seed, seeds interleaved (seed 0 of every arm first).
 
     An arm is a name (run with ``seeds``, or the scenario's seeds) or a (name, seeds) pair.
+    ``inject`` replaces the strength of the arms that inject a fault.
     """
     plan = []
     jobs: list[tuple[int, Scenario, str, int]] = []
@@ -89,6 +90,8 @@ def make_plan(scenarios: list[tuple[Scenario, list]], seeds: list[int] | None, o
     jobs.sort(key=lambda j: (j[0], order[id(j[1])]))  # stable: arm order kept within a round
     for _, scenario, name, seed in jobs:
         arm = scenario.arm(name)
+        if inject is not None and arm.inject:
+            arm = replace(arm, inject=float(inject))
         recipe = scenario.tiny if tiny else scenario.recipe
         if arm.lr is not None and not tiny:
             recipe = replace(recipe, lr=arm.lr)

@@ -70,6 +70,17 @@ def _versions() -> dict:
     return out
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} CPUs)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def install_paper_sdpa():
     """Replace ``F.scaled_dot_product_attention`` by the paper's all-BF16 attention; returns an undo function.
 
@@ -123,6 +134,22 @@ def install_injection(strength: float):
     return undo
 
 
+def _check_first_monitored_step(monitor) -> None:
+    """Fail loudly rather than record a run that measures nothing or silently runs SDPA.
+
+    A failure inside monitoring never stops training (the Monitor counts it and, in own_kernel
+    mode, falls back to SDPA): right for a user, wrong for an experiment whose arm is the kernel.
+    """
+    if monitor.errors:
+        raise RuntimeError(f"the Monitor failed {monitor.errors} time(s) in the first monitored step (own kernel "
+                           "or statistics pass; the traceback is above in this log): the arm would not measure "
+                           "or run what it says")
+    rows = monitor.signals()["rows"]
+    unseen = sorted({layer for (layer, _), r in rows.items() if not r > 0})
+    if unseen:
+        raise RuntimeError(f"the Monitor measured no attention call in layers {unseen} at the first monitored step")
+
+
 class _Stop:
     def __init__(self):
         self.signal: int | None = None
@@ -172,7 +199,7 @@ def run(spec: dict) -> int:
             torch.backends.cudnn.allow_tf32 = not fp32
             info["device_name"] = torch.cuda.get_device_name(0)
         else:
-            info["device_name"] = platform.processor() or platform.machine()
+            info["device_name"] = _cpu_name()
         seed = int(spec["seed"])
         torch.manual_seed(seed)
         data = stdlib_corpus(int(recipe["corpus_bytes"]))
@@ -237,6 +264,8 @@ def run(spec: dict) -> int:
             alerts = monitor.step(loss=loss.detach(), grad_norm=grad_norm)
             if monitored:
                 signals_w.write(step, index, monitor, alerts, monitor.errors != errors)
+                if index == 0:
+                    _check_first_monitored_step(monitor)
             pending.append((step, loss.detach(), grad_norm.detach(), lr, time.monotonic() - t0))
             last = step == max_steps - 1
             if len(pending) >= flush_every or last:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# GPU sittings of `flashwatch experiment` on a 2x H200 machine, from the repository root, without
+# installing flashwatch (kernels/ is linked in as flashwatch/kernels, as benchmarks/gpu_session.sh does).
+#
+#   bash flashwatch/experiments/gpu_sitting.sh 1   # <= ~9.5 min: CUDA smoke of all arms (tiny), then
+#                                                  # real-failure seeds 0-1 x 6 arms + real-numerics paper seeds 0-1
+#   bash flashwatch/experiments/gpu_sitting.sh 2   # <= ~9 min: real-failure seeds 2-4 x (sdpa_observe, plain,
+#                                                  # fp32_delta, fp32) + real-numerics plain_fast/fp32_fast seed 0
+#
+# What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
+# folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
+# because only files at most two folders down come back. Render figures and re-analyse on your own
+# machine: tar xzf runs.tgz -C runs/gpu && flashwatch experiment analyze runs/gpu --json ... --figures ...
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+[ -e flashwatch/kernels ] || ln -s ../kernels flashwatch/kernels
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+RUNS=/tmp/fw-runs
+fw() { python3 -m flashwatch.cli experiment "$@"; }
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+case "${1:-1}" in
+1)
+  # every arm's code path on CUDA in ~1 minute: stop here if anything fails
+  fw real-failure --tiny --seeds 0 --max-steps 20 --parallel 6 --devices 0,1 --budget 110 \
+     --out "$RUNS/smoke" --json "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1 \
+     || { tail -40 "$OUT/smoke.log"; echo "CUDA smoke failed: not starting the sitting"; exit 1; }
+  tail -10 "$OUT/smoke.log"
+  fw early-warning --scenario real-numerics --arms paper@0-1 --parallel 2 --devices 0,1 --budget 440 \
+     --out "$RUNS" --json "$OUT/early-warning-gpu.json" > "$OUT/real-numerics.log" 2>&1 &
+  fw real-failure --seeds 0-1 --parallel 12 --devices 0,1 --budget 440 \
+     --out "$RUNS" --json "$OUT/real-failure.json" 2>&1 | tee "$OUT/real-failure.log"
+  wait
+  tail -6 "$OUT/real-numerics.log"
+  ;;
+2)
+  fw early-warning --scenario real-numerics --arms "plain_fast@0,fp32_fast@0" --parallel 2 --devices 0,1 \
+     --budget 520 --out "$RUNS" --json "$OUT/early-warning-gpu.json" > "$OUT/real-numerics.log" 2>&1 &
+  fw real-failure --seeds 2-4 --arms sdpa_observe,plain,fp32_delta,fp32 --parallel 12 --devices 0,1 --budget 520 \
+     --out "$RUNS" --json "$OUT/real-failure.json" 2>&1 | tee "$OUT/real-failure.log"
+  wait
+  tail -6 "$OUT/real-numerics.log"
+  ;;
+*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2"; exit 2 ;;
+esac
+tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"
