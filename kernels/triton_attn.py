@@ -717,12 +717,14 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     _bwd_delta_kernel[(triton.cdiv(N, block), B * H)](
         o, r if r is not None else o, do, delta, *_strides(o), *_strides(do), H, N,
         HEAD_DIM=D, BLOCK=block, FP32_DELTA=r is not None, num_warps=4)
+    # the kernels write contiguous (B, heads, N, D) gradients; torch.empty_like would keep the
+    # dimension order of a strided input (a fused q|k|v projection gives (B, N, heads, D) order)
     dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk = torch.empty((B, k.shape[1], N, D), dtype=k.dtype, device=k.device)
+    dv = torch.empty((B, v.shape[1], N, D), dtype=v.dtype, device=v.device)
 
     def bench_dkdv(cfg):
-        sk, sv = torch.empty_like(dk), torch.empty_like(dv)
+        sk, sv = torch.empty_like(dk), torch.empty_like(dv)  # dk, dv are contiguous
         return lambda: _launch_dkdv(q, k, v, do, lse, delta, sk, sv, causal, sm_scale, cfg)
 
     def bench_dq(cfg):

@@ -106,3 +106,27 @@ def planted_near_ties(B=1, H=2, N=48, D=64, device="cpu", eps=1e-3, seed=1):
         # k_key = k_top - gap / scale * qr / |qr|^2  =>  s[row, key] = s[row, top] - gap
         k[:, :, key] = k[:, :, top] - (gap / scale) * qr / (qr * qr).sum(-1, keepdim=True)
     return [t.to(device=device, dtype=torch.float32) for t in (q, k, v)]
+
+
+def fused_projection_qkv(B, H, N, D, dtype=torch.bfloat16, device="cpu", seed=0):
+    """q, k, v as a nanoGPT-style model makes them: views of one (B, N, 3*H*D) projection,
+    (B, H, N, D) with strides (N*3C, D, 3C, 1): neither contiguous nor dense."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(B, N, 3 * H * D, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+    q, k, v = (t.view(B, N, H, D).transpose(1, 2) for t in x.split(H * D, dim=2))
+    return x, q, k, v
+
+
+def check_fused_projection_gradients(device="cpu"):
+    """The gradient reaching the projection through flash_attention equals the reference's."""
+    B, H, N, D = 2, 3, 40, 64
+    x, q, k, v = fused_projection_qkv(B, H, N, D, device=device)
+    out = flash_attention(q, k, v)
+    g = torch.randn_like(out)
+    (got,) = torch.autograd.grad(out, x, g)
+    x2, q2, k2, v2 = fused_projection_qkv(B, H, N, D, device="cpu")
+    out2 = reference.flash_attention(q2, k2, v2)
+    (want,) = torch.autograd.grad(out2, x2, g.cpu())
+    err = (got.float().cpu() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    assert err <= 0.02 * scale, f"gradient through a fused q|k|v projection off by {err:.3g} (scale {scale:.3g})"

@@ -112,3 +112,9 @@ def test_no_quadratic_memory():
     extra = torch.cuda.max_memory_allocated() - base
     io = q.numel() * q.element_size()
     assert extra < 12 * io, f"peak extra memory {extra / 2**20:.1f} MiB for {io / 2**20:.1f} MiB inputs"
+
+
+def test_gradients_through_a_fused_qkv_projection():
+    from kernel_cases import check_fused_projection_gradients
+
+    check_fused_projection_gradients("cuda")

@@ -230,3 +230,10 @@ def test_raw_threshold_turns_a_scaled_test_into_a_raw_one(triton_interpreter):
 
 
 _raw = None  # set by test_raw_threshold_turns_a_scaled_test_into_a_raw_one
+
+
+def test_gradients_through_a_fused_qkv_projection():
+    """Strided q, k, v views (a model's fused projection): gradients land in the right place."""
+    from kernel_cases import check_fused_projection_gradients
+
+    check_fused_projection_gradients("cpu")
