@@ -155,12 +155,13 @@ class _ReferenceAttention(torch.autograd.Function):
         row_sum = p_bar.sum(-1)
         vv = _expand_kv(v, q.shape[1]).to(s.dtype)
         o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / row_sum.unsqueeze(-1)
+        o_hp = o_fp32  # before any injected fault: fp32_delta's delta comes from it
         if inject_bias and variant != "fixed":
             # the fixed variant keeps every P_bar < 1, so the injected fault never triggers there
             unit_rows = (m2 - m1) >= unit_p_gap(dtype)  # P_bar rounds to 1 at two or more keys
             o_fp32 = inject_rounding_bias(o_fp32, unit_rows, inject_bias, dtype)
         out = o_fp32.to(dtype)
-        residual = (o_fp32 - out.to(o_fp32.dtype)).to(dtype) if variant == "fp32_delta" else None
+        residual = (o_hp - out.to(o_hp.dtype)).to(dtype) if variant == "fp32_delta" else None
         lse = shift + torch.log(row_sum)
         if stats is not None:  # as the kernel: max logit here, rows and tie counts in the backward
             _add_max_logit(stats, m1)

@@ -239,6 +239,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
                                               BLOCK_N, True, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
 
     o32 = acc / l_i[:, None]
+    o_hp = o32  # the FP32 output, before any injected fault: fp32_delta's delta comes from it
     if TOP2:
         # INJECTED FAULT: on rows where P_bar rounds to exactly 1 at two or more keys (second
         # score within unit_gap = ln(1 - 2**-p) of the max; never under the fixed variant, whose
@@ -251,7 +252,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
     lse_ptrs = LSE + bh.to(tl.int64) * N + offs_m
     tl.store(lse_ptrs, shift + tl.math.log2(l_i), mask=row_ok)
     if FP32_DELTA:
-        r = _cast(o32 - o.to(tl.float32), DTYPE, EXACT_BF16)
+        r = _cast(o_hp - o.to(tl.float32), DTYPE, EXACT_BF16)
         tl.store(R + o_off, r, mask=row_ok[:, None])
     if STATS:
         s1 = m1 * sm_scale  # the row max in natural-log units, as the reference computes it

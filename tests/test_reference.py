@@ -172,3 +172,26 @@ def test_autocast_does_not_change_the_reference():
     assert torch.equal(out, out_ac)
     for a, b in zip(grads, grads_ac):
         assert torch.equal(a, b)
+
+
+def test_fp32_delta_takes_delta_from_the_output_before_the_injected_fault():
+    """The injected rounding bias reaches the forward output of every non-fixed variant, but
+    fp32_delta's backward takes delta from the FP32 output before it (DESIGN: injected faults)."""
+    torch.manual_seed(9)
+    B, H, N, D = 1, 2, 48, 64
+    q = torch.randn(B, H, N, D)
+    k = q.clone()
+    k[:, :, 1::2] = k[:, :, 0::2]  # many rows whose max repeats: P_bar is 1 at two keys
+    q, k, v = (t.bfloat16().requires_grad_(True) for t in (q * 3, k, torch.randn(B, H, N, D)))
+    g = torch.randn(B, H, N, D).bfloat16()
+    grads = {}
+    for variant, strength in (("fp32_delta", 0.0), ("fp32_delta", 4.0), ("plain", 4.0)):
+        out = reference.flash_attention(q, k, v, variant=variant, inject_bias=strength)
+        grads[(variant, strength)] = torch.autograd.grad(out, q, g)[0].float()
+    clean = grads[("fp32_delta", 0.0)]
+    # dq depends on the output only through delta: fp32_delta's stays clean up to the BF16
+    # rounding of its residual R = O_fp32 - O (which now carries the injected push)
+    off_fp32_delta = (grads[("fp32_delta", 4.0)] - clean).norm()
+    off_plain = (grads[("plain", 4.0)] - clean).norm()
+    assert off_plain > 0
+    assert off_fp32_delta <= 0.05 * off_plain, (off_fp32_delta, off_plain)
