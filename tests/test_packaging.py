@@ -30,6 +30,8 @@ def test_non_editable_install_layout(tmp_path):
     installed = pathlib.Path(purelib)
     assert (installed / "flashwatch" / "kernels" / "__init__.py").is_file()
     assert (installed / "flashwatch" / "kernels" / "reference.py").is_file()
+    for sub in ("exporters", "experiments"):
+        assert (installed / "flashwatch" / sub / "__init__.py").is_file(), f"flashwatch.{sub} not installed"
     assert not (installed / "kernels").exists(), "a top-level `kernels` package was installed"
     code = ("import flashwatch, flashwatch.kernels as k; "
             "assert 'site-packages' in k.__file__, k.__file__; "
