@@ -3,7 +3,9 @@
 For each shape (causal, bf16 by default) it times forward and forward+backward of torch SDPA
 flash (FlashAttention-2), torch SDPA cuDNN, and flashwatch plain (statistics off), plain
 (statistics on), fixed and fp32_delta, as medians of CUDA-event timings
-(``triton.testing.do_bench``), all in the same run, and prints ratios to SDPA flash.
+(``triton.testing.do_bench``), all in the same run, and prints ratios to SDPA flash. The
+kernels of a shape are timed in three interleaved rounds and each number is the median of the
+rounds (one round with --quick or --tune); the JSON keeps the spread of the rounds.
 
 TFLOP/s counts causal attention as half the dense 4*B*H*N^2*D forward FLOPs and
 forward+backward as 3.5x the forward (the convention of ../shared/ANCHORS.md).
@@ -16,6 +18,7 @@ import datetime
 import json
 import math
 import platform
+import statistics
 
 import torch
 
@@ -117,18 +120,40 @@ def environment() -> dict:
     }
 
 
-def run_bench(shapes=DEFAULT_SHAPES, causal=True, dtype=torch.bfloat16, kernels=KERNELS, rep_ms=100) -> dict:
+def _median_of_rounds(samples: list[dict]) -> dict:
+    """Per key, the median over rounds; the spread (max/min - 1) of the forward+backward time too."""
+    out = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+    fb = [s["fwd_bwd_ms"] for s in samples]
+    out["fwd_bwd_spread"] = max(fb) / min(fb) - 1.0
+    out["rounds"] = len(samples)
+    return out
+
+
+def run_bench(shapes=DEFAULT_SHAPES, causal=True, dtype=torch.bfloat16, kernels=KERNELS, rep_ms=100,
+              rounds=3) -> dict:
+    """Time every kernel at every shape. The kernels of a shape are timed in turn, ``rounds``
+    times over (interleaved, so a slow phase of the GPU touches every kernel alike), and each
+    number is the median over the rounds."""
     fns = kernel_functions()
     results = []
     for shape in shapes:
         flops = attention_flops(shape, causal)
         row = {"shape": list(shape), "causal": causal, "dtype": str(dtype).replace("torch.", ""), "kernels": {}}
+        samples: dict[str, list[dict]] = {name: [] for name in kernels}
+        errors: dict[str, str] = {}
+        for _ in range(rounds):
+            for name in kernels:
+                if name in errors:
+                    continue
+                try:
+                    samples[name].append(time_kernel(fns[name], shape, causal, dtype, rep_ms=rep_ms))
+                except Exception as exc:  # a backend missing on this GPU/torch: say so, go on
+                    errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
         for name in kernels:
-            try:
-                t = time_kernel(fns[name], shape, causal, dtype, rep_ms=rep_ms)
-            except Exception as exc:  # a backend missing on this GPU/torch: say so, go on
-                row["kernels"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            if name in errors:
+                row["kernels"][name] = {"error": errors[name]}
                 continue
+            t = _median_of_rounds(samples[name])
             t["fwd_tflops"] = flops / t["fwd_ms"] / 1e9
             t["fwd_bwd_tflops"] = 3.5 * flops / t["fwd_bwd_ms"] / 1e9
             row["kernels"][name] = t
@@ -188,7 +213,8 @@ def main(args) -> int:
     if args.quick:
         shapes = shapes[:2]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    report = run_bench(shapes, causal=not args.no_causal, dtype=dtype, rep_ms=50 if args.quick else 100)
+    report = run_bench(shapes, causal=not args.no_causal, dtype=dtype, rep_ms=50 if args.quick else 100,
+                       rounds=1 if args.quick or args.tune else 3)
     if args.tune:
         from flashwatch.kernels import tuning
 
