@@ -77,6 +77,98 @@ def test_a_failing_run_is_recorded_as_an_error_and_the_others_go_on(tmp_path):
     assert good["status"] == "completed" and good["last_step"] == 5
 
 
+class _CopyDone:
+    """Stands in for the CUDA event of an asynchronous host copy (as in test_monitor)."""
+
+    def synchronize(self):
+        pass
+
+
+def _worker_run(tmp_path, name: str, defer: bool, monkeypatch, arm: str = "auto_fix") -> Path:
+    """One tiny real-failure run in this process, thresholds low so that alerts fire; ``defer``: the
+    Monitor decides a monitored step at the next step() as on CUDA with async_transfer."""
+    from flashwatch.experiments import worker
+    from flashwatch.experiments.scenarios import REAL_FAILURE
+    from flashwatch.monitor import Monitor
+
+    with monkeypatch.context() as m:
+        if defer:
+            m.setattr(Monitor, "_start_host_copy", lambda self, values: (values.clone(), _CopyDone()))
+        spec = make_plan([(REAL_FAILURE, [arm])], [0], tmp_path / name, device="cpu", tiny=True, max_steps=21,
+                         max_seconds=120, monitor_overrides={"warmup": 1, "max_logit_bound": 1.0,
+                                                             "drift_threshold": 0.5})[0]
+        spec_d = {k: getattr(spec, k) for k in spec.__dataclass_fields__}
+        assert worker.run(spec_d) == 0
+    return Path(spec.run_dir)
+
+
+def test_the_worker_records_each_monitored_step_once_decided_with_what_it_ran(tmp_path, monkeypatch):
+    """On CUDA (async_transfer) a monitored step is decided at the next step(): the worker must
+    record it then, with that step's own readings, variants and alerts (it used to record the
+    previous monitored step's readings under the new step, and no alerts)."""
+    now, later = (_worker_run(tmp_path, n, d, monkeypatch, "sdpa_observe") for n, d in (("sync", False),
+                                                                                        ("deferred", True)))
+    a, b = list(read_signals(now)), list(read_signals(later))
+    assert [r["step"] for r in b] == list(range(0, 21, 2)) == [r["step"] for r in a]  # the last one too (flush)
+    assert all(r["aligned"] for r in b)
+    steps = read_steps(later)
+    loss_at = dict(zip(steps["step"].tolist(), steps["loss"].tolist()))
+    assert all(r["loss"] == loss_at[r["step"]] for r in b)  # each line holds its own step's readings
+    for ra, rb in zip(a, b):  # CPU runs are deterministic: the same readings and alerts, decided later
+        assert (ra["e"], ra["max_logit"], ra["index"], ra["alerts"]) == (rb["e"], rb["max_logit"], rb["index"],
+                                                                          rb["alerts"])
+    assert sum(len(r["alerts"]) for r in b) > 0
+    s = analysis.analyze_run(later)
+    assert s["in_training"]["replay_matches"] is True and not s["records_lag_corrected"]
+
+    fix = _worker_run(tmp_path, "auto_fix", True, monkeypatch)  # auto_fix decided one step late, as on CUDA
+    run = json.loads((fix / "run.json").read_text())
+    recs = list(read_signals(fix))
+    assert run["switches"], "the thresholds above make auto_fix switch a layer"
+    first = run["switches"][0]
+    ran = [r["variant"][first["layer"]] for r in recs]
+    decided_from = [a["step"] for a in run["alerts"] if a["rule"] in ("delta_drift", "repeated_max_rise")][0]
+    k = [r["step"] for r in recs].index(decided_from)
+    assert ran[k] == "sdpa" and ran[k + 1] == "fp32_delta"  # what each step ran; the switch from the next one on
+    assert [al for r in recs for al in r["alerts"]] == run["alerts"]
+
+
+def test_load_records_undoes_the_lag_of_old_cuda_recordings(tmp_path, monkeypatch):
+    """Recordings of the worker before the fix (GPU runs of 2026-11-30): line k+1 held monitored
+    step k's readings under step k+1's name, with the variants of step k+1, no alerts, and a first
+    line without readings. ``load_records`` gives back the true series."""
+    good = _worker_run(tmp_path, "good", False, monkeypatch)  # auto_fix: variants change during the run
+    truth = analysis.load_records(good)
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in ("run.json", "steps.csv"):
+        (old / f).write_bytes((good / f).read_bytes())
+    raw = list(gzip.open(good / "signals.jsonl.gz", "rt"))
+    lines = []
+    for k, line in enumerate(raw):  # what the old worker wrote at monitored step k
+        rec = json.loads(line)
+        if k == 0:
+            shown = {**rec, **{f: [[ "NaN"] * len(row) for row in rec[f]] for f in ("e", "C", "z", "zw", "max_logit",
+                                                                                   "sigma")},
+                     "rm": [[None] * len(row) for row in rec["rm"]], "rm16": [[None] * len(row) for row in rec["rm16"]],
+                     "rows": [0] * len(rec["rows"]), "loss": "NaN", "grad_norm": "NaN"}
+        else:
+            shown = json.loads(raw[k - 1])
+        shown.update(step=rec["step"], index=rec["index"], variant=rec["variant"], alerts=[])
+        shown.pop("aligned")
+        lines.append(json.dumps(shown))
+    (old / "signals.jsonl").write_text("\n".join(lines) + "\n")
+    fixed = analysis.load_records(old)
+    assert all(r["lag_corrected"] for r in fixed)
+    assert len(fixed) == len(truth) - 1  # the last monitored step was never recorded
+    for t, f in zip(truth, fixed):
+        assert (t["step"], t["index"], t["e"], t["variant"], t["loss"], t["grad_norm"]) == \
+               (f["step"], f["index"], f["e"], f["variant"], f["loss"], f["grad_norm"])
+    s = analysis.analyze_run(old)
+    assert s["records_lag_corrected"] and s["in_training"]["replay_matches"] is True  # alerts from run.json
+    assert s["flashwatch"]["non_finite"]["first"] is None  # the empty first line is gone
+
+
 # --- blow-up and lead time on synthetic series --------------------------------------------------------
 
 def test_blowup_is_the_start_of_a_sustained_excursion_or_a_non_finite_loss():

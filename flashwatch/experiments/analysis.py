@@ -62,8 +62,8 @@ from .baselines import BASELINES, run_baselines
 from .records import RUN_FILE, read_run, read_signals, read_steps
 
 __all__ = ["BLOWUP_FACTOR", "BLOWUP_PATIENCE", "BLOWUP_WINDOW", "FINAL_WINDOW", "EARLY_RULES", "MECHANISM_RULES", "BlowupTracker",
-           "blowup_step", "lead_time", "replay", "build_signals", "analyze_run", "find_runs", "aggregate",
-           "evaluate_targets", "calibrate", "config_for", "format_table", "run_key"]
+           "blowup_step", "load_records", "in_training_alerts", "lead_time", "replay", "build_signals", "analyze_run",
+           "find_runs", "aggregate", "evaluate_targets", "calibrate", "config_for", "format_table", "run_key"]
 
 BLOWUP_FACTOR = 1.25
 BLOWUP_PATIENCE = 20
@@ -154,6 +154,66 @@ def _config_from_dict(d: dict) -> MonitorConfig:
     """A ``MonitorConfig`` from ``MonitorConfig.to_dict()`` (sets come back as lists)."""
     known = {f for f in MonitorConfig.__dataclass_fields__}
     return MonitorConfig(**{k: v for k, v in d.items() if k in known})
+
+
+def _record_lag(records: list[dict], loss_at: dict) -> int:
+    """0 if each record holds the readings of the step it names; 1 if of the monitored step before.
+
+    Records of the worker before the fix (GPU recordings of 2026-11-30) were written right after
+    ``monitor.step`` of a monitored step; on CUDA with ``async_transfer`` that step's values are
+    decided only at the next ``step()``, so the record named step t holds step t - interval's
+    readings (the first one holds none). Records that say ``"aligned": true`` hold their own
+    step's. Otherwise the recorded loss is compared with ``steps.csv``: the lag at which more
+    records match is the one (the loss is a float32 written exactly).
+    """
+    if not records or records[0].get("aligned"):
+        return 0
+    same = sum(1 for r in records if r["step"] in loss_at and r["loss"] == loss_at[r["step"]])
+    before = sum(1 for prev, r in zip(records, records[1:])
+                 if prev["step"] in loss_at and r["loss"] == loss_at[prev["step"]])
+    return 1 if before > same else 0
+
+
+def load_records(run_dir: str | os.PathLike, steps: dict | None = None) -> list[dict]:
+    """A run's monitored-step records, each holding the readings of the step it names.
+
+    Undoes the one-monitored-step lag of recordings made before the worker recorded decided
+    steps (``_record_lag``): record k+1's readings are given record k's step and index, and
+    record k's ``variant`` and ``low_precision`` (what ran at that step; an auto_fix switch
+    decided from step t is recorded from the next monitored step on). The last monitored step of
+    such a run (decided when the Monitor closed) was never recorded. ``loss`` and ``grad_norm``
+    come from ``steps.csv`` (every step's exact float32 values) where it has the step, else from
+    the record. Each record gets ``lag_corrected`` (bool).
+    """
+    records = list(read_signals(run_dir))
+    steps = read_steps(run_dir) if steps is None else steps
+    loss_at = dict(zip(steps["step"].tolist(), steps["loss"].tolist()))
+    norm_at = dict(zip(steps["step"].tolist(), steps["grad_norm"].tolist()))
+    lag = _record_lag(records, loss_at)
+    if lag:
+        out = []
+        for prev, rec in zip(records, records[1:]):
+            new = dict(rec)
+            new.update(step=prev["step"], index=prev["index"], variant=prev.get("variant"),
+                       low_precision=prev["low_precision"], alerts=[],
+                       monitor_error=bool(prev.get("monitor_error") or rec.get("monitor_error")))
+            out.append(new)
+        records = out
+    for rec in records:
+        rec["lag_corrected"] = bool(lag)
+        if rec["step"] in loss_at:
+            rec["loss"], rec["grad_norm"] = loss_at[rec["step"]], norm_at[rec["step"]]
+    return records
+
+
+def in_training_alerts(run_dir: str | os.PathLike, records: list[dict] | None = None) -> list[Alert]:
+    """The alerts the Monitor raised while the run trained: ``run.json``'s list (complete, each
+    dated by the monitored step it was decided from), else those the records carry."""
+    run = read_run(run_dir)
+    raw = run.get("alerts")
+    if raw is None:
+        raw = [a for r in (records if records is not None else read_signals(run_dir)) for a in r.get("alerts", ())]
+    return [Alert.from_dict({**a, "value": float(a["value"]), "threshold": float(a["threshold"])}) for a in raw]
 
 
 def build_signals(records: Iterable[dict], window: int) -> list[StepSignals]:
@@ -350,7 +410,7 @@ def analyze_run(run_dir: str | os.PathLike, overrides: dict | None = None) -> di
     run_dir = Path(run_dir)
     run = read_run(run_dir)
     steps = read_steps(run_dir)
-    records = list(read_signals(run_dir))
+    records = load_records(run_dir, steps)
     step_list = steps["step"].tolist()
     losses = steps["loss"].tolist()
     tracker = BlowupTracker()
@@ -374,13 +434,16 @@ def analyze_run(run_dir: str | os.PathLike, overrides: dict | None = None) -> di
                         "lead": lead_time(blowup, _first(fired[name]))} for name in BASELINES}
 
     # the run's own configuration, replayed: must give the alerts the Monitor raised in training
-    in_training = [Alert.from_dict({**a, "value": float(a["value"]), "threshold": float(a["threshold"])})
-                   for r in records for a in r.get("alerts", ())]
-    matches = None
+    in_training = in_training_alerts(run_dir, records)
+    matches, differ = None, None
     if run.get("monitor_config"):
         own = replay(records, _config_from_dict(run["monitor_config"]))
-        matches = [(a.rule, a.step, a.layer, a.head) for a in own] == \
-                  [(a.rule, a.step, a.layer, a.head) for a in in_training]
+        # the last monitored step of a lag-corrected recording was never recorded: its alerts cannot replay
+        last = records[-1]["step"] if records else -1
+        trained = [a for a in in_training if not (records and records[0]["lag_corrected"] and a.step > last)]
+        key = lambda a: (a.rule, a.step, a.layer, a.head)
+        matches = [key(a) for a in own] == [key(a) for a in trained]
+        differ = [r for r in RULES if [key(a) for a in own if a.rule == r] != [key(a) for a in trained if a.rule == r]]
 
     arm = run.get("arm", {})
     summary = {
@@ -403,7 +466,8 @@ def analyze_run(run_dir: str | os.PathLike, overrides: dict | None = None) -> di
         "baselines": baselines,
         "in_training": {"alerts": len(in_training),
                         "first_by_rule": {rule: _first(a.step for a in in_training if a.rule == rule) for rule in RULES},
-                        "replay_matches": matches},
+                        "replay_matches": matches, "replay_differs_in": differ},
+        "records_lag_corrected": bool(records and records[0]["lag_corrected"]),
         "switches": run.get("switches", []),
         "monitor_errors": run.get("monitor_errors"),
         "extremes": _extremes(signals, config, blowup),
@@ -594,7 +658,7 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
             continue
         s = read_steps(d)
         blow = blowup_step(s["step"].tolist(), s["loss"].tolist())
-        records = list(read_signals(d))
+        records = load_records(d, s)
         healthy_ref = _healthy_reference({"expect": run.get("arm", {}).get("expect"), "blowup_step": blow,
                                           "switches": run.get("switches")})
         loaded.append((run, blow, records, healthy_ref))

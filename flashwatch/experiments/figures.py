@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .analysis import MECHANISM_RULES, blowup_step, config_for, replay
-from .records import read_run, read_signals, read_steps
+from .analysis import MECHANISM_RULES, blowup_step, config_for, load_records, replay
+from .records import read_run, read_steps
 
 __all__ = ["arm_figure", "figures_for"]
 
@@ -35,7 +35,7 @@ _BASE_MARKERS = {"loss_spike": "tab:gray", "zclip": "tab:cyan", "qk_clip": "tab:
 def _series(run_dir: Path, overrides: dict | None):
     run = read_run(run_dir)
     steps = read_steps(run_dir)
-    records = list(read_signals(run_dir))
+    records = load_records(run_dir, steps)
     cfg = config_for(run, overrides)
     alerts = replay(records, cfg)
     blow = blowup_step(steps["step"].tolist(), steps["loss"].tolist())

@@ -10,9 +10,12 @@ Files of a run folder:
   Per (layer, head): ``e`` (delta error e_t), ``C`` (C_T), ``z`` (drift z), ``zw`` (windowed z),
   ``rm`` / ``rm16`` (repeated-max rows on FP32 / BF16-rounded scores: counts), ``max_logit``,
   ``sigma`` (W^Q spectral norm); per layer ``rows`` (softmax rows measured), ``low_precision``
-  and ``variant``; the step's ``loss``, ``grad_norm``, ``index`` (monitored steps before this
-  one), the ``alerts`` that started there, and ``monitor_error`` (the Monitor failed inside this
-  step: its readings are the previous step's).
+  and ``variant`` (what the layer ran at that step); the step's ``loss``, ``grad_norm``, ``index``
+  (monitored steps before this one), the ``alerts`` that started there, ``monitor_error`` (the
+  Monitor failed inside this step: its readings are the previous step's), and ``aligned``
+  (true: the line holds the readings of the step it names). Lines without ``aligned`` come from
+  the worker before 2026-12: on CUDA each held the readings of the monitored step *before* the
+  one it names and no alerts (``analysis.load_records`` corrects that; ``run.json`` has the alerts).
 
 Exactness. ``e``, ``max_logit``, ``sigma``, ``loss`` and ``grad_norm`` are float32 values (the
 kernels' statistics, the power iteration, the FP32 loss and norm) and are written as the
@@ -168,12 +171,21 @@ class SignalsWriter:
         self.layout = list(layout)
         self.f = open(self.path, "w")
 
-    def write(self, step: int, index: int, monitor, alerts, monitor_error: bool) -> None:
+    def write(self, step: int, index: int, monitor, alerts, monitor_error: bool, variants: list | None = None,
+              low_precision: list | None = None) -> None:
         """Record monitored step ``step`` from ``monitor.snapshot()`` and ``monitor.signals()``.
 
-        ``index``: ``monitor.monitored_steps`` before ``monitor.step()``; ``alerts``: what it returned.
+        Call it once the Monitor has *decided* that step (on CUDA with ``async_transfer``: at the
+        next ``step()``, see ``worker.run``), so the readings are that step's. ``index``:
+        ``monitor.monitored_steps`` before the step was decided; ``alerts``: the alerts its
+        decision returned; ``variants`` / ``low_precision``: what each layer ran at that step
+        (default: what it runs now). The line says ``"aligned": true``.
         """
         snap, sig = monitor.snapshot(), monitor.signals()
+        if variants is None:
+            variants = [layer.variant for layer in monitor.layers]
+        if low_precision is None:
+            low_precision = [layer.low_precision for layer in monitor.layers]
         layout = self.layout
 
         def grid(table: dict, fmt) -> str:
@@ -194,10 +206,10 @@ class SignalsWriter:
             return _grid_text(out)
 
         head = {
-            "step": int(step), "index": int(index),
+            "step": int(step), "index": int(index), "aligned": True,
             "rows": [int(r) for r in rows],
-            "low_precision": [layer.low_precision for layer in monitor.layers],
-            "variant": [layer.variant for layer in monitor.layers],
+            "low_precision": list(low_precision),
+            "variant": list(variants),
             "monitor_error": bool(monitor_error),
             "alerts": [_alert(a) for a in alerts],
         }

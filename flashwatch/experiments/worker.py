@@ -13,7 +13,13 @@ The loop (a plain PyTorch loop, as ../shared/probes/tie_dynamics.py):
 Every step's loss and gradient norm stay on the device and are read in one transfer every
 ``flush_every`` steps (no per-step host sync); the blow-up rule (``analysis.BlowupTracker``)
 runs on them then, so a run stops at most ``flush_every`` steps after its blow-up is confirmed.
-Monitored steps are recorded from the Monitor's public readings right after ``monitor.step``.
+A monitored step is recorded from the Monitor's public readings once the Monitor has decided it:
+right after its own ``monitor.step`` on the CPU, at the next ``monitor.step`` on CUDA (where
+``async_transfer`` decides a monitored step one optimizer step later), with the variants its
+layers ran at that step and the alerts its decision raised; the last one is decided by
+``monitor.flush()`` at the end. (Before 2026-12 the worker recorded right after the monitored
+step's own ``monitor.step``: on CUDA every line held the previous monitored step's readings and
+no alerts; ``analysis.load_records`` corrects such recordings.)
 
 Set-ups done before the Monitor attaches (so it keeps them as "the model's attention"):
 
@@ -39,6 +45,7 @@ import signal
 import sys
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 
 __all__ = ["main", "run"]
@@ -234,6 +241,16 @@ def run(spec: dict) -> int:
         status = "completed"
         t0 = time.monotonic()
 
+        waiting: deque = deque()  # monitored steps not decided yet: (step, variants, low_precision, errors before)
+
+        def record_decided(decided_before: int, alerts) -> None:
+            """Record the monitored steps the last Monitor call decided (0 or 1; in order)."""
+            for index in range(decided_before, monitor.monitored_steps):
+                t, variants, low_precision, errors = waiting.popleft()
+                signals_w.write(t, index, monitor, alerts, monitor.errors != errors, variants, low_precision)
+                if index == 0:
+                    _check_first_monitored_step(monitor)
+
         def flush() -> bool:
             """Write the pending steps; True once the blow-up is confirmed."""
             if not pending:
@@ -260,12 +277,12 @@ def run(spec: dict) -> int:
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["clip"])
             opt.step()
             opt.zero_grad(set_to_none=True)
-            monitored, index, errors = monitor.monitoring, monitor.monitored_steps, monitor.errors
+            if monitor.monitoring:  # what this monitored step runs, recorded once it is decided
+                waiting.append((step, [l.variant for l in monitor.layers], [l.low_precision for l in monitor.layers],
+                                monitor.errors))
+            decided = monitor.monitored_steps
             alerts = monitor.step(loss=loss.detach(), grad_norm=grad_norm)
-            if monitored:
-                signals_w.write(step, index, monitor, alerts, monitor.errors != errors)
-                if index == 0:
-                    _check_first_monitored_step(monitor)
+            record_decided(decided, alerts)
             pending.append((step, loss.detach(), grad_norm.detach(), lr, time.monotonic() - t0))
             last = step == max_steps - 1
             if len(pending) >= flush_every or last:
@@ -278,6 +295,8 @@ def run(spec: dict) -> int:
             if time.monotonic() - t_start > max_seconds:
                 status = "time_limit"
                 break
+        decided = monitor.monitored_steps
+        record_decided(decided, monitor.flush())  # the last monitored step, if still on its way
         if flush() and status != "blown_up":
             status = "blown_up"
         wall = time.monotonic() - t0
