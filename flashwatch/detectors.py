@@ -12,11 +12,15 @@ Rules (``RULES``; the ``rule`` label of ``flashwatch_alerts_total`` and ``flashw
 
 - ``delta_drift`` (critical): |z| of the signed delta error >= ``drift_threshold`` after
   ``warmup`` monitored steps of that head; optionally the windowed |z| too. Judged only for
-  layers whose attention output is low precision (BF16/FP16), unless ``drift_include_fp32``.
+  layers whose backward takes delta from the rounded (BF16/FP16) output: observed SDPA/FA2 and
+  flashwatch's ``plain`` and ``fixed``; not for FP32 attention nor for layers running
+  ``fp32_delta`` (the remedy), unless ``drift_include_fp32``.
 - ``repeated_max_rise`` (warning): the BF16 repeated-max ratio >= ``repeated_max_factor`` x its
   own baseline (mean over ``repeated_max_baseline`` monitored steps after warm-up) and at least
   ``repeated_max_margin`` above it.
-- ``wq_growth`` (warning): sigma_t / sigma_{t-W} >= ``wq_growth_factor``.
+- ``wq_growth`` (warning): sigma_t / sigma_{t-W} >= ``wq_growth_factor``, judged only once the
+  comparison point t-W lies after warm-up (monitored step >= ``warmup + window``), never
+  against the weights at initialisation.
 - ``wq_outlier`` (warning): sigma_h / median over the layer's heads >= ``wq_outlier_ratio``.
 - ``max_logit`` (warning): max logit >= ``max_logit_bound`` (weak evidence alone).
 - ``non_finite`` (critical): NaN/inf in the loss, the gradient norm or a head's statistics.
@@ -99,6 +103,13 @@ class LayerSignals:
     wq_growth: torch.Tensor
     wq_ratio: torch.Tensor
     low_precision: bool = True  # attention output was BF16/FP16 (delta error is meaningful)
+    variant: str | None = None  # what the layer ran at this step: "sdpa" (observed), "plain", "fixed", "fp32_delta"
+
+    @property
+    def delta_from_rounded_output(self) -> bool:
+        """Whether the backward took delta from the rounded (BF16/FP16) output at this step: a
+        low-precision output and not ``fp32_delta`` (which takes delta from the FP32 output)."""
+        return self.low_precision and self.variant != "fp32_delta"
 
 
 @dataclass
@@ -186,15 +197,25 @@ def _where(layer: int, head: int) -> str:
 class DeltaDriftDetector(Detector):
     """``delta_drift``: the signed delta error keeps one sign (|z| >= threshold after warm-up).
 
-    After an auto-fix to ``fp32_delta`` the layer's e_t is 0, so its cumulative z stays where it
-    was and the alert keeps holding: it records that the layer drifted (the windowed z decays,
-    and ``flashwatch_kernel_variant`` shows the fix).
+    Judged only for layers whose backward takes delta from the rounded output
+    (``LayerSignals.delta_from_rounded_output``): the error the rule is about. Not judged:
+
+    - FP32 attention: e_t is rounding noise of the statistics pass.
+    - ``fp32_delta``: delta comes from the FP32 output, so e_t is only the residue of rounding
+      P_bar to BF16 for the P_bar V product (e_t compares with delta_hp = rowsum(P * dP) of the
+      exact softmax). That residue can keep one sign too (|z| 5.8 and 8.8 in the healthy
+      fp32_delta runs of docs/EXPERIMENTS.md), but those runs trained fine, and fp32_delta is
+      what ``auto_fix`` switches a flagged layer to: an alert on the remedy is not actionable.
+
+    A layer switched to ``fp32_delta`` keeps the alert it had (it records that the layer
+    drifted; ``flashwatch_kernel_variant`` shows the fix); its drift z is still computed and
+    exported. ``include_fp32`` judges every layer.
 
     Args:
         threshold: on |z| (cumulative).
         window_threshold: on the windowed |z|, or None to judge the cumulative z only.
         warmup: finite e_t a head must have had before it can fire.
-        include_fp32: judge layers whose attention output is FP32 too.
+        include_fp32: judge FP32-attention and ``fp32_delta`` layers too.
     """
 
     rule = "delta_drift"
@@ -211,7 +232,7 @@ class DeltaDriftDetector(Detector):
         hold = _hold_threshold(self.threshold, self.clear_ratio)
         whold = None if self.window_threshold is None else _hold_threshold(self.window_threshold, self.clear_ratio)
         for ls in signals.layers:
-            if not ls.seen or not (ls.low_precision or self.include_fp32):
+            if not ls.seen or not (ls.delta_from_rounded_output or self.include_fp32):
                 continue
             z, zw = ls.drift_z.tolist(), ls.drift_window_z.tolist()
             cum, count = ls.delta_cumulative.tolist(), ls.drift_count.tolist()
@@ -335,9 +356,24 @@ class _PerHeadAbove(Detector):
 
 
 class WqGrowthDetector(_PerHeadAbove):
-    """``wq_growth``: a head's W^Q spectral norm grew by ``threshold`` x over the window."""
+    """``wq_growth``: a head's W^Q spectral norm grew by ``threshold`` x over the window.
+
+    Growth is sigma_t / sigma_(t - window). It is judged only once the comparison point t - window
+    lies after warm-up (monitored step index >= ``warmup + window``): W^Q grows fastest from its
+    initialisation (x2.4-5.8 over the first 500 steps of every healthy run recorded), which says
+    nothing about a failure.
+
+    Args:
+        threshold: growth factor over the window.
+        warmup: monitored steps before the comparison point may lie.
+        window: monitored steps between sigma_t and the sigma it is compared with.
+    """
 
     rule = "wq_growth"
+
+    def __init__(self, threshold: float, warmup: int = 0, window: int = 50, clear_ratio: float = 0.9):
+        super().__init__(threshold, warmup + window, clear_ratio)
+        self.window = window
 
     def _values(self, ls):
         return ls.wq_growth
@@ -479,7 +515,7 @@ def build_detectors(config: Any) -> list[Detector]:
         DeltaDriftDetector(c.drift_threshold, c.drift_window_threshold, c.warmup, c.drift_include_fp32, c.clear_ratio),
         RepeatedMaxRiseDetector(c.repeated_max_factor, c.repeated_max_margin, c.warmup, c.repeated_max_baseline,
                                 c.clear_ratio),
-        WqGrowthDetector(c.wq_growth_factor, c.warmup, c.clear_ratio),
+        WqGrowthDetector(c.wq_growth_factor, c.warmup, c.window, c.clear_ratio),
         WqOutlierDetector(c.wq_outlier_ratio, c.warmup, c.clear_ratio),
         MaxLogitDetector(c.max_logit_bound, 0, c.clear_ratio),
         NonFiniteDetector(c.clear_ratio),

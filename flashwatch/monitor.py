@@ -78,6 +78,7 @@ class _Pending:
     host: torch.Tensor  # the packed values, on the host (being filled when event is set)
     event: Any  # torch.cuda.Event marking the end of the copy, or None when host is already filled
     finish: Any  # host tensor -> (stats, sigma, loss, grad_norm, loss_given, grad_norm_given) | None
+    variants: list | None = None  # what each layer ran at this step (the detectors judge delta drift by it)
 
 
 class TrainingStopped(RuntimeError):
@@ -383,6 +384,7 @@ class Monitor:
         _check_scalar("loss", loss)
         _check_scalar("grad_norm", grad_norm)
         t = self.global_step
+        ran = [layer.variant for layer in self.layers]  # what step t ran, before a decision below switches one
         new = self._drain()  # an earlier monitored step whose values were still on their way (CUDA)
         if self._monitoring:
             pending = None
@@ -394,6 +396,7 @@ class Monitor:
             finally:
                 self._reset_stats()
             if pending is not None:
+                pending.variants = ran
                 if pending.event is None:
                     new.extend(self._decide_safely(pending))
                 else:
@@ -547,10 +550,11 @@ class Monitor:
 
         layer_signals = []
         offset = 0
-        for layer, state, h in zip(self.layers, self._states, heads):
+        ran = pending.variants or [layer.variant for layer in self.layers]
+        for layer, state, h, variant in zip(self.layers, self._states, heads, ran):
             cols = slice(offset, offset + h)
             offset += h
-            layer_signals.append(self._layer_signals(t, layer, state, stats[:, cols], sigma_all[cols]))
+            layer_signals.append(self._layer_signals(t, layer, state, stats[:, cols], sigma_all[cols], variant))
         signals = StepSignals(step=t, index=self.monitored_steps, loss=loss_v, grad_norm=gn_v, layers=layer_signals,
                               loss_given=loss_given, grad_norm_given=gn_given)
         judged = signals
@@ -637,7 +641,7 @@ class Monitor:
         return [out[layer.index] for layer in self.layers]
 
     def _layer_signals(self, t: int, layer: AttentionLayer, state: _LayerState, stats: torch.Tensor,
-                       sigma: torch.Tensor) -> LayerSignals:
+                       sigma: torch.Tensor, variant: str | None = None) -> LayerSignals:
         f = {name: stats[i] for i, name in enumerate(_STAT_FIELDS)}  # each (H,) float64, host
         rows = f["rows"]
         seen = bool(rows.sum() > 0)
@@ -663,6 +667,7 @@ class Monitor:
             drift_count=state.drift.count.clone(), wq_sigma=sigma.clone(), wq_growth=state.sigma.growth,
             wq_ratio=ratio_to_median(sigma),
             low_precision=True if layer.low_precision is None else layer.low_precision,
+            variant=layer.variant if variant is None else variant,
         )
 
     def _host_record(self, s: StepSignals) -> dict:

@@ -22,14 +22,14 @@ def _t(values, default=0.0):
 
 
 def layer(index=0, *, seen=True, ratio_bf16=None, max_logit=None, e=None, cum=None, z=None, zw=None, count=None,
-          sigma=None, growth=None, wq_ratio=None, low_precision=True):
+          sigma=None, growth=None, wq_ratio=None, low_precision=True, variant=None):
     return LayerSignals(
         layer=index, seen=seen, rows=_t(None, 100.0), repeated_max_ratio=_t(None, 0.01),
         repeated_max_ratio_bf16=_t(ratio_bf16, 0.02), max_logit=_t(max_logit, 5.0), delta_error=_t(e),
         delta_cumulative=_t(cum), drift_z=_t(z), drift_window_z=_t(zw),
         drift_count=torch.tensor(count if count is not None else [100] * H, dtype=torch.int64),
         wq_sigma=_t(sigma, 1.0), wq_growth=_t(growth, float("nan")), wq_ratio=_t(wq_ratio, 1.0),
-        low_precision=low_precision)
+        low_precision=low_precision, variant=variant)
 
 
 def step(t, *layers, index=None, loss=None, grad_norm=None):
@@ -77,6 +77,26 @@ def test_delta_drift_windowed_threshold_and_fp32_gate():
     assert d.update(step(1, layer(seen=False, z=[0.0, 0, 0]))) == [] and len(d.active) == 1  # unseen: unchanged
 
 
+def test_delta_drift_judges_only_layers_whose_delta_comes_from_the_rounded_output():
+    """fp32_delta takes delta from the FP32 output: its e_t is the residue of rounding P_bar for
+    P_bar V, which kept one sign in healthy GPU runs (|z| up to 8.8); an alert there would fire
+    on the remedy auto_fix switches to. Observed SDPA, plain and fixed are judged."""
+    for variant in ("sdpa", "plain", "fixed", None):
+        d = DeltaDriftDetector(threshold=4.0, warmup=0)
+        assert len(d.update(step(0, layer(z=[5.0, 0, 0], variant=variant)))) == 1, variant
+    d = DeltaDriftDetector(threshold=4.0, warmup=0)
+    assert d.update(step(0, layer(z=[9.0, -6.0, 0], variant="fp32_delta"))) == []
+    assert layer(variant="fp32_delta").delta_from_rounded_output is False
+    assert layer(variant="plain", low_precision=False).delta_from_rounded_output is False
+    d = DeltaDriftDetector(threshold=4.0, warmup=0, include_fp32=True)  # opt in: judged like the others
+    assert len(d.update(step(0, layer(z=[9.0, 0, 0], variant="fp32_delta")))) == 1
+    # a layer switched to fp32_delta keeps the alert it had (it drifted before the fix), and no new one
+    d = DeltaDriftDetector(threshold=4.0, warmup=0)
+    assert len(d.update(step(0, layer(z=[4.2, 0, 0], variant="sdpa")))) == 1
+    assert d.update(step(1, layer(z=[1.0, 7.0, 0], variant="fp32_delta"))) == []
+    assert [(a.step, a.head) for a in d.active] == [(0, 0)]
+
+
 def test_repeated_max_rise_against_its_own_baseline():
     d = RepeatedMaxRiseDetector(factor=3.0, margin=0.1, warmup=2, baseline_steps=3)
     for t in range(2):  # warm-up: the high early values are not the baseline
@@ -103,10 +123,14 @@ def test_repeated_max_state_round_trip():
 
 
 def test_wq_growth_and_outlier():
-    g = WqGrowthDetector(2.0, warmup=3)
-    assert g.update(step(2, layer(growth=[5.0, 1.0, 1.0]))) == []  # warm-up
-    new = g.update(step(3, layer(growth=[2.5, float("nan"), 1.0])))
+    g = WqGrowthDetector(2.0, warmup=3, window=4)
+    # growth at index t compares with index t - 4: judged only once that lies after warm-up (t >= 7),
+    # never against the weights at initialisation
+    for t in (4, 5, 6):
+        assert g.update(step(t, layer(growth=[5.0, 1.0, 1.0]))) == []
+    new = g.update(step(7, layer(growth=[2.5, float("nan"), 1.0])))
     assert [(a.rule, a.head, a.value) for a in new] == [("wq_growth", 0, 2.5)]
+    assert [d for d in build_detectors(MonitorConfig(warmup=20, window=50)) if d.rule == "wq_growth"][0].warmup == 70
     o = WqOutlierDetector(3.0, warmup=0)
     new = o.update(step(0, layer(wq_ratio=[1.0, 3.5, 0.9]), layer(1, wq_ratio=[1.0, 1.0, 1.0])))
     assert [(a.rule, a.layer, a.head) for a in new] == [("wq_outlier", 0, 1)]

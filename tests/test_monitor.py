@@ -510,6 +510,33 @@ def test_deferred_decisions_equal_immediate_ones_one_step_later(monkeypatch):
     assert later.monitor.monitored_steps == 4 and state["last"]["step"] == 6
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_detectors_see_the_variant_each_monitored_step_ran(monkeypatch, deferred):
+    """delta_drift judges a layer by what it ran at the step (fp32_delta is not judged). On CUDA a
+    monitored step is decided at the next step(), after that step's own training ran: a switch
+    decided there applies from the step after, and the step being decided still ran the old variant."""
+    if deferred:
+        _defer_like_cuda(monkeypatch)
+    from flashwatch.detectors import DeltaDriftDetector
+
+    seen = []
+    real = DeltaDriftDetector.update
+
+    def spy(self, signals):
+        seen.append((signals.step, [ls.variant for ls in signals.layers]))
+        return real(self, signals)
+
+    monkeypatch.setattr(DeltaDriftDetector, "update", spy)
+    cfg = MonitorConfig(interval=1, warmup=0, mode="observe", auto_fix="fp32_delta",
+                        auto_fix_on=frozenset({"max_logit"}), max_logit_bound=-1000.0)
+    run = Run(cfg)
+    run.train(4)
+    run.monitor.flush()
+    assert [s["step"] for s in run.monitor.switches] == [0, 0]  # both layers, decided from step 0
+    switched_from = 2 if deferred else 1  # step 1 ran before the deferred decision of step 0
+    assert seen == [(t, ["sdpa", "sdpa"] if t < switched_from else ["fp32_delta", "fp32_delta"]) for t in range(4)]
+
+
 def test_deferred_stop_on_raises_at_the_next_step_and_close_flushes(monkeypatch):
     _defer_like_cuda(monkeypatch)
     records = []

@@ -250,6 +250,7 @@ def build_signals(records: Iterable[dict], window: int) -> list[StepSignals]:
                 return counts / rows_t
 
             lp = rec["low_precision"][layer]
+            variant = (rec.get("variant") or [None] * len(rec["e"]))[layer]
             layers.append(LayerSignals(
                 layer=layer, seen=seen, rows=rows_t,
                 repeated_max_ratio=ratio("rm"), repeated_max_ratio_bf16=ratio("rm16"),
@@ -257,7 +258,7 @@ def build_signals(records: Iterable[dict], window: int) -> list[StepSignals]:
                 delta_error=e if seen else nan.clone(),
                 delta_cumulative=tracker.cumulative.clone(), drift_z=tracker.z, drift_window_z=tracker.window_z,
                 drift_count=tracker.count.clone(), wq_sigma=sigma.clone(), wq_growth=hist.growth,
-                wq_ratio=ratio_to_median(sigma), low_precision=True if lp is None else bool(lp)))
+                wq_ratio=ratio_to_median(sigma), low_precision=True if lp is None else bool(lp), variant=variant))
         out.append(StepSignals(step=int(rec["step"]), index=int(rec["index"]), loss=float(rec["loss"]),
                                grad_norm=float(rec["grad_norm"]), layers=layers, loss_given=True,
                                grad_norm_given=True))
@@ -333,10 +334,13 @@ def _first_of(table: dict, rules: Sequence[str]) -> dict:
 def _extremes(signals: list[StepSignals], config: MonitorConfig, upto: int | None) -> dict:
     """Largest value of each rule's statistic over a run (before ``upto`` if given), for calibration.
 
-    Per rule, as the detector judges it: |drift z| and |windowed z| of low-precision layers once
-    a head has ``warmup`` finite e_t; the BF16 repeated-max ratio over its rule threshold
-    max(factor x baseline, baseline + margin); W^Q growth and ratio to the layer median after
-    ``warmup`` monitored steps; max logit. Each with the step where it was reached.
+    Per rule, as the detector judges it: |drift z| and |windowed z| of layers whose delta comes
+    from the rounded output once a head has ``warmup`` finite e_t (``drift_abs_z_fp32_delta``:
+    the same for layers running fp32_delta, which the rule does not judge); the BF16
+    repeated-max ratio over its rule threshold max(factor x baseline, baseline + margin) and its
+    rise over the baseline; W^Q growth once its comparison point lies after warm-up; the ratio
+    to the layer median after ``warmup`` monitored steps; max logit. Each with the step where it
+    was reached.
     """
     out: dict[str, Any] = {}
 
@@ -353,11 +357,12 @@ def _extremes(signals: list[StepSignals], config: MonitorConfig, upto: int | Non
         for ls in s.layers:
             if not ls.seen:
                 continue
-            if ls.low_precision:
-                ready = ls.drift_count >= warm
-                if bool(ready.any()):
-                    keep("drift_abs_z", float(ls.drift_z.abs()[ready].max()), s.step)
-                    keep("drift_window_abs_z", float(ls.drift_window_z.abs()[ready].max()), s.step)
+            ready = ls.drift_count >= warm
+            if ls.delta_from_rounded_output and bool(ready.any()):
+                keep("drift_abs_z", float(ls.drift_z.abs()[ready].max()), s.step)
+                keep("drift_window_abs_z", float(ls.drift_window_z.abs()[ready].max()), s.step)
+            elif ls.low_precision and ls.variant == "fp32_delta" and bool(ready.any()):  # not judged: reported
+                keep("drift_abs_z_fp32_delta", float(ls.drift_z.abs()[ready].max()), s.step)
             n = seen_n.get(ls.layer, 0)
             r = ls.repeated_max_ratio_bf16
             if warm <= n < warm + nb:
@@ -371,8 +376,9 @@ def _extremes(signals: list[StepSignals], config: MonitorConfig, upto: int | Non
             keep("rm16_ratio", float(torch.nan_to_num(r, nan=0.0).max()), s.step)
             keep("rm32_ratio", float(torch.nan_to_num(ls.repeated_max_ratio, nan=0.0).max()), s.step)
             keep("max_logit", float(torch.nan_to_num(ls.max_logit, nan=-math.inf).max()), s.step)
-            if s.index >= warm:
+            if s.index >= warm + config.window:  # as the rule: the comparison point after warm-up
                 keep("wq_growth", float(torch.nan_to_num(ls.wq_growth, nan=0.0).max()), s.step)
+            if s.index >= warm:
                 keep("wq_ratio", float(torch.nan_to_num(ls.wq_ratio, nan=0.0).max()), s.step)
     return {k: {"max": v, "step": st} for k, (v, st) in out.items()}
 
