@@ -54,6 +54,8 @@ THRESHOLDS = {
     "warmup_steps": _CFG.warmup * _CFG.interval,
     # the repeated-max baseline is complete after warmup + repeated_max_baseline monitored steps
     "baseline_steps": (_CFG.warmup + _CFG.repeated_max_baseline) * _CFG.interval,
+    # W^Q growth is judged once its comparison point (window monitored steps back) is past warm-up
+    "wq_growth_steps": (_CFG.warmup + _CFG.window) * _CFG.interval,
 }
 WINDOWS = {
     "baseline": "6h",    # repeated-max baseline: the lowest ratio in this window
@@ -96,15 +98,18 @@ def alert_rules() -> list[Rule]:
     wq = "flashwatch_wq_spectral_norm"
     wq_median = f"on(job, instance, layer) group_left quantile by (job, instance, layer) (0.5, {wq})"
     loss_mean = f"avg_over_time(flashwatch_loss[{w['loss_mean']}])"
+    # delta_drift does not judge layers running fp32_delta (their delta comes from the FP32 output)
+    fp32_delta = 'on(job, instance, layer) flashwatch_kernel_variant{variant="fp32_delta"} == 1'
     rules = [
         Rule("delta_drift",
-             _after_warmup(f"abs(flashwatch_delta_drift_z) >= {_g(t['drift_z'])}"),
+             _after_warmup(f"abs(flashwatch_delta_drift_z) >= {_g(t['drift_z'])} unless {fp32_delta}"),
              ("abs(flashwatch_delta_drift_z)", "flashwatch_step"), "2m",
              "delta error of layer {{ $labels.layer }} head {{ $labels.head }} keeps one sign "
              "(drift z {{ $value | printf \"%.2f\" }})",
              "The signed delta error sum_rows(delta_used - delta_hp) of this head has drifted "
              f"|z| >= {_g(t['drift_z'])} standard deviations from zero: BF16 rounding of the attention "
-             "output biases W^Q's gradient (Qiu & Yao). Remedy: the fp32_delta kernel variant."),
+             "output biases W^Q's gradient (Qiu & Yao). Remedy: the fp32_delta kernel variant (layers "
+             "already running it are not judged)."),
         Rule("repeated_max_rise",
              _after_warmup(f"{rm} >= {_g(t['repeated_max_factor'])} * {rm_base} and {rm} >= "
                            f"{_g(t['repeated_max_margin'])} + {rm_base}", "baseline_steps"),
@@ -116,12 +121,14 @@ def alert_rules() -> list[Rule]:
              f"value over {w['baseline']}; the detector uses its mean over the first monitored steps "
              "after warm-up)."),
         Rule("wq_growth",
-             _after_warmup(f"{wq} / min_over_time({wq}[{w['wq_growth']}]) >= {_g(t['wq_growth_factor'])}"),
+             _after_warmup(f"{wq} / min_over_time({wq}[{w['wq_growth']}]) >= {_g(t['wq_growth_factor'])}",
+                           "wq_growth_steps"),
              (f"{wq} / min_over_time({wq}[{w['wq_growth']}])",), "2m",
              "W^Q spectral norm of layer {{ $labels.layer }} head {{ $labels.head }} grew "
              "x{{ $value | printf \"%.2f\" }}",
              f"sigma_max(W^Q_h) is >= {_g(t['wq_growth_factor'])}x its lowest value over "
-             f"{w['wq_growth']} (the detector compares with the value `window` monitored steps ago)."),
+             f"{w['wq_growth']} (the detector compares with the value `window` monitored steps ago, once "
+             "that lies after warm-up: never with the weights at initialisation)."),
         Rule("wq_outlier",
              _after_warmup(f"{wq} / {wq_median} >= {_g(t['wq_outlier_ratio'])}"),
              (f"{wq} / {wq_median}",), "2m",
@@ -133,8 +140,9 @@ def alert_rules() -> list[Rule]:
              f"flashwatch_max_logit >= {_g(t['max_logit_bound'])}",
              ("flashwatch_max_logit",), "2m",
              "max logit of layer {{ $labels.layer }} head {{ $labels.head }} is {{ $value | printf \"%.4g\" }}",
-             f"The largest scaled attention score reached {_g(t['max_logit_bound'])} (QK-Clip's tau). "
-             "Weak evidence alone: read it with the drift and repeated-max alerts."),
+             f"The largest scaled attention score reached {_g(t['max_logit_bound'])} (QK-Clip's tau is 100, "
+             "which healthy runs pass: see flashwatch/config.py). Weak evidence alone: read it with the drift "
+             "and repeated-max alerts."),
         Rule("non_finite",
              "flashwatch_loss != flashwatch_loss or abs(flashwatch_loss) == Inf"
              " or abs(flashwatch_grad_norm) == Inf or abs(flashwatch_delta_error) == Inf"

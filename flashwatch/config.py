@@ -5,22 +5,42 @@ and raises ``ValueError`` naming it (``MonitorConfig.interval must be ...``) and
 accepted. Counts of "steps" in detector settings are *monitored* steps (one every ``interval``
 optimizer steps), so ``warmup=20`` with ``interval=10`` is 200 optimizer steps.
 
-Starting thresholds and where they come from (../shared/NUMERICS.md section 6, a byte-level GPT
-that fails in BF16 in 3,400-4,300 steps, probed every 25 steps; to be recalibrated by the
-project's own experiments, hence all are fields):
+Default thresholds and their evidence: calibrated on every valid recording of the project's
+experiments (docs/EXPERIMENTS.md, ``results/calibration*.json``; rebuilt by ``bash
+results/analyze.sh``): the real BF16 failure on 2x H200 (a byte-level GPT, 6 layers x 6 heads,
+lr 3e-3; 2 seeds per arm: 6 runs that blew up at steps 2,514-3,770, 4 healthy references: 2 FP32
+controls cut at ~2,280 steps, 2 fp32_delta runs to 5,000), the paper's all-BF16 kernel (2 runs,
+blown up at 872 and 886), and the CPU injection scenario (INJECTED fault; 5 healthy, 5 blown up at
+559-1,820). "Healthy max" is the largest value on healthy references, "failing min" the smallest,
+over blown-up runs, of the largest value before the blow-up. Two seeds per GPU arm: margins, not
+proofs.
 
-- ``drift_threshold=4``: failing runs reached |z| >= 4 some 1,400-1,800 steps before the loss
-  blew up; the one healthy BF16 run stayed at |z| <= 2.7, FP32 runs below 2.2.
-- ``repeated_max_factor=3`` and ``repeated_max_margin=0.1``: the BF16 repeated-max ratio went
-  0.02 -> 0.10-0.40 in failing runs but also 0.02 -> 0.09 in a healthy FP32 run, so a relative
-  rise alone would fire on healthy runs; the absolute margin of 0.1 keeps that one quiet.
-- ``wq_growth_factor=2`` over ``window=50`` monitored steps: W^Q's norm grows in healthy runs
-  too (1.3 -> 17.6 over 5,200 steps, about x1.3 per 500 steps); a doubling within a window is
-  faster than that.
-- ``wq_outlier_ratio=3``: Qiu & Yao found a few heads of the failing layer with outsized norms.
-- ``max_logit_bound=100``: QK-Clip's tau. A large max logit alone is weak evidence (runs with
-  10^4 trained fine), so this rule only warns.
-- ``loss_spike_rtol=2``: as Lightning's ``SpikeDetection``, for comparison.
+- ``drift_threshold=4.5`` (was 4): failing runs reached |z| 6.1-9.2 on the GPU (min 6.06) and
+  4.0-5.9 on the CPU; |z| >= 4.5 came 1,474-2,300 steps before every real-failure blow-up (232
+  and 316 before the paper kernel's). Healthy: 3.96 (CPU), and 4.00-4.01 on the SDPA layers of
+  the GPU auto_fix runs, which trained fine to step 5,000. 4 had no margin (3.96 against 4.00);
+  under a simulated coin-toss null the largest |z| of 36 heads x 500 monitored steps passes 4 in
+  3.6 % of runs and 4.5 in 0.3 % (144 heads x 1,000 steps: 15 % and 1.7 %). The windowed z separated no
+  better (off). Judged only for layers whose delta comes from the rounded output: the
+  fp32_delta runs' residue reached |z| 5.8 and 8.8 while they trained fine (detectors.py).
+- ``repeated_max_factor=3`` and ``repeated_max_margin=0.3`` (was 0.1): the rise of a head's BF16
+  repeated-max ratio over its baseline reached 0.184 in the FP32 control (still climbing, ~0.01
+  per 100 steps, when it was cut at ~2,280 steps: a longer control could pass 0.3 near step
+  3,400) and 0.12 in the fp32_delta runs; failing runs reached 0.73-0.92 (GPU) and 0.41-0.68
+  (CPU). With 0.1 all four GPU healthy runs alerted. The margin binds; the factor does not.
+- ``wq_growth_factor=3`` (was 2), judged only once its comparison point lies after warm-up
+  (detectors.py): compared with the initial weights, every healthy run grew x2.4-5.8 by step
+  500. After warm-up healthy runs grew at most x2.68 (FP32 control, step 700); failing ones
+  x3.4-9.9 on the GPU, mostly in the last 100-500 steps before the blow-up, and x2.7-5.1 on the
+  CPU: a weak, late warning with little margin.
+- ``wq_outlier_ratio=3``: no signal here (healthy up to 2.2, failing 1.3-4.4); unchanged.
+- ``max_logit_bound=1000`` (was 100, QK-Clip's tau): every run, healthy ones included, passes
+  100 within ~300 steps (healthy max 227 here, 270 in NUMERICS.md's healthy FP32-attention run;
+  another healthy BF16 run there kept 10^4). 1000 stayed quiet on every healthy run and was
+  passed 2-431 steps before every GPU blow-up (219-750 on the CPU): it says a failure is under
+  way, not that one is coming.
+- ``warmup=20``, ``window=50``, ``loss_spike_rtol=2`` (as Lightning's ``SpikeDetection``, for
+  comparison): unchanged.
 """
 
 from __future__ import annotations
@@ -64,15 +84,15 @@ class MonitorConfig:
     # --- detectors (counts are monitored steps) --------------------------------------------
     warmup: int = 20  # monitored steps before drift, repeated-max and W^Q rules may fire
     window: int = 50  # W: monitored steps of the windowed drift z and of W^Q growth
-    drift_threshold: float = 4.0  # delta_drift fires when |z| (cumulative) >= this
+    drift_threshold: float = 4.5  # delta_drift fires when |z| (cumulative) >= this
     drift_window_threshold: float | None = None  # also fire when the windowed |z| >= this (None: off)
-    drift_include_fp32: bool = False  # also judge drift of layers whose attention output is FP32 (only rounding noise there)
+    drift_include_fp32: bool = False  # also judge drift of layers whose delta is not taken from a rounded output: FP32 attention (rounding noise) and the fp32_delta variant (a residue; the remedy)
     repeated_max_factor: float = 3.0  # repeated_max_rise: BF16 ratio >= factor * its baseline ...
-    repeated_max_margin: float = 0.1  # ... and >= baseline + margin (absolute, a fraction of rows)
+    repeated_max_margin: float = 0.3  # ... and >= baseline + margin (absolute, a fraction of rows)
     repeated_max_baseline: int = 20  # monitored steps after warm-up averaged into each head's baseline
-    wq_growth_factor: float = 2.0  # wq_growth fires when sigma_t / sigma_(t-window) >= this
+    wq_growth_factor: float = 3.0  # wq_growth fires when sigma_t / sigma_(t-window) >= this, once t-window is past warm-up
     wq_outlier_ratio: float = 3.0  # wq_outlier fires when a head's sigma / its layer's median sigma >= this
-    max_logit_bound: float = 100.0  # max_logit (warning) fires when a head's max logit >= this
+    max_logit_bound: float = 1000.0  # max_logit (warning) fires when a head's max logit >= this
     loss_spike_rtol: float = 2.0  # loss_spike: loss - running mean >= rtol * |running mean| (Lightning's default)
     loss_spike_atol: float | None = None  # ... and >= atol if set
     loss_spike_window: int = 10  # running mean over this many monitored losses

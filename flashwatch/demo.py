@@ -24,13 +24,13 @@ detectors' clocks to the run (``warmup`` = steps/4, ``window`` and ``repeated_ma
 steps/8 monitored steps); thresholds are ``MonitorConfig``'s defaults. A training run of
 thousands of steps would use the defaults (``interval=10``, warm-up 20 monitored steps).
 
-What to expect (this demo, 400 steps, seeds 0-2, on the 2-core development CPU, 2026-11-30):
-without the fault no critical alert fired, the largest |drift z| of any head at any step was
-2.1-2.7 and the max logit stayed below 28; the warning rules ``repeated_max_rise`` and
-``wq_growth`` fired 2-14 times, on the normal changes of early training (their defaults are set
-for runs of thousands of steps, see config.py). With ``--provoke`` ``delta_drift`` (critical)
-fired in every seed (first at steps 166, 99 and 204), the largest |drift z| reached 6.5-7.8, and
-the max logit passed 100 in two seeds of three (67-349).
+What to expect (this demo, 400 steps, seeds 0-2, on the 2-core development CPU, 2026-11-30,
+with the calibrated defaults of config.py): without the fault no alert fired, the largest |drift
+z| of any head at any step was 2.1-2.7 and the max logit stayed below 28. With ``--provoke``
+``delta_drift`` (critical) fired in every seed (first at steps 177, 99 and 221), the largest
+|drift z| reached 6.5-7.8, ``repeated_max_rise`` fired in one seed, and the max logit passed 100
+in two seeds of three (67-349; the ``max_logit`` rule's bound is 1000). (With the defaults
+before the calibration, the warning rules fired 2-14 times on the healthy runs' early training.)
 
 Run folder (default ``runs/demo-<timestamp>/``, ``runs/demo-<timestamp>-INJECTED/`` with
 ``--provoke``): ``metrics.jsonl`` (one JSON line per monitored step), ``alerts.log``,

@@ -32,8 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .config import MonitorConfig
 from .exporters.jsonl import METRICS_FILE, read_jsonl
 from .metrics import BY_NAME
+
+_DEFAULTS = MonitorConfig()
 
 __all__ = ["RunData", "load_run", "render", "to_html", "to_png", "main", "HEATMAPS"]
 
@@ -90,12 +93,12 @@ class RunData:
         return any(f"[{INJECTED}]" in str(a.get("message", "")) for a in self.alerts)
 
     @property
-    def drift_threshold(self) -> float:
-        return float((self.meta.get("monitor_config") or {}).get("drift_threshold", 4.0))
+    def drift_threshold(self) -> float:  # the run's own, else MonitorConfig's default
+        return float((self.meta.get("monitor_config") or {}).get("drift_threshold", _DEFAULTS.drift_threshold))
 
     @property
     def max_logit_bound(self) -> float:
-        return float((self.meta.get("monitor_config") or {}).get("max_logit_bound", 100.0))
+        return float((self.meta.get("monitor_config") or {}).get("max_logit_bound", _DEFAULTS.max_logit_bound))
 
 
 def _metrics_path(path: str | os.PathLike) -> Path:

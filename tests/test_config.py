@@ -13,7 +13,10 @@ from flashwatch.detectors import RULES
 def test_defaults_follow_the_design():
     c = MonitorConfig()
     assert (c.interval, c.mode, c.variant, c.auto_fix, c.beta, c.eps) == (10, "observe", "plain", None, 2.0, 1e-3)
-    assert c.drift_threshold == 4.0 and c.max_logit_bound == 100.0 and c.loss_spike_rtol == 2.0
+    # calibrated on the recorded experiments (docs/EXPERIMENTS.md, config.py's docstring)
+    assert (c.drift_threshold, c.repeated_max_factor, c.repeated_max_margin, c.wq_growth_factor, c.max_logit_bound) \
+        == (4.5, 3.0, 0.3, 3.0, 1000.0)
+    assert c.drift_window_threshold is None and not c.drift_include_fp32 and c.loss_spike_rtol == 2.0
     assert c.stop_on == frozenset() and c.layers is None
 
 

@@ -133,6 +133,18 @@ def test_the_worker_records_each_monitored_step_once_decided_with_what_it_ran(tm
     assert [al for r in recs for al in r["alerts"]] == run["alerts"]
 
 
+def test_figures_per_arm_and_an_overview(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from flashwatch.experiments.figures import figures_for
+
+    runs = [_worker_run(tmp_path, "figs", False, monkeypatch, arm) for arm in ("sdpa_observe", "auto_fix")]
+    paths = figures_for(runs, tmp_path / "figures")
+    assert sorted(p.name for p in paths) == ["real-failure-auto_fix-tiny.png", "real-failure-overview-tiny.png",
+                                             "real-failure-sdpa_observe-tiny.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size < 200_000  # small: a palette PNG
+
+
 def test_load_records_undoes_the_lag_of_old_cuda_recordings(tmp_path, monkeypatch):
     """Recordings of the worker before the fix (GPU runs of 2026-11-30): line k+1 held monitored
     step k's readings under step k+1's name, with the variants of step k+1, no alerts, and a first

@@ -627,18 +627,34 @@ def evaluate_targets(runs: dict[str, dict], min_lead: dict[str, int] | None = No
 
 # (label, MonitorConfig field, values, rules replayed)
 SWEEPS = (
-    ("drift_threshold", "drift_threshold", (2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0), ("delta_drift",)),
-    ("drift_window_threshold", "drift_window_threshold", (3.0, 4.0, 5.0), ("delta_drift",)),
+    ("drift_threshold", "drift_threshold", (3.5, 4.0, 4.5, 5.0, 5.5, 6.0), ("delta_drift",)),
+    ("drift_window_threshold", "drift_window_threshold", (3.5, 4.0, 4.5, 5.0), ("delta_drift",)),
     ("repeated_max_factor", "repeated_max_factor", (2.0, 3.0, 4.0, 6.0), ("repeated_max_rise",)),
-    ("repeated_max_margin", "repeated_max_margin", (0.05, 0.1, 0.2), ("repeated_max_rise",)),
-    ("wq_growth_factor", "wq_growth_factor", (1.5, 2.0, 3.0, 5.0), ("wq_growth",)),
-    # wq_growth compares sigma_t with sigma_(t - window): with warmup >= window + 20 its first
-    # comparison starts after warm-up instead of at initialisation
-    ("warmup (wq_growth only)", "warmup", (20, 50, 70, 100), ("wq_growth",)),
+    ("repeated_max_margin", "repeated_max_margin", (0.1, 0.15, 0.2, 0.25, 0.3, 0.4), ("repeated_max_rise",)),
+    # wq_growth is judged once its comparison point (t - window) lies after warm-up
+    ("wq_growth_factor", "wq_growth_factor", (2.0, 2.5, 3.0, 4.0), ("wq_growth",)),
     ("wq_outlier_ratio", "wq_outlier_ratio", (2.0, 3.0, 4.0), ("wq_outlier",)),
-    ("max_logit_bound", "max_logit_bound", (100.0, 300.0, 1000.0), ("max_logit",)),
-    ("warmup", "warmup", (10, 20, 50, 100), MECHANISM_RULES),
+    ("max_logit_bound", "max_logit_bound", (100.0, 300.0, 500.0, 1000.0, 3000.0), ("max_logit",)),
+    ("warmup", "warmup", (10, 20, 50), MECHANISM_RULES),
 )
+
+
+# the baselines at other thresholds: (label, baselines function, keyword, values)
+BASELINE_SWEEPS = (
+    ("loss_spike rtol", "loss_spike", "rtol", (2.0, 1.0, 0.5, 0.25)),
+    ("zclip z_thresh", "zclip", "z_thresh", (2.5, 4.0, 6.0, 10.0, 20.0)),
+    ("qk_clip tau", "qk_clip", "tau", (100.0, 300.0, 1000.0, 3000.0)),
+)
+
+
+def _baseline_fires(name: str, key: str, value: float, steps: dict, monitored: list, max_logits: list) -> list[int]:
+    from . import baselines as b
+
+    if name == "loss_spike":
+        return b.loss_spike(steps["step"].tolist(), steps["loss"].tolist(), **{key: value})
+    if name == "zclip":
+        return b.zclip(steps["step"].tolist(), steps["grad_norm"].tolist(), **{key: value})
+    return b.qk_clip(monitored, max_logits, **{key: value})
 
 
 def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] | None = None,
@@ -655,9 +671,14 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
       defaults), replayed on every run: blown-up runs alerted before blow-up, median and
       smallest lead, healthy reference runs with an alert. Only the rules the sweep names are
       replayed. ``sweeps``: (label, field, values, rules) tuples (default ``SWEEPS``).
+    - ``baseline_sweeps``: the same for the baselines at other thresholds (``BASELINE_SWEEPS``),
+      so that flashwatch can also be compared with a baseline made as quiet on the healthy runs
+      as flashwatch's defaults are.
+
+    Each sweep row also names, per run, the first alert (``first``: run label -> step or None).
     """
     sweeps = SWEEPS if sweeps is None else sweeps
-    loaded = []
+    loaded, steps_of, labels = [], [], []
     for d in run_dirs:
         run = read_run(d)
         if run.get("status") == "error":
@@ -668,6 +689,8 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
         healthy_ref = _healthy_reference({"expect": run.get("arm", {}).get("expect"), "blowup_step": blow,
                                           "switches": run.get("switches")})
         loaded.append((run, blow, records, healthy_ref))
+        steps_of.append(s)
+        labels.append(f"{run['scenario']}/{run['arm']['name']}/{run['seed']}")
     base = MonitorConfig()
     healthy, failing = {}, {}
     cache: dict[tuple, list] = {}
@@ -700,7 +723,7 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
         rows = []
         for value in values:
             n_blown = n_before = n_healthy = n_fa = 0
-            leads = []
+            leads, firsts = [], {}
             for i, (run, blow, records, healthy_ref) in enumerate(loaded):
                 try:
                     cfg = config_for(run, {field_name: value})
@@ -708,6 +731,7 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
                     continue
                 alerts = replay(signals_of(i, cfg.window), cfg, rules)
                 first = _first(a.step for a in alerts if blow is None or a.step < blow)
+                firsts[labels[i]] = _first(a.step for a in alerts)
                 if blow is not None:
                     n_blown += 1
                     if first is not None:
@@ -719,9 +743,35 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
             rows.append({"value": value, "default": getattr(base, field_name) == value,
                          "blown_up_alerted_before": n_before, "blown_up": n_blown,
                          "median_lead": _median(leads), "min_lead": min(leads) if leads else None,
-                         "healthy_with_alert": n_fa, "healthy": n_healthy})
+                         "healthy_with_alert": n_fa, "healthy": n_healthy, "first": firsts})
         sweep_out[label] = rows
-    return {"runs": len(loaded), "extremes": extremes, "sweeps": sweep_out,
+
+    base_out: dict[str, list] = {}
+    for label, name, key, values in BASELINE_SWEEPS:
+        rows = []
+        for value in values:
+            n_blown = n_before = n_healthy = n_fa = 0
+            leads, firsts = [], {}
+            for i, (run, blow, records, healthy_ref) in enumerate(loaded):
+                recs = [r for r in records if not r.get("monitor_error")]
+                mls = [max((x for row in r["max_logit"] for x in row if math.isfinite(x)), default=math.nan)
+                       for r in recs]
+                fired = _baseline_fires(name, key, value, steps_of[i], [r["step"] for r in recs], mls)
+                firsts[labels[i]] = _first(fired)
+                first = _first(f for f in fired if blow is None or f < blow)
+                if blow is not None:
+                    n_blown += 1
+                    if first is not None:
+                        n_before += 1
+                        leads.append(blow - first)
+                elif healthy_ref:
+                    n_healthy += 1
+                    n_fa += bool(fired)
+            rows.append({"value": value, "blown_up_alerted_before": n_before, "blown_up": n_blown,
+                         "median_lead": _median(leads), "min_lead": min(leads) if leads else None,
+                         "healthy_with_alert": n_fa, "healthy": n_healthy, "first": firsts})
+        base_out[label] = rows
+    return {"runs": len(loaded), "extremes": extremes, "sweeps": sweep_out, "baseline_sweeps": base_out,
             "defaults": {f: getattr(base, f) for _, f, _, _ in sweeps}}
 
 

@@ -399,9 +399,12 @@ def _cmd_analyze(args) -> int:
         print(f"replayed with MonitorConfig overrides {overrides}")
     if not args.json:
         print(format_table(runs))
-    mismatched = [s["key"] for s in summaries if s["in_training"]["replay_matches"] is False and not overrides]
+    mismatched = [f"{s['key']} ({', '.join(s['in_training'].get('replay_differs_in') or [])})" for s in summaries
+                  if s["in_training"]["replay_matches"] is False and not overrides]
     if mismatched:
-        print(f"note: replay with the runs' own configs differs from the in-training alerts for {mismatched}")
+        print(f"note: replayed with their own thresholds, these runs' alerts differ from those raised in training, "
+              f"in the rules named (expected where a rule's logic changed since the run was recorded): "
+              f"{'; '.join(mismatched)}")
     if args.json:
         results = merge_results(Path(args.json), summaries)
         _print_results(results, set(runs))
@@ -429,13 +432,15 @@ def _print_calibration(cal: dict) -> None:
         h, f = v["healthy_max"], v["failing_min_of_max_before_blowup"]
         print(f"  {k:24s} {('%.4g' % h['max']) if h else '-':>12s} "
               f"{('%.4g' % f['min_of_max']) if f else '-':>32s} {('%.3g' % v['margin']) if v['margin'] else '-':>7s}")
-    for field, rows in cal["sweeps"].items():
-        cells = []
-        for r in rows:
-            mark = "*" if r["default"] else ""
-            cells.append(f"{r['value']:g}{mark}: {r['blown_up_alerted_before']}/{r['blown_up']} before"
-                         f" (median lead {r['median_lead']}), {r['healthy_with_alert']}/{r['healthy']} healthy alerted")
-        print(f"  {field}: " + " | ".join(cells))
+    for title, sweeps in (("", cal["sweeps"]), ("baseline ", cal.get("baseline_sweeps", {}))):
+        for field, rows in sweeps.items():
+            cells = []
+            for r in rows:
+                mark = "*" if r.get("default") else ""
+                cells.append(f"{r['value']:g}{mark}: {r['blown_up_alerted_before']}/{r['blown_up']} before"
+                             f" (median lead {r['median_lead']}, min {r['min_lead']}), "
+                             f"{r['healthy_with_alert']}/{r['healthy']} healthy alerted")
+            print(f"  {title}{field}: " + " | ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:

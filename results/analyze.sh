@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Rebuild every results JSON, table, calibration and figure of docs/EXPERIMENTS.md from the
+# recordings kept in results/ (no training, no GPU; ~10 min on 2 CPU cores), from the repository root:
+#
+#   bash results/analyze.sh            # PYTHON=/path/to/python to choose the interpreter
+#
+# Recordings (run folders: steps.csv, signals.jsonl.gz, run.json, worker.log):
+#   results/gpu-2026-11-30/runs-batch1.tgz   GPU batch 1: real-failure sdpa_observe and fp32 (valid),
+#                                            real-numerics paper (valid); its plain, fixed, fp32_delta
+#                                            and auto_fix runs are INVALID (dK/dV layout bug, fixed
+#                                            since) and are not analysed
+#   results/gpu-2026-11-30/runs-batch2.tgz   GPU batch 2: plain, fixed, fp32_delta, auto_fix (after the fix)
+#   results/injection-2026-11-30/runs.tgz    CPU injection scenario: healthy, injected (and the first
+#                                            injected_auto_fix runs, made with the old defaults)
+#   results/injection-2026-11-30/runs-auto_fix-calibrated.tgz
+#                                            CPU injected_auto_fix rerun with the calibrated defaults
+set -eu
+PY=${PYTHON:-python}
+fw() { "$PY" -m flashwatch.cli experiment "$@"; }
+G=runs/gpu-2026-11-30
+I=runs/injection-2026-11-30
+mkdir -p $G/batch1 $G/batch2 $I/original $I/calibrated
+tar xzf results/gpu-2026-11-30/runs-batch1.tgz -C $G/batch1
+tar xzf results/gpu-2026-11-30/runs-batch2.tgz -C $G/batch2
+tar xzf results/injection-2026-11-30/runs.tgz -C $I/original
+tar xzf results/injection-2026-11-30/runs-auto_fix-calibrated.tgz -C $I/calibrated
+
+REAL_FAILURE="$G/batch1/real-failure/sdpa_observe $G/batch1/real-failure/fp32 $G/batch2/real-failure"
+REAL_NUMERICS="$G/batch1/real-numerics"
+INJECTION="$I/original/injection/healthy $I/original/injection/injected $I/calibrated/injection/injected_auto_fix"
+
+rm -f results/real-failure.json results/early-warning-gpu.json results/early-warning.json
+fw analyze $REAL_FAILURE --json results/real-failure.json --markdown results/real-failure-table.md \
+   --figures docs/figures
+fw analyze $REAL_NUMERICS --json results/early-warning-gpu.json --markdown results/early-warning-gpu-table.md \
+   --figures docs/figures
+fw analyze $INJECTION --json results/early-warning.json --markdown results/early-warning-table.md \
+   --figures docs/figures
+# the default thresholds' evidence (margins, sweeps, baselines at other thresholds): the GPU
+# recordings, the CPU ones, and all of them together
+fw analyze $REAL_FAILURE $REAL_NUMERICS --calibrate results/calibration-gpu.json > results/calibration-gpu.txt
+fw analyze $INJECTION --calibrate results/calibration-injection.json > results/calibration-injection.txt
+fw analyze $REAL_FAILURE $REAL_NUMERICS $INJECTION --calibrate results/calibration.json > results/calibration.txt
