@@ -221,7 +221,7 @@ class DeltaDriftDetector(Detector):
     rule = "delta_drift"
     severity = "critical"
 
-    def __init__(self, threshold: float = 4.0, window_threshold: float | None = None, warmup: int = 20,
+    def __init__(self, threshold: float = 4.5, window_threshold: float | None = None, warmup: int = 20,
                  include_fp32: bool = False, clear_ratio: float = 0.9):
         super().__init__(clear_ratio)
         self.threshold, self.window_threshold = threshold, window_threshold
@@ -270,7 +270,7 @@ class RepeatedMaxRiseDetector(Detector):
 
     rule = "repeated_max_rise"
 
-    def __init__(self, factor: float = 3.0, margin: float = 0.1, warmup: int = 20, baseline_steps: int = 20,
+    def __init__(self, factor: float = 3.0, margin: float = 0.3, warmup: int = 20, baseline_steps: int = 20,
                  clear_ratio: float = 0.9):
         super().__init__(clear_ratio)
         self.factor, self.margin, self.warmup, self.baseline_steps = factor, margin, warmup, baseline_steps

@@ -34,8 +34,11 @@ from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
 
+from ..config import MonitorConfig
 from .base import Exporter, Layout, StepRecord, alert_to_dict
 from .summary import top_heads, variant_counts
+
+_DRIFT_THRESHOLD = MonitorConfig().drift_threshold  # |drift z| shown in red from here (the rule's default)
 
 log = logging.getLogger("flashwatch")
 alert_log = logging.getLogger("flashwatch.alerts")
@@ -180,7 +183,7 @@ class ConsoleExporter(Exporter):
             heads.add_column(col, justify="right")
         for layer, head, z in top_heads(s, "flashwatch_delta_drift_z", self.top, abs):
             key = (layer, head)
-            style = "bold red" if abs(z) >= 4 or z != z else None
+            style = "bold red" if abs(z) >= _DRIFT_THRESHOLD or z != z else None
             heads.add_row(str(layer), str(head), _f(z, "+.2f"),
                           _f(s.get("flashwatch_repeated_max_ratio", {}).get(key), ".2%"),
                           _f(s.get("flashwatch_repeated_max_ratio_bf16", {}).get(key), ".2%"),
