@@ -187,6 +187,7 @@ def test_every_dashboard_and_rule_expression_returns_data(tmp_path):
         print(f"dashboard expressions judged by the part before their comparison: {judged_by_inner}")
     finally:
         monitor.close()
+        monitor.detach()  # give torch's SDPA back: later tests check it is restored
         exporter.close()
         if proc is not None:
             proc.terminate()

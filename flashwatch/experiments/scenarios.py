@@ -14,8 +14,8 @@ Scenarios (``SCENARIOS``):
   rounding, so O and delta carry a one-sided error where the paper's error enters. Arms:
   ``healthy`` (no fault), ``injected``, ``injected_auto_fix`` (the Monitor switches a flagged
   layer to ``fixed``, which keeps every P_bar below 1 and so disarms the fault; ``fp32_delta``
-  does not disarm it, see the arm's note). Everything shown from this scenario is labelled
-  INJECTED.
+  disarms it too: its backward takes delta from the FP32 output before the injection). Everything
+  shown from this scenario is labelled INJECTED.
 - ``real-numerics`` (issue 7, CUDA): the probe's model with the paper's all-BF16 attention
   (``kernels/paper.py``, installed as an SDPA shim and observed), and flashwatch's ``plain``
   kernel at an aggressive learning rate, with an FP32 control at that rate.
@@ -185,14 +185,14 @@ INJECTION = Scenario(
             precision="bf16_attention", monitor=_own(), inject=INJECT_STRENGTH, device="cpu"),
         Arm("injected_auto_fix", "INJECTED fault; auto_fix switches a flagged layer to 'fixed'", "rescued",
             precision="bf16_attention", monitor=_own(auto_fix="fixed"), inject=INJECT_STRENGTH, device="cpu",
-            note="auto_fix='fixed' because 'fixed' keeps every P_bar below 1, which disarms the injected fault; "
-                 "under 'fp32_delta' the injected inflation is in the FP32 output too (the kernel inflates O_fp32 "
-                 "before it keeps the residual), so delta still carries it"),
+            note="auto_fix='fixed' because 'fixed' keeps every P_bar below 1, which disarms the injected fault "
+                 "in the forward too; 'fp32_delta' removes it from delta only (injected_fp32_delta)"),
         Arm("injected_fixed", "INJECTED fault, 'fixed' kernel from the start (disarms it)", "healthy",
             precision="bf16_attention", monitor=_own("fixed"), inject=INJECT_STRENGTH, device="cpu"),
-        Arm("injected_fp32_delta", "INJECTED fault, 'fp32_delta' kernel from the start", "failure",
+        Arm("injected_fp32_delta", "INJECTED fault, 'fp32_delta' kernel from the start", "healthy",
             precision="bf16_attention", monitor=_own("fp32_delta"), inject=INJECT_STRENGTH, device="cpu",
-            note="shows that fp32_delta does not remove this injected fault (see injected_auto_fix)"),
+            note="the forward output keeps the injected push; the backward's delta, taken from the FP32 output "
+                 "before the injection, does not: 3/3 seeds healthy on 2026-11-30 (docs/EXPERIMENTS.md)"),
     ),
     default_arms=("healthy", "injected", "injected_auto_fix"),
 )
