@@ -290,6 +290,28 @@ def run_key(scenario: str, arm: str, seed: int) -> str:
     return f"{scenario}/{arm}/{seed}"
 
 
+def _sweep_tally(outcomes) -> dict:
+    """One calibration row: ``outcomes`` yields (run label, blow-up step or None, healthy
+    reference?, steps at which the rule fired); counts alerts before blow-up, lead times and
+    false alarms on healthy references."""
+    n_blown = n_before = n_healthy = n_fa = 0
+    leads, firsts = [], {}
+    for label, blow, healthy_ref, fired in outcomes:
+        firsts[label] = _first(fired)
+        first = _first(f for f in fired if blow is None or f < blow)
+        if blow is not None:
+            n_blown += 1
+            if first is not None:
+                n_before += 1
+                leads.append(blow - first)
+        elif healthy_ref:
+            n_healthy += 1
+            n_fa += bool(fired)
+    return {"blown_up_alerted_before": n_before, "blown_up": n_blown, "median_lead": _median(leads),
+            "min_lead": min(leads) if leads else None, "healthy_with_alert": n_fa, "healthy": n_healthy,
+            "first": firsts}
+
+
 def _first(steps: Iterable[int]) -> int | None:
     steps = list(steps)
     return min(steps) if steps else None
@@ -718,59 +740,31 @@ def calibrate(run_dirs: Sequence[str | os.PathLike], summaries: dict[str, dict] 
         margin = (f["min_of_max"] / h["max"]) if h and f and h["max"] > 0 else None
         extremes[k] = {"healthy_max": h, "failing_min_of_max_before_blowup": f, "margin": margin}
 
+    def detector_outcomes(field_name, value, rules):
+        for i, (run, blow, records, healthy_ref) in enumerate(loaded):
+            try:
+                cfg = config_for(run, {field_name: value})
+            except ValueError:
+                continue
+            alerts = replay(signals_of(i, cfg.window), cfg, rules)
+            yield labels[i], blow, healthy_ref, [a.step for a in alerts]
+
+    def baseline_outcomes(name, key, value):
+        for i, (run, blow, records, healthy_ref) in enumerate(loaded):
+            recs = [r for r in records if not r.get("monitor_error")]
+            mls = [max((x for row in r["max_logit"] for x in row if math.isfinite(x)), default=math.nan)
+                   for r in recs]
+            yield labels[i], blow, healthy_ref, _baseline_fires(name, key, value, steps_of[i],
+                                                                 [r["step"] for r in recs], mls)
+
     sweep_out: dict[str, list] = {}
     for label, field_name, values, rules in sweeps:
-        rows = []
-        for value in values:
-            n_blown = n_before = n_healthy = n_fa = 0
-            leads, firsts = [], {}
-            for i, (run, blow, records, healthy_ref) in enumerate(loaded):
-                try:
-                    cfg = config_for(run, {field_name: value})
-                except ValueError:
-                    continue
-                alerts = replay(signals_of(i, cfg.window), cfg, rules)
-                first = _first(a.step for a in alerts if blow is None or a.step < blow)
-                firsts[labels[i]] = _first(a.step for a in alerts)
-                if blow is not None:
-                    n_blown += 1
-                    if first is not None:
-                        n_before += 1
-                        leads.append(blow - first)
-                elif healthy_ref:
-                    n_healthy += 1
-                    n_fa += bool(alerts)
-            rows.append({"value": value, "default": getattr(base, field_name) == value,
-                         "blown_up_alerted_before": n_before, "blown_up": n_blown,
-                         "median_lead": _median(leads), "min_lead": min(leads) if leads else None,
-                         "healthy_with_alert": n_fa, "healthy": n_healthy, "first": firsts})
-        sweep_out[label] = rows
+        sweep_out[label] = [{"value": value, "default": getattr(base, field_name) == value,
+                             **_sweep_tally(detector_outcomes(field_name, value, rules))} for value in values]
 
     base_out: dict[str, list] = {}
     for label, name, key, values in BASELINE_SWEEPS:
-        rows = []
-        for value in values:
-            n_blown = n_before = n_healthy = n_fa = 0
-            leads, firsts = [], {}
-            for i, (run, blow, records, healthy_ref) in enumerate(loaded):
-                recs = [r for r in records if not r.get("monitor_error")]
-                mls = [max((x for row in r["max_logit"] for x in row if math.isfinite(x)), default=math.nan)
-                       for r in recs]
-                fired = _baseline_fires(name, key, value, steps_of[i], [r["step"] for r in recs], mls)
-                firsts[labels[i]] = _first(fired)
-                first = _first(f for f in fired if blow is None or f < blow)
-                if blow is not None:
-                    n_blown += 1
-                    if first is not None:
-                        n_before += 1
-                        leads.append(blow - first)
-                elif healthy_ref:
-                    n_healthy += 1
-                    n_fa += bool(fired)
-            rows.append({"value": value, "blown_up_alerted_before": n_before, "blown_up": n_blown,
-                         "median_lead": _median(leads), "min_lead": min(leads) if leads else None,
-                         "healthy_with_alert": n_fa, "healthy": n_healthy, "first": firsts})
-        base_out[label] = rows
+        base_out[label] = [{"value": value, **_sweep_tally(baseline_outcomes(name, key, value))} for value in values]
     return {"runs": len(loaded), "extremes": extremes, "sweeps": sweep_out, "baseline_sweeps": base_out,
             "defaults": {f: getattr(base, f) for _, f, _, _ in sweeps}}
 
