@@ -6,6 +6,9 @@
 #                                                  # real-failure seeds 0-1 x 6 arms + real-numerics paper seeds 0-1
 #   bash flashwatch/experiments/gpu_sitting.sh 2   # <= ~9 min: real-failure seeds 2-4 x (sdpa_observe, plain,
 #                                                  # fp32_delta, fp32) + real-numerics plain_fast/fp32_fast seed 0
+#   bash flashwatch/experiments/gpu_sitting.sh 3   # <= ~9.5 min: real-failure seeds 2-4: the five BF16 arms on GPU 0
+#                                                  # (15 runs), the FP32 control on GPU 1 (3 runs, as far as the
+#                                                  # budget takes them: TF32 off costs ~43 ms/step alone)
 #
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
@@ -42,6 +45,14 @@ case "${1:-1}" in
   wait
   tail -6 "$OUT/real-numerics.log"
   ;;
-*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2"; exit 2 ;;
+3)
+  fw real-failure --seeds 2-4 --arms fp32 --parallel 3 --devices 1 --budget 540 \
+     --out "$RUNS" --json "$OUT/real-failure-fp32.json" > "$OUT/real-failure-fp32.log" 2>&1 &
+  fw real-failure --seeds 2-4 --arms sdpa_observe,plain,fixed,fp32_delta,auto_fix --parallel 15 --devices 0 \
+     --budget 540 --out "$RUNS" --json "$OUT/real-failure.json" 2>&1 | tee "$OUT/real-failure.log"
+  wait
+  tail -8 "$OUT/real-failure-fp32.log"
+  ;;
+*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2|3"; exit 2 ;;
 esac
 tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"
