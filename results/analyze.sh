@@ -10,6 +10,7 @@
 #                                            and auto_fix runs are INVALID (dK/dV layout bug, fixed
 #                                            since) and are not analysed
 #   results/gpu-2026-11-30/runs-batch2.tgz   GPU batch 2: plain, fixed, fp32_delta, auto_fix (after the fix)
+#   results/gpu-2026-11-30/runs-batch3.tgz   GPU batch 3: real-failure seeds 2-4, all six arms
 #   results/injection-2026-11-30/runs.tgz    CPU injection scenario: healthy, injected (and the first
 #                                            injected_auto_fix runs, made with the old defaults)
 #   results/injection-2026-11-30/runs-auto_fix-calibrated.tgz
@@ -19,13 +20,14 @@ PY=${PYTHON:-python}
 fw() { "$PY" -m flashwatch.cli experiment "$@"; }
 G=runs/gpu-2026-11-30
 I=runs/injection-2026-11-30
-mkdir -p $G/batch1 $G/batch2 $I/original $I/calibrated
+mkdir -p $G/batch1 $G/batch2 $G/batch3 $I/original $I/calibrated
 tar xzf results/gpu-2026-11-30/runs-batch1.tgz -C $G/batch1
 tar xzf results/gpu-2026-11-30/runs-batch2.tgz -C $G/batch2
+tar xzf results/gpu-2026-11-30/runs-batch3.tgz -C $G/batch3
 tar xzf results/injection-2026-11-30/runs.tgz -C $I/original
 tar xzf results/injection-2026-11-30/runs-auto_fix-calibrated.tgz -C $I/calibrated
 
-REAL_FAILURE="$G/batch1/real-failure/sdpa_observe $G/batch1/real-failure/fp32 $G/batch2/real-failure"
+REAL_FAILURE="$G/batch1/real-failure/sdpa_observe $G/batch1/real-failure/fp32 $G/batch2/real-failure $G/batch3/real-failure"
 REAL_NUMERICS="$G/batch1/real-numerics"
 INJECTION="$I/original/injection/healthy $I/original/injection/injected $I/calibrated/injection/injected_auto_fix"
 
