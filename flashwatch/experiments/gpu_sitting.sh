@@ -9,6 +9,9 @@
 #   bash flashwatch/experiments/gpu_sitting.sh 3   # <= ~9.5 min: real-failure seeds 2-4: the five BF16 arms on GPU 0
 #                                                  # (15 runs), the FP32 control on GPU 1 (3 runs, as far as the
 #                                                  # budget takes them: TF32 off costs ~43 ms/step alone)
+#   bash flashwatch/experiments/gpu_sitting.sh 4   # <= ~9.5 min: GPU 0: kernel GPU tests and `flashwatch bench`
+#                                                  # (benchmarks/gpu_session.sh), then real-numerics plain_fast
+#                                                  # seeds 0-4; GPU 1: real-numerics paper seeds 2-4, fp32_fast 0-1
 #
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
@@ -53,6 +56,15 @@ case "${1:-1}" in
   wait
   tail -8 "$OUT/real-failure-fp32.log"
   ;;
-*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2|3"; exit 2 ;;
+4)
+  fw early-warning --scenario real-numerics --arms "paper@2-4,fp32_fast@0-1" --parallel 5 --devices 1 \
+     --budget 530 --out "$RUNS" --json "$OUT/early-warning-gpu-1.json" > "$OUT/real-numerics-1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_session.sh tests bench
+  fw early-warning --scenario real-numerics --arms "plain_fast@0-4" --parallel 5 --devices 0 \
+     --budget $((530 - SECONDS)) --out "$RUNS" --json "$OUT/early-warning-gpu-0.json" > "$OUT/real-numerics-0.log" 2>&1
+  wait
+  tail -9 "$OUT/real-numerics-0.log"; tail -9 "$OUT/real-numerics-1.log"
+  ;;
+*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2|3|4"; exit 2 ;;
 esac
 tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"
