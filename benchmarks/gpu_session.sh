@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU sitting on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|bench|tune|overhead|ddp|lab ...]   (default: tests bench)
+#   bash benchmarks/gpu_session.sh [tests|bench|tune|overhead|ddp|host|lab ...]   (default: tests bench)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,6 +19,7 @@ for step in $steps; do
     tune) timeout 500 python3 -m flashwatch.cli bench --tune --json "$OUT/bench_tuned.json" 2>&1 | tee "$OUT/bench_tuned.log" ;;
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;
+    host) timeout 200 python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/host_overhead.log" ;;
     lab) timeout 200 python3 -m flashwatch.cli lab --device cuda --json "$OUT/lab.json" 2>&1 | tee "$OUT/lab.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -265,25 +265,6 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_delta_kernel(O, R, DO, DELTA, sob, soh, son, sdob, sdoh, sdon, H, N,
-                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, FP32_DELTA: tl.constexpr):
-    # delta_used = rowsum(dO * O), or rowsum(dO * (O + R)) under fp32_delta. (B*H, N) fp32.
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = offs_m[:, None] < N
-    o_off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :]
-    o = tl.load(O + o_off, mask=ok, other=0.0).to(tl.float32)
-    if FP32_DELTA:
-        o += tl.load(R + o_off, mask=ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdon + offs_d[None, :],
-                 mask=ok, other=0.0).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * N + offs_m, tl.sum(o * do, 1), mask=offs_m < N)
-
-
-@triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
                     lo, hi, N, qk_scale,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DTYPE: tl.constexpr,
@@ -464,15 +445,17 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_ba
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
-                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
                         H, G, N, sm_scale, eps,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CAUSAL: tl.constexpr, STATS: tl.constexpr, IEEE: tl.constexpr,
+                        CAUSAL: tl.constexpr, STATS: tl.constexpr, FP32_DELTA: tl.constexpr, IEEE: tl.constexpr,
                         UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
-    # With STATS it also counts repeated maxima against the row max the forward stored, and
-    # accumulates delta_hp = rowsum(P * dP) beside dS.
+    # It first computes delta_used = rowsum(dO * O) (O + R under fp32_delta) for its rows and
+    # stores it for the dK/dV kernel, which runs after it: no separate delta launch, and dO is
+    # read once for both. With STATS it also counts repeated maxima against the row max the
+    # forward stored, and accumulates delta_hp = rowsum(P * dP) beside dS.
     start_m = _query_block_start(BLOCK_M, CAUSAL)
     bh = tl.program_id(1)
     b = bh // H
@@ -487,7 +470,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, S
     do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdon + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
+    o_off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :]
+    o = tl.load(O + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if FP32_DELTA:
+        o += tl.load(R + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do.to(tl.float32), 1)  # (BLOCK_M,) FP32; masked rows are 0
+    tl.store(DELTA + bh.to(tl.int64) * N + offs_m, delta, mask=row_ok)
     k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -699,25 +687,23 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _launch_dq(q, k, v, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg):
+def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg):
+    # writes delta (B, H, N) as well as dq: launch it before _launch_dkdv, which reads delta
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
     _attn_bwd_dq_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, rowmax, *st,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
         H, H // k.shape[1], N, sm_scale, eps, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        CAUSAL=causal, STATS=stats_on, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
+        CAUSAL=causal, STATS=stats_on, FP32_DELTA=r is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast,
+        EXACT_BF16=exact,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     B, H, N, D = q.shape
     do = _last_dim_contiguous(do)
-    delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    block = 64
-    _bwd_delta_kernel[(triton.cdiv(N, block), B * H)](
-        o, r if r is not None else o, do, delta, *_strides(o), *_strides(do), H, N,
-        HEAD_DIM=D, BLOCK=block, FP32_DELTA=r is not None, num_warps=4)
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     # the kernels write contiguous (B, heads, N, D) gradients; torch.empty_like would keep the
     # dimension order of a strided input (a fused q|k|v projection gives (B, N, heads, D) order)
     dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
@@ -729,18 +715,19 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
         return lambda: _launch_dkdv(q, k, v, do, lse, delta, sk, sv, causal, sm_scale, cfg)
 
     def bench_dq(cfg):
-        sq = torch.empty_like(dq)
-        return lambda: _launch_dq(q, k, v, do, lse, delta, sq, delta, (delta,) * 6, causal, sm_scale, eps, False, cfg)
+        sq, sdelta = torch.empty_like(dq), torch.empty_like(delta)
+        return lambda: _launch_dq(q, k, v, o, r, do, lse, sdelta, sq, sdelta, (sdelta,) * 6, causal, sm_scale, eps,
+                                  False, cfg)
 
-    _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
     if stats is not None:
         st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.delta_error, stats.delta_error_abs,
               stats.delta_error_sq, stats.delta_error_tied)
         stats.rows.add_(B * N)
     else:
         st = (delta,) * 6
-    _launch_dq(q, k, v, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
+    _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
                stats is not None, tuning.choose("dq", q, causal, bench_dq))
+    _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
     return dq, dk, dv
 
 

@@ -12,6 +12,9 @@
 #   bash flashwatch/experiments/gpu_sitting.sh 4   # <= ~9.5 min: GPU 0: kernel GPU tests and `flashwatch bench`
 #                                                  # (benchmarks/gpu_session.sh), then real-numerics plain_fast
 #                                                  # seeds 0-4; GPU 1: real-numerics paper seeds 2-4, fp32_fast 0-1
+#   bash flashwatch/experiments/gpu_sitting.sh 5   # <= ~8.5 min: GPU 0: kernel GPU tests, bench, host-overhead split
+#                                                  # (nothing else on that GPU); GPU 1: the FP32 control seeds 0-1
+#                                                  # again, to 5,000 steps (batch 1 stopped them at 2,280)
 #
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
@@ -65,6 +68,13 @@ case "${1:-1}" in
   wait
   tail -9 "$OUT/real-numerics-0.log"; tail -9 "$OUT/real-numerics-1.log"
   ;;
-*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2|3|4"; exit 2 ;;
+5)
+  fw real-failure --seeds 0-1 --arms fp32 --parallel 2 --devices 1 --budget 480 \
+     --out "$RUNS" --json "$OUT/real-failure-fp32.json" > "$OUT/real-failure-fp32.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_session.sh tests bench host
+  wait
+  tail -5 "$OUT/real-failure-fp32.log"
+  ;;
+*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2|3|4|5"; exit 2 ;;
 esac
 tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"
