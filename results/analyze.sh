@@ -11,6 +11,9 @@
 #                                            since) and are not analysed
 #   results/gpu-2026-11-30/runs-batch2.tgz   GPU batch 2: plain, fixed, fp32_delta, auto_fix (after the fix)
 #   results/gpu-2026-11-30/runs-batch3.tgz   GPU batch 3: real-failure seeds 2-4, all six arms
+#   results/gpu-2026-11-30/runs-batch4.tgz   GPU batch 4: real-numerics paper seeds 2-4, plain_fast 0-4, fp32_fast 0-1
+#   results/gpu-2026-11-30/runs-batch5.tgz   GPU batch 5: real-failure fp32 seeds 0-1 again, to ~4,830 steps
+#                                            (they replace batch 1's fp32 runs of the same seeds, stopped at 2,280)
 #   results/injection-2026-11-30/runs.tgz    CPU injection scenario: healthy, injected (and the first
 #                                            injected_auto_fix runs, made with the old defaults)
 #   results/injection-2026-11-30/runs-auto_fix-calibrated.tgz
@@ -20,15 +23,17 @@ PY=${PYTHON:-python}
 fw() { "$PY" -m flashwatch.cli experiment "$@"; }
 G=runs/gpu-2026-11-30
 I=runs/injection-2026-11-30
-mkdir -p $G/batch1 $G/batch2 $G/batch3 $I/original $I/calibrated
+mkdir -p $G/batch1 $G/batch2 $G/batch3 $G/batch4 $G/batch5 $I/original $I/calibrated
 tar xzf results/gpu-2026-11-30/runs-batch1.tgz -C $G/batch1
 tar xzf results/gpu-2026-11-30/runs-batch2.tgz -C $G/batch2
 tar xzf results/gpu-2026-11-30/runs-batch3.tgz -C $G/batch3
+tar xzf results/gpu-2026-11-30/runs-batch4.tgz -C $G/batch4
+tar xzf results/gpu-2026-11-30/runs-batch5.tgz -C $G/batch5
 tar xzf results/injection-2026-11-30/runs.tgz -C $I/original
 tar xzf results/injection-2026-11-30/runs-auto_fix-calibrated.tgz -C $I/calibrated
 
-REAL_FAILURE="$G/batch1/real-failure/sdpa_observe $G/batch1/real-failure/fp32 $G/batch2/real-failure $G/batch3/real-failure"
-REAL_NUMERICS="$G/batch1/real-numerics"
+REAL_FAILURE="$G/batch1/real-failure/sdpa_observe $G/batch5/real-failure/fp32 $G/batch2/real-failure $G/batch3/real-failure"
+REAL_NUMERICS="$G/batch1/real-numerics $G/batch4/real-numerics"
 INJECTION="$I/original/injection/healthy $I/original/injection/injected $I/calibrated/injection/injected_auto_fix"
 
 rm -f results/real-failure.json results/early-warning-gpu.json results/early-warning.json
