@@ -46,5 +46,8 @@ fw analyze $INJECTION --json results/early-warning.json --markdown results/early
 # the default thresholds' evidence (margins, sweeps, baselines at other thresholds): the GPU
 # recordings, the CPU ones, and all of them together
 fw analyze $REAL_FAILURE $REAL_NUMERICS --calibrate results/calibration-gpu.json > results/calibration-gpu.txt
+# the real failure alone (lr 3e-3): its healthy runs are the FP32 controls and fp32_delta; the
+# real-numerics pool adds the lr-6e-3 FP32 runs, whose logits pass 2e4 (docs/EXPERIMENTS.md section 2)
+fw analyze $REAL_FAILURE --calibrate results/calibration-real-failure.json > results/calibration-real-failure.txt
 fw analyze $INJECTION --calibrate results/calibration-injection.json > results/calibration-injection.txt
 fw analyze $REAL_FAILURE $REAL_NUMERICS $INJECTION --calibrate results/calibration.json > results/calibration.txt
