@@ -15,6 +15,11 @@ blown up at 872 and 886), and the CPU injection scenario (INJECTED fault; 5 heal
 over blown-up runs, of the largest value before the blow-up. Two seeds per GPU arm: margins, not
 proofs.
 
+Re-checked, no default changed, on five seeds per arm (30 real-failure runs on 2x H200,
+``results/calibration-real-failure.txt``): 14 blow-ups at 2,514-4,110, each alerted by
+``delta_drift`` 1,177-2,510 steps ahead; no alert in 5 FP32 controls (to ~3,730-4,840 steps) and
+5 fp32_delta runs; their largest BF16-tie rise 0.236 (margin 0.3), max logit 255, W^Q growth x2.47.
+
 - ``drift_threshold=4.5`` (was 4): failing runs reached |z| 6.1-9.2 on the GPU (min 6.06) and
   4.0-5.9 on the CPU; |z| >= 4.5 came 1,474-2,300 steps before every real-failure blow-up (232
   and 316 before the paper kernel's). Healthy: 3.96 (CPU), and 4.00-4.01 on the SDPA layers of
@@ -25,8 +30,8 @@ proofs.
   fp32_delta runs' residue reached |z| 5.8 and 8.8 while they trained fine (detectors.py).
 - ``repeated_max_factor=3`` and ``repeated_max_margin=0.3`` (was 0.1): the rise of a head's BF16
   repeated-max ratio over its baseline reached 0.184 in the FP32 control (still climbing, ~0.01
-  per 100 steps, when it was cut at ~2,280 steps: a longer control could pass 0.3 near step
-  3,400) and 0.12 in the fp32_delta runs; failing runs reached 0.73-0.92 (GPU) and 0.41-0.68
+  per 100 steps, when it was cut at ~2,280 steps; run to ~4,830 steps later it reached 0.236: the
+  climb slowed, but this is the thinnest margin of the defaults) and 0.12 in the fp32_delta runs; failing runs reached 0.73-0.92 (GPU) and 0.41-0.68
   (CPU). With 0.1 all four GPU healthy runs alerted. The margin binds; the factor does not.
 - ``wq_growth_factor=3`` (was 2), judged only once its comparison point lies after warm-up
   (detectors.py): compared with the initial weights, every healthy run grew x2.4-5.8 by step
