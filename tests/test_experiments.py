@@ -285,6 +285,18 @@ def test_real_failure_without_cuda_says_so_and_exits_non_zero(tmp_path, capsys):
     assert _cli("real-failure", "--dry-run", "--seeds", "0-1", "--parallel", 8, "--devices", "0,1") == 0
     out = capsys.readouterr().out
     assert "real-failure/fp32/1" in out and "estimated wall time" in out
+    assert "lr1e-3" not in out  # the gentle-lr healthy reference is not a default arm...
+    assert _cli("real-failure", "--dry-run", "--arms", "sdpa_observe_lr1e-3@0-4", "--parallel", 5) == 0
+    out = capsys.readouterr().out  # ...but can be asked for by name, with seeds
+    assert "real-failure/sdpa_observe_lr1e-3/4" in out and "real-failure/sdpa_observe/" not in out
+
+
+def test_the_gentle_lr_arm_is_the_probe_at_lr_1e_3_observed_in_bf16():
+    from flashwatch.experiments.scenarios import REAL_FAILURE
+
+    arm = {a.name: a for a in REAL_FAILURE.arms}["sdpa_observe_lr1e-3"]
+    assert (arm.lr, arm.precision, arm.monitor, arm.expect) == (1e-3, "bf16", {"mode": "observe"}, "healthy")
+    assert arm.name not in REAL_FAILURE.default_arms
 
 
 def test_help_is_a_manual(capsys):

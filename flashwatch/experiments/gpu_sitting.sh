@@ -15,6 +15,9 @@
 #   bash flashwatch/experiments/gpu_sitting.sh 5   # <= ~8.5 min: GPU 0: kernel GPU tests, bench, host-overhead split
 #                                                  # (nothing else on that GPU); GPU 1: the FP32 control seeds 0-1
 #                                                  # again, to 5,000 steps (batch 1 stopped them at 2,280)
+#   bash flashwatch/experiments/gpu_sitting.sh 6   # <= ~9.5 min, NOT RUN YET: GPU 0: the healthy BF16 reference
+#                                                  # sdpa_observe_lr1e-3 seeds 0-4 (delta from the rounded output);
+#                                                  # GPU 1: FP32 control seeds 2-3 to 5,000 steps
 #
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
@@ -75,6 +78,14 @@ case "${1:-1}" in
   wait
   tail -5 "$OUT/real-failure-fp32.log"
   ;;
-*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2|3|4|5"; exit 2 ;;
+6)
+  fw real-failure --seeds 2-3 --arms fp32 --parallel 2 --devices 1 --budget 540 \
+     --out "$RUNS" --json "$OUT/real-failure-fp32.json" > "$OUT/real-failure-fp32.log" 2>&1 &
+  fw real-failure --seeds 0-4 --arms sdpa_observe_lr1e-3 --parallel 5 --devices 0 --budget 540 \
+     --out "$RUNS" --json "$OUT/real-failure.json" 2>&1 | tee "$OUT/real-failure.log"
+  wait
+  tail -5 "$OUT/real-failure-fp32.log"
+  ;;
+*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2|3|4|5|6"; exit 2 ;;
 esac
 tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"

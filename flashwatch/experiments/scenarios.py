@@ -201,6 +201,8 @@ INJECTION = Scenario(
 
 _PROBE = Recipe()
 
+GENTLE_LR = 1e-3
+
 REAL_FAILURE = Scenario(
     name="real-failure", issue=9, device="cuda",
     summary="the probe's byte-level GPT (6x6, d=384, ctx 512, batch 32, lr 3e-3) in BF16: a real failure",
@@ -218,6 +220,11 @@ REAL_FAILURE = Scenario(
                  "flagged by delta_drift or repeated_max_rise leaves SDPA for the fp32_delta kernel"),
         Arm("fp32", "FP32 control (no autocast, TF32 off), SDPA observed", "healthy", precision="fp32",
             monitor={"mode": "observe"}),
+        Arm("sdpa_observe_lr1e-3", f"BF16 autocast, torch SDPA observed, lr {GENTLE_LR:g}", "healthy",
+            monitor={"mode": "observe"}, lr=GENTLE_LR,
+            note="a healthy BF16 reference whose delta comes from the rounded output (NUMERICS.md section 6 "
+                 "suggests this lr), for the delta_drift threshold's false-alarm margin; not run yet, "
+                 "so not among the default arms"),
     ),
     default_arms=("sdpa_observe", "plain", "fixed", "fp32_delta", "auto_fix", "fp32"),
 )
