@@ -22,6 +22,9 @@ Changes:
   (the forward stores R = O_fp32 - O in the input dtype; the backward's delta uses O + R).
 - A statistics-only kernel for observe mode (another kernel's output and its gradient in,
   per-head statistics out): one pass over K with an online rescaled rowsum(P * dP).
+- Backward: two launches. The dQ kernel runs first and computes delta_used = rowsum(dO * O)
+  for its rows from the dO tile it loads anyway (no separate delta kernel), storing it for the
+  dK/dV kernel, which runs second.
 - Grouped-query attention: the dK/dV program loops over the query heads of its kv head, so
   the backward is deterministic (no atomics on gradients).
 - Ragged N: tails are masked in-kernel; inputs of any strides are accepted (a last-dimension
