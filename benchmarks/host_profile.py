@@ -7,6 +7,7 @@ calls at (1,1,64,64), where the GPU work is a few microseconds, against a bare T
 import cProfile
 import io
 import pstats
+import sys
 import time
 
 import torch
@@ -33,7 +34,10 @@ def per_call_us(fn, calls=500):
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def main():
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("host_profile.py needs CUDA (it times kernel launches)", file=sys.stderr)
+        return 2
     x = torch.zeros(1024, device="cuda")
     print(f"bare Triton launch (3 args):       {per_call_us(lambda: _touch[(1,)](x, 1024, BLOCK=1024)):7.1f} us")
     print(f"torch add_ launch:                 {per_call_us(lambda: x.add_(1.0)):7.1f} us")
@@ -58,7 +62,8 @@ def main():
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
     print(s.getvalue()[-6000:])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
