@@ -313,9 +313,11 @@ class Reducer:
         loss_t, gn_t = one(loss, 0), one(grad_norm, 1)
         gn_sq = gn_t * gn_t if grad_norm is not None else torch.zeros_like(gn_t)
         s = stats.to(f64)
+        # rows picked one by one (views): indexing a CUDA tensor with a list of rows would copy
+        # the list to the device synchronously, a host sync on every monitored step
         local = torch.cat([
-            s[self.sum_rows].reshape(-1), loss_t, gn_sq, h[2:5],                          # SUM part
-            s[self.max_rows].reshape(-1), sigma.to(device=dev, dtype=f64), gn_t, h[5:],  # MAX part
+            *(s[i] for i in self.sum_rows), loss_t, gn_sq, h[2:5],                          # SUM part
+            *(s[i] for i in self.max_rows), sigma.to(device=dev, dtype=f64), gn_t, h[5:],  # MAX part
         ])
         self.last_local = local
         return local

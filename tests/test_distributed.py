@@ -281,3 +281,27 @@ def test_reducer_layout_and_schemes_without_processes():
     buf[: r.sum_size] = local[: r.sum_size] + failed[: r.sum_size]
     buf[r.sum_size + r.max_size:] = failed[r.sum_size:]
     assert r.unpack(buf).failed == 1
+
+
+def test_reducer_pack_uses_no_advanced_indexing(monkeypatch):
+    """On CUDA, indexing with a list of rows copies the list to the device synchronously: a host
+    sync on every monitored step of a distributed run. pack() must pick rows as views."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    r = Reducer(None, 0, 2, [4, 4], n_fields=len(STAT_FIELDS), max_rows=MAX_ROWS)
+    advanced = []
+    real = torch.Tensor.__getitem__
+
+    def spy(self, index):
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(p, (list, torch.Tensor)) for p in parts):
+            advanced.append(type(index).__name__)
+        return real(self, index)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", spy)
+    stats = torch.randn(len(STAT_FIELDS), 8, dtype=torch.float64)
+    local = r.pack(stats, torch.ones(8, dtype=torch.float64), torch.tensor(2.5), torch.tensor(1.0), 7, [0, 3])
+    assert advanced == []
+    monkeypatch.setattr(torch.Tensor, "__getitem__", real)
+    assert torch.equal(r.split_local(local)["stats"], stats)
