@@ -15,7 +15,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in $steps; do
   case $step in
     tests) timeout 420 python3 -m pytest -q -m gpu tests/test_triton_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    bench) timeout 400 python3 -m flashwatch.cli bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+    bench) timeout 400 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
     tune) timeout 500 python3 -m flashwatch.cli bench --tune --json "$OUT/bench_tuned.json" 2>&1 | tee "$OUT/bench_tuned.log" ;;
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;

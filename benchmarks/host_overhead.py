@@ -6,7 +6,8 @@ the host. This script separates the two, per kernel of `flashwatch bench`:
 
 - ``event_ms``: forward+backward as the bench times it (do_bench median);
 - ``device_ms``: the same call captured once in a CUDA graph and replayed (do_bench median of the
-  replay): kernel time alone, no Python in the timed region;
+  replay; ``flashwatch.bench.device_fwd_bwd_ms``, also behind `flashwatch bench --device-time`):
+  kernel time alone, no Python in the timed region;
 - ``host_us``: wall time per call of 200 back-to-back calls at a tiny shape (1,1,64,D), where the
   GPU work is a few microseconds, so the CPU's launch path is what is timed.
 
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from flashwatch.bench import environment, kernel_functions
+from flashwatch.bench import device_fwd_bwd_ms, environment, kernel_functions
 
 SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 64))
 
@@ -48,21 +49,7 @@ def event_ms(fn, shape) -> float:
 
 
 def device_ms(fn, shape) -> float:
-    import triton.testing
-
-    q, k, v, g = _inputs(shape)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
-        for _ in range(3):
-            _fwd_bwd(fn, q, k, v, g)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _fwd_bwd(fn, q, k, v, g)
-    graph.replay()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    return device_fwd_bwd_ms(fn, shape, True, torch.bfloat16)
 
 
 def host_us(fn, head_dim: int, calls: int = 200) -> float:

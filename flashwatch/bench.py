@@ -7,6 +7,11 @@ flash (FlashAttention-2), torch SDPA cuDNN, and flashwatch plain (statistics off
 kernels of a shape are timed in three interleaved rounds and each number is the median of the
 rounds (one round with --quick or --tune); the JSON keeps the spread of the rounds.
 
+Event timing counts the host when a call's Python launch work outlasts the GPU work queued
+ahead of it (small shapes: docs/KERNEL_TUNING.md). ``--device-time`` also times each kernel's
+forward+backward captured once in a CUDA graph and replayed: GPU time alone, no Python in the
+timed region; it adds a second table (device ms, ratio to SDPA flash, overhead vs plain).
+
 TFLOP/s counts causal attention as half the dense 4*B*H*N^2*D forward FLOPs and
 forward+backward as 3.5x the forward (the convention of ../shared/ANCHORS.md).
 Needs CUDA; ``--json PATH`` writes every number with the GPU, versions and date.
@@ -107,6 +112,55 @@ def time_kernel(fn, shape, causal: bool, dtype, warmup_ms=25, rep_ms=100) -> dic
     return {"fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "peak_extra_mib": peak / 2**20}
 
 
+def device_fwd_bwd_ms(fn, shape, causal: bool, dtype, rep_ms=100) -> float:
+    """Median milliseconds of one forward+backward replayed from a CUDA graph: the kernels'
+    GPU time without the host's launch work. Raises if the call cannot be captured."""
+    import triton.testing
+
+    B, H, N, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
+               for _ in range(3))
+    g = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fn(q, k, v, causal), (q, k, v), g)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture requires
+        for _ in range(3):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    graph.replay()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def add_ratios(row: dict) -> None:
+    """Speed ratios to SDPA flash and overheads vs plain, for the event and (when measured) the
+    device timings of one shape's row, in place."""
+    ref = row["kernels"].get("sdpa_flash", {})
+    for t in row["kernels"].values():
+        if "fwd_ms" in t and "fwd_ms" in ref:
+            # speed ratio: > 1 means faster than SDPA flash
+            t["fwd_speed_vs_sdpa_flash"] = ref["fwd_ms"] / t["fwd_ms"]
+            t["fwd_bwd_speed_vs_sdpa_flash"] = ref["fwd_bwd_ms"] / t["fwd_bwd_ms"]
+        if "fwd_bwd_device_ms" in t and "fwd_bwd_device_ms" in ref:
+            t["fwd_bwd_device_speed_vs_sdpa_flash"] = ref["fwd_bwd_device_ms"] / t["fwd_bwd_device_ms"]
+    plain = row["kernels"].get("plain", {})
+    for name in ("plain_stats", "fixed", "fp32_delta"):
+        t = row["kernels"].get(name, {})
+        if "fwd_ms" in t and "fwd_ms" in plain:
+            t["fwd_overhead_vs_plain"] = t["fwd_ms"] / plain["fwd_ms"] - 1.0
+            t["fwd_bwd_overhead_vs_plain"] = t["fwd_bwd_ms"] / plain["fwd_bwd_ms"] - 1.0
+        if "fwd_bwd_device_ms" in t and "fwd_bwd_device_ms" in plain:
+            t["fwd_bwd_device_overhead_vs_plain"] = t["fwd_bwd_device_ms"] / plain["fwd_bwd_device_ms"] - 1.0
+
+
 def environment() -> dict:
     import triton
 
@@ -130,10 +184,11 @@ def _median_of_rounds(samples: list[dict]) -> dict:
 
 
 def run_bench(shapes=DEFAULT_SHAPES, causal=True, dtype=torch.bfloat16, kernels=KERNELS, rep_ms=100,
-              rounds=3) -> dict:
+              rounds=3, device_time=False) -> dict:
     """Time every kernel at every shape. The kernels of a shape are timed in turn, ``rounds``
     times over (interleaved, so a slow phase of the GPU touches every kernel alike), and each
-    number is the median over the rounds."""
+    number is the median over the rounds. ``device_time``: also the CUDA-graph replay time of
+    forward+backward (``fwd_bwd_device_ms``, once per kernel and shape, after the rounds)."""
     fns = kernel_functions()
     results = []
     for shape in shapes:
@@ -156,19 +211,13 @@ def run_bench(shapes=DEFAULT_SHAPES, causal=True, dtype=torch.bfloat16, kernels=
             t = _median_of_rounds(samples[name])
             t["fwd_tflops"] = flops / t["fwd_ms"] / 1e9
             t["fwd_bwd_tflops"] = 3.5 * flops / t["fwd_bwd_ms"] / 1e9
+            if device_time:
+                try:
+                    t["fwd_bwd_device_ms"] = device_fwd_bwd_ms(fns[name], shape, causal, dtype, rep_ms=rep_ms)
+                except Exception as exc:  # a kernel that cannot be captured: say so, keep its event timing
+                    t["fwd_bwd_device_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             row["kernels"][name] = t
-        ref = row["kernels"].get("sdpa_flash", {})
-        for name, t in row["kernels"].items():
-            if "fwd_ms" in t and "fwd_ms" in ref:
-                # speed ratio: > 1 means faster than SDPA flash
-                t["fwd_speed_vs_sdpa_flash"] = ref["fwd_ms"] / t["fwd_ms"]
-                t["fwd_bwd_speed_vs_sdpa_flash"] = ref["fwd_bwd_ms"] / t["fwd_bwd_ms"]
-        plain = row["kernels"].get("plain", {})
-        for name in ("plain_stats", "fixed", "fp32_delta"):
-            t = row["kernels"].get(name, {})
-            if "fwd_ms" in t and "fwd_ms" in plain:
-                t["fwd_overhead_vs_plain"] = t["fwd_ms"] / plain["fwd_ms"] - 1.0
-                t["fwd_bwd_overhead_vs_plain"] = t["fwd_bwd_ms"] / plain["fwd_bwd_ms"] - 1.0
+        add_ratios(row)
         results.append(row)
     return {"environment": environment(), "results": results}
 
@@ -197,6 +246,33 @@ def print_table(report: dict, console=None) -> None:
                           f"{t.get('fwd_bwd_speed_vs_sdpa_flash', math.nan):.2f}",
                           "" if over is None else f"{100 * over:+.1f}%", f"{t['peak_extra_mib']:.0f}")
     console.print(table)
+    if any("fwd_bwd_device_ms" in t or "fwd_bwd_device_error" in t
+           for row in report["results"] for t in row["kernels"].values()):
+        print_device_table(report, console)
+
+
+def print_device_table(report: dict, console=None) -> None:
+    """The forward+backward GPU time (CUDA-graph replay) beside the event timing."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="forward+backward GPU time alone (one call captured in a CUDA graph, replayed)")
+    for col in ("B,H,N,D", "kernel", "event ms", "device ms", "device ×flash", "device vs plain"):
+        table.add_column(col, justify="right")
+    for row in report["results"]:
+        for name, t in row["kernels"].items():
+            if "error" in t:
+                continue
+            shape = ",".join(map(str, row["shape"]))
+            if "fwd_bwd_device_ms" not in t:
+                table.add_row(shape, name, f"{t['fwd_bwd_ms']:.3f}", "-", "-", t.get("fwd_bwd_device_error", "")[:30])
+                continue
+            over = t.get("fwd_bwd_device_overhead_vs_plain")
+            table.add_row(shape, name, f"{t['fwd_bwd_ms']:.3f}", f"{t['fwd_bwd_device_ms']:.3f}",
+                          f"{t.get('fwd_bwd_device_speed_vs_sdpa_flash', math.nan):.2f}",
+                          "" if over is None else f"{100 * over:+.1f}%")
+    console.print(table)
 
 
 def main(args) -> int:
@@ -214,7 +290,7 @@ def main(args) -> int:
         shapes = shapes[:2]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     report = run_bench(shapes, causal=not args.no_causal, dtype=dtype, rep_ms=50 if args.quick else 100,
-                       rounds=1 if args.quick or args.tune else 3)
+                       rounds=1 if args.quick or args.tune else 3, device_time=args.device_time)
     if args.tune:
         from flashwatch.kernels import tuning
 

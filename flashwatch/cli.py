@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="first two shapes, shorter timings")
     p.add_argument("--tune", action="store_true",
                    help="autotune block shapes per kernel (FLASHWATCH_AUTOTUNE=1) and print the chosen configs")
+    p.add_argument("--device-time", action="store_true",
+                   help="also time forward+backward replayed from a CUDA graph (GPU time alone, no Python "
+                        "launch work) and print it beside the event timing")
     p.add_argument("--json", metavar="PATH", help="write all numbers as JSON")
     p.set_defaults(func=_cmd_bench)
     # everything after `experiment` goes to flashwatch.experiments.cli (its own --help, subcommands)

@@ -34,3 +34,52 @@ def test_rounds_take_the_median_and_keep_the_spread():
 def test_without_cuda_it_says_so_and_fails(capsys):
     assert main(["bench", "--quick"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def _row(device: dict) -> dict:
+    k = lambda fwd, fb: {"fwd_ms": fwd, "fwd_bwd_ms": fb, "fwd_tflops": 1.0, "fwd_bwd_tflops": 1.0,
+                         "peak_extra_mib": 1.0}
+    row = {"shape": [1, 2, 64, 16], "kernels": {"sdpa_flash": k(1.0, 4.0), "plain": k(0.5, 5.0),
+                                                 "plain_stats": k(0.6, 6.0)}}
+    for name, ms in device.items():
+        if isinstance(ms, str):
+            row["kernels"][name]["fwd_bwd_device_error"] = ms
+        else:
+            row["kernels"][name]["fwd_bwd_device_ms"] = ms
+    return row
+
+
+def test_ratios_for_event_and_device_timings():
+    row = _row({"sdpa_flash": 3.0, "plain": 2.0, "plain_stats": 2.5})
+    bench.add_ratios(row)
+    plain, stats = row["kernels"]["plain"], row["kernels"]["plain_stats"]
+    assert plain["fwd_speed_vs_sdpa_flash"] == 2.0 and plain["fwd_bwd_speed_vs_sdpa_flash"] == pytest.approx(0.8)
+    assert plain["fwd_bwd_device_speed_vs_sdpa_flash"] == 1.5  # faster on the device, slower by the events
+    assert stats["fwd_bwd_overhead_vs_plain"] == pytest.approx(0.2)
+    assert stats["fwd_bwd_device_overhead_vs_plain"] == pytest.approx(0.25)
+    bare = _row({})  # without --device-time: no device keys at all
+    bench.add_ratios(bare)
+    assert not any(key.startswith("fwd_bwd_device") for t in bare["kernels"].values() for key in t)
+
+
+def test_device_table_is_printed_only_when_measured():
+    from rich.console import Console
+
+    def render(row):
+        console = Console(record=True, width=200)
+        bench.add_ratios(row)
+        bench.print_table({"environment": {"gpu": "G", "torch": "t", "triton": "tr", "date": "d"},
+                           "results": [row]}, console)
+        return console.export_text()
+
+    text = render(_row({"sdpa_flash": 3.0, "plain": 2.0, "plain_stats": "RuntimeError: capture failed"}))
+    assert "GPU time alone" in text and "1.50" in text and "RuntimeError: capture" in text
+    assert "GPU time alone" not in render(_row({}))
+
+
+def test_device_time_is_an_option_of_the_cli():
+    from flashwatch.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--quick", "--device-time"])
+    assert args.device_time and args.quick
+    assert not build_parser().parse_args(["bench"]).device_time
