@@ -23,16 +23,9 @@ import time
 
 import torch
 
-from flashwatch.bench import device_fwd_bwd_ms, environment, kernel_functions
+from flashwatch.bench import attention_inputs, device_fwd_bwd_ms, environment, kernel_functions
 
 SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 64))
-
-
-def _inputs(shape, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype, generator=gen).requires_grad_(True) for _ in range(3))
-    g = torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
-    return q, k, v, g
 
 
 def _fwd_bwd(fn, q, k, v, g):
@@ -43,7 +36,7 @@ def _fwd_bwd(fn, q, k, v, g):
 def event_ms(fn, shape) -> float:
     import triton.testing
 
-    q, k, v, g = _inputs(shape)
+    q, k, v, g = attention_inputs(shape, torch.bfloat16)
     _fwd_bwd(fn, q, k, v, g)
     return triton.testing.do_bench(lambda: _fwd_bwd(fn, q, k, v, g), warmup=25, rep=100, return_mode="median")
 
@@ -53,7 +46,7 @@ def device_ms(fn, shape) -> float:
 
 
 def host_us(fn, head_dim: int, calls: int = 200) -> float:
-    q, k, v, g = _inputs((1, 1, 64, head_dim))
+    q, k, v, g = attention_inputs((1, 1, 64, head_dim), torch.bfloat16)
     for _ in range(20):
         _fwd_bwd(fn, q, k, v, g)
     torch.cuda.synchronize()

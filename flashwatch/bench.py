@@ -82,15 +82,19 @@ def kernel_functions() -> dict:
     }
 
 
+def attention_inputs(shape, dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring grad) and an output gradient g of ``shape`` (B, H, N, D) on CUDA, seeded."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
+               for _ in range(3))
+    return q, k, v, torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+
 def time_kernel(fn, shape, causal: bool, dtype, warmup_ms=25, rep_ms=100) -> dict:
     """Median forward and forward+backward milliseconds, and peak extra memory of fwd+bwd."""
     import triton.testing
 
-    B, H, N, D = shape
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
-               for _ in range(3))
-    g = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen)
+    q, k, v, g = attention_inputs(shape, dtype)
 
     def fwd():
         with torch.no_grad():
@@ -117,11 +121,7 @@ def device_fwd_bwd_ms(fn, shape, causal: bool, dtype, rep_ms=100) -> float:
     GPU time without the host's launch work. Raises if the call cannot be captured."""
     import triton.testing
 
-    B, H, N, D = shape
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen).requires_grad_(True)
-               for _ in range(3))
-    g = torch.randn(B, H, N, D, device="cuda", dtype=dtype, generator=gen)
+    q, k, v, g = attention_inputs(shape, dtype)
 
     def fwd_bwd():
         return torch.autograd.grad(fn(q, k, v, causal), (q, k, v), g)
