@@ -103,35 +103,57 @@ def _top2_update(qk, m1, m2):
 
 
 @triton.jit
-def _row_shift(m1_raw, tied, sm_scale, beta, min_off, max_off, FIXED: tl.constexpr):
-    """The subtracted max of each row in log2 units. Plain: m. Fixed: m + guarded offset on
-    rows whose running max repeats within eps (Qiu & Yao: beta*m for m > 0, 0 for m < 0)."""
+def _plain_shift(m1_raw, sm_scale):
+    """The subtracted max of each row in log2 units: m, or 0 on a row that has seen only masked
+    scores so far (no inf - inf)."""
     m1 = m1_raw * sm_scale
-    if FIXED:
-        off = tl.where(m1 > 0, (beta - 1.0) * m1, -m1)
-        off = tl.minimum(tl.maximum(off, min_off), max_off)
-        shift = m1 + tl.where(tied != 0, off, 0.0)
-    else:
-        shift = m1
-    # a row that has seen only masked scores so far keeps shift 0 instead of -inf (no inf - inf)
-    shift = tl.where(m1 == float("-inf"), 0.0, shift)
-    return shift * 1.4426950408889634
+    return tl.where(m1 == float("-inf"), 0.0, m1) * 1.4426950408889634
 
 
 @triton.jit
-def _tie_update(qk, m1, tied, eps_raw):
+def _fixed_offset(m1_raw, tied, sm_scale, beta, min_off, max_off):
+    """What the fixed variant adds to the plain shift, in log2 units: on rows whose running max
+    repeats within eps, Qiu & Yao's (beta - 1) * m for m > 0 and -m for m < 0 (so the subtracted
+    max is beta * m or 0), clamped to [min_off, max_off] (the underflow guard); 0 elsewhere."""
+    m1 = m1_raw * sm_scale
+    off = tl.where(m1 > 0, (beta - 1.0) * m1, -m1)
+    off = tl.minimum(tl.maximum(off, min_off), max_off)
+    off = tl.where((tied != 0) & (m1 > float("-inf")), off, 0.0)
+    return off * 1.4426950408889634
+
+
+@triton.jit
+def _count_into(hit, acc, UPCAST: tl.constexpr):
+    """acc (BLOCK_M, 16) FP32 += the number of true entries in each row of hit (BLOCK_M,
+    BLOCK_N), in every one of acc's 16 columns, on the tensor cores: the 0/1 indicator matrix
+    times a (BLOCK_N, 16) matrix of ones. Exact: 0, 1 and their products are exact in BF16 and
+    FP32 sums integers exactly up to 2**24. Why not tl.sum: a per-score select and integer add
+    on the ALUs, which are the bottleneck of these kernels (the counts doubled the dQ loop's
+    instruction count, docs/KERNEL_TUNING.md); here a score costs one FP32 set and half a BF16
+    pack, and the matrix unit adds them."""
+    BLOCK_N: tl.constexpr = hit.shape[1]
+    if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (module docstring)
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32)
+        acc = tl.dot(tl.where(hit, 1.0, 0.0), ones, acc, input_precision="ieee")
+    else:
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.bfloat16)
+        acc = tl.dot(tl.where(hit, 1.0, 0.0).to(tl.bfloat16), ones, acc)
+    return acc
+
+
+@triton.jit
+def _tie_update(qk, t1, m1, tied, eps_raw, UPCAST: tl.constexpr):
     """Online exact repeated-max flag of each row: does the running max have a second score
-    within eps? Costs one compare-and-count per score (the fixed variant needs it to decide
-    its shift). A new tile whose max t1 exceeds the running max m keeps a tie iff m is within
-    eps of t1 or the tile itself has two scores within eps of t1; otherwise the flag turns on
-    once a tile's max comes within eps of m. Raw (unscaled) units: eps_raw = eps / sm_scale."""
-    t1 = tl.max(qk, 1)
-    n_near = tl.sum((qk >= (t1 - eps_raw)[:, None]).to(tl.int32), 1)
+    within eps? Costs one compare per score and a small count on the tensor cores (the fixed
+    variant needs it to decide its shift). A new tile whose max t1 exceeds the running max m
+    keeps a tie iff m is within eps of t1 or the tile itself has two scores within eps of t1;
+    otherwise the flag turns on once a tile's max comes within eps of m. Raw (unscaled) units:
+    eps_raw = eps / sm_scale; t1 = the tile's row max."""
+    n_near = tl.max(_count_into(qk >= (t1 - eps_raw)[:, None], tl.zeros([qk.shape[0], 16], tl.float32), UPCAST), 1)
     rises = t1 > m1
-    keep = (m1 >= t1 - eps_raw) | (n_near >= 2)
+    keep = (m1 >= t1 - eps_raw) | (n_near >= 2.0)
     joins = (t1 >= m1 - eps_raw) & (t1 > float("-inf"))
-    tied = tl.where(rises, keep.to(tl.int32), tied | joins.to(tl.int32))
-    return tl.maximum(m1, t1), tied
+    return tl.where(rises, keep.to(tl.int32), tied | joins.to(tl.int32))
 
 
 @triton.jit
@@ -174,13 +196,25 @@ def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             qk = tl.where(valid, qk, float("-inf"))
         if FIXED:
-            new_m1, aux = _tie_update(qk, m1, aux, eps_raw)
-        elif TOP2:
-            new_m1, aux = _top2_update(qk, m1, aux)
+            # the exponentials are taken under the plain shift, so they need not wait for the
+            # tie count (a compare, a matrix product and a reduction that, on the path to
+            # exp2, cost ~30% of the forward); rows whose running max repeats are then scaled
+            # by exp2(-offset), one multiply per score, so every P_bar of such a row is < 1
+            t1 = tl.max(qk, 1)
+            new_m1 = tl.maximum(m1, t1)
+            base = _plain_shift(new_m1, sm_scale)
+            p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - base[:, None])
+            aux = _tie_update(qk, t1, m1, aux, eps_raw, UPCAST)
+            off = _fixed_offset(new_m1, aux, sm_scale, beta, min_off, max_off)
+            p = p * tl.math.exp2(-off)[:, None]
+            new_shift = base + off
         else:
-            new_m1 = tl.maximum(m1, tl.max(qk, 1))
-        new_shift = _row_shift(new_m1, aux, sm_scale, beta, min_off, max_off, FIXED)
-        p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
+            if TOP2:
+                new_m1, aux = _top2_update(qk, m1, aux)
+            else:
+                new_m1 = tl.maximum(m1, tl.max(qk, 1))
+            new_shift = _plain_shift(new_m1, sm_scale)
+            p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
         alpha = tl.math.exp2(shift - new_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(_cast(p, DTYPE, EXACT_BF16), v, IEEE, UPCAST)
@@ -424,24 +458,22 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_ba
             k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
             v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
         qk = _dot(q, tl.trans(k), IEEE, UPCAST)
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
+            # masked scores -> -inf: p = 0 there, and no finite threshold counts them
             valid = cols[None, :] < N
             if CAUSAL:
                 valid = valid & (offs_m[:, None] >= cols[None, :])
-            p = tl.where(valid, p, 0.0)
+            qk = tl.where(valid, qk, float("-inf"))
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if STATS:
+            # scores within eps of the row max, FP32 and after BF16 rounding: t32 and tb16 are
+            # finite thresholds on raw scores (see _raw_threshold); counted before dp is
+            # computed, so the raw scores need not stay live across the second matrix product
+            n32 = _count_into(qk >= t32[:, None], n32, UPCAST)
+            nb16 = _count_into(qk >= tb16[:, None], nb16, UPCAST)
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
-            # scores within eps of the row max (FP32, and after BF16 rounding), packed in one
-            # sum: low 16 bits FP32, high 16 bits BF16 (a tile has at most BLOCK_N of each);
-            # t32 and tb16 are thresholds on raw scores (see _raw_threshold)
-            near = (qk >= t32[:, None]).to(tl.int32) + (qk >= tb16[:, None]).to(tl.int32) * 65536
-            if MASKED:
-                near = tl.where(valid, near, 0)
-            packed = tl.sum(near, 1)
-            n32 += packed & 0xFFFF
-            nb16 += packed >> 16
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
     return dq, dhp, n32, nb16
@@ -483,8 +515,9 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dhp = tl.zeros([BLOCK_M], tl.float32)
-    n32 = tl.zeros([BLOCK_M], tl.int32)  # scores within eps of the row max, FP32
-    nb16 = tl.zeros([BLOCK_M], tl.int32)  # the same after BF16 rounding
+    # counts of near-max scores, FP32 and BF16 tests; every column holds the row's count
+    n32 = tl.zeros([BLOCK_M, 16], tl.float32)
+    nb16 = tl.zeros([BLOCK_M, 16], tl.float32)
     if STATS:
         s1 = tl.load(ROWMAX + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
         # repeated max (FP32): sm_scale*qk >= s1 - eps; (BF16): bf16(sm_scale*qk) >= bf16(s1) - eps
@@ -514,8 +547,8 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     out_off = bh.to(tl.int64) * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DQ + out_off, _cast(dq * sm_scale, DTYPE, EXACT_BF16), mask=row_ok[:, None])
     if STATS:
-        tied = (n32 >= 2) & row_ok
-        tied_b = (nb16 >= 2) & row_ok
+        tied = (tl.max(n32, 1) >= 2.0) & row_ok
+        tied_b = (tl.max(nb16, 1) >= 2.0) & row_ok
         err = tl.where(row_ok, delta - dhp, 0.0)
         tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
         tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
@@ -634,6 +667,11 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _register_cap(cfg: dict) -> dict:
+    """The launch keyword for a configuration's register cap, if it has one."""
+    return {"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}
+
+
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
@@ -700,7 +738,7 @@ def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, 
         H, H // k.shape[1], N, sm_scale, eps, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, STATS=stats_on, FP32_DELTA=r is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast,
         EXACT_BF16=exact,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
 
 
 def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
@@ -717,10 +755,13 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
         sk, sv = torch.empty_like(dk), torch.empty_like(dv)  # dk, dv are contiguous
         return lambda: _launch_dkdv(q, k, v, do, lse, delta, sk, sv, causal, sm_scale, cfg)
 
-    def bench_dq(cfg):
+    def bench_dq(cfg, with_stats=False):
+        # scratch outputs; with statistics, scratch sums too (tuning never adds into stats)
         sq, sdelta = torch.empty_like(dq), torch.empty_like(delta)
-        return lambda: _launch_dq(q, k, v, o, r, do, lse, sdelta, sq, sdelta, (sdelta,) * 6, causal, sm_scale, eps,
-                                  False, cfg)
+        sst = (torch.zeros(H, dtype=torch.int64, device=q.device),) * 2 + (torch.zeros(H, device=q.device),) * 4
+        srowmax = rowmax if rowmax is not None else sdelta
+        return lambda: _launch_dq(q, k, v, o, r, do, lse, sdelta, sq, srowmax, sst if with_stats else (sdelta,) * 6,
+                                  causal, sm_scale, eps, with_stats, cfg)
 
     if stats is not None:
         st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.delta_error, stats.delta_error_abs,
@@ -728,8 +769,12 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
         stats.rows.add_(B * N)
     else:
         st = (delta,) * 6
+    if stats is not None:
+        dq_cfg = tuning.choose("dq_stats", q, causal, lambda cfg: bench_dq(cfg, with_stats=True))
+    else:
+        dq_cfg = tuning.choose("dq", q, causal, bench_dq)
     _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
-               stats is not None, tuning.choose("dq", q, causal, bench_dq))
+               stats is not None, dq_cfg)
     _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
     return dq, dk, dv
 

@@ -19,8 +19,11 @@ import os
 import torch
 
 
-def _cfg(bm, bn, warps, stages):
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+def _cfg(bm, bn, warps, stages, maxnreg=None):
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    if maxnreg is not None:  # cap on registers per thread (ptxas spills above it): buys occupancy
+        cfg["maxnreg"] = maxnreg
+    return cfg
 
 
 # CUDA defaults per kernel and head dim, from `flashwatch bench --tune` on an H200 (2026-11-30,
@@ -33,6 +36,10 @@ TABLE = {
     "dq": {16: _cfg(64, 64, 4, 3), 32: _cfg(64, 64, 4, 3), 64: _cfg(64, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
     "stats": {16: _cfg(64, 64, 4, 3), 32: _cfg(64, 64, 4, 3), 64: _cfg(64, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
 }
+# the dQ kernel with statistics on is its own compilation: its counts and sums need about twice
+# the registers of the plain one (235 against 127 per thread at D=64, 64x64 tiles), which halves
+# the programs an SM holds; it gets its own entry and candidates
+TABLE["dq_stats"] = dict(TABLE["dq"])
 
 CANDIDATES = {
     "fwd": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 4),
@@ -42,6 +49,9 @@ CANDIDATES = {
     "dq": [_cfg(128, 32, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3),
            _cfg(64, 32, 4, 4), _cfg(128, 64, 4, 2)],
     "stats": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
+    "dq_stats": [_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3, maxnreg=168), _cfg(64, 32, 4, 3), _cfg(64, 32, 4, 4),
+                 _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 3, maxnreg=128), _cfg(64, 64, 4, 2),
+                 _cfg(32, 32, 4, 3)],
 }
 
 INTERPRETER = {name: _cfg(16, 16, 4, 1) for name in TABLE}

@@ -11,9 +11,35 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-@pytest.mark.parametrize("script", ["host_overhead.py", "host_profile.py"])
+@pytest.mark.parametrize("script", ["host_overhead.py", "host_profile.py", "dq_stats_sweep.py"])
 def test_gpu_only_benchmark_scripts_exit_2_and_say_they_need_cuda(script):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "needs CUDA" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_kernel_ab_exits_2_without_cuda():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--before", "kernels/triton_attn.py"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "needs CUDA" in proc.stderr
+
+
+def test_kernel_ab_loads_a_copy_of_the_kernels_beside_the_package(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernel_ab
+    finally:
+        sys.path.pop(0)
+    copy = tmp_path / "before.py"
+    copy.write_text((ROOT / "kernels" / "triton_attn.py").read_text())
+    module = kernel_ab.load_before(str(copy), 7)
+    import flashwatch.kernels.triton_attn as current
+
+    assert module is not current and module.flash_attention is not current.flash_attention
+    not_kernels = tmp_path / "other.py"
+    not_kernels.write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="has no flash_attention"):
+        kernel_ab.load_before(str(not_kernels))

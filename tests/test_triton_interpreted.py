@@ -125,6 +125,33 @@ def test_injection_biases_tied_rows_and_fixed_disarms_it():
     assert torch.equal(fixed, flash_attention(q, k, v, variant="fixed"))
 
 
+def _max_ever_repeats(s: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, H, N) bool: at some key j the row's running max so far, m, had s_j within eps
+    (m - eps <= s_j <= m + eps), i.e. some prefix of the row repeated its max. The fixed
+    kernel's online flag can only turn on in such rows, whatever its tiling."""
+    running = torch.cummax(s, dim=-1).values[..., :-1]  # max of s[..., :j], for j >= 1
+    later = s[..., 1:]
+    return ((later >= running - eps) & (later <= running + eps) & torch.isfinite(later)).any(dim=-1)
+
+
+def test_fixed_changes_the_rows_whose_max_repeats_and_no_other():
+    """The fixed variant's shift is the plain one on rows whose max never repeated (their output
+    is bitwise the plain kernel's) and larger on tied rows, whose P_bar all fall below 1 and round
+    anew: their output moves. A fixed kernel that never shifted would pass every tolerance test."""
+    q, k, v = (t.detach() for t in planted_ties(B=1, H=2, N=70, D=64))
+    plain = flash_attention(q, k, v)
+    fixed = flash_attention(q, k, v, variant="fixed")
+    s = reference.scores(q.double(), k.double(), True, q.shape[-1] ** -0.5)
+    tied, _ = reference.tie_flags(*reference.row_top2(s), 1e-3)
+    moved = (fixed != plain).any(dim=-1)  # (B, H, N)
+    assert tied.sum() >= 40, "the planted ties should give many repeated-max rows"
+    assert moved[tied].float().mean() > 0.8, moved[tied].float().mean()
+    never = ~_max_ever_repeats(s, 1e-3)
+    assert never.sum() >= 40
+    assert not moved[never].any(), "rows whose max never repeated must equal the plain kernel's"
+    assert max_err(fixed, reference.flash_attention(q.double(), k.double(), v.double())) < 0.05
+
+
 def test_nan_in_one_head_stays_there():
     q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 64, seed=8))
     q[0, 1, 4, 0] = float("nan")

@@ -1,0 +1,82 @@
+"""Configurations of the statistics dQ kernel, by device time (needs CUDA).
+
+    python benchmarks/dq_stats_sweep.py --json sweep.json
+
+With statistics on, the dQ kernel is its own compilation and needs about twice the registers
+of the plain one (docs/KERNEL_TUNING.md), so the plain kernel's best block shape need not be
+its best. For each shape this times forward+backward with statistics on, replayed from a CUDA
+graph (``flashwatch.bench.device_fwd_bwd_ms``), once per candidate of
+``tuning.CANDIDATES["dq_stats"]`` (every other kernel at its table entry), against plain
+forward+backward in the same process, and prints the overhead of each candidate; the
+fastest per shape is marked. A candidate that does not compile or launch is reported and
+skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 64), (4, 32, 4096, 128), (1, 32, 16384, 128))
+
+
+def main(argv=None) -> int:
+    from flashwatch import bench
+    from flashwatch.kernels import AttentionStats, flash_attention, tuning
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", metavar="B,H,N,D", help="shape(s) (default: the bench's four)")
+    ap.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("dq_stats_sweep needs CUDA", file=sys.stderr)
+        return 2
+    shapes = [bench.parse_shape(s) for s in args.shape] if args.shape else SHAPES
+
+    def plain(q, k, v, causal):
+        return flash_attention(q, k, v, causal=causal)
+
+    rows = []
+    for shape in shapes:
+        stats = AttentionStats(shape[1], "cuda")
+
+        def with_stats(q, k, v, causal):
+            return flash_attention(q, k, v, causal=causal, stats=stats)
+
+        base = bench.device_fwd_bwd_ms(plain, shape, True, torch.bfloat16)
+        default = tuning.TABLE["dq_stats"][shape[3]]
+        results = []
+        for cfg in tuning.CANDIDATES["dq_stats"]:
+            tuning.set_override("dq_stats", cfg)
+            try:
+                ms = bench.device_fwd_bwd_ms(with_stats, shape, True, torch.bfloat16)
+                results.append({"config": cfg, "ms": ms, "overhead_vs_plain": ms / base - 1.0})
+            except Exception as exc:  # a configuration that does not fit: reported, skipped
+                results.append({"config": cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            finally:
+                tuning.set_override("dq_stats", None)
+        timed = [r for r in results if "ms" in r]
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        rows.append({"shape": list(shape), "plain_ms": base, "table_config": default, "candidates": results,
+                     "best": best["config"] if best else None})
+        print(f"\nshape {shape}: plain f+b {base:.3f} ms (device); statistics on, by dQ configuration:")
+        for r in results:
+            c = r["config"]
+            label = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}" + (
+                f" maxnreg {c['maxnreg']}" if "maxnreg" in c else "")
+            mark = (" <- best" if r is best else "") + (" (table)" if c == default else "")
+            if "ms" in r:
+                print(f"  {label:<28} {r['ms']:8.3f} ms  {r['overhead_vs_plain']:+7.1%}{mark}")
+            else:
+                print(f"  {label:<28} failed: {r['error']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": bench.environment(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
