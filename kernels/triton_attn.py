@@ -13,11 +13,14 @@ Changes:
   * backward, dQ kernel (it sees whole rows): the repeated-max test "at least two scores
     >= m - eps" is a count against the stored row max, exact however the row is tiled; the
     BF16 test counts scores whose BF16 rounding is >= bf16(m) - eps through one FP32 threshold
-    per row (``_bf16_lower_bound``). delta_hp = rowsum(P * dP) accumulates beside dS at one
+    per row (``_bf16_lower_bound``); both counts are 0/1 indicators summed on the tensor
+    cores (``_count_into``). delta_hp = rowsum(P * dP) accumulates beside dS at one
     multiply-add per score; e = delta_used - delta_hp is summed per head (signed, absolute,
-    squared, tied rows). No output-sized buffer is kept for any of it.
+    squared, tied rows). No output-sized buffer is kept for any of it. This compilation of the
+    dQ kernel needs about twice the registers of the plain one and has its own block shape
+    (``tuning.TABLE["dq_stats"]``).
 - Variants: ``fixed`` (Qiu & Yao's shifted max on repeated-max rows, guarded; an online exact
-  tie flag, one compare-and-count per score, decides it, so every P_bar < 1 once a row's
+  tie flag, one compare per score and a count on the tensor cores, decides it, so every P_bar < 1 once a row's
   running max repeats) and ``fp32_delta``
   (the forward stores R = O_fp32 - O in the input dtype; the backward's delta uses O + R).
 - A statistics-only kernel for observe mode (another kernel's output and its gradient in,
@@ -103,23 +106,19 @@ def _top2_update(qk, m1, m2):
 
 
 @triton.jit
-def _plain_shift(m1_raw, sm_scale):
-    """The subtracted max of each row in log2 units: m, or 0 on a row that has seen only masked
-    scores so far (no inf - inf)."""
+def _row_shift(m1_raw, tied, sm_scale, beta, min_off, max_off, FIXED: tl.constexpr):
+    """The subtracted max of each row in log2 units. Plain: m. Fixed: m + guarded offset on
+    rows whose running max repeats within eps (Qiu & Yao: beta*m for m > 0, 0 for m < 0)."""
     m1 = m1_raw * sm_scale
-    return tl.where(m1 == float("-inf"), 0.0, m1) * 1.4426950408889634
-
-
-@triton.jit
-def _fixed_offset(m1_raw, tied, sm_scale, beta, min_off, max_off):
-    """What the fixed variant adds to the plain shift, in log2 units: on rows whose running max
-    repeats within eps, Qiu & Yao's (beta - 1) * m for m > 0 and -m for m < 0 (so the subtracted
-    max is beta * m or 0), clamped to [min_off, max_off] (the underflow guard); 0 elsewhere."""
-    m1 = m1_raw * sm_scale
-    off = tl.where(m1 > 0, (beta - 1.0) * m1, -m1)
-    off = tl.minimum(tl.maximum(off, min_off), max_off)
-    off = tl.where((tied != 0) & (m1 > float("-inf")), off, 0.0)
-    return off * 1.4426950408889634
+    if FIXED:
+        off = tl.where(m1 > 0, (beta - 1.0) * m1, -m1)
+        off = tl.minimum(tl.maximum(off, min_off), max_off)
+        shift = m1 + tl.where(tied != 0, off, 0.0)
+    else:
+        shift = m1
+    # a row that has seen only masked scores so far keeps shift 0 instead of -inf (no inf - inf)
+    shift = tl.where(m1 == float("-inf"), 0.0, shift)
+    return shift * 1.4426950408889634
 
 
 @triton.jit
@@ -142,18 +141,20 @@ def _count_into(hit, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _tie_update(qk, t1, m1, tied, eps_raw, UPCAST: tl.constexpr):
+def _tie_update(qk, m1, tied, eps_raw, UPCAST: tl.constexpr):
     """Online exact repeated-max flag of each row: does the running max have a second score
     within eps? Costs one compare per score and a small count on the tensor cores (the fixed
     variant needs it to decide its shift). A new tile whose max t1 exceeds the running max m
     keeps a tie iff m is within eps of t1 or the tile itself has two scores within eps of t1;
     otherwise the flag turns on once a tile's max comes within eps of m. Raw (unscaled) units:
-    eps_raw = eps / sm_scale; t1 = the tile's row max."""
+    eps_raw = eps / sm_scale."""
+    t1 = tl.max(qk, 1)
     n_near = tl.max(_count_into(qk >= (t1 - eps_raw)[:, None], tl.zeros([qk.shape[0], 16], tl.float32), UPCAST), 1)
     rises = t1 > m1
     keep = (m1 >= t1 - eps_raw) | (n_near >= 2.0)
     joins = (t1 >= m1 - eps_raw) & (t1 > float("-inf"))
-    return tl.where(rises, keep.to(tl.int32), tied | joins.to(tl.int32))
+    tied = tl.where(rises, keep.to(tl.int32), tied | joins.to(tl.int32))
+    return tl.maximum(m1, t1), tied
 
 
 @triton.jit
@@ -196,25 +197,13 @@ def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn
                 valid = valid & (offs_m[:, None] >= cols[None, :])
             qk = tl.where(valid, qk, float("-inf"))
         if FIXED:
-            # the exponentials are taken under the plain shift, so they need not wait for the
-            # tie count (a compare, a matrix product and a reduction that, on the path to
-            # exp2, cost ~30% of the forward); rows whose running max repeats are then scaled
-            # by exp2(-offset), one multiply per score, so every P_bar of such a row is < 1
-            t1 = tl.max(qk, 1)
-            new_m1 = tl.maximum(m1, t1)
-            base = _plain_shift(new_m1, sm_scale)
-            p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - base[:, None])
-            aux = _tie_update(qk, t1, m1, aux, eps_raw, UPCAST)
-            off = _fixed_offset(new_m1, aux, sm_scale, beta, min_off, max_off)
-            p = p * tl.math.exp2(-off)[:, None]
-            new_shift = base + off
+            new_m1, aux = _tie_update(qk, m1, aux, eps_raw, UPCAST)
+        elif TOP2:
+            new_m1, aux = _top2_update(qk, m1, aux)
         else:
-            if TOP2:
-                new_m1, aux = _top2_update(qk, m1, aux)
-            else:
-                new_m1 = tl.maximum(m1, tl.max(qk, 1))
-            new_shift = _plain_shift(new_m1, sm_scale)
-            p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
+            new_m1 = tl.maximum(m1, tl.max(qk, 1))
+        new_shift = _row_shift(new_m1, aux, sm_scale, beta, min_off, max_off, FIXED)
+        p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
         alpha = tl.math.exp2(shift - new_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(_cast(p, DTYPE, EXACT_BF16), v, IEEE, UPCAST)

@@ -39,7 +39,9 @@ TABLE = {
 # the dQ kernel with statistics on is its own compilation: its counts and sums need about twice
 # the registers of the plain one (235 against 127 per thread at D=64, 64x64 tiles), which halves
 # the programs an SM holds; it gets its own entry and candidates
-TABLE["dq_stats"] = dict(TABLE["dq"])
+# (device-time sweep on an H200, benchmarks/dq_stats_sweep.py, docs/KERNEL_TUNING.md sitting 9:
+# 64x32 tiles at D=64, where 64x64 cost 4-7 points more overhead; at D=128 the dq entry was best)
+TABLE["dq_stats"] = {**TABLE["dq"], **{d: _cfg(64, 32, 4, 3) for d in (16, 32, 64)}}
 
 CANDIDATES = {
     "fwd": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 32, 4, 4),
