@@ -43,3 +43,33 @@ def test_kernel_ab_loads_a_copy_of_the_kernels_beside_the_package(tmp_path):
     not_kernels.write_text("x = 1\n")
     with pytest.raises(SystemExit, match="has no flash_attention"):
         kernel_ab.load_before(str(not_kernels))
+
+
+def test_sass_loop_counts_compiles_for_hopper_without_a_gpu(tmp_path):
+    """The instruction counts quoted in docs/KERNEL_TUNING.md come from this script; it needs
+    only Triton's bundled ptxas and cuobjdump (run apart: the tests interpret Triton)."""
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = tmp_path / "counts.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_loop_counts.py"), "--kernel", "dq",
+                           "--head-dim", "64", "--json", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain = next(r for r in json.loads(out.read_text()) if r["variant"] == "plain")
+    assert plain["registers"] and plain["shared_bytes"] > 0
+    main_loop = max(plain["loops"], key=lambda loop: loop["instructions"])
+    assert main_loop["opcodes"].get("HGMMA", 0) > 0, "the dQ loop should issue Hopper matrix instructions"
+    assert main_loop["opcodes"].get("MUFU", 0) > 0, "and exp2 on the special-function unit"
+
+
+def test_sass_loop_counts_finds_loops_by_their_backward_branch():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sass_loop_counts
+    finally:
+        sys.path.pop(0)
+    listing = "/*0010*/ FADD R1, R2, R3 ;\n/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ BRA 0x40 ;\n"
+    assert sass_loop_counts.loop_counts(listing) == [{"instructions": 2, "opcodes": {"FADD": 1, "BRA": 1}}]

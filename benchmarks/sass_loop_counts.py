@@ -1,0 +1,133 @@
+"""Instructions per loop iteration of the Triton kernels on Hopper, without a GPU.
+
+    python benchmarks/sass_loop_counts.py [--kernel fwd|dq] [--head-dim 64|128] [--json PATH]
+
+Compiles the forward kernel (plain, fixed) and the dQ kernel (statistics off, on) for sm_90 at
+their ``kernels/tuning.py`` configurations, with the argument specialisation the launcher gets
+at the bench's shapes (16-byte aligned pointers, strides and N divisible by 16), disassembles the
+cubin with the cuobjdump that ships with Triton, and prints, per compilation, the registers per
+thread, the shared memory, and for every loop (a backward branch) its instruction count and
+most frequent opcodes. Counting first: a statistic that adds k instructions per score to an
+issue-bound loop of n costs about k/n of it, and registers decide how many programs an SM holds
+(docs/KERNEL_TUNING.md, sitting 8-10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+FP32_POINTERS = {"LSE", "DELTA", "ROWMAX", "ST_E", "ST_EABS", "ST_ESQ", "ST_ETIED", "ST_MAXL"}
+FP32_SCALARS = {"sm_scale", "eps", "eps_raw", "beta", "min_off", "max_off", "inject_factor", "unit_gap"}
+
+
+def _compile(fn, constexprs: dict, cfg: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    first_scalar = min(i for i, n in enumerate(names) if n.startswith("s") and n[1:2] in "qkvod" and len(n) <= 5)
+    signature, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in constexprs:
+            signature[n] = "constexpr"
+        elif i < first_scalar:
+            signature[n] = "*fp32" if n in FP32_POINTERS else ("*i64" if n.startswith("ST_REP") else "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n in FP32_SCALARS:
+            signature[n] = "fp32"
+        else:
+            signature[n] = "i32"
+            if n != "G":  # strides, H and N of the bench's shapes are multiples of 16; G is 1 there
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if "maxnreg" in cfg:
+        options["maxnreg"] = cfg["maxnreg"]
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def loop_counts(sass: str) -> list[dict]:
+    """Each loop (a branch to an earlier address) of a cuobjdump -sass listing: its instruction
+    count and opcode histogram (opcode without modifiers, predicates stripped)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+            loops.append({"instructions": len(body), "opcodes": dict(ops.most_common())})
+    return loops
+
+
+def analyse(kind: str, variant: str, head_dim: int) -> dict:
+    from flashwatch.kernels import triton_attn, tuning
+
+    common = {"HEAD_DIM": head_dim, "CAUSAL": True, "IEEE": False, "UPCAST": False, "EXACT_BF16": False,
+              "FP32_DELTA": False}
+    if kind == "fwd":
+        cfg = tuning.TABLE["fwd"][head_dim]
+        fn = triton_attn._attn_fwd_kernel
+        constexprs = dict(common, FIXED=variant == "fixed", STATS=False, INJECT=False)
+    else:
+        cfg = tuning.TABLE["dq_stats" if variant == "stats" else "dq"][head_dim]
+        fn = triton_attn._attn_bwd_dq_kernel
+        constexprs = dict(common, STATS=variant == "stats")
+    constexprs.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+    compiled = _compile(fn, constexprs, cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    return {"kernel": kind, "variant": variant, "head_dim": head_dim, "config": cfg,
+            "registers": int(regs.group(1)) if regs else None, "shared_bytes": compiled.metadata.shared,
+            "loops": loop_counts(sass)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", choices=("fwd", "dq"), action="append", help="default: both")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), action="append", help="default: both")
+    ap.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    args = ap.parse_args(argv)
+    variants = {"fwd": ("plain", "fixed"), "dq": ("plain", "stats")}
+    out = []
+    for kind in args.kernel or ("fwd", "dq"):
+        for d in args.head_dim or (64, 128):
+            for variant in variants[kind]:
+                r = analyse(kind, variant, d)
+                out.append(r)
+                c = r["config"]
+                print(f"{kind} {variant:<6} D={d} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']}: "
+                      f"{r['registers']} registers, {r['shared_bytes']} B shared")
+                for loop in r["loops"]:
+                    top = ", ".join(f"{k} {v}" for k, v in list(loop["opcodes"].items())[:8])
+                    print(f"    loop: {loop['instructions']} instructions ({top})")
+                sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
