@@ -9,7 +9,7 @@ cubin with the cuobjdump that ships with Triton, and prints, per compilation, th
 thread, the shared memory, and for every loop (a backward branch) its instruction count and
 most frequent opcodes. Counting first: a statistic that adds k instructions per score to an
 issue-bound loop of n costs about k/n of it, and registers decide how many programs an SM holds
-(docs/KERNEL_TUNING.md, sitting 8-10).
+(docs/KERNEL_TUNING.md, sittings 8-11).
 """
 
 from __future__ import annotations

@@ -126,10 +126,11 @@ def _count_into(hit, acc, UPCAST: tl.constexpr):
     """acc (BLOCK_M, 16) FP32 += the number of true entries in each row of hit (BLOCK_M,
     BLOCK_N), in every one of acc's 16 columns, on the tensor cores: the 0/1 indicator matrix
     times a (BLOCK_N, 16) matrix of ones. Exact: 0, 1 and their products are exact in BF16 and
-    FP32 sums integers exactly up to 2**24. Why not tl.sum: a per-score select and integer add
-    on the ALUs, which are the bottleneck of these kernels (the counts doubled the dQ loop's
-    instruction count, docs/KERNEL_TUNING.md); here a score costs one FP32 set and half a BF16
-    pack, and the matrix unit adds them."""
+    FP32 sums integers exactly up to 2**24 (a row's count is at most N). Against a per-score
+    select and integer add (tl.sum), a score costs one FP32 set and half a BF16 pack: the dQ
+    loop's statistics went from +231 to +140 instructions per iteration, which gained 1-2
+    points of overhead at D=128 and nothing measurable at D=64 (docs/KERNEL_TUNING.md,
+    sittings 8-11)."""
     BLOCK_N: tl.constexpr = hit.shape[1]
     if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (module docstring)
         ones = tl.full([BLOCK_N, 16], 1.0, tl.float32)
