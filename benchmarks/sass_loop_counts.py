@@ -81,7 +81,7 @@ def analyse(kind: str, variant: str, head_dim: int) -> dict:
     common = {"HEAD_DIM": head_dim, "CAUSAL": True, "IEEE": False, "UPCAST": False, "EXACT_BF16": False,
               "FP32_DELTA": False}
     if kind == "fwd":
-        cfg = tuning.TABLE["fwd"][head_dim]
+        cfg = tuning.TABLE["fwd_fixed" if variant == "fixed" else "fwd"][head_dim]
         fn = triton_attn._attn_fwd_kernel
         constexprs = dict(common, FIXED=variant == "fixed", STATS=False, INJECT=False)
     else:

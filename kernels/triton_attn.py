@@ -696,12 +696,17 @@ def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
     maxlogit = stats.max_logit if stats is not None else lse
     inject_factor = 1.0 + inject_bias * 2.0 ** -_PRECISION_BITS[q.dtype]
 
-    def bench(cfg):  # plain, statistics off, into scratch outputs: tuning never touches stats
+    # the fixed variant is its own compilation with its own entry: its tie count's operand of
+    # ones takes 2 KB of shared memory, one program per SM fewer at the plain entry (sitting 12)
+    kind = "fwd_fixed" if variant == "fixed" else "fwd"
+
+    def bench(cfg):  # statistics off, into scratch outputs: tuning never touches stats
         scratch_o, scratch_lse = torch.empty_like(o), torch.empty_like(lse)
         return lambda: _launch_fwd(q, k, v, scratch_o, scratch_lse, scratch_o, scratch_lse, scratch_lse,
-                                   causal, sm_scale, "plain", beta, eps, False, 1.0, cfg)
+                                   causal, sm_scale, "fixed" if kind == "fwd_fixed" else "plain", beta, eps, False,
+                                   1.0, cfg)
 
-    cfg = tuning.choose("fwd", q, causal, bench)
+    cfg = tuning.choose(kind, q, causal, bench)
     _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, beta, eps, stats is not None,
                 inject_factor, cfg)
     return o, lse, (r if fp32_delta else None), (rowmax if stats is not None else None)

@@ -5,7 +5,7 @@ import torch
 
 from flashwatch.kernels import tuning
 
-ROWS_OVER_KEYS = ("fwd", "dq", "dq_stats", "stats")  # causal loops take whole key blocks below a query block
+ROWS_OVER_KEYS = ("fwd", "fwd_fixed", "dq", "dq_stats", "stats")  # causal loops take whole key blocks below a query block
 
 
 @pytest.mark.parametrize("kind", sorted(tuning.TABLE))
@@ -19,8 +19,9 @@ def test_every_configuration_keeps_its_kernels_block_constraint(kind):
         assert set(cfg) <= {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg"}, cfg
 
 
-def test_statistics_dq_kernel_has_its_own_entry_for_every_head_dim():
+def test_own_compilations_have_their_own_entry_for_every_head_dim():
     assert set(tuning.TABLE["dq_stats"]) == set(tuning.TABLE["dq"])
+    assert set(tuning.TABLE["fwd_fixed"]) == set(tuning.TABLE["fwd"])
     assert any("maxnreg" in cfg for cfg in tuning.CANDIDATES["dq_stats"])
 
 
