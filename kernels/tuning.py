@@ -1,14 +1,15 @@
 """Block shapes, warps and pipeline stages of the Triton kernels.
 
 ``TABLE`` holds the configuration each kernel uses per head dim on CUDA; the values were
-chosen by ``flashwatch bench --tune`` on an H200 (docs/KERNEL_TUNING.md has the runs).
-With FLASHWATCH_AUTOTUNE=1 the launchers time every candidate of ``CANDIDATES`` on the first
-call of each (kernel, head dim, dtype, causal, N) and keep the fastest for the process; the
-timing runs the plain kernel with statistics off into scratch buffers, so tuning never adds
-into an ``AttentionStats``. Under the Triton interpreter small blocks are used, so tests at
+chosen by ``flashwatch bench --tune`` and, for the two compilations that differ most from the
+plain ones (``fwd_fixed``: the fixed forward; ``dq_stats``: the dQ kernel with statistics), by
+device-time sweeps, on an H200 (docs/KERNEL_TUNING.md has the runs). With FLASHWATCH_AUTOTUNE=1
+the launchers time every candidate of ``CANDIDATES`` on the first call of each (kernel, head
+dim, dtype, causal, N) and keep the fastest for the process; the timing runs into scratch
+outputs and scratch statistics, so tuning never adds into an ``AttentionStats``. Under the Triton interpreter small blocks are used, so tests at
 small N still cross several tiles.
 
-Constraints: forward, dq and stats need BLOCK_M % BLOCK_N == 0 (the causal off-diagonal loop
+Constraints: fwd, fwd_fixed, dq, dq_stats and stats need BLOCK_M % BLOCK_N == 0 (the causal off-diagonal loop
 takes whole key blocks below the query block); dkdv needs BLOCK_N % BLOCK_M == 0.
 """
 
