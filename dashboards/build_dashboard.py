@@ -108,8 +108,9 @@ def alert_rules() -> list[Rule]:
              "(drift z {{ $value | printf \"%.2f\" }})",
              "The signed delta error sum_rows(delta_used - delta_hp) of this head has drifted "
              f"|z| >= {_g(t['drift_z'])} standard deviations from zero: BF16 rounding of the attention "
-             "output biases W^Q's gradient (Qiu & Yao). Remedy: the fp32_delta kernel variant (layers "
-             "already running it are not judged)."),
+             "output biases W^Q's gradient (Qiu & Yao). The bias is there in healthy BF16 runs too (a "
+             "warning, not a forecast): a failure is likelier when the repeated-max and max-logit alerts "
+             "follow. Remedy: the fp32_delta kernel variant (layers already running it are not judged)."),
         Rule("repeated_max_rise",
              _after_warmup(f"{rm} >= {_g(t['repeated_max_factor'])} * {rm_base} and {rm} >= "
                            f"{_g(t['repeated_max_margin'])} + {rm_base}", "baseline_steps"),

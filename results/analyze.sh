@@ -14,6 +14,8 @@
 #   results/gpu-2026-11-30/runs-batch4.tgz   GPU batch 4: real-numerics paper seeds 2-4, plain_fast 0-4, fp32_fast 0-1
 #   results/gpu-2026-11-30/runs-batch5.tgz   GPU batch 5: real-failure fp32 seeds 0-1 again, to ~4,830 steps
 #                                            (they replace batch 1's fp32 runs of the same seeds, stopped at 2,280)
+#   results/gpu-2026-11-30/runs-batch6.tgz   GPU batch 6 (third session): real-failure sdpa_observe_lr1e-3 seeds
+#                                            0-4, the healthy BF16 reference, to ~4,940 steps
 #   results/injection-2026-11-30/runs.tgz    CPU injection scenario: healthy, injected (and the first
 #                                            injected_auto_fix runs, made with the old defaults)
 #   results/injection-2026-11-30/runs-auto_fix-calibrated.tgz
@@ -23,12 +25,13 @@ PY=${PYTHON:-python}
 fw() { "$PY" -m flashwatch.cli experiment "$@"; }
 G=runs/gpu-2026-11-30
 I=runs/injection-2026-11-30
-mkdir -p $G/batch1 $G/batch2 $G/batch3 $G/batch4 $G/batch5 $I/original $I/calibrated
+mkdir -p $G/batch1 $G/batch2 $G/batch3 $G/batch4 $G/batch5 $G/batch6 $I/original $I/calibrated
 tar xzf results/gpu-2026-11-30/runs-batch1.tgz -C $G/batch1
 tar xzf results/gpu-2026-11-30/runs-batch2.tgz -C $G/batch2
 tar xzf results/gpu-2026-11-30/runs-batch3.tgz -C $G/batch3
 tar xzf results/gpu-2026-11-30/runs-batch4.tgz -C $G/batch4
 tar xzf results/gpu-2026-11-30/runs-batch5.tgz -C $G/batch5
+tar xzf results/gpu-2026-11-30/runs-batch6.tgz -C $G/batch6
 tar xzf results/injection-2026-11-30/runs.tgz -C $I/original
 tar xzf results/injection-2026-11-30/runs-auto_fix-calibrated.tgz -C $I/calibrated
 
@@ -49,5 +52,8 @@ fw analyze $REAL_FAILURE $REAL_NUMERICS --calibrate results/calibration-gpu.json
 # the real failure alone (lr 3e-3): its healthy runs are the FP32 controls and fp32_delta; the
 # real-numerics pool adds the lr-6e-3 FP32 runs, whose logits pass 2e4 (docs/EXPERIMENTS.md section 2)
 fw analyze $REAL_FAILURE --calibrate results/calibration-real-failure.json > results/calibration-real-failure.txt
+# the real failure with the healthy BF16 reference (SDPA at lr 1e-3, delta from the rounded output)
+fw analyze $REAL_FAILURE $G/batch6/real-failure --calibrate results/calibration-real-failure-healthy-bf16.json \
+   > results/calibration-real-failure-healthy-bf16.txt
 fw analyze $INJECTION --calibrate results/calibration-injection.json > results/calibration-injection.txt
 fw analyze $REAL_FAILURE $REAL_NUMERICS $INJECTION --calibrate results/calibration.json > results/calibration.txt

@@ -57,7 +57,7 @@ def test_delta_drift_fires_once_after_warmup_then_holds_and_clears_with_hysteres
     assert d.update(step(0, layer(z=[9.0, 0, 0], count=[4, 4, 4]))) == []
     new = d.update(step(1, layer(z=[-4.5, 1.0, 0], cum=[-0.3, 0, 0], count=[5, 5, 5])))
     assert [(a.rule, a.layer, a.head, a.value, a.threshold, a.severity) for a in new] == \
-        [("delta_drift", 0, 0, -4.5, 4.0, "critical")]
+        [("delta_drift", 0, 0, -4.5, 4.0, "warning")]
     assert "drift z=-4.50" in new[0].message and "fp32_delta" in new[0].message
     assert d.update(step(2, layer(z=[-3.7, 0, 0]))) == []  # still holds above 0.9 * 4
     assert [a.head for a in d.active] == [0]
