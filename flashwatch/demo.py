@@ -592,7 +592,8 @@ def report_lines(result: DemoResult, *, top: int = 3) -> list[str]:
             where = f"L{a.layer}.H{a.head}" if a.head >= 0 else (f"L{a.layer}" if a.layer >= 0 else "run")
             lines.append(f"    first {a.rule} at step {a.step} ({a.severity}, {where}, value {a.value:.3g} vs "
                          f"threshold {a.threshold:.3g})")
-        if severities.get("critical", 0) == 0 and set(counts) & {"repeated_max_rise", "wq_growth", "wq_outlier"}:
+        if (not result.injected and severities.get("critical", 0) == 0
+                and set(counts) & {"repeated_max_rise", "wq_growth", "wq_outlier"}):
             lines.append("    warnings only: repeated-max rise and W^Q growth use thresholds set for runs of "
                          "thousands of steps; early training of a small model can cross them")
     else:
