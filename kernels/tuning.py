@@ -6,11 +6,11 @@ plain ones (``fwd_fixed``: the fixed forward; ``dq_stats``: the dQ kernel with s
 device-time sweeps, on an H200 (docs/KERNEL_TUNING.md has the runs). With FLASHWATCH_AUTOTUNE=1
 the launchers time every candidate of ``CANDIDATES`` on the first call of each (kernel, head
 dim, dtype, causal, N) and keep the fastest for the process; the timing runs into scratch
-outputs and scratch statistics, so tuning never adds into an ``AttentionStats``. Under the Triton interpreter small blocks are used, so tests at
-small N still cross several tiles.
+outputs and scratch statistics, so tuning never adds into an ``AttentionStats``. Under the
+Triton interpreter small blocks are used, so tests at small N still cross several tiles.
 
-Constraints: fwd, fwd_fixed, dq, dq_stats and stats need BLOCK_M % BLOCK_N == 0 (the causal off-diagonal loop
-takes whole key blocks below the query block); dkdv needs BLOCK_N % BLOCK_M == 0.
+Constraints: fwd, fwd_fixed, dq, dq_stats and stats need BLOCK_M % BLOCK_N == 0 (the causal
+off-diagonal loop takes whole key blocks below the query block); dkdv needs BLOCK_N % BLOCK_M == 0.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ CANDIDATES = {
 
 INTERPRETER = {name: _cfg(16, 16, 4, 1) for name in TABLE}
 INTERPRETER["dkdv"] = _cfg(16, 32, 4, 1)  # BLOCK_N > BLOCK_M: exercises the diagonal segment
-INTERPRETER["fwd"] = INTERPRETER["fwd_fixed"] = _cfg(32, 16, 4, 1)  # BLOCK_M > BLOCK_N: several key tiles per diagonal
+# BLOCK_M > BLOCK_N: several key tiles per diagonal
+INTERPRETER["fwd"] = INTERPRETER["fwd_fixed"] = _cfg(32, 16, 4, 1)
 
 _chosen: dict[tuple, dict] = {}
 _override: dict[str, dict] = {}
