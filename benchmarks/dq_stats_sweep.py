@@ -20,8 +20,6 @@ import sys
 
 import torch
 
-SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 64), (4, 32, 4096, 128), (1, 32, 16384, 128))
-
 
 def main(argv=None) -> int:
     from flashwatch import bench
@@ -34,7 +32,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("dq_stats_sweep needs CUDA", file=sys.stderr)
         return 2
-    shapes = [bench.parse_shape(s) for s in args.shape] if args.shape else SHAPES
+    shapes = [bench.parse_shape(s) for s in args.shape] if args.shape else bench.DEFAULT_SHAPES
 
     def plain(q, k, v, causal):
         return flash_attention(q, k, v, causal=causal)

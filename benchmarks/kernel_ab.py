@@ -24,7 +24,6 @@ import sys
 
 import torch
 
-SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 64), (4, 32, 4096, 128), (1, 32, 16384, 128))
 VARIANTS = (("plain", False), ("plain_stats", True), ("fixed", False))
 
 
@@ -53,7 +52,9 @@ def kernel(module, name: str, with_stats: bool):
     def run(q, k, v, causal):
         stats = None
         if with_stats:
-            stats = held.setdefault(q.shape[1], AttentionStats(q.shape[1], q.device))
+            stats = held.get(q.shape[1])
+            if stats is None:  # one per head count, kept across calls as a Monitor keeps its layers'
+                stats = held[q.shape[1]] = AttentionStats(q.shape[1], q.device)
         return module.flash_attention(q, k, v, causal=causal, variant=variant, stats=stats)
 
     return run
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("kernel_ab needs CUDA", file=sys.stderr)
         return 2
-    shapes = [bench.parse_shape(s) for s in args.shape] if args.shape else SHAPES
+    shapes = [bench.parse_shape(s) for s in args.shape] if args.shape else bench.DEFAULT_SHAPES
     versions = {f"before{i}": load_before(path, i) for i, path in enumerate(args.before)}
     versions["after"] = after
     names = list(versions)

@@ -33,7 +33,7 @@ def _compile(fn, constexprs: dict, cfg: dict):
     from triton.compiler import ASTSource
 
     names = fn.arg_names
-    first_scalar = min(i for i, n in enumerate(names) if n.startswith("s") and n[1:2] in "qkvod" and len(n) <= 5)
+    first_scalar = names.index("sqb")  # both kernels take their tensors first, then q's strides
     signature, attrs = {}, {}
     for i, n in enumerate(names):
         if n in constexprs:
