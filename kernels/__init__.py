@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from . import reference
+from . import faults, reference
 from .checks import DTYPES, HEAD_DIMS, VARIANTS, check_options, check_qkv
 from .stats import FIELDS as STAT_FIELDS
 from .stats import AttentionStats
@@ -71,6 +71,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     """
     check_qkv(q, k, v)
     check_options(variant, beta, eps, causal, sm_scale, inject_bias)
+    inject_bias = inject_bias or faults.rounding_bias_strength()
     if stats is not None:
         if not isinstance(stats, AttentionStats):
             raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")

@@ -120,25 +120,14 @@ def install_paper_sdpa():
 
 
 def install_injection(strength: float):
-    """INJECTED FAULT: make every ``flashwatch.kernels.flash_attention`` call pass ``inject_bias=strength``.
-
-    Returns an undo function. For experiments only.
+    """INJECTED FAULT: every ``flashwatch.kernels.flash_attention`` call of this process carries
+    the rounding bias (``flashwatch.kernels.faults``). Returns an undo function. For experiments only.
     """
-    import flashwatch.kernels as kernels
+    from flashwatch.kernels import faults
 
-    original = kernels.flash_attention
-
-    def injected_flash_attention(*args, **kwargs):
-        kwargs["inject_bias"] = strength
-        return original(*args, **kwargs)
-
-    kernels.flash_attention = injected_flash_attention
-
-    def undo():
-        if kernels.flash_attention is injected_flash_attention:
-            kernels.flash_attention = original
-
-    return undo
+    previous = faults.rounding_bias_strength()
+    faults.set_rounding_bias(strength)
+    return lambda: faults.set_rounding_bias(previous)
 
 
 def _check_first_monitored_step(monitor) -> None:
