@@ -108,6 +108,15 @@ class LayerSignals:
     wq_ratio: torch.Tensor
     low_precision: bool = True  # attention output was BF16/FP16 (delta error is meaningful)
     variant: str | None = None  # what the layer ran at this step: "sdpa" (observed), "plain", "fixed", "fp32_delta"
+    # the W^Q-gradient error chain (flashwatch.chain; NaN where not measured) and windowed trends
+    wq_error_push: torch.Tensor | None = None
+    wq_error_push_cumulative: torch.Tensor | None = None
+    wq_error_push_share: torch.Tensor | None = None
+    wq_error_alignment: torch.Tensor | None = None
+    wq_error_coherence: torch.Tensor | None = None
+    max_logit_growth: torch.Tensor | None = None  # d log(max logit) per 1,000 optimizer steps over the window
+    wq_sigma_growth_rate: torch.Tensor | None = None  # d log(sigma) per 1,000 optimizer steps over the window
+    repeated_max_bf16_trend: torch.Tensor | None = None  # d(BF16 repeated-max ratio) per 1,000 optimizer steps
 
     @property
     def delta_from_rounded_output(self) -> bool:

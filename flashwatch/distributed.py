@@ -131,36 +131,6 @@ def sharding_of(model: nn.Module) -> str | None:
     return None
 
 
-def _query_shape(module: nn.Module) -> tuple[int, int, int] | None:
-    """(heads, head dim, model dim) of an attention module's W^Q from its structure alone.
-
-    The families of ``flashwatch.attach.find_attention``, recognised without reading a
-    weight (a sharded weight has the wrong shape, or none, between steps).
-    """
-    c_attn, n_head = getattr(module, "c_attn", None), getattr(module, "n_head", None)
-    if isinstance(c_attn, nn.Linear) and isinstance(n_head, int) and not isinstance(n_head, bool):
-        c = c_attn.in_features  # nanoGPT
-        if c_attn.out_features == 3 * c and n_head >= 1 and c % n_head == 0:
-            return n_head, c // n_head, c
-        return None
-    if c_attn is not None and type(c_attn).__name__ == "Conv1D" and not getattr(module, "is_cross_attention", False):
-        nf, nx, heads = getattr(c_attn, "nf", None), getattr(c_attn, "nx", None), getattr(module, "num_heads", None)
-        if isinstance(nf, int) and isinstance(nx, int) and isinstance(heads, int) and nf == 3 * nx \
-                and heads >= 1 and nx % heads == 0:  # Hugging Face GPT-2
-            return heads, nx // heads, nx
-        return None
-    q_proj = getattr(module, "q_proj", None)
-    if isinstance(q_proj, nn.Linear) and hasattr(module, "k_proj") and hasattr(module, "o_proj"):
-        config = getattr(module, "config", None)  # Llama-style
-        heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
-        head_dim = getattr(module, "head_dim", None)
-        if not heads and head_dim:
-            heads = q_proj.out_features // head_dim
-        if isinstance(heads, int) and heads >= 1 and q_proj.out_features % heads == 0:
-            return heads, q_proj.out_features // heads, q_proj.in_features
-    return None
-
-
 def _device_of(module: nn.Module) -> torch.device:
     for t in list(module.parameters()) + list(module.buffers()):
         local = getattr(t, "to_local", None)
@@ -176,17 +146,12 @@ def structural_attention(model: nn.Module) -> dict[str, Any]:
     W^Q's shape (a zero-stride view of one zero: no memory, no weight read), since a rank
     does not hold W^Q whole between steps. The Monitor skips the W^Q norms of such a model.
     """
+    from .attach import known_attention
+
     found: dict[str, Any] = {}
-    skip: str | None = None
-    for name, module in model.named_modules():
-        if skip is not None and name.startswith(skip):
-            continue
-        shape = _query_shape(module)
-        if shape is None:
-            continue
+    for name, module, _family, shape in known_attention(model):
         device = _device_of(module)
         found[name] = lambda m, shape=shape, device=device: torch.zeros((), device=device).expand(*shape)
-        skip = name + "."
     return found
 
 

@@ -248,11 +248,9 @@ class FlashWatchCallback(Callback):
 
     def _setup_distributed(self, trainer: pl.Trainer) -> None:
         """Tell the Monitor what the strategy knows: sharded weights (FSDP) and their gradient norms."""
-        sharding = _strategy_sharding(trainer.strategy)
-        self.monitor._sharding_hint = sharding
         # DDP: every rank's gradients are the all-reduced ones, so each rank's norm is the global
         # norm; a sharded strategy leaves each rank its shard's gradients: sqrt(sum of squares)
-        self.monitor._grad_norm_mode = "l2" if sharding else "max"
+        self.monitor.set_sharding(_strategy_sharding(trainer.strategy))
         if trainer.world_size > 1:
             import torch.distributed as dist
 

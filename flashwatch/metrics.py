@@ -58,6 +58,27 @@ METRICS: tuple[MetricSpec, ...] = (
                "growing like sqrt(T) under a persistent sign."),
     MetricSpec("flashwatch_wq_spectral_norm", "gauge", PER_HEAD, "none",
                "Largest singular value of the head's query projection W^Q_h (d_head x d_model)."),
+    MetricSpec("flashwatch_wq_error_push", "gauge", PER_HEAD, "none",
+               "Push of the delta error on the head's W^Q spectral norm at this step: -u^T dG v for the top "
+               "singular pair (u, v) of W^Q_h and dG the W^Q-gradient error (positive: pushes sigma_max up). "
+               "NaN where not measured."),
+    MetricSpec("flashwatch_wq_error_push_cumulative", "gauge", PER_HEAD, "none",
+               "Sum of flashwatch_wq_error_push over monitored steps."),
+    MetricSpec("flashwatch_wq_error_push_share", "gauge", PER_HEAD, "none",
+               "Cumulative error push over the absolute cumulative push of the true W^Q gradient."),
+    MetricSpec("flashwatch_wq_error_alignment", "gauge", PER_HEAD, "none",
+               "Cosine between the head's W^Q-gradient error at this monitored step and at the previous one "
+               "(about 0 when its direction is random, 1 when it keeps one direction)."),
+    MetricSpec("flashwatch_wq_error_coherence", "gauge", PER_HEAD, "none",
+               "||sum dG|| / sum ||dG|| of the W^Q-gradient error over an exponential window of MonitorConfig.window "
+               "monitored steps (1: one fixed direction; about 0.1 at window 50 when random)."),
+    MetricSpec("flashwatch_max_logit_growth_rate", "gauge", PER_HEAD, "none",
+               "Slope of log(max logit) per 1,000 optimizer steps over the last window of monitored steps."),
+    MetricSpec("flashwatch_wq_spectral_norm_growth_rate", "gauge", PER_HEAD, "none",
+               "Slope of log(W^Q spectral norm) per 1,000 optimizer steps over the last window of monitored steps."),
+    MetricSpec("flashwatch_repeated_max_ratio_bf16_trend", "gauge", PER_HEAD, "none",
+               "Slope of the BF16 repeated-max ratio per 1,000 optimizer steps over the last window of monitored "
+               "steps."),
     MetricSpec("flashwatch_kernel_variant", "gauge", ("layer", "variant"), "none",
                "1 for the attention variant a layer runs now, 0 for the others."),
     MetricSpec("flashwatch_alerts_total", "counter", ("rule",), "none", "Alerts raised, by rule."),

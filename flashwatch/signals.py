@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Ring", "DriftTracker", "drift_z", "PowerIteration", "orthonormalize", "top_eigenvalue", "spectral_norm_exact", "SigmaHistory",
+__all__ = ["Ring", "DriftTracker", "drift_z", "PowerIteration", "orthonormalize", "top_eigenvalue", "top_eigenvector", "spectral_norm_exact", "SigmaHistory",
            "ratio_to_median", "linear_slope"]
 
 _TINY = 1e-30  # keeps divisions defined for an all-zero head (such a head keeps its old vectors)
@@ -160,18 +160,25 @@ def top_eigenvalue(gram: torch.Tensor, squarings: int = 6) -> torch.Tensor:
     the largest diagonal entry then gives the eigenvalue. With 6 squarings an eigenvalue gap of
     10% leaves (0.9)^64 ~ 1e-3 of the second direction, and the quotient's error is quadratic in it.
     """
+    y = top_eigenvector(gram, squarings)[..., None]  # (N, k, 1)
+    num = (y.transpose(1, 2) @ gram @ y)[:, 0, 0]
+    den = (y.transpose(1, 2) @ y)[:, 0, 0].clamp_min(_TINY)
+    return num / den
+
+
+def top_eigenvector(gram: torch.Tensor, squarings: int = 6) -> torch.Tensor:
+    """A vector of the top eigenspace of each symmetric PSD (k, k) matrix, sync-free, unnormalised:
+    (N, k, k) -> (N, k). Repeated squaring as in ``top_eigenvalue``; the column with the largest
+    diagonal entry of gram^(2^squarings)."""
     k = gram.shape[-1]
     if k == 1:
-        return gram[..., 0, 0]
+        return torch.ones(gram.shape[:-1], dtype=gram.dtype, device=gram.device)
     a = gram
     for _ in range(squarings):
         a = a / a.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(_TINY)[..., None, None]
         a = a @ a
     j = a.diagonal(dim1=-2, dim2=-1).argmax(-1)  # (N,)
-    y = torch.gather(a, 2, j[:, None, None].expand(-1, k, 1))  # (N, k, 1): a column in the top eigenspace
-    num = (y.transpose(1, 2) @ gram @ y)[:, 0, 0]
-    den = (y.transpose(1, 2) @ y)[:, 0, 0].clamp_min(_TINY)
-    return num / den
+    return torch.gather(a, 2, j[:, None, None].expand(-1, k, 1))[..., 0]
 
 
 class PowerIteration:

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashwatch import Monitor, MonitorConfig
-from flashwatch.attach import Router, AttentionLayer, find_attention, select_layers
+from flashwatch.attach import AttentionLayer, find_attention, select_layers
+from flashwatch.routing import Router
 from flashwatch.kernels import AttentionStats, attention_statistics
 from flashwatch.tinygpt import GPT, GPTConfig
 
@@ -145,7 +146,7 @@ def test_hf_own_kernel_matches_sdpa_and_measures(build):
 
 
 def test_a_dispatcher_kept_after_detach_still_works():
-    from flashwatch.attach import _sdpa_dispatch
+    from flashwatch.routing import _sdpa_dispatch
 
     monitor = Monitor()
     monitor.attach(tiny_gpt())

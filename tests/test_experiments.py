@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import flashwatch.collect
 import torch
 
 from flashwatch.config import MonitorConfig
@@ -93,7 +95,7 @@ def _worker_run(tmp_path, name: str, defer: bool, monkeypatch, arm: str = "auto_
 
     with monkeypatch.context() as m:
         if defer:
-            m.setattr(Monitor, "_start_host_copy", lambda self, values: (values.clone(), _CopyDone()))
+            m.setattr(flashwatch.collect, "start_host_copy", lambda values, async_transfer: (values.clone(), _CopyDone()))
         spec = make_plan([(REAL_FAILURE, [arm])], [0], tmp_path / name, device="cpu", tiny=True, max_steps=21,
                          max_seconds=120, monitor_overrides={"warmup": 1, "max_logit_bound": 1.0,
                                                              "drift_threshold": 0.5})[0]

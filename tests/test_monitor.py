@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flashwatch
+import flashwatch.collect
 from flashwatch import Monitor, MonitorConfig, TrainingStopped
 from flashwatch.detectors import RULES
 from flashwatch.exporters.base import Exporter
@@ -367,7 +368,7 @@ def test_resume_continues_bit_for_bit(tmp_path, load_before_attach):
 
 def test_load_state_dict_errors():
     run = Run(MonitorConfig())
-    with pytest.raises(ValueError, match="not a flashwatch Monitor state of version 1"):
+    with pytest.raises(ValueError, match="not a flashwatch Monitor state of version 2"):
         run.monitor.load_state_dict({"version": 99})
     state = run.monitor.state_dict()
     state["layers"] = state["layers"][:1]
@@ -414,12 +415,13 @@ def test_exact_recompute_every_n_monitored_steps_matches_matrix_norm():
 
 
 def test_wq_power_iteration_groups_split_by_memory_and_agree(monkeypatch):
-    import flashwatch.monitor as monitor_module
+    import flashwatch.wq as wq_module
 
     one = Run(MonitorConfig(interval=1))
-    monkeypatch.setattr(monitor_module, "_WQ_GROUP_BYTES", 4 * 16 * 64 * 4)  # room for one layer per group
+    monkeypatch.setattr(wq_module, "GROUP_BYTES", 4 * 16 * 64 * 4)  # room for one layer per group
     two = Run(MonitorConfig(interval=1))
-    assert [len(g.layers) for g in one.monitor._wq] == [2] and [len(g.layers) for g in two.monitor._wq] == [1, 1]
+    assert [len(g.layers) for g in one.monitor._wq.groups] == [2] and \
+        [len(g.layers) for g in two.monitor._wq.groups] == [1, 1]
     one.train(3)
     two.train(3)
     a, b = (r.monitor.snapshot()["flashwatch_wq_spectral_norm"] for r in (one, two))
@@ -465,7 +467,7 @@ def test_examples_run(script, args, capsys):
 def _sdpa_restored():
     import torch.nn.functional as F
 
-    from flashwatch.attach import _import_time_sdpa
+    from flashwatch.routing import _import_time_sdpa
 
     return F.scaled_dot_product_attention is _import_time_sdpa
 
@@ -482,7 +484,7 @@ class _CopyDone:
 def _defer_like_cuda(monkeypatch):
     """Make the Monitor take its CUDA path on the CPU: the host copy of a monitored step is
     'in flight' until the next step() call decides it."""
-    monkeypatch.setattr(Monitor, "_start_host_copy", lambda self, values: (values.clone(), _CopyDone()))
+    monkeypatch.setattr(flashwatch.collect, "start_host_copy", lambda values, async_transfer: (values.clone(), _CopyDone()))
 
 
 def test_deferred_decisions_equal_immediate_ones_one_step_later(monkeypatch):

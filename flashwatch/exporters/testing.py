@@ -40,6 +40,14 @@ def synthetic_snapshot(layout: Layout, step: int = 0, *, seed: int = 0,
         "flashwatch_delta_error_cumulative": lambda: rng.gauss(0.0, 1e-2),
         "flashwatch_delta_drift_z": lambda: rng.gauss(0.0, 1.0),
         "flashwatch_wq_spectral_norm": lambda: 1.0 + rng.random(),
+        "flashwatch_wq_error_push": lambda: rng.gauss(0.0, 1e-4),
+        "flashwatch_wq_error_push_cumulative": lambda: rng.gauss(0.0, 1e-3),
+        "flashwatch_wq_error_push_share": lambda: rng.gauss(0.0, 1e-2),
+        "flashwatch_wq_error_alignment": lambda: rng.uniform(-0.3, 0.3),
+        "flashwatch_wq_error_coherence": lambda: 0.1 + 0.1 * rng.random(),
+        "flashwatch_max_logit_growth_rate": lambda: rng.gauss(0.0, 0.1),
+        "flashwatch_wq_spectral_norm_growth_rate": lambda: rng.gauss(0.0, 0.05),
+        "flashwatch_repeated_max_ratio_bf16_trend": lambda: rng.gauss(0.0, 0.01),
     }
     for spec in METRICS:
         if spec.per_head:

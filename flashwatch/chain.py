@@ -1,0 +1,175 @@
+"""The W^Q-gradient error of a head, and what it does to W^Q's spectral norm (on the device).
+
+The paper's chain (Qiu & Yao 2026, eq. 2-3): with X the input of the query projection
+(B, N, C) and W^Q_h (D, C) head h's rows of it, the gradient of W^Q_h is dQ_h^T X. The
+backward's delta error e = delta_used - delta_hp per query row changes dQ by
+
+    dQ_used - dQ_hp = -sm_scale * e[..., None] * (P K)        (B, H, N, D)
+
+so the head's W^Q-gradient error is dG_h = (dQ_used - dQ_hp)_h^T X (D x C): a sum over rows of
+rank-1 matrices with the delta errors as coefficients. It accumulates into W^Q only if those
+matrices keep one direction across steps, not merely if e keeps one sign.
+
+Readings per head and monitored step (``FIELDS``, each (H,) float64):
+
+- ``push``: -u^T dG_h v for the head's top singular pair (u, v) of W^Q_h: the first-order
+  change of sigma_max(W^Q_h) that a plain gradient step of unit learning rate along the error
+  would cause (positive: the error pushes sigma_max up). Computed as
+  -sum_rows (dQ_err . u)(x . v), no D x C matrix formed.
+- ``push_true``: the same for the true gradient dQ_used^T X (read from the query's gradient).
+- ``alignment``: cosine between this step's dG_h and the previous monitored step's.
+- ``coherence``: ||S_h|| / N_h with S_h = lam S_h + dG_h and N_h = lam N_h + ||dG_h||, an
+  exponentially weighted window of effective length W (lam = 1 - 1/W): 1 when dG keeps one
+  direction, about sqrt((1 - lam) / (1 + lam)) (0.10 at W = 50) when its direction is random.
+
+Alignment and coherence use a fixed random sketch dG_h Omega (Omega: C x r Gaussian, r =
+``SKETCH_DIM``, the same for every layer of one width, regenerated from a fixed seed): inner
+products of sketches estimate those of the D x C matrices without forming them (a cosine of
+two random directions reads about N(0, 1/r), one of a fixed direction reads 1).
+
+The pair (u, v) is the power iteration's as of the previous monitored step (the vectors move
+slowly; the first monitored step uses the exact pair from attach). Only defined where the
+query the attention sees is the projection's output (``flashwatch.families``: not for rotary
+queries); such layers read NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .signals import top_eigenvector
+
+__all__ = ["FIELDS", "SKETCH_DIM", "LayerChain", "top_pair"]
+
+FIELDS = ("push", "push_true", "alignment", "coherence")
+SKETCH_DIM = 64  # r: a random cosine reads about N(0, 1/64), sd 0.125
+_SEED = 20260101  # fixed: Omega is part of the definition, so a resumed run uses the same one
+
+
+def _omega(width: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(_SEED + width)
+    return (torch.randn(width, SKETCH_DIM, generator=g, dtype=torch.float32) / math.sqrt(SKETCH_DIM)).to(device)
+
+
+@torch.no_grad()
+def top_pair(weight: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top singular pair of each head from a block power iteration's subspace.
+
+    Args:
+        weight: (N, D, C) query weights.
+        v_block: (N, C, k) orthonormal right vectors (``PowerIteration.v``).
+
+    Returns:
+        u (N, D) and v (N, C), unit vectors with W v = sigma u (Rayleigh-Ritz in the block).
+    """
+    w = weight.detach().float()
+    y = w @ v_block  # (N, D, k)
+    a = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
+    v = (v_block @ a[..., None])[..., 0]
+    v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    u = (w @ v[..., None])[..., 0]
+    u = u / u.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return u, v
+
+
+class LayerChain:
+    """Device-side accumulators and window state of one layer's W^Q-error chain.
+
+    A monitored step: ``capture(x)`` for each attention call's projection input (forward),
+    ``add_rows(x, e_rows, pk, scale)`` from the statistics pass (backward) and
+    ``add_query_grad(x, dq)`` from the query's gradient hook; ``reading(lam)`` at the end
+    returns the (len(FIELDS), H) float64 readings and starts the next step. No host sync.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, width: int, device: torch.device):
+        self.num_heads, self.head_dim, self.width = num_heads, head_dim, width
+        self.device = torch.device(device)
+        self.omega = _omega(width, self.device)
+        h, d, r = num_heads, head_dim, SKETCH_DIM
+        self.u = torch.zeros(h, d, device=self.device)
+        self.v = torch.zeros(h, width, device=self.device)
+        self.push = torch.zeros(h, dtype=torch.float64, device=self.device)
+        self.push_true = torch.zeros(h, dtype=torch.float64, device=self.device)
+        self.sketch = torch.zeros(h, d, r, device=self.device)
+        self.prev = torch.zeros(h, d, r, device=self.device)
+        self.has_prev = torch.zeros(h, dtype=torch.bool, device=self.device)
+        self.ew_sum = torch.zeros(h, d, r, device=self.device)
+        self.ew_norm = torch.zeros(h, dtype=torch.float64, device=self.device)
+        self.rows_calls = 0  # statistics passes added this step
+        self.grad_calls = 0
+        self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
+
+    def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
+        """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
+        self.u, self.v = u.to(self.device, torch.float32), v.to(self.device, torch.float32)
+
+    def _check(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """x as (B, N, C) float32 matching t's (B, ., N, .)."""
+        if x.dim() != 3 or x.shape[-1] != self.width or x.shape[0] != t.shape[0] or x.shape[1] != t.shape[2]:
+            raise ValueError(f"projection input of shape {tuple(x.shape)} does not match attention tensors "
+                             f"{tuple(t.shape)} (expected (B, N, {self.width}))")
+        return x.float()
+
+    @torch.no_grad()
+    def add_rows(self, x: torch.Tensor, e_rows: torch.Tensor, pk: torch.Tensor, scale: float) -> None:
+        """One call's rows: e_rows (B, H, N), pk (B, H, N, D), x (B, N, C)."""
+        x = self._check(x, pk)
+        dq_err = (-scale) * e_rows.float()[..., None] * pk.float()  # (B, H, N, D)
+        du = torch.einsum("bhnd,hd->bhn", dq_err, self.u)
+        xv = torch.einsum("bnc,hc->bhn", x, self.v)
+        self.push -= (du * xv).sum(dim=(0, 2)).double()  # -u^T dG v
+        self.sketch += torch.einsum("bhnd,bnr->hdr", dq_err, x @ self.omega)
+        self.rows_calls += 1
+
+    @torch.no_grad()
+    def add_query_grad(self, x: torch.Tensor, dq: torch.Tensor) -> None:
+        """The true gradient's push from one call's dQ (B, H, N, D) and its projection input x."""
+        x = self._check(x, dq)
+        du = torch.einsum("bhnd,hd->bhn", dq.float(), self.u)
+        xv = torch.einsum("bnc,hc->bhn", x, self.v)
+        self.push_true -= (du * xv).sum(dim=(0, 2)).double()
+        self.grad_calls += 1
+
+    @torch.no_grad()
+    def reading(self, lam: float) -> torch.Tensor:
+        """This step's readings (len(FIELDS), H) float64 on the device; starts the next step.
+
+        NaN rows for a step with no statistics pass (the window state is left as it was)."""
+        h = self.num_heads
+        nan = torch.full((h,), math.nan, dtype=torch.float64, device=self.device)
+        if self.rows_calls == 0:
+            out = torch.stack([nan, nan, nan, nan])
+        else:
+            g = self.sketch
+            norm = g.flatten(1).norm(dim=1).double()  # (H,)
+            dot = (g * self.prev).flatten(1).sum(1).double()
+            prev_norm = self.prev.flatten(1).norm(dim=1).double()
+            den = norm * prev_norm
+            alignment = torch.where(self.has_prev & (den > 0), dot / den.clamp_min(1e-300), nan)
+            self.ew_sum.mul_(lam).add_(g)
+            self.ew_norm.mul_(lam).add_(norm)
+            s_norm = self.ew_sum.flatten(1).norm(dim=1).double()
+            coherence = torch.where(self.ew_norm > 0, s_norm / self.ew_norm.clamp_min(1e-300), nan)
+            push_true = self.push_true if self.grad_calls else nan
+            out = torch.stack([self.push.clone(), push_true.clone(), alignment, coherence])
+            self.prev.copy_(g)
+            self.has_prev.fill_(True)
+        self.push.zero_()
+        self.push_true.zero_()
+        self.sketch.zero_()
+        self.rows_calls = self.grad_calls = 0
+        self.pending_hooks.clear()
+        return out
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k).detach().cpu().clone() for k in ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm"):
+            mine = getattr(self, k)
+            if tuple(state[k].shape) != tuple(mine.shape):
+                raise ValueError(f"saved W^Q-error state {k} has shape {tuple(state[k].shape)}, this layer needs "
+                                 f"{tuple(mine.shape)}")
+            setattr(self, k, state[k].to(device=self.device, dtype=mine.dtype).clone())

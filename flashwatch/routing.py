@@ -1,0 +1,350 @@
+"""Routing: make the model's attention calls inside attached layers go where the Monitor wants.
+
+``Router``: makes the model's ``torch.nn.functional.scaled_dot_product_attention`` calls
+inside attached modules go where the Monitor wants. A forward pre-hook / forward hook pair
+on each attached module sets and clears a thread-local "current layer"; one dispatching
+wrapper replaces ``torch.nn.functional.scaled_dot_product_attention`` (installed once for
+all routers, the original kept; ``Router.remove`` restores it and removes the hooks, so the
+model is exactly as before). The wrapper:
+
+- outside attached layers: the original SDPA, untouched;
+- ``own_kernel`` layers: ``flashwatch.kernels.flash_attention`` with the layer's variant,
+  and ``stats`` only on monitored steps; calls using what the kernel does not support (an
+  attn_mask, dropout, head dims outside (16, 32, 64, 128), query and key lengths that
+  differ, ...) fall back to the original SDPA, and the reason is logged once per layer;
+- ``observe`` layers: the original SDPA; on monitored steps only, q, k, v and the output
+  are kept (detached; SDPA keeps them for its backward anyway) and a hook on the output
+  gets dO and runs ``flashwatch.kernels.attention_statistics`` beside the model's kernel.
+
+On unmonitored steps an observed layer costs one Python check per call.
+
+Cautions:
+
+- The model must call ``torch.nn.functional.scaled_dot_product_attention`` through the module
+  attribute at call time (``F.scaled_dot_product_attention(...)``, as nanoGPT and Hugging Face
+  SDPA attention do); a name imported earlier with ``from torch.nn.functional import ...``
+  is not reached. The Monitor warns when an attached layer saw no call on a monitored step.
+- Activation checkpointing re-runs the forward in the backward: statistics of such layers
+  are counted twice (the ratios stay right; sums double).
+- Statistics are collected only where autograd records (``torch.is_grad_enabled()``), so
+  evaluation passes under ``no_grad`` never count.
+- In ``own_kernel`` mode a failure of flashwatch's kernel in the forward falls back to SDPA
+  (logged, counted); one in its backward cannot be caught there and surfaces as the backward's
+  error, as any attention kernel's would. Observe mode never runs flashwatch code in the
+  model's own forward or backward math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .attach import AttentionLayer
+
+log = logging.getLogger("flashwatch")
+
+__all__ = ["Router", "original_sdpa", "unsupported_reason"]
+
+_local = threading.local()  # .current: (Router, AttentionLayer) | None; .stack: saved outer values
+_install_lock = threading.Lock()
+_original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
+_import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
+_users = 0
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+def _sdpa_dispatch(*args, **kwargs):
+    """Stand-in for ``torch.nn.functional.scaled_dot_product_attention`` while flashwatch is attached."""
+    current = getattr(_local, "current", None)
+    if current is None:
+        return original_sdpa()(*args, **kwargs)
+    router, layer = current
+    return router.call(layer, args, kwargs)
+
+
+def _install() -> None:
+    global _original_sdpa, _users
+    with _install_lock:
+        if _users == 0:
+            _original_sdpa = F.scaled_dot_product_attention
+            F.scaled_dot_product_attention = _sdpa_dispatch
+        _users += 1
+
+
+def _uninstall() -> None:
+    global _original_sdpa, _users
+    with _install_lock:
+        _users -= 1
+        if _users > 0:
+            return
+        if F.scaled_dot_product_attention is _sdpa_dispatch:
+            F.scaled_dot_product_attention = _original_sdpa
+        else:
+            log.warning("torch.nn.functional.scaled_dot_product_attention was replaced by someone else after "
+                        "flashwatch attached; leaving that replacement in place")
+        _original_sdpa = None
+
+
+def original_sdpa() -> Callable:
+    """The SDPA function flashwatch wraps (torch's own when nothing else wrapped it first)."""
+    return _original_sdpa if _original_sdpa is not None else _import_time_sdpa
+
+
+def _bind(args: tuple, kwargs: dict) -> list:
+    vals = list(_SDPA_DEFAULTS)
+    for i, a in enumerate(args[: len(vals)]):
+        vals[i] = a
+    for i, name in enumerate(_SDPA_ARGS):
+        if name in kwargs:
+            vals[i] = kwargs[name]
+    return vals
+
+
+def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int) -> str | None:
+    """Why flashwatch's kernel cannot take this SDPA call (None if it can). Python checks only."""
+    from flashwatch.kernels import DTYPES, HEAD_DIMS
+
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "query, key and value are not all tensors"
+    if attn_mask is not None:
+        return "an attn_mask is given (padding or a custom mask; the kernel takes causal or full attention only)"
+    if dropout_p:
+        return f"attention dropout is on (dropout_p={dropout_p})"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"inputs are not (B, heads, N, D) (q has shape {tuple(q.shape)})"
+    if k.shape != v.shape or k.shape[0] != q.shape[0]:
+        return f"key/value shapes {tuple(k.shape)}, {tuple(v.shape)} do not match the query {tuple(q.shape)}"
+    if q.shape[2] != k.shape[2]:
+        return f"query and key lengths differ ({q.shape[2]} vs {k.shape[2]}: a KV cache or cross attention)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]} is not one of {HEAD_DIMS}"
+    if q.shape[1] != k.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
+        return f"{q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa"
+    if q.shape[1] != num_heads:
+        return f"the call has {q.shape[1]} query heads, the layer was attached with {num_heads}"
+    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (accepted: one of {DTYPES})"
+    return None
+
+
+def _compiling() -> bool:
+    """True while torch.compile traces (the Python of an attention call then runs once, at trace time)."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
+def _autocast_inputs(q, k, v):
+    """Cast q, k, v as autocast would for SDPA (to the autocast dtype) when autocast is on."""
+    dev = q.device.type
+    try:
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            return q.to(dt), k.to(dt), v.to(dt), True
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        pass
+    return q, k, v, False
+
+
+class Router:
+    """Routes the attention calls of attached layers (see the module docstring).
+
+    Args:
+        layers: the attached layers (their ``mode``/``variant`` are read at every call, so a
+            switch takes effect at the next call).
+        beta, eps: kernel options (``MonitorConfig.beta``, ``.eps``).
+        on_error: ``on_error(kind, exception)``, called for a failure inside monitoring (the
+            Monitor logs once per kind and counts); training goes on with the original SDPA.
+
+    ``monitoring`` (a bool the Monitor sets between steps) says whether the current step is a
+    monitored one.
+    """
+
+    def __init__(self, layers: Sequence[AttentionLayer], *, beta: float = 2.0, eps: float = 1e-3,
+                 on_error: Callable[[str, BaseException], None] | None = None):
+        self.layers = list(layers)
+        self.beta, self.eps = beta, eps
+        self.on_error = on_error or (lambda kind, exc: log.warning("flashwatch %s failed", kind, exc_info=exc))
+        self.monitoring = False
+        self._handles: list = []
+        self._logged: set = set()
+        self.installed = False
+
+    # hooks ------------------------------------------------------------------------------------
+    def install(self) -> None:
+        if self.installed:
+            return
+        for layer in self.layers:
+            self._handles.append(layer.module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
+            self._handles.append(layer.module.register_forward_hook(self._exit_hook, always_call=True))
+        _install()
+        # a router dropped without remove() (model and monitor garbage-collected) still gives
+        # torch's SDPA back once the garbage collector frees it
+        self._finalizer = weakref.finalize(self, _uninstall)
+        self.installed = True
+
+    def remove(self) -> None:
+        """Remove the hooks and, when no other router is installed, restore torch's SDPA."""
+        if not self.installed:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._finalizer()  # runs _uninstall once (and never again at garbage collection)
+        self.installed = False
+
+    def _enter_hook(self, layer: AttentionLayer):
+        def enter(module, args, kwargs):
+            stack = getattr(_local, "stack", None)
+            if stack is None:
+                stack = _local.stack = []
+            stack.append(getattr(_local, "current", None))
+            _local.current = (self, layer)
+            if layer.chain is not None:
+                # the projection's input X (B, N, C): the module's first input (nanoGPT's x,
+                # Hugging Face's hidden_states); kept on monitored steps only
+                x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+                watch = self.monitoring and torch.is_grad_enabled() and isinstance(x, torch.Tensor)
+                layer.chain_input = x.detach() if watch else None
+            return None
+        return enter
+
+    @staticmethod
+    def _exit_hook(module, args, output):
+        stack = getattr(_local, "stack", None)
+        _local.current = stack.pop() if stack else None
+
+    # the call -----------------------------------------------------------------------------------
+    def _log_once(self, key: tuple, message: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(message, *args)
+
+    def call(self, layer: AttentionLayer, args: tuple, kwargs: dict):
+        sdpa = original_sdpa()
+        if layer.mode != "own_kernel":
+            out = sdpa(*args, **kwargs)
+            if self.monitoring and torch.is_grad_enabled():  # observe, monitored step
+                if _compiling():
+                    # a compiled graph replays without our hooks setting the current layer, so
+                    # what it measured would land on the wrong layer: measure nothing instead
+                    self._log_once(("compile", layer.index),
+                                   "flashwatch: layer %d (%s) runs inside torch.compile; observe mode cannot "
+                                   "attribute its attention there and does not measure it (attach to the "
+                                   "uncompiled model, or use mode='own_kernel')", layer.index, layer.name)
+                    return out
+                self._observe(layer, args, kwargs, out)
+            return out
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
+        q, k, v, cast = _autocast_inputs(q, k, v) if isinstance(q, torch.Tensor) else (q, k, v, False)
+        reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+        if reason is not None:
+            self._log_once(("fallback", layer.index, reason),
+                           "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls "
+                           "where %s; those calls are not measured", layer.index, layer.name, reason)
+            return sdpa(*args, **kwargs)
+        try:
+            from flashwatch.kernels import flash_attention
+
+            monitored = self.monitoring and torch.is_grad_enabled()
+            stats = layer.ensure_stats(q.device) if monitored else None
+            if monitored:
+                layer.calls += 1
+                layer.low_precision = q.dtype in (torch.bfloat16, torch.float16)
+                # the kernel's backward reports its rows through stats.rows_hook, once per call,
+                # in reverse order of the forwards: each call leaves its hook on a stack
+                hook = self._chain_hooks(layer, _bind(args, kwargs)[0], q.shape[-1], scale)
+                stack = layer.chain.pending_hooks if layer.chain is not None else None
+                if hook is not None:
+                    stack.append(hook)
+                stats.rows_hook = self._pop_rows_hook(layer) if hook is not None else None
+            with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
+                return flash_attention(q, k, v, causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
+                                       beta=self.beta, eps=self.eps, stats=stats)
+        except Exception as exc:  # never break training: fall back to the model's own attention
+            self.on_error("own_kernel", exc)
+            return sdpa(*args, **kwargs)
+
+    def _chain_hooks(self, layer: AttentionLayer, query: Any, head_dim: int, scale: Any):
+        """For a monitored call of a layer with a W^Q-error chain: hook the query's gradient (the
+        true gradient's push) and return the rows hook of the statistics pass; None otherwise.
+        Failures are reported and never reach the backward."""
+        chain, x = layer.chain, layer.chain_input
+        if chain is None or x is None or not isinstance(query, torch.Tensor) or not query.requires_grad:
+            return None
+        s = float(scale) if scale is not None else head_dim ** -0.5
+        on_error = self.on_error
+
+        def on_query_grad(dq):
+            try:
+                chain.add_query_grad(x, dq)
+            except Exception as exc:
+                on_error("wq_error_chain", exc)
+            return None
+
+        def on_rows(e_rows, pk):
+            try:
+                chain.add_rows(x, e_rows, pk, s)
+            except Exception as exc:
+                on_error("wq_error_chain", exc)
+
+        query.register_hook(on_query_grad)
+        return on_rows
+
+    @staticmethod
+    def _pop_rows_hook(layer: AttentionLayer):
+        """One rows hook for the layer's statistics: each backward takes the newest pending call's."""
+        stack = layer.chain.pending_hooks
+
+        def on_rows(e_rows, pk):
+            if stack:
+                stack.pop()(e_rows, pk)
+        return on_rows
+
+    def _observe(self, layer: AttentionLayer, args: tuple, kwargs: dict, out) -> None:
+        try:
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
+            if not isinstance(out, torch.Tensor) or not out.requires_grad:
+                return  # no backward will come: nothing to measure
+            if isinstance(q, torch.Tensor) and q.dtype != out.dtype:
+                # autocast cast the inputs inside SDPA: measure what the kernel computed with
+                q, k, v = q.to(out.dtype), k.to(out.dtype), v.to(out.dtype)
+            reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+            if reason is not None:
+                self._log_once(("observe", layer.index, reason),
+                               "flashwatch: layer %d (%s): calls where %s are not measured", layer.index,
+                               layer.name, reason)
+                return
+            stats = layer.ensure_stats(q.device)
+            layer.calls += 1
+            layer.low_precision = out.dtype in (torch.bfloat16, torch.float16)
+            # k, v with fewer heads (grouped-query attention) are passed as they are: the
+            # statistics pass maps query head h to kv head h // (H // Hkv), as SDPA's enable_gqa
+            saved = (q.detach(), k.detach(), v.detach(), out.detach())
+            causal, eps, on_error = bool(is_causal), self.eps, self.on_error
+            rows_hook = self._chain_hooks(layer, args[0] if args else kwargs.get("query"), q.shape[-1], scale)
+
+            def on_grad(grad_out):
+                try:
+                    from flashwatch.kernels import attention_statistics
+
+                    stats.rows_hook = rows_hook
+                    with torch.autocast(grad_out.device.type, enabled=False):
+                        attention_statistics(*saved, grad_out.to(saved[3].dtype), stats, causal=causal,
+                                             sm_scale=scale, eps=eps)
+                except Exception as exc:  # a failing statistics pass never breaks the backward
+                    on_error("observe_stats", exc)
+                finally:
+                    stats.rows_hook = None
+                return None
+
+            out.register_hook(on_grad)
+        except Exception as exc:
+            self.on_error("observe", exc)
