@@ -1,0 +1,164 @@
+"""The W^Q-gradient error chain against a float64 computation from recorded q, k, v, O, dO and X."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.chain import SKETCH_DIM, LayerChain, top_pair
+from flashwatch.signals import spectral_norm_exact
+from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+DATA = stdlib_corpus(100_000)
+F64 = torch.float64
+
+
+def _record(model: GPT, real):
+    """Per layer: the attention module's input X, and q, k, v, O of its SDPA call (grads kept)."""
+    rec = {i: {} for i in range(len(model.transformer.h))}
+    handles = []
+    for i, block in enumerate(model.transformer.h):
+        def pre(module, args, i=i):
+            rec[i]["x"] = args[0].detach().clone()
+        handles.append(block.attn.register_forward_pre_hook(pre))
+    calls = []
+
+    def spy(q, k, v, **kw):
+        out = real(q, k, v, **kw)
+        q.retain_grad()
+        out.retain_grad()
+        calls.append((q, k, v, out))
+        return out
+
+    return rec, handles, spy, calls
+
+
+def _expected(x, q, k, v, out, dout, dq, u, vv):
+    """float64: delta_used from the rounded output, delta_hp from the exact softmax, the error's
+    push -u^T dG v, the true gradient's push -u^T (dQ^T X) v and the sketch-free dG."""
+    qd, kd, vd, od, dod, xd = (t.to(F64) for t in (q, k, v, out, dout, x))
+    s = q.shape[-1] ** -0.5
+    n = q.shape[2]
+    scores = s * qd @ kd.transpose(-1, -2)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    p = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+    delta_used = (dod * od).sum(-1)
+    delta_hp = (p * (dod @ vd.transpose(-1, -2))).sum(-1)
+    dq_err = -s * (delta_used - delta_hp)[..., None] * (p @ kd)  # (B, H, N, D)
+    dg = torch.einsum("bhnd,bnc->hdc", dq_err, xd)  # (H, D, C)
+    push = -torch.einsum("hd,hdc,hc->h", u.to(F64), dg, vv.to(F64))
+    g_true = torch.einsum("bhnd,bnc->hdc", dq.to(F64), xd)
+    push_true = -torch.einsum("hd,hdc,hc->h", u.to(F64), g_true, vv.to(F64))
+    return push, push_true, dg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_chain_readings_match_float64_in_observe_mode(dtype, monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
+    monitor = Monitor(MonitorConfig(interval=1, mode="observe"))
+    monitor.attach(model)
+    pairs = {i: (layer.chain.u.clone(), layer.chain.v.clone()) for i, layer in enumerate(monitor.layers)}
+    from flashwatch import routing
+
+    rec, handles, spy, calls = _record(model, routing.original_sdpa())
+    x, y = sample_batch(DATA, 3, 32, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(routing, "_original_sdpa", spy)
+    with torch.autocast("cpu", dtype=dtype):
+        loss = model(x, y)[1]
+    loss.backward()
+    for h in handles:
+        h.remove()
+    monitor.step(loss=loss.detach())
+    snap = monitor.snapshot()
+    assert len(calls) == 2
+    for i, (q, k, v, out) in enumerate(calls):
+        u, vv = pairs[i]
+        push, push_true, _ = _expected(rec[i]["x"], q.detach(), k.detach(), v.detach(), out.detach(), out.grad,
+                                       q.grad, u, vv)
+        got = torch.tensor([snap["flashwatch_wq_error_push"][(i, h)] for h in range(4)], dtype=F64)
+        got_true = torch.tensor([snap["flashwatch_wq_error_push_cumulative"][(i, h)] for h in range(4)], dtype=F64)
+        assert torch.allclose(got, push, rtol=2e-3, atol=1e-12 + 2e-3 * push.abs().max()), (i, got, push)
+        assert torch.equal(got, got_true)  # one monitored step: the cumulative push is this step's
+        share = torch.tensor([snap["flashwatch_wq_error_push_share"][(i, h)] for h in range(4)], dtype=F64)
+        assert torch.allclose(share, push / push_true.abs(), rtol=5e-3, atol=1e-9)
+        assert push.abs().max() > 0  # BF16 rounding leaves a measurable error to compare
+    monitor.detach()
+
+
+def test_alignment_and_coherence_follow_the_direction_of_the_error():
+    """One fixed dG -> alignment 1, coherence 1; independent random dG -> alignment ~ N(0, 1/r), low coherence."""
+    torch.manual_seed(0)
+    h, d, c, b, n = 2, 8, 16, 2, 5
+
+    def drive(chain, fixed: bool, steps: int, lam: float):
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(b, n, c, generator=g)
+        e = torch.randn(b, h, n, generator=g)
+        pk = torch.randn(b, h, n, d, generator=g)
+        out = []
+        for _ in range(steps):
+            if not fixed:
+                x = torch.randn(b, n, c, generator=g)
+                e = torch.randn(b, h, n, generator=g)
+                pk = torch.randn(b, h, n, d, generator=g)
+            chain.add_rows(x, e, pk, 0.5)
+            out.append(chain.reading(lam))
+        return torch.stack(out)  # (steps, 4, H)
+
+    lam = 1 - 1 / 50
+    fixed = drive(LayerChain(h, d, c, "cpu"), True, 10, lam)
+    assert torch.isnan(fixed[0, 2]).all()  # no previous step yet
+    assert torch.allclose(fixed[1:, 2], torch.ones(9, h, dtype=F64), atol=1e-6)
+    assert torch.allclose(fixed[:, 3], torch.ones(10, h, dtype=F64), atol=1e-6)
+    rand = drive(LayerChain(h, d, c, "cpu"), False, 400, lam)
+    align = rand[1:, 2].flatten()
+    assert align.abs().mean() < 0.2  # random directions: near 0 (sketch noise ~ 1/sqrt(r))
+    assert rand[-1, 3].max() < 0.35  # ~ sqrt((1 - lam) / (1 + lam)) = 0.1, plus sketch noise
+    assert SKETCH_DIM >= 32
+
+
+def test_sketch_estimates_inner_products_of_the_error_matrices():
+    """<dG Omega, dG' Omega> estimates <dG, dG'>: the cosine of two recorded errors within sketch noise."""
+    torch.manual_seed(1)
+    h, d, c = 1, 8, 256
+    chain = LayerChain(h, d, c, "cpu")
+    a = torch.randn(h, d, c, dtype=F64)
+    bmat = 0.8 * a + 0.6 * torch.randn(h, d, c, dtype=F64)
+    true_cos = (a * bmat).sum() / (a.norm() * bmat.norm())
+    om = chain.omega.to(F64)
+    sa, sb = a @ om, bmat @ om
+    est = (sa * sb).sum() / (sa.norm() * sb.norm())
+    assert abs(float(est - true_cos)) < 4 / math.sqrt(SKETCH_DIM)
+
+
+def test_top_pair_is_the_top_singular_pair():
+    torch.manual_seed(2)
+    w = torch.randn(3, 16, 48)
+    from flashwatch.signals import PowerIteration
+
+    power = PowerIteration(w, block=4, seed="svd")
+    u, v = top_pair(w, power.v)
+    sigma = spectral_norm_exact(w)
+    got = torch.einsum("nd,ndc,nc->n", u, w, v)
+    assert torch.allclose(got.abs(), sigma, rtol=1e-4)
+
+
+def test_rotary_family_reads_nan():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg)
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    assert monitor.layers[0].chain is None
+    ids = torch.randint(0, 100, (2, 16))
+    model(ids, labels=ids).loss.backward()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert all(math.isnan(v) for v in snap["flashwatch_wq_error_push"].values())
+    assert not math.isnan(snap["flashwatch_max_logit"][(0, 0)])
+    monitor.detach()
