@@ -110,6 +110,7 @@ class LayerSignals:
     variant: str | None = None  # what the layer ran at this step: "sdpa" (observed), "plain", "fixed", "fp32_delta"
     # the W^Q-gradient error chain (flashwatch.chain; NaN where not measured) and windowed trends
     wq_error_push: torch.Tensor | None = None
+    wq_error_push_true: torch.Tensor | None = None  # the true W^Q gradient's push at this step
     wq_error_push_cumulative: torch.Tensor | None = None
     wq_error_push_share: torch.Tensor | None = None
     wq_error_alignment: torch.Tensor | None = None

@@ -600,7 +600,9 @@ class Monitor:
 
         Names: ``drift_window_z`` (drift z over the last ``window`` monitored steps),
         ``wq_growth`` (sigma_t / sigma_{t-window}, NaN until the window is full),
-        ``wq_ratio_to_median`` (sigma over the layer's median head), ``rows`` (softmax rows seen).
+        ``wq_ratio_to_median`` (sigma over the layer's median head), ``rows`` (softmax rows seen),
+        ``wq_error_push_true`` (the true W^Q gradient's push on sigma_max at that step, the
+        denominator's term of ``flashwatch_wq_error_push_share``).
         """
         return extra_signals(self._last)
 

@@ -39,6 +39,7 @@ EXTRA_SIGNALS: dict[str, str] = {
     "wq_growth": "wq_growth",
     "wq_ratio_to_median": "wq_ratio",
     "rows": "rows",
+    "wq_error_push_true": "wq_error_push_true",
 }
 
 

@@ -132,7 +132,7 @@ class SignalBuilder:
                                      nan)
             alignment, coherence = chain["alignment"].to(F64), chain["coherence"].to(F64)
         else:
-            push = push_cum = push_share = alignment = coherence = nan.clone()
+            push = push_true = push_cum = push_share = alignment = coherence = nan.clone()
 
         trends = self._trends(state, step, seen, {
             "log_max_logit": max_logit.clamp_min(1e-30).log(),
@@ -148,7 +148,7 @@ class SignalBuilder:
             wq_ratio=ratio_to_median(sigma),
             low_precision=True if r.low_precision is None else bool(r.low_precision),
             variant=r.variant,
-            wq_error_push=push, wq_error_push_cumulative=push_cum, wq_error_push_share=push_share,
+            wq_error_push=push, wq_error_push_true=push_true, wq_error_push_cumulative=push_cum, wq_error_push_share=push_share,
             wq_error_alignment=alignment, wq_error_coherence=coherence,
             max_logit_growth=trends["log_max_logit"], wq_sigma_growth_rate=trends["log_wq_sigma"],
             repeated_max_bf16_trend=trends["repeated_max_ratio_bf16"],

@@ -179,7 +179,8 @@ def test_snapshot_follows_the_metric_table():
     assert snap["flashwatch_alert_active"][("max_logit", 1, 3)] == 1.0
     assert all(0 <= v <= 1 for v in snap["flashwatch_repeated_max_ratio_bf16"].values())
     sig = run.monitor.signals()
-    assert set(sig) == {"drift_window_z", "wq_growth", "wq_ratio_to_median", "rows"} and sig["rows"][(0, 0)] == 128
+    assert set(sig) == {"drift_window_z", "wq_growth", "wq_ratio_to_median", "rows", "wq_error_push_true"}
+    assert sig["rows"][(0, 0)] == 128
 
 
 def test_alerts_are_logged_once_and_counted(caplog):
