@@ -42,7 +42,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import numbers
@@ -57,7 +56,8 @@ from .chain import FIELDS as CHAIN_FIELDS
 from .chain import LayerChain
 from .collect import FIELDS, Collector, Pending
 from .config import VARIANTS, MonitorConfig
-from .detectors import RULES, Alert, StepSignals, build_detectors
+from .decisions import Decisions
+from .detectors import Alert
 from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, structural_attention
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
 from .families import FAMILIES
@@ -113,11 +113,10 @@ class Monitor:
     Attributes:
         config: the configuration.
         layers: the attached ``AttentionLayer`` list (list index == ``layer`` label).
-        alerts: every alert raised so far, in order.
-        switches: auto-fix switches, dicts with step, layer, name, from, to, rule.
+        alerts, alert_counts, switches, detectors, active_alerts: the decisions so far
+            (``flashwatch.decisions``).
         global_step: optimizer steps seen by ``step()``.
         errors: failures inside monitoring (each kind logged once); training never stops for them.
-        detectors: the rule objects (``flashwatch.detectors``), in ``RULES`` order.
         rank, world_size: this process's rank in the group the statistics are combined over,
             and its size (0 and 1 without one), as of ``attach``.
         sharding: why W^Q norms are skipped (a sharded model, e.g. FSDP), or None.
@@ -151,11 +150,7 @@ class Monitor:
         self.global_step = 0
         self.monitored_steps = 0  # monitored steps processed so far (the detectors' warm-up clock)
         self._monitoring = True  # step 0 is monitored
-        self.detectors = build_detectors(config)
-        self.alerts: list[Alert] = []
-        self.alert_counts: dict[str, int] = {rule: 0 for rule in RULES}
-        self._ever_active: set[tuple[str, int, int]] = set()
-        self.switches: list[dict] = []
+        self._decisions = Decisions(config, self._error)
         self.errors = 0
         self._error_kinds: set[str] = set()
         self._warned: set = set()
@@ -334,7 +329,27 @@ class Monitor:
     @property
     def active_alerts(self) -> list[Alert]:
         """Alerts holding now, over all rules."""
-        return [a for d in self.detectors for a in d.active]
+        return self._decisions.active
+
+    @property
+    def detectors(self) -> list:
+        """The rule objects (``flashwatch.detectors``), in ``RULES`` order."""
+        return self._decisions.detectors
+
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every alert raised so far, in order."""
+        return self._decisions.alerts
+
+    @property
+    def alert_counts(self) -> dict[str, int]:
+        """Alerts raised per rule (every rule, zeros included)."""
+        return self._decisions.alert_counts
+
+    @property
+    def switches(self) -> list[dict]:
+        """Auto-fix switches: dicts with step, layer, name, from, to, rule."""
+        return self._decisions.switches
 
     def step(self, loss: Any = None, grad_norm: Any = None) -> list[Alert]:
         """Close optimizer step ``global_step``; call once per optimizer step, after ``optimizer.step()``.
@@ -502,10 +517,9 @@ class Monitor:
             layer.calls = 0
         signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=got.grad_norm,
                                       readings=readings, loss_given=got.loss_given, grad_norm_given=got.grad_norm_given)
-        new = self._judge(t, signals)
+        new = self._decisions.judge(t, signals, self.sharding is not None, self._reporting)
         self._last = host_record(signals)
-        if self.config.auto_fix is not None:
-            self._auto_fix(t, [a for a in new if a.rule in self.config.auto_fix_on and a.layer >= 0])
+        self._decisions.auto_fix(t, self.global_step + 1, self.layers, new, self._reporting)
         self._fan.export(StepRecord(step=t, time=time.time(), snapshot=self.snapshot(), new_alerts=list(new),
                                     active_alerts=self.active_alerts))
         return new
@@ -517,44 +531,6 @@ class Monitor:
                         "flashwatch: layer %d (%s) saw no measured attention call during monitored step %d: does the "
                         "model call torch.nn.functional.scaled_dot_product_attention (Hugging Face: "
                         "attn_implementation='sdpa') with gradients enabled?", layer.index, layer.name, t)
-
-    def _judge(self, t: int, signals: StepSignals) -> list[Alert]:
-        """Run the detectors; record, count and log the alerts that start."""
-        judged = signals
-        if self.sharding is not None:  # skipped W^Q norms are no non-finite values
-            judged = dataclasses.replace(signals, layers=[dataclasses.replace(ls, wq_sigma=torch.zeros_like(ls.wq_sigma))
-                                                          for ls in signals.layers])
-        new: list[Alert] = []
-        for det in self.detectors:
-            try:
-                new.extend(det.update(judged))
-            except Exception as exc:
-                self._error(f"detector {det.rule}", exc)
-            if self._reporting:
-                for a in det.cleared:
-                    log.info("flashwatch alert cleared [%s] layer %d head %d at step %d", a.rule, a.layer, a.head, t)
-        for a in new:
-            self.alerts.append(a)
-            self.alert_counts[a.rule] += 1
-            self._ever_active.add((a.rule, a.layer, a.head))
-            if self._reporting:
-                log.log(logging.ERROR if a.severity == "critical" else logging.WARNING,
-                        "flashwatch alert [%s] step %d: %s", a.rule, a.step, a.message)
-        return new
-
-    def _auto_fix(self, t: int, alerts: list[Alert]) -> None:
-        target = self.config.auto_fix
-        for a in alerts:
-            layer = self.layers[a.layer]
-            if layer.mode == "own_kernel" and layer.variant == target:
-                continue
-            before = layer.variant
-            layer.mode, layer.variant = "own_kernel", target
-            self.switches.append({"step": t, "layer": layer.index, "name": layer.name, "from": before, "to": target,
-                                  "rule": a.rule})
-            if self._reporting:
-                log.warning("flashwatch auto_fix: layer %d (%s) switched from %s to %s from step %d on (%s at step %d)",
-                            layer.index, layer.name, before, target, self.global_step + 1, a.rule, t)
 
     # --- errors ------------------------------------------------------------------------------------
     def _on_export_error(self, exporter: Exporter, phase: str, exc: BaseException) -> None:
@@ -593,7 +569,7 @@ class Monitor:
         ``flashwatch_alert_active`` (1.0 while active, 0.0 once cleared).
         """
         return snapshot(self._last, self.variants, VARIANT_LABELS, self.alert_counts, self.active_alerts,
-                        self._ever_active)
+                        self._decisions.ever_active)
 
     def signals(self) -> dict:
         """Signals beside the metric table, from the last monitored step: ``{name: {(layer, head): float}}``.
@@ -635,11 +611,7 @@ class Monitor:
                         "variant": layer.variant, "power": self._wq.state_of(layer), "signals": sig,
                         "chain": layer.chain.state_dict() if layer.chain is not None else None}
                        for layer, sig in zip(self.layers, signals)],
-            "detectors": {d.rule: d.state_dict() for d in self.detectors},
-            "alerts": [a.to_dict() for a in self.alerts],
-            "alert_counts": dict(self.alert_counts),
-            "ever_active": sorted(list(k) for k in self._ever_active),
-            "switches": [dict(s) for s in self.switches],
+            **self._decisions.state_dict(),
             "errors": self.errors,
             "last": self._last,
         }
@@ -674,15 +646,9 @@ class Monitor:
         self._signals.load_state_dict([s["signals"] if "signals" in s else {"drift": s["drift"], "sigma": s["sigma"]}
                                        for s in state["layers"]])
         self._wq.load([s["power"] for s in state["layers"]])
-        for d in self.detectors:
-            if d.rule in state["detectors"]:
-                d.load_state_dict(state["detectors"][d.rule])
+        self._decisions.load_state_dict(state)
         self.global_step = int(state["global_step"])
         self.monitored_steps = int(state["monitored_steps"])
-        self.alerts = [Alert.from_dict(a) for a in state["alerts"]]
-        self.alert_counts = {rule: int(state["alert_counts"].get(rule, 0)) for rule in RULES}
-        self._ever_active = {tuple(k) for k in state["ever_active"]}
-        self.switches = [dict(s) for s in state["switches"]]
         self.errors = int(state["errors"])
         self._last = state["last"]
         self._monitoring = self.global_step % self.config.interval == 0

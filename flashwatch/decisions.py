@@ -1,0 +1,103 @@
+"""The host half's deciding: run the detectors on a step's signals, keep the alert history,
+switch flagged layers (auto_fix). Logging of alerts and switches is rank 0's (``reporting``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import torch
+
+from .attach import AttentionLayer
+from .config import MonitorConfig
+from .detectors import RULES, Alert, StepSignals, build_detectors
+
+log = logging.getLogger("flashwatch")
+
+__all__ = ["Decisions"]
+
+
+class Decisions:
+    """Detectors and the alert history of one Monitor.
+
+    Attributes:
+        detectors: the rule objects, in ``RULES`` order.
+        alerts: every alert raised so far, in order.
+        alert_counts: alerts raised per rule.
+        ever_active: every (rule, layer, head) that was ever active (its series stays exported).
+        switches: auto-fix switches, dicts with step, layer, name, from, to, rule.
+    """
+
+    def __init__(self, config: MonitorConfig, on_error: Callable[[str, BaseException], None]):
+        self.config = config
+        self.on_error = on_error
+        self.detectors = build_detectors(config)
+        self.alerts: list[Alert] = []
+        self.alert_counts: dict[str, int] = {rule: 0 for rule in RULES}
+        self.ever_active: set[tuple[str, int, int]] = set()
+        self.switches: list[dict] = []
+
+    @property
+    def active(self) -> list[Alert]:
+        return [a for d in self.detectors for a in d.active]
+
+    def judge(self, t: int, signals: StepSignals, sharded: bool, reporting: bool) -> list[Alert]:
+        """Run the detectors on monitored step ``t``; record, count and log the alerts that start."""
+        judged = signals
+        if sharded:  # skipped W^Q norms are no non-finite values
+            judged = dataclasses.replace(signals, layers=[dataclasses.replace(ls, wq_sigma=torch.zeros_like(ls.wq_sigma))
+                                                          for ls in signals.layers])
+        new: list[Alert] = []
+        for det in self.detectors:
+            try:
+                new.extend(det.update(judged))
+            except Exception as exc:
+                self.on_error(f"detector {det.rule}", exc)
+            if reporting:
+                for a in det.cleared:
+                    log.info("flashwatch alert cleared [%s] layer %d head %d at step %d", a.rule, a.layer, a.head, t)
+        for a in new:
+            self.alerts.append(a)
+            self.alert_counts[a.rule] += 1
+            self.ever_active.add((a.rule, a.layer, a.head))
+            if reporting:
+                log.log(logging.ERROR if a.severity == "critical" else logging.WARNING,
+                        "flashwatch alert [%s] step %d: %s", a.rule, a.step, a.message)
+        return new
+
+    def auto_fix(self, t: int, next_step: int, layers: list[AttentionLayer], alerts: list[Alert],
+                 reporting: bool) -> None:
+        """Switch each layer flagged by an alert of ``config.auto_fix_on`` to ``config.auto_fix``."""
+        target = self.config.auto_fix
+        if target is None:
+            return
+        for a in alerts:
+            if a.rule not in self.config.auto_fix_on or a.layer < 0:
+                continue
+            layer = layers[a.layer]
+            if layer.mode == "own_kernel" and layer.variant == target:
+                continue
+            before = layer.variant
+            layer.mode, layer.variant = "own_kernel", target
+            self.switches.append({"step": t, "layer": layer.index, "name": layer.name, "from": before, "to": target,
+                                  "rule": a.rule})
+            if reporting:
+                log.warning("flashwatch auto_fix: layer %d (%s) switched from %s to %s from step %d on (%s at step %d)",
+                            layer.index, layer.name, before, target, next_step, a.rule, t)
+
+    def state_dict(self) -> dict:
+        return {"detectors": {d.rule: d.state_dict() for d in self.detectors},
+                "alerts": [a.to_dict() for a in self.alerts],
+                "alert_counts": dict(self.alert_counts),
+                "ever_active": sorted(list(k) for k in self.ever_active),
+                "switches": [dict(s) for s in self.switches]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for d in self.detectors:
+            if d.rule in state["detectors"]:
+                d.load_state_dict(state["detectors"][d.rule])
+        self.alerts = [Alert.from_dict(a) for a in state["alerts"]]
+        self.alert_counts = {rule: int(state["alert_counts"].get(rule, 0)) for rule in RULES}
+        self.ever_active = {tuple(k) for k in state["ever_active"]}
+        self.switches = [dict(s) for s in state["switches"]]
