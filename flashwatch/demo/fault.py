@@ -1,20 +1,18 @@
-"""The INJECTED fault of ``flashwatch demo --provoke`` and the labels that say so.
+"""The INJECTED fault of ``flashwatch demo --provoke``: its strength, its description, and the
+exporter wrapper that labels every alert message INJECTED.
 
-The fault is ``flashwatch.kernels.faults.rounding_bias``: while it is on, every own-kernel
-attention call biases the BF16 rounding of its output on rows where P_bar rounds to exactly 1
-at two or more keys, inflating |O| there by ``strength * 2**-8`` (128: 50 %).
+The fault is ``flashwatch.kernels.faults.rounding_bias(PROVOKE_STRENGTH)``: while it is on,
+every own-kernel attention call biases the BF16 rounding of its output on rows where P_bar
+rounds to exactly 1 at two or more keys, inflating |O| there by ``strength * 2**-8`` (128: 50 %).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
 
 from ..exporters.base import Exporter
-from ..kernels import faults
 
-__all__ = ["INJECTED", "PROVOKE_STRENGTH", "injected_fault", "Labelled", "describe"]
+__all__ = ["INJECTED", "PROVOKE_STRENGTH", "Labelled", "describe"]
 
 INJECTED = "INJECTED"
 PROVOKE_STRENGTH = 128.0  # rounding bias of --provoke: |O| * (1 + 128 * 2**-8) on the selected BF16 rows
@@ -24,16 +22,6 @@ def describe(strength: float) -> str:
     """What the fault does, in one sentence."""
     return (f"rounding_bias({strength:g}): on rows where P_bar rounds to exactly 1 at two or more keys, "
             f"|O| is inflated by {strength * 2 ** -8:.0%} before BF16 rounding")
-
-
-@contextlib.contextmanager
-def injected_fault(strength: float) -> Iterator[None]:
-    """Inject the rounding bias into every own-kernel attention call inside the block (nothing when 0)."""
-    if not strength:
-        yield
-        return
-    with faults.rounding_bias(strength):
-        yield
 
 
 class Labelled(Exporter):

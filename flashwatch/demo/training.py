@@ -21,7 +21,8 @@ from rich.console import Console
 
 from ..config import MonitorConfig
 from ..exporters.jsonl import METRICS_FILE
-from .fault import INJECTED, PROVOKE_STRENGTH, Labelled, describe, injected_fault
+from ..kernels import faults
+from .fault import INJECTED, PROVOKE_STRENGTH, Labelled, describe
 from .live import DemoConsole, LossHistory, alert_logging, quiet_lightning, say
 from .model import DemoModel, build
 
@@ -237,7 +238,7 @@ def run(*, steps: int = DEFAULT_STEPS, seed: int = 0, device: str | None = None,
 
         start = time.monotonic()
         try:
-            with alert_logging(console, rich_output=live, prefix=label), injected_fault(strength), \
+            with alert_logging(console, rich_output=live, prefix=label), faults.rounding_bias(strength), \
                     _cpu_threads(1 if dev == "cpu" else None):
                 interrupted = _fit(trainer, module, loader)
         except PortInUseError:
