@@ -65,6 +65,7 @@ class RuleSpec:
         action: what to do (a paragraph).
         scope: one of ``SCOPES``.
         signal: the metric (``flashwatch.metrics``) that shows the rule's statistic, or None.
+        settings: the ``MonitorConfig`` fields that decide it.
         decided_by: ``"monitor"`` (a detector decides; Prometheus alerts on the exported
             decision) or ``"prometheus"`` (only Prometheus can see it).
     """
@@ -76,6 +77,7 @@ class RuleSpec:
     action: str
     scope: str = "head"
     signal: str | None = None
+    settings: tuple[str, ...] = ()
     decided_by: str = "monitor"
 
     def __post_init__(self) -> None:
@@ -112,7 +114,8 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "Look at repeated_max_rise and max_logit on the same layer: with them a failure is likely, "
         "alone keep watching. To remove the bias, run the layer with the fp32_delta variant "
         "(MonitorConfig(auto_fix=\"fp32_delta\") switches it on this alert) or its attention in FP32.",
-        signal="flashwatch_delta_drift_z"),
+        signal="flashwatch_delta_drift_z",
+        settings=("drift_threshold", "warmup", "drift_window_threshold", "drift_include_fp32")),
     RuleSpec(
         "repeated_max_rise", "warning",
         "Rows whose BF16 maximum repeats rose well above the head's own baseline.",
@@ -124,7 +127,8 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "Read it with delta_drift on the same head: together they are the failure mechanism at "
         "work. Switch the layer to fp32_delta (auto_fix does it on this alert by default) or lower "
         "the learning rate; checkpoint now.",
-        signal="flashwatch_repeated_max_ratio_bf16"),
+        signal="flashwatch_repeated_max_ratio_bf16",
+        settings=("repeated_max_factor", "repeated_max_margin", "warmup", "repeated_max_baseline")),
     RuleSpec(
         "wq_growth", "warning",
         "A head's W^Q spectral norm grew fast over the last window.",
@@ -135,7 +139,7 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "mostly comes in the last few hundred steps before a blow-up.",
         "Checkpoint now. Look for delta_drift and max_logit on the same layer; if they hold, switch "
         "the layer to fp32_delta or lower the learning rate (QK-norm or QK-clip bound the growth).",
-        signal="flashwatch_wq_spectral_norm"),
+        signal="flashwatch_wq_spectral_norm", settings=("wq_growth_factor", "window", "warmup")),
     RuleSpec(
         "wq_outlier", "warning",
         "A head's W^Q spectral norm is far above its layer's median head.",
@@ -143,7 +147,7 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "MonitorConfig.wq_outlier_ratio. Qiu & Yao found a few heads with outsized norms in the "
         "failing layer; on its own this separated failing from healthy runs poorly.",
         "No action on its own. Note the head, and look for delta_drift and wq_growth on it.",
-        signal="flashwatch_wq_spectral_norm"),
+        signal="flashwatch_wq_spectral_norm", settings=("wq_outlier_ratio", "warmup")),
     RuleSpec(
         "max_logit", "warning",
         "A head's largest attention score reached the bound.",
@@ -154,7 +158,7 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "If delta_drift or repeated_max_rise hold on the same layer, expect a failure soon: "
         "checkpoint, and switch the layer to fp32_delta or lower the learning rate; QK-norm or "
         "QK-clip bound the logits.",
-        signal="flashwatch_max_logit"),
+        signal="flashwatch_max_logit", settings=("max_logit_bound",)),
     RuleSpec(
         "non_finite", "critical",
         "NaN or infinity in the loss, the gradient norm or a head's statistics.",
@@ -175,7 +179,8 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "Check non_finite and the attention alerts before it. Restore a checkpoint from before the "
         "spike and resume with a lower learning rate or fp32_delta on the flagged layer; a single "
         "spike that recovers may be one bad batch.",
-        scope="run", signal="flashwatch_loss"),
+        scope="run", signal="flashwatch_loss",
+        settings=("loss_spike_rtol", "loss_spike_atol", "loss_spike_window")),
 )
 
 STOPPED_REPORTING = RuleSpec(
