@@ -42,11 +42,11 @@ RUNBOOK_DOC = ROOT / RUNBOOK
 # warm-up and holds an alert with hysteresis, so a `for:` would only delay it.
 DECISION_FOR = "0m"
 # A run stopped reporting: flashwatch_step unchanged over STALL_WINDOW, continuously for STALL_FOR.
-# The window must hold a few monitored steps (one every `interval` optimizer steps: at the
-# default 10 and 30 s a step, one every 5 minutes). STALL_FOR is the pause tolerated on top:
-# evaluation, checkpoint writes and compilation inside a run last minutes; 20 minutes without a
-# monitored step is past those, and still early for a hung job that would otherwise hold its
-# GPUs for hours.
+# The window is about the gap between two monitored steps of a slow run (one every `interval`
+# optimizer steps: at the default 10 and 30 s a step, every 5 minutes), so each new step resets
+# the rule. STALL_FOR is the pause tolerated on top: evaluation, checkpoint writes and compilation
+# last minutes; 20 minutes without a monitored step is past those, and still early for a hung
+# job that would otherwise hold its GPUs for hours.
 STALL_WINDOW_MIN = 5
 STALL_FOR_MIN = 15
 
@@ -161,10 +161,10 @@ def runbook_markdown() -> str:
         if spec is STOPPED_REPORTING:
             lines += ["", f"**Timing.** `changes(flashwatch_step[{STALL_WINDOW_MIN}m]) == 0` must hold for "
                           f"{STALL_FOR_MIN} minutes: {STALL_WINDOW_MIN + STALL_FOR_MIN} minutes without a new "
-                          "monitored step. The window holds a few monitored steps of a slow run (at "
-                          "`interval=10` and 30 s a step, one every 5 minutes); the pause tolerated on top "
-                          "covers evaluation, checkpoint writes and compilation, and is still early for a "
-                          "hung job that would hold its GPUs for hours."]
+                          "monitored step. The window is about the gap between two monitored steps of a slow "
+                          "run (at `interval=10` and 30 s a step, 5 minutes), so each new step resets the "
+                          "rule; the pause tolerated on top covers evaluation, checkpoint writes and "
+                          "compilation, and is still early for a hung job that would hold its GPUs for hours."]
     assert len(RULE_SPECS) + 1 == len(ALERT_SPECS)
     return "\n".join(lines) + "\n"
 
