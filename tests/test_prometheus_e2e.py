@@ -156,6 +156,9 @@ def test_every_dashboard_and_rule_expression_returns_data(tmp_path):
         last = float((steps - 1) // 2 * 2)
         _wait(f"a scrape of step {last:g}",
               lambda: float(_query(base, "flashwatch_step")[0]["value"][1]) == last, timeout=30)
+        # increase() and changes() need two samples: on a busy machine the first scrape may come late
+        _wait("a second scrape", lambda: float(
+            _query(base, "count_over_time(flashwatch_step[1h])")[0]["value"][1]) >= 2, timeout=30)
         _wait("the rules to be evaluated", lambda: all(
             r["health"] == "ok" and r["lastEvaluation"][:4] != "0001"
             for g in _get(f"{base}/api/v1/rules")["data"]["groups"] for r in g["rules"]), timeout=30)
