@@ -55,11 +55,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .detectors import RULES
-
-MODES = ("own_kernel", "observe")
-VARIANTS = ("plain", "fixed", "fp32_delta")  # flashwatch.kernels.VARIANTS (kept import-free here)
-FIX_VARIANTS = ("fixed", "fp32_delta")
+from .vocabulary import FIX_VARIANTS, MODES, RULES, VARIANTS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,9 +8,11 @@ threshold" condition holds while the value stays above ``threshold - (1 - clear_
 evidence behind the defaults). Logging, counting, exporting, switching variants and stopping
 are the Monitor's job.
 
-Rules (``RULES``; the ``rule`` label of ``flashwatch_alerts_total`` and ``flashwatch_alert_active``):
+Rules (``RULES``; the ``rule`` label of ``flashwatch_alerts_total`` and ``flashwatch_alert_active``).
+Their names, severities, meaning and what to do when one fires live in ``flashwatch.vocabulary``
+(the runbook: docs/ALERTS.md); here is how each is decided:
 
-- ``delta_drift`` (warning): |z| of the signed delta error >= ``drift_threshold`` after
+- ``delta_drift``: |z| of the signed delta error >= ``drift_threshold`` after
   ``warmup`` monitored steps of that head; optionally the windowed |z| too. It says the BF16
   bias of delta (the mechanism) is at work, not that the run will fail: it fired 1,000-2,500
   steps ahead of every recorded blow-up, and also in 5/5 healthy BF16 runs of the same model at
@@ -19,16 +21,16 @@ Rules (``RULES``; the ``rule`` label of ``flashwatch_alerts_total`` and ``flashw
   layers whose backward takes delta from the rounded (BF16/FP16) output: observed SDPA/FA2 and
   flashwatch's ``plain`` and ``fixed``; not for FP32 attention nor for layers running
   ``fp32_delta`` (the remedy), unless ``drift_include_fp32``.
-- ``repeated_max_rise`` (warning): the BF16 repeated-max ratio >= ``repeated_max_factor`` x its
+- ``repeated_max_rise``: the BF16 repeated-max ratio >= ``repeated_max_factor`` x its
   own baseline (mean over ``repeated_max_baseline`` monitored steps after warm-up) and at least
   ``repeated_max_margin`` above it.
-- ``wq_growth`` (warning): sigma_t / sigma_{t-W} >= ``wq_growth_factor``, judged only once the
+- ``wq_growth``: sigma_t / sigma_{t-W} >= ``wq_growth_factor``, judged only once the
   comparison point t-W lies after warm-up (monitored step >= ``warmup + window``), never
   against the weights at initialisation.
-- ``wq_outlier`` (warning): sigma_h / median over the layer's heads >= ``wq_outlier_ratio``.
-- ``max_logit`` (warning): max logit >= ``max_logit_bound`` (weak evidence alone).
-- ``non_finite`` (critical): NaN/inf in the loss, the gradient norm or a head's statistics.
-- ``loss_spike`` (critical): as Lightning's ``SpikeDetection`` (running mean of the last
+- ``wq_outlier``: sigma_h / median over the layer's heads >= ``wq_outlier_ratio``.
+- ``max_logit``: max logit >= ``max_logit_bound`` (weak evidence alone).
+- ``non_finite``: NaN/inf in the loss, the gradient norm or a head's statistics.
+- ``loss_spike``: as Lightning's ``SpikeDetection`` (running mean of the last
   ``loss_spike_window`` monitored losses; loss above the last one and above the mean by
   ``loss_spike_rtol`` x |mean| (and ``loss_spike_atol``)), for comparison.
 """
@@ -40,13 +42,12 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # tensors arrive from the Monitor; deciding needs no torch import (exporters read RULES)
+from .vocabulary import RULES, SEVERITIES, SEVERITY
+
+if TYPE_CHECKING:  # tensors arrive from the Monitor; deciding needs no torch import
     import torch
 
-RULES = ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier", "max_logit", "non_finite", "loss_spike")
-SEVERITIES = ("warning", "critical")
-
-__all__ = ["RULES", "Alert", "LayerSignals", "StepSignals", "Detector", "DeltaDriftDetector",
+__all__ = ["RULES", "SEVERITIES", "Alert", "LayerSignals", "StepSignals", "Detector", "DeltaDriftDetector",
            "RepeatedMaxRiseDetector", "WqGrowthDetector", "WqOutlierDetector", "MaxLogitDetector",
            "NonFiniteDetector", "LossSpikeDetector", "build_detectors"]
 
@@ -62,7 +63,7 @@ class Alert:
         head: head index, -1 if not about one head.
         value: the value that crossed the threshold (e.g. z, a ratio, the loss).
         threshold: the threshold it crossed.
-        severity: ``"warning"`` or ``"critical"``.
+        severity: ``"warning"`` or ``"critical"`` (the rule's, ``flashwatch.vocabulary.SEVERITY``).
         message: one line for humans.
     """
 
@@ -159,7 +160,6 @@ class Detector:
     """
 
     rule = ""
-    severity = "warning"
 
     def __init__(self, clear_ratio: float = 0.9):
         self.clear_ratio = clear_ratio
@@ -168,6 +168,11 @@ class Detector:
 
     def update(self, signals: StepSignals) -> list[Alert]:
         raise NotImplementedError
+
+    @property
+    def severity(self) -> str:
+        """The rule's severity (``flashwatch.vocabulary.SEVERITY``)."""
+        return SEVERITY[self.rule]
 
     @property
     def active(self) -> list[Alert]:
@@ -233,8 +238,6 @@ class DeltaDriftDetector(Detector):
     """
 
     rule = "delta_drift"
-    # a warning: the bias it detects is present in healthy BF16 runs too (module docstring)
-    severity = "warning"
 
     def __init__(self, threshold: float = 4.5, window_threshold: float | None = None, warmup: int = 20,
                  include_fp32: bool = False, clear_ratio: float = 0.9):
@@ -434,7 +437,6 @@ class NonFiniteDetector(Detector):
     """
 
     rule = "non_finite"
-    severity = "critical"
 
     def update(self, signals: StepSignals) -> list[Alert]:
         out = self._begin()
@@ -476,7 +478,6 @@ class LossSpikeDetector(Detector):
     """
 
     rule = "loss_spike"
-    severity = "critical"
 
     def __init__(self, rtol: float | None = 2.0, atol: float | None = None, window: int = 10,
                  clear_ratio: float = 0.9):

@@ -3,6 +3,8 @@
 Everything that shows a number reads this table: the Prometheus exporter, the JSONL writer's
 schema, the README's metric table (``python -m flashwatch.metrics`` prints it), the Grafana
 dashboard and the Prometheus alert rules. ``tests/test_metric_table.py`` holds them together.
+The values a ``rule`` or ``variant`` label takes are the vocabulary's (``LABEL_VALUES``, from
+``flashwatch.vocabulary``).
 
 Conventions (Prometheus): one prefix ``flashwatch_``, base units, counters end in ``_total``.
 Labels never include the step. ``layer`` and ``head`` are integers counted from 0.
@@ -17,6 +19,8 @@ kernel variant, ``(rule,)`` for the alert counter, ``(rule, layer, head)`` for a
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .vocabulary import RULES, VARIANT_LABELS
 
 PREFIX = "flashwatch_"
 PER_HEAD = ("layer", "head")
@@ -87,6 +91,9 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+# Labels whose values are a fixed vocabulary (``layer`` and ``head`` are integers from 0).
+LABEL_VALUES: dict[str, tuple[str, ...]] = {"rule": RULES, "variant": VARIANT_LABELS}
 
 
 def exported_names(spec: MetricSpec) -> tuple[str, ...]:

@@ -1,10 +1,9 @@
 """A small nanoGPT-style byte-level GPT, its corpus and a batch sampler, for demos and tests.
 
-The model is the one of ../shared/NUMERICS.md section 6 (byte vocabulary, no biases by
-default, LayerNorm, fused ``c_attn``, attention through
-``torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)``), at whatever
-size you ask; the corpus is the Python standard library's own source text, so it is on every
-machine and needs no download.
+The model is nanoGPT's layout (byte vocabulary, no biases by default, LayerNorm, fused
+``c_attn``, attention through ``torch.nn.functional.scaled_dot_product_attention(q, k, v,
+is_causal=True)``), at whatever size you ask; the corpus is the Python standard library's own
+source text, so it is on every machine and needs no download.
 
 Example::
 

@@ -9,7 +9,10 @@ import math
 
 import torch
 
-VARIANTS = ("plain", "fixed", "fp32_delta")
+# absolute, not `..vocabulary`: with a checkout's root on sys.path (python -m from there) other
+# packages may import this folder as a top-level `kernels` (transformers probes that name)
+from flashwatch.vocabulary import VARIANTS
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128)
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from flashwatch import MonitorConfig
-from flashwatch.detectors import RULES
+from flashwatch.vocabulary import RULES
 
 
 def test_defaults_follow_the_design():
@@ -94,5 +94,24 @@ def test_config_and_rules_import_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, flashwatch.config, flashwatch.detectors; assert 'torch' not in sys.modules"
+    code = ("import sys, flashwatch.config, flashwatch.detectors, flashwatch.vocabulary; "
+            "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_choices_are_the_vocabularys():
+    import flashwatch.config as config
+    from flashwatch import vocabulary
+
+    # one home: config re-exports the vocabulary's tuples, it does not copy them
+    assert config.MODES is vocabulary.MODES and config.VARIANTS is vocabulary.VARIANTS
+    assert config.FIX_VARIANTS is vocabulary.FIX_VARIANTS and config.RULES is vocabulary.RULES
+    for mode in vocabulary.MODES:
+        assert MonitorConfig(mode=mode).mode == mode
+    for variant in vocabulary.VARIANTS:
+        assert MonitorConfig(variant=variant).variant == variant
+    for fix in vocabulary.FIX_VARIANTS:
+        assert MonitorConfig(auto_fix=fix).auto_fix == fix
+    assert MonitorConfig(stop_on=set(vocabulary.RULES)).stop_on == frozenset(vocabulary.RULES)
+    with pytest.raises(ValueError, match="unknown rule"):
+        MonitorConfig(stop_on={vocabulary.STOPPED_REPORTING.name})  # Prometheus's own, not the Monitor's

@@ -1,4 +1,5 @@
-"""The Grafana dashboard and the Prometheus rules follow the metric table, and are current."""
+"""The Grafana dashboard, the Prometheus rules and the runbook follow the metric table and the
+vocabulary, and the committed copies are the generated ones."""
 
 from __future__ import annotations
 
@@ -11,19 +12,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flashwatch.config import MonitorConfig
-from flashwatch.detectors import RULES, build_detectors
 from flashwatch.metrics import METRICS, exported_names
+from flashwatch.vocabulary import (ALERT_SPECS, RULE_SPECS, RULES, SEVERITY, STOPPED_REPORTING, VARIANT_CODE,
+                                   markdown_table)
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 KNOWN = {n for m in METRICS for n in exported_names(m)}
 METRIC_TOKEN = re.compile(r"\b(flashwatch_[a-z0-9_]+)")
+DS = {"type": "prometheus", "uid": "${datasource}"}
 
 
 def load_builder():
+    """dashboards/build_dashboard.py as a module (it imports build_alerts from beside itself)."""
     spec = importlib.util.spec_from_file_location("build_dashboard", DASHBOARDS / "build_dashboard.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -44,7 +47,9 @@ def rules():
 
 
 def test_committed_files_are_the_generated_ones(builder):
-    for path, text in builder.outputs().items():
+    files = builder.outputs()
+    assert {p.name for p in files} == {"flashwatch.json", "alerts.yml", "ALERTS.md"}
+    for path, text in files.items():
         assert path.read_text() == text, f"{path.name} is stale: run python dashboards/build_dashboard.py"
 
 
@@ -66,21 +71,46 @@ def test_every_metric_name_in_the_dashboard_is_in_the_table(builder, dash):
         assert name in used, f"the dashboard shows no {name}"
 
 
-def test_dashboard_is_portable(dash):
+def test_dashboard_is_portable_and_passes_the_linter_rules(builder, dash):
+    """The Grafana dashboard-linter's rules, checked here (the linter itself is a Go program)."""
     assert dash["id"] is None
+    assert dash["editable"] is False  # uneditable-dashboard: change the generator, not the dashboard
     templating = {v["name"]: v for v in dash["templating"]["list"]}
-    ds = templating["DS_PROMETHEUS"]
-    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
-    for name in ("layer", "head", "instance"):
-        assert templating[name]["query"]["query"].startswith("label_values("), name
-        assert templating[name]["datasource"]["uid"] == "${DS_PROMETHEUS}"
-    ds_refs = [dash["annotations"]["list"][1]["datasource"]]
+    # template-datasource-rule: one datasource variable, named `datasource`
+    assert [v["name"] for v in templating.values() if v["type"] == "datasource"] == ["datasource"]
+    assert templating["datasource"]["query"] == "prometheus"
+    assert templating["datasource"]["label"] == "Data source"
+    # template-job-rule and template-instance-rule (layer and head follow them)
+    for name in ("job", "instance", "layer", "head"):
+        v = templating[name]
+        assert v["type"] == "query" and v["datasource"] == DS, name
+        assert v["label"] == name.capitalize(), name
+        assert v["multi"] and v["includeAll"] and v["allValue"] == ".+", name
+        assert v["refresh"] == 2, name  # template-on-time-change-reload-rule
+        assert re.fullmatch(r"label_values\(.+\)", v["query"]["query"]), name  # template-label-promql-rule
+    # panel-datasource-rule, for every panel, target and annotation
+    refs = [a["datasource"] for a in dash["annotations"]["list"] if "expr" in a]
     for p in dash["panels"]:
-        ds_refs.append(p["datasource"])
-        ds_refs += [t["datasource"] for t in p["targets"]]
-    assert all(d == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"} for d in ds_refs)
-    # nothing refers to a datasource of the machine the dashboard was made on
-    assert '"uid": "flashwatch-prometheus"' not in json.dumps(dash)
+        refs.append(p["datasource"])
+        refs += [t["datasource"] for t in p["targets"]]
+    assert refs and all(d == DS for d in refs)
+    assert '"uid": "flashwatch-prometheus"' not in json.dumps(dash)  # nothing of the machine it was made on
+    # panel-title-description-rule
+    for p in dash["panels"]:
+        assert p["title"] and p["description"], p["id"]
+    exprs = [(w, e) for w, e in builder.expressions(dash) if not w.startswith("variable")]
+    assert len(exprs) >= 15
+    for where, expr in exprs:
+        # target-job-rule, target-instance-rule: every selector matches $job and $instance
+        for selector in re.findall(r"\bflashwatch_[a-z0-9_]+(?:\{[^}]*\})?", expr):
+            assert 'job=~"$job"' in selector and 'instance=~"$instance"' in selector, (where, selector)
+        # target-counter-agg-rule: a counter only inside rate/irate/increase of a range
+        for m in re.finditer(r"\bflashwatch_[a-z0-9_]+_total\b", expr):
+            assert re.search(r"\b(rate|irate|increase)\($", expr[:m.start()]), (where, expr)
+            assert re.match(r"\{[^}]*\}\[[^\]]+\]\)", expr[m.end():]), (where, expr)
+        # target-rate-interval-rule
+        for m in re.finditer(r"\b(i?rate)\([^\[]*\[([^\]]+)\]", expr):
+            assert m.group(2) == "$__rate_interval", (where, expr)
 
 
 def test_every_panel_has_a_unit_and_per_metric_units_follow_the_table(dash):
@@ -97,25 +127,69 @@ def test_every_panel_has_a_unit_and_per_metric_units_follow_the_table(dash):
     assert ratio["fieldConfig"]["defaults"]["unit"] == "percentunit"
 
 
-def test_alert_rules_mirror_the_detectors(builder, rules):
-    assert [r["labels"]["rule"] for r in rules] == list(RULES)
-    severity = {d.rule: d.severity for d in build_detectors(MonitorConfig())}
-    for r in rules:
-        assert r["labels"]["severity"] == severity[r["labels"]["rule"]], r["alert"]
+def test_dashboard_reads_the_vocabulary(dash):
+    by_title = {p["title"]: p for p in dash["panels"]}
+    variants = by_title["Kernel variant per layer"]
+    mapping = variants["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert {v["text"]: int(code) for code, v in mapping.items()} == VARIANT_CODE
+    for v, code in VARIANT_CODE.items():
+        assert f'variant="{v}"}} == 1) * {code}' in variants["targets"][0]["expr"]
+    rule_column = by_title["Active alerts"]["fieldConfig"]["overrides"][0]
+    assert rule_column["matcher"]["options"] == "rule"
+    mappings = rule_column["properties"][0]["value"]
+    assert [next(iter(m["options"].items())) for m in mappings] == [
+        (r.name, {"text": f"{r.name} ({r.severity})", "color": {"warning": "orange", "critical": "red"}[r.severity],
+                  "index": i}) for i, r in enumerate(RULE_SPECS)]
+    colours = {o["matcher"]["options"]: o["properties"][0]["value"]["fixedColor"]
+               for o in by_title["Alerts raised in the time range, by rule"]["fieldConfig"]["overrides"]}
+    assert colours == {r.name: {"warning": "orange", "critical": "red"}[r.severity] for r in RULE_SPECS}
+
+
+def test_alert_rules_fire_on_the_monitors_decisions(rules):
+    assert [r["alert"] for r in rules] == [s.alert for s in ALERT_SPECS]
+    assert [r["labels"]["rule"] for r in rules] == [*RULES, STOPPED_REPORTING.name]
+    for r, spec in zip(rules, ALERT_SPECS):
+        assert r["labels"] == {"rule": spec.name, "severity": spec.severity}, r["alert"]
         names = METRIC_TOKEN.findall(r["expr"])
         assert names and set(names) <= KNOWN, (r["alert"], names)
-        assert r["annotations"]["summary"] and r["annotations"]["description"]
-        assert re.fullmatch(r"\d+m", r["for"])
-    exprs = {r["labels"]["rule"]: r["expr"] for r in rules}
-    cfg = MonitorConfig()
-    assert f"abs(flashwatch_delta_drift_z) >= {cfg.drift_threshold:g}" in exprs["delta_drift"]
-    assert f">= {cfg.max_logit_bound:g}" in exprs["max_logit"]
-    assert f">= {cfg.wq_outlier_ratio:g}" in exprs["wq_outlier"]
-    assert f">= {cfg.wq_growth_factor:g}" in exprs["wq_growth"]
-    assert f"flashwatch_step >= {cfg.warmup * cfg.interval}" in exprs["delta_drift"]
-    for rule in builder.alert_rules():
-        for inner in rule.inner:
-            assert set(METRIC_TOKEN.findall(inner)) <= KNOWN
+        assert r["annotations"]["summary"] == spec.summary and "\n" not in spec.summary
+        assert r["annotations"]["runbook_url"] == f"docs/ALERTS.md#{spec.name}"
+        description = r["annotations"]["description"]
+        assert "{{ $labels.instance }}" in description, r["alert"]
+        if spec.scope != "run":
+            assert "{{ $labels.layer }}" in description and "{{ $labels.head }}" in description, r["alert"]
+        if spec.name in RULES:
+            # the Monitor decides; Prometheus relays (no threshold of its own to drift apart)
+            assert r["expr"] == f'flashwatch_alert_active{{rule="{spec.name}"}} == 1'
+            assert r["for"] == "0m" and SEVERITY[spec.name] == spec.severity
+            if spec.signal:
+                assert f"`{spec.signal}{{" in description and "| query" in description, r["alert"]
+    stopped = rules[-1]
+    assert "changes(flashwatch_step[" in stopped["expr"] and "up == 1" in stopped["expr"]
+    assert "{{ $value" in stopped["annotations"]["description"]  # the last step
+    assert re.fullmatch(r"\d+m", stopped["for"]) and int(stopped["for"][:-1]) >= 10
+
+
+def test_runbook_has_a_section_per_alert_with_the_tables_text():
+    text = (DASHBOARDS.parent / "docs" / "ALERTS.md").read_text()
+    assert markdown_table(link="#") in text
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert [s.split("\n", 1)[0] for s in sections] == [spec.name for spec in ALERT_SPECS]  # the anchors
+    for section, spec in zip(sections, ALERT_SPECS):
+        for part in (spec.summary, spec.meaning, spec.action, spec.alert, f"**{spec.severity}**"):
+            assert part in section, (spec.name, part)
+        for setting in spec.settings:
+            assert f"`{setting}=" in section, (spec.name, setting)
+
+
+def test_promtool_tests_cover_every_alert():
+    tests = yaml.safe_load((DASHBOARDS / "alerts_test.yml").read_text())["tests"]
+    cases = [case for t in tests for case in t["alert_rule_test"]]
+    assert {c["alertname"] for c in cases if c["exp_alerts"]} == {s.alert for s in ALERT_SPECS}
+    # and where it must stay quiet: before the decision, after it cleared, on a healthy run
+    assert {c["alertname"] for c in cases if not c["exp_alerts"]} >= {
+        "FlashwatchDeltaDrift", "FlashwatchRepeatedMaxRise", "FlashwatchNonFinite", "FlashwatchLossSpike",
+        "FlashwatchStoppedReporting"}
 
 
 def test_prometheus_config_scrapes_the_demo_port_and_loads_the_rules():

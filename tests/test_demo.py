@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from flashwatch.cli import main as cli_main
+from flashwatch.demo import model as demo_model
+from flashwatch.demo import summary, training
 from flashwatch.exporters.jsonl import ALERTS_FILE, METRICS_FILE, read_jsonl, validate_record
 
 
@@ -47,6 +55,65 @@ def test_demo_writes_the_run_folder_and_reports(tmp_path, capsys):
         assert line in report, line
     assert "INJECTED" not in out
 
+    # the hint at the end is a command that works as printed
+    picture = next(l for l in out.splitlines() if l.startswith("  picture: "))
+    argv = shlex.split(picture.split(": ", 1)[1])
+    assert argv[1:] == ["report", str(run_dir), "--out", str(run_dir / "report.png")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (run_dir / "report.png").exists() and f"wrote {run_dir / 'report.png'}" in done.stdout
+
+
+def test_the_printed_command_is_one_the_shell_finds(monkeypatch, tmp_path):
+    script = Path(sys.executable).parent / "flashwatch"
+    assert script.is_file()  # this interpreter's environment has the console script
+    monkeypatch.setenv("PATH", str(tmp_path))  # not on PATH (make demo): its absolute path
+    assert summary.flashwatch_command() == str(script.absolute())
+    monkeypatch.setenv("PATH", f"{script.parent}{os.pathsep}{tmp_path}")  # on PATH: the bare name
+    assert summary.flashwatch_command() == "flashwatch"
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python3"))  # no script: python -m
+    assert summary.flashwatch_command() == f"{tmp_path / 'python3'} -m flashwatch.cli"
+
+
+def test_a_taken_default_port_gives_way_to_a_free_one(tmp_path, capsys, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        monkeypatch.setattr(training, "DEFAULT_PORT", port)  # this taken port plays the default
+        code = cli_main(["demo", "--device", "cpu", "--steps", "2", "--port", str(port),
+                         "--run-dir", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"port {port} on 127.0.0.1 is taken" in out and "free port instead" in out
+    url = json.loads((tmp_path / "r" / "demo.json").read_text())["prometheus_url"]
+    served = int(url.split(":")[2].split("/")[0])
+    assert served not in (0, port)
+    assert f"Prometheus metrics: {url} (while it trains; port {port} was taken)" in out
+
+
+def test_ctrl_c_ends_with_the_summary_and_the_report(tmp_path, capsys, monkeypatch):
+    step = demo_model.DemoGPT.training_step
+
+    def interrupted_at_5(self, batch, batch_idx):
+        if batch_idx == 5:
+            raise KeyboardInterrupt
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(demo_model.DemoGPT, "training_step", interrupted_at_5)
+    handler = signal.getsignal(signal.SIGINT)
+    run_dir = tmp_path / "run"
+    code, out = _demo(capsys, "--steps", "20", "--run-dir", str(run_dir))
+    assert code == 0, out
+    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C works again afterwards
+    report = out.split("flashwatch demo report", 1)[1]
+    assert "steps:   5 of 20 optimizer steps (stopped by Ctrl-C)" in report
+    assert "loss:    " in report and "at step 4" in report
+    meta = json.loads((run_dir / "demo.json").read_text())
+    assert meta["interrupted"] is True and meta["steps_done"] == 5
+    assert [r["step"] for r in read_jsonl(run_dir)] == list(range(5))
+    assert "interrupted" in (run_dir / "report.html").read_text()
+
 
 def test_provoke_raises_alerts_labelled_injected(tmp_path, capsys):
     run_dir = tmp_path / "provoked"
@@ -67,7 +134,7 @@ def test_provoke_raises_alerts_labelled_injected(tmp_path, capsys):
     lines = (run_dir / ALERTS_FILE).read_text().splitlines()
     assert len(lines) == len(alerts) and all("[INJECTED]" in l for l in lines)
     assert "flashwatch demo report [INJECTED FAULT" in out
-    assert "INJECTED FAULT: inject_bias=" in out
+    assert "INJECTED FAULT: rounding_bias(" in out
     assert "INJECTED [100%] flashwatch step 99" in out
     warnings = [l for l in out.splitlines() if l.startswith(("WARNING", "ERROR"))]
     assert warnings and all(l.split(" ", 1)[1].startswith("INJECTED") for l in warnings)

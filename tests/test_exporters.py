@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.live import Live
 
-from flashwatch.detectors import RULES, Alert
+from flashwatch.detectors import Alert
 from flashwatch.exporters import Exporter, FanOut, Layout, StepRecord
 from flashwatch.exporters.console import ConsoleExporter
 from flashwatch.exporters.jsonl import (ALERTS_FILE, METRICS_FILE, SCHEMA, JsonlExporter, read_jsonl,
@@ -25,6 +25,7 @@ from flashwatch.exporters.jsonl import (ALERTS_FILE, METRICS_FILE, SCHEMA, Jsonl
 from flashwatch.exporters.prometheus import PortInUseError, PrometheusExporter
 from flashwatch.exporters.testing import synthetic_layout, synthetic_record
 from flashwatch.metrics import METRICS
+from flashwatch.vocabulary import RULES
 
 LAYOUT = synthetic_layout(num_layers=2, num_heads=3)
 
@@ -445,6 +446,31 @@ def test_console_live_mode_on_a_terminal_and_fallback_when_the_terminal_is_taken
         ConsoleExporter("fancy")
     with pytest.raises(ValueError, match="top must be a positive int"):
         ConsoleExporter(top=0)
+
+
+def test_console_marks_the_heads_the_monitor_decided_are_drifting():
+    exporter = ConsoleExporter(console=Console(file=io.StringIO()), top=6)
+    record = synthetic_record(LAYOUT, step=10, alerts=[drift_alert(10, layer=1, head=2, severity="warning")])
+    record.snapshot["flashwatch_delta_drift_z"][(0, 1)] = math.nan
+    heads = exporter.render(record).renderables[1]
+    cells = [[c._cells[i] for c in heads.columns[:2]] for i in range(heads.row_count)]
+    styles = {(int(layer), int(head)): row.style for (layer, head), row in zip(cells, heads.rows)}
+    assert len(styles) == 6
+    # red: the head with an active delta_drift alert (the Monitor's decision) and a non-finite z
+    assert {k for k, style in styles.items() if style == "bold red"} == {(1, 2), (0, 1)}
+
+
+def test_exporters_read_only_the_vocabulary_and_the_metric_table():
+    import subprocess
+    import sys
+
+    code = ("import sys, flashwatch.exporters.prometheus, flashwatch.exporters.console, "
+            "flashwatch.exporters.jsonl, flashwatch.exporters.testing, flashwatch.exporters.summary; "
+            "loaded = sorted(m for m in sys.modules if m.startswith('flashwatch') and "
+            "not m.startswith('flashwatch.exporters')); "
+            "assert loaded == ['flashwatch', 'flashwatch.metrics', 'flashwatch.vocabulary'], loaded; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_step_record_defaults():

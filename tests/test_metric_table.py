@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from flashwatch.metrics import METRICS, markdown_table
+from flashwatch.metrics import BY_NAME, LABEL_VALUES, METRICS, markdown_table
+from flashwatch.vocabulary import RULES, VARIANT_LABELS
 
 
 def test_names_follow_prometheus_conventions():
@@ -30,3 +31,19 @@ def test_readme_table_is_the_generated_one():
     assert start in readme and end in readme
     block = readme.split(start, 1)[1].split(end, 1)[0].strip()
     assert block == markdown_table(), "README metric table is stale: regenerate with `flashwatch metrics`"
+
+
+def test_label_vocabularies_are_the_vocabularys():
+    assert LABEL_VALUES == {"rule": RULES, "variant": VARIANT_LABELS}
+    for label in LABEL_VALUES:
+        assert any(label in m.labels for m in METRICS), label
+    assert BY_NAME["flashwatch_kernel_variant"].labels == ("layer", "variant")
+    assert set(BY_NAME["flashwatch_alert_active"].labels) == {"rule", "layer", "head"}
+
+
+def test_synthetic_snapshots_use_the_label_vocabularies():
+    from flashwatch.exporters.testing import synthetic_layout, synthetic_snapshot
+
+    snap = synthetic_snapshot(synthetic_layout(2, 3))
+    assert {v for _, v in snap["flashwatch_kernel_variant"]} == set(VARIANT_LABELS)
+    assert {r for (r,) in snap["flashwatch_alerts_total"]} == set(RULES)

@@ -14,7 +14,8 @@ import torch
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.cli import main as cli_main
 from flashwatch.exporters.jsonl import JsonlExporter, read_jsonl
-from flashwatch.report import HEATMAPS, MissingMatplotlib, _bins, load_run, render, to_html
+from flashwatch.report import HEATMAPS, MissingMatplotlib, UnreadableRun, load_run, render, to_html
+from flashwatch.report.charts import bins, heatmap_grid
 from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
 
 LAYERS, HEADS, STEPS = 2, 2, 24
@@ -170,7 +171,48 @@ def test_resumed_steps_keep_the_last_record_and_long_runs_are_binned(run_dir, tm
     run = load_run(tmp_path)
     assert run.steps == sorted(set(run.steps)) and len(run.steps) == len(step_lines)
     assert len(list(read_jsonl(tmp_path))) == len(step_lines) + 2
-    assert _bins(10) == [(i, i + 1) for i in range(10)]
-    bins = _bins(1000, 240)
-    assert len(bins) == 240 and bins[0][0] == 0 and bins[-1][1] == 1000
-    assert all(a < b for a, b in bins) and all(b == c for (_, b), (c, _) in zip(bins, bins[1:]))
+    assert bins(10) == [(i, i + 1) for i in range(10)]
+    ranges = bins(1000, 240)
+    assert len(ranges) == 240 and ranges[0][0] == 0 and ranges[-1][1] == 1000
+    assert all(a < b for a, b in ranges) and all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+
+
+def test_binned_grid_keeps_extremes_and_alert_columns(run_dir):
+    """The data both renderers draw: a column per bin of steps, the rule's combine per bin, alerts in their bin."""
+    run = load_run(run_dir)
+    drift, max_logit = HEATMAPS[0], HEATMAPS[-1]
+    assert max_logit.metric == "flashwatch_max_logit" and max_logit.combine == "max"
+    full = heatmap_grid(run, max_logit)
+    assert not full.binned and full.columns == [(s, s) for s in run.steps]
+    assert full.values == run.series[max_logit.metric]
+    half = heatmap_grid(run, max_logit, max_columns=len(run.steps) // 2)
+    assert half.binned and len(half.columns) == len(run.steps) // 2
+    for row, full_row in zip(half.values, run.series[max_logit.metric]):
+        assert row[0] == max(full_row[0], full_row[1])
+    assert {(row, col) for row, col, _, _ in half.cells} == {(row, col // 2) for row, col, _, _ in full.cells}
+    lo, hi = heatmap_grid(run, drift).lo, heatmap_grid(run, drift).hi
+    assert (lo, hi) == (-run.drift_threshold, run.drift_threshold)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"this is not JSON\n\x00\xff garbage\n", "holds no step record"),
+    (b'{"kind": "open", "layout": []}\n', "holds no step record"),
+    (b'{"kind": "step", "step": "seven", "metrics": {}}\n', "not a flashwatch metrics.jsonl"),
+])
+def test_empty_or_unreadable_metrics_is_an_error_naming_the_file(tmp_path, capsys, content, message):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(UnreadableRun, match=message):
+        load_run(tmp_path)
+    assert cli_main(["report", str(tmp_path)]) == 2
+    out = capsys.readouterr()
+    assert str(path) in out.err and message in out.err and "No alert started" not in out.out + out.err
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_a_metrics_file_that_cannot_be_opened_is_an_error(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").mkdir()  # a folder where the file should be
+    assert cli_main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "metrics.jsonl" in err

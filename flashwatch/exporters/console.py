@@ -1,7 +1,8 @@
 """Console exporter: a rich live summary on a terminal, plain log lines everywhere else.
 
 On a terminal (``mode="live"``, chosen by ``"auto"``) one panel is redrawn at every monitored
-step: the top heads by |drift z| with their repeated-max ratios, max logit and W^Q norm; the
+step: the top heads by |drift z| with their repeated-max ratios, max logit and W^Q norm (a head
+in red while the Monitor's ``delta_drift`` alert holds for it, or its z is not finite); the
 active alerts; and which kernel variant each layer runs. Without a terminal (a batch job, a
 log file, CI) each monitored step is one ``INFO`` line of the ``flashwatch`` logger.
 
@@ -24,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Mapping
 
@@ -34,11 +36,8 @@ from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
 
-from ..config import MonitorConfig
 from .base import Exporter, Layout, StepRecord, alert_to_dict
 from .summary import top_heads, variant_counts
-
-_DRIFT_THRESHOLD = MonitorConfig().drift_threshold  # |drift z| shown in red from here (the rule's default)
 
 log = logging.getLogger("flashwatch")
 alert_log = logging.getLogger("flashwatch.alerts")
@@ -181,9 +180,12 @@ class ConsoleExporter(Exporter):
                       expand=False, pad_edge=False)
         for col in ("layer", "head", "drift z", "repeated-max", "bf16 rep-max", "max logit", "W^Q norm"):
             heads.add_column(col, justify="right")
+        # red where the Monitor decided delta_drift: the record carries its decisions, not its thresholds
+        drifting = {(a.get("layer"), a.get("head")) for a in map(alert_to_dict, record.active_alerts)
+                    if a.get("rule") == "delta_drift"}
         for layer, head, z in top_heads(s, "flashwatch_delta_drift_z", self.top, abs):
             key = (layer, head)
-            style = "bold red" if abs(z) >= _DRIFT_THRESHOLD or z != z else None
+            style = "bold red" if key in drifting or not math.isfinite(z) else None
             heads.add_row(str(layer), str(head), _f(z, "+.2f"),
                           _f(s.get("flashwatch_repeated_max_ratio", {}).get(key), ".2%"),
                           _f(s.get("flashwatch_repeated_max_ratio_bf16", {}).get(key), ".2%"),

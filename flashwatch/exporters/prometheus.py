@@ -52,15 +52,15 @@ from prometheus_client.exposition import generate_latest, push_to_gateway, start
 from prometheus_client.samples import Sample
 
 from ..metrics import METRICS
+from ..vocabulary import RULES, check_port
 from .base import Exporter, Layout, StepRecord
 
 log = logging.getLogger("flashwatch.exporters.prometheus")
 
-def known_rules() -> tuple[str, ...]:
-    """Alert rule names (``flashwatch.detectors.RULES``): each gets a ``flashwatch_alerts_total`` series."""
-    from ..detectors import RULES  # imported late: it brings torch, which export() never needs
 
-    return tuple(RULES)
+def known_rules() -> tuple[str, ...]:
+    """Alert rule names (``flashwatch.vocabulary.RULES``): each gets a ``flashwatch_alerts_total`` series."""
+    return RULES
 
 
 class PortInUseError(OSError):
@@ -285,10 +285,7 @@ class PrometheusExporter(Exporter):
         push_timeout_s: float = 5.0,
         const_labels: Mapping[str, Any] | None = None,
     ):
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool)
-                                 or not 0 <= port <= 65535):
-            raise ValueError(f"port must be an int in 0..65535 (0: any free port) or None "
-                             f"(no HTTP server), got {port!r}")
+        check_port(port)
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty address string such as '127.0.0.1', got {host!r}")
         if pushgateway is not None and (not isinstance(pushgateway, str) or not pushgateway):

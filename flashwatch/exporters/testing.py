@@ -12,9 +12,8 @@ import time
 from typing import Any
 
 from ..metrics import METRICS
+from ..vocabulary import RULES, VARIANT_LABELS
 from .base import Layout, StepRecord
-from ..detectors import RULES
-from ..monitor import VARIANT_LABELS
 
 
 def synthetic_layout(num_layers: int = 2, num_heads: int = 4) -> Layout:

@@ -1,0 +1,168 @@
+"""A run folder's ``metrics.jsonl`` (and ``demo.json``) read into columns for the charts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import MonitorConfig
+from ..exporters.jsonl import METRICS_FILE, read_jsonl
+
+__all__ = ["RunData", "UnreadableRun", "load_run", "PER_HEAD_METRICS", "INJECTED", "num"]
+
+INJECTED = "INJECTED"
+# the per-head metrics the report draws (one heatmap each), read from every step record
+PER_HEAD_METRICS = ("flashwatch_delta_drift_z", "flashwatch_repeated_max_ratio_bf16",
+                    "flashwatch_wq_spectral_norm", "flashwatch_max_logit")
+_DEFAULTS = MonitorConfig()
+
+
+class UnreadableRun(ValueError):
+    """A ``metrics.jsonl`` that cannot be read, or holds no step record; the message names the file."""
+
+
+@dataclass
+class RunData:
+    """A run's step records, as columns. Per-head series are ``[row][column]`` with rows ``row_labels``."""
+
+    path: Path
+    steps: list[int]
+    loss: list[float]
+    grad_norm: list[float]
+    rows: list[tuple[int, int]]  # (layer, head) of each row
+    layer_names: list[str]
+    series: dict[str, list[list[float]]]  # metric -> rows x steps
+    alerts: list[dict]  # every new alert, in step order
+    switches: list[tuple[int, int, str, str]]  # (step, layer, from, to) kernel-variant changes
+    meta: dict = field(default_factory=dict)  # demo.json, when present
+
+    @property
+    def row_labels(self) -> list[str]:
+        return [f"L{l}.H{h}" for l, h in self.rows]
+
+    @property
+    def injected(self) -> bool:
+        if self.meta.get("injected"):
+            return True
+        return any(f"[{INJECTED}]" in str(a.get("message", "")) for a in self.alerts)
+
+    @property
+    def drift_threshold(self) -> float:  # the run's own, else MonitorConfig's default
+        return float((self.meta.get("monitor_config") or {}).get("drift_threshold", _DEFAULTS.drift_threshold))
+
+    @property
+    def max_logit_bound(self) -> float:
+        return float((self.meta.get("monitor_config") or {}).get("max_logit_bound", _DEFAULTS.max_logit_bound))
+
+
+def num(v: Any) -> float:
+    """``v`` as a float; NaN when it is missing or not a number."""
+    if v is None:
+        return math.nan
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _metrics_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    if not p.exists():
+        raise FileNotFoundError(
+            f"no {METRICS_FILE} at {path}: pass a run folder written by flashwatch (FlashWatchCallback's run_dir, "
+            f"flashwatch demo's runs/demo-*/, a JsonlExporter folder) or the {METRICS_FILE} file itself")
+    return p
+
+
+def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict]]:
+    """The layout of the last ``open`` record and the step records, one per step (the last one written)."""
+    layout: list[tuple[str, int]] = []
+    by_step: dict[int, dict] = {}
+    try:
+        for rec in read_jsonl(p, kinds=None):
+            kind = rec.get("kind")
+            if kind == "open":
+                layout = [(str(x.get("name")), int(x.get("heads", 0))) for x in rec.get("layout", [])]
+            elif kind == "step" and isinstance(rec.get("metrics"), dict):
+                by_step[int(rec["step"])] = rec
+    except OSError as exc:
+        raise UnreadableRun(f"cannot read {p}: {exc.strerror or exc}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise UnreadableRun(f"{p} is not a flashwatch metrics.jsonl (a record of an unexpected shape: "
+                            f"{type(exc).__name__}: {exc})") from None
+    if not by_step:
+        what = "is empty" if p.stat().st_size == 0 else "holds no step record"
+        raise UnreadableRun(f"{p} {what}: nothing to draw. The report needs the step records a flashwatch run "
+                            f"writes (JsonlExporter, FlashWatchCallback's run_dir) once its first monitored step "
+                            f"is done")
+    return layout, [by_step[s] for s in sorted(by_step)]
+
+
+def load_run(path: str | os.PathLike) -> RunData:
+    """Read a run folder (or its ``metrics.jsonl``) into columns.
+
+    Steps written twice (a resumed run repeats the steps after its checkpoint) keep their last
+    record. Heads missing at a step (a layer not measured) are NaN.
+
+    Raises:
+        FileNotFoundError: no ``metrics.jsonl`` there.
+        UnreadableRun: the file cannot be read, or holds no step record (empty, or not
+            flashwatch JSONL).
+    """
+    p = _metrics_path(path)
+    layout, records = _step_records(p)
+
+    heads_per_layer = [h for _, h in layout]
+    for rec in records:  # a layout is in every open record; fall back on the grids' own shape
+        grid = rec["metrics"].get("flashwatch_delta_drift_z") or []
+        for layer, row in enumerate(grid):
+            while len(heads_per_layer) <= layer:
+                heads_per_layer.append(0)
+            heads_per_layer[layer] = max(heads_per_layer[layer], len(row))
+    rows = [(layer, head) for layer, n in enumerate(heads_per_layer) for head in range(n)]
+    names = [n for n, _ in layout] + [f"layer {i}" for i in range(len(layout), len(heads_per_layer))]
+
+    series: dict[str, list[list[float]]] = {}
+    for metric in PER_HEAD_METRICS:
+        cols = []
+        for rec in records:
+            grid = rec["metrics"].get(metric) or []
+            col = []
+            for layer, head in rows:
+                try:
+                    col.append(num(grid[layer][head]))
+                except (IndexError, TypeError):
+                    col.append(math.nan)
+            cols.append(col)
+        series[metric] = [[c[r] for c in cols] for r in range(len(rows))]
+
+    alerts, switches, last_variant = [], [], {}
+    for rec in records:
+        alerts.extend(a for a in rec.get("new_alerts") or [] if isinstance(a, dict))
+        for row in rec["metrics"].get("flashwatch_kernel_variant") or []:
+            if isinstance(row, dict) and num(row.get("value")) == 1.0:
+                layer, variant = int(row.get("layer", -1)), str(row.get("variant"))
+                before = last_variant.get(layer)
+                if before is not None and before != variant:
+                    switches.append((int(rec["step"]), layer, before, variant))
+                last_variant[layer] = variant
+
+    meta: dict = {}
+    demo_json = p.parent / "demo.json"
+    if demo_json.exists():
+        try:
+            meta = json.loads(demo_json.read_text())
+        except (OSError, ValueError):
+            meta = {}
+        if not isinstance(meta, dict):
+            meta = {}
+    return RunData(path=p, steps=[int(r["step"]) for r in records],
+                   loss=[num(r["metrics"].get("flashwatch_loss")) for r in records],
+                   grad_norm=[num(r["metrics"].get("flashwatch_grad_norm")) for r in records],
+                   rows=rows, layer_names=names, series=series, alerts=alerts, switches=switches, meta=meta)

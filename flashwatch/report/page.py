@@ -1,0 +1,144 @@
+"""The report as one self-contained HTML page: inline SVG charts, no scripts, no external assets."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections import Counter
+from typing import Any
+
+from ..metrics import BY_NAME
+from .charts import CRITICAL_COLOUR, HEATMAPS, LOSS_COLOUR, WARNING_COLOUR
+from .load import INJECTED, RunData, num
+from .svg import heatmap_svg, loss_svg
+
+__all__ = ["to_html", "title"]
+
+MAX_ALERT_ROWS = 100  # alerts listed in the table; alerts.log has them all
+
+_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:24px auto;max-width:1000px;
+color:#222;padding:0 16px;line-height:1.45}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 4px}
+.sub{color:#555;margin:0 0 12px}.cap{color:#555;font-size:13px;margin:2px 0 8px}
+.banner{background:#b71c1c;color:#fff;padding:10px 14px;border-radius:4px;font-weight:600;margin:12px 0}
+table{border-collapse:collapse;font-size:13px;margin:6px 0}td,th{border-bottom:1px solid #e0e0e0;padding:3px 10px;
+text-align:left;vertical-align:top}th{background:#f5f5f5}
+.crit{color:#c62828;font-weight:600}.warn{color:#ef6c00;font-weight:600}
+.facts{display:grid;grid-template-columns:max-content auto;gap:2px 16px;font-size:14px}
+.facts div:nth-child(odd){color:#666}code{background:#f3f3f3;padding:0 3px;border-radius:3px}
+.legend span{display:inline-block;margin-right:14px}.sw{display:inline-block;width:10px;height:10px;margin-right:4px}
+svg{display:block;margin:4px 0}
+"""
+
+
+def _e(s: Any) -> str:
+    return html.escape(str(s), quote=True)
+
+
+def title(run: RunData) -> str:
+    """``flashwatch report: <run folder>`` (the PNG's title too)."""
+    return f"flashwatch report: {run.path.parent.name or run.path.name}"
+
+
+def _facts(run: RunData) -> list[tuple[str, str]]:
+    """(label, text) lines about the run: the file, steps, loss, heads, and what ran (``demo.json``)."""
+    m = run.meta
+    facts = [("metrics", str(run.path))]
+    if run.steps:
+        facts.append(("steps", f"{run.steps[0]}-{run.steps[-1]} ({len(run.steps)} monitored steps)"))
+    finite = [(s, v) for s, v in zip(run.steps, run.loss) if v == v and not math.isinf(v)]
+    if finite:
+        facts.append(("loss", f"{finite[0][1]:.4g} at step {finite[0][0]} → {finite[-1][1]:.4g} at step {finite[-1][0]}"))
+    layers = Counter(l for l, _ in run.rows)
+    if layers:
+        facts.append(("attention", f"{len(layers)} layers, {len(run.rows)} heads: "
+                                   + ", ".join(f"{i}={n}" for i, n in enumerate(run.layer_names[:8]))
+                                   + (" ..." if len(run.layer_names) > 8 else "")))
+    if m:
+        model = m.get("model") or {}
+        what = m.get("command", "")
+        if model:
+            what += (f": {model.get('n_layer')}-layer GPT, {model.get('n_head')} heads, d={model.get('n_embd')}, "
+                     f"context {model.get('block_size')}, batch {model.get('batch_size')}")
+        facts.append(("run", what))
+        facts.append(("kernel", f"{m.get('mode')} mode, variant {m.get('variant')}, {m.get('precision')} on "
+                                f"{m.get('device')}, seed {m.get('seed')}"))
+        if m.get("seconds") is not None:
+            stopped = ", interrupted" if m.get("interrupted") else ""
+            facts.append(("time", f"{m.get('seconds')} s, finished {m.get('finished', '')}{stopped}"))
+    return facts
+
+
+def _alerts_table(run: RunData) -> list[str]:
+    if not run.alerts:
+        return ["<p class='cap'>None.</p>"]
+    out = ["<table class='alerts'><tr><th>step</th><th>severity</th><th>rule</th><th>head</th>"
+           "<th>value</th><th>threshold</th><th>message</th></tr>"]
+    for a in run.alerts[:MAX_ALERT_ROWS]:
+        cls = "crit" if a.get("severity") == "critical" else "warn"
+        where = (f"L{a.get('layer')}.H{a.get('head')}" if int(a.get("head", -1)) >= 0
+                 else f"L{a.get('layer')}" if int(a.get("layer", -1)) >= 0 else "-")
+        out.append(f"<tr><td>{_e(a.get('step'))}</td><td class='{cls}'>{_e(a.get('severity'))}</td>"
+                   f"<td>{_e(a.get('rule'))}</td><td>{_e(where)}</td><td>{num(a.get('value')):.4g}</td>"
+                   f"<td>{num(a.get('threshold')):.4g}</td><td>{_e(a.get('message', ''))}</td></tr>")
+    out.append("</table>")
+    if len(run.alerts) > MAX_ALERT_ROWS:
+        out.append(f"<p class='cap'>... and {len(run.alerts) - MAX_ALERT_ROWS} more (alerts.log has them all).</p>")
+    return out
+
+
+def to_html(run: RunData) -> str:
+    """The report as one self-contained HTML page (inline SVG, no scripts, no external assets)."""
+    head = title(run)
+    out = ["<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
+           f"<title>{_e(head)}{' [' + INJECTED + ']' if run.injected else ''}</title>",
+           f"<style>{_CSS}</style></head><body>", f"<h1>{_e(head)}</h1>"]
+    if run.injected:
+        label = run.meta.get("label") or f"{INJECTED} FAULT: this run used an injected fault"
+        if not label.startswith(INJECTED):
+            label = f"{INJECTED} FAULT: {label}"
+        out.append(f"<div class='banner'>{_e(label)}. Not a real failure: a test of the early warning.</div>")
+    out.append("<div class='facts'>" + "".join(f"<div>{_e(k)}</div><div>{_e(v)}</div>" for k, v in _facts(run))
+               + "</div>")
+
+    counts = Counter(a.get("rule") for a in run.alerts)
+    sev = Counter(a.get("severity") for a in run.alerts)
+    out.append("<h2>Loss and alerts</h2>")
+    if run.alerts:
+        out.append(f"<p class='cap'>{len(run.alerts)} alerts started: <span class='crit'>{sev.get('critical', 0)} "
+                   f"critical</span>, <span class='warn'>{sev.get('warning', 0)} warning</span> ("
+                   + ", ".join(f"{_e(r)} ×{n}" for r, n in counts.most_common())
+                   + "). Markers on the loss: red critical, orange warning; hover one for its alerts.</p>")
+    else:
+        out.append("<p class='cap'>No alert started in this run.</p>")
+    out.append(loss_svg(run))
+    out.append(f"<p class='cap legend'><span><i class='sw' style='background:{LOSS_COLOUR}'></i>loss</span>"
+               f"<span><i class='sw' style='background:{CRITICAL_COLOUR}'></i>critical alert</span>"
+               f"<span><i class='sw' style='background:{WARNING_COLOUR}'></i>warning</span></p>")
+
+    out.append("<h2>Per-head signals over steps</h2>")
+    out.append("<p class='cap'>One row per attention head (<code>L</code>layer<code>.H</code>head), one column per "
+               "monitored step; grey: not measured. Outlined cells (black): an alert of that signal's rule started there. "
+               "Hover a cell for its value.</p>")
+    for hm in HEATMAPS:
+        note = ""
+        if hm.scale == "diverging":
+            note = (f" Colour saturates at ±{run.drift_threshold:g}, the delta_drift threshold: full red or blue "
+                    f"is at or past it.")
+        elif hm.metric == "flashwatch_max_logit":
+            note = f" The max_logit rule warns at {run.max_logit_bound:g}."
+        out.append(f"<h3 style='font-size:15px;margin:18px 0 2px'>{_e(hm.title)}</h3>"
+                   f"<p class='cap'>{_e(BY_NAME[hm.metric].help)}{_e(note)}</p>")
+        out.append(heatmap_svg(run, hm))
+
+    out.append("<h2>Alerts</h2>")
+    out += _alerts_table(run)
+    if run.switches:
+        out.append("<h2>Kernel variant switches</h2><table><tr><th>step</th><th>layer</th><th>from</th><th>to</th></tr>"
+                   + "".join(f"<tr><td>{s}</td><td>{l}</td><td>{_e(a)}</td><td>{_e(b)}</td></tr>"
+                             for s, l, a, b in run.switches) + "</table>")
+    out.append("<p class='cap' style='margin-top:24px'>Written by <code>flashwatch report</code> from "
+               f"{_e(run.path.name)}. Metric definitions: the README's metric table.</p>")
+    out.append("</body></html>")
+    return "\n".join(out)
