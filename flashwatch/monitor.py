@@ -55,7 +55,7 @@ from .attach import AttentionLayer, find_attention, select_layers
 from .chain import FIELDS as CHAIN_FIELDS
 from .chain import LayerChain
 from .collect import FIELDS, Collector, Pending
-from .config import VARIANTS, MonitorConfig
+from .config import MonitorConfig
 from .decisions import Decisions
 from .detectors import Alert
 from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, structural_attention
@@ -65,6 +65,7 @@ from .kernels import STAT_FIELDS
 from .routing import Router
 from .snapshot import extra_signals, host_record, snapshot
 from .step_signals import LayerReading, SignalBuilder
+from .vocabulary import VARIANT_CODE, VARIANT_LABELS
 from .wq import WqNorms
 
 log = logging.getLogger("flashwatch")
@@ -72,8 +73,6 @@ log = logging.getLogger("flashwatch")
 __all__ = ["Monitor", "TrainingStopped"]
 
 STATE_VERSION = 2  # 1: before the W^Q-error chain (still loaded)
-VARIANT_LABELS = ("sdpa",) + VARIANTS  # values of the `variant` label of flashwatch_kernel_variant
-_VARIANT_CODE = {v: i for i, v in enumerate(VARIANT_LABELS)}  # how ranks compare variants (higher: more fixed)
 _CHAIN_FAMILIES = {f.name for f in FAMILIES if not f.rotary}  # where the projection input maps dQ onto W^Q
 
 
@@ -438,7 +437,7 @@ class Monitor:
             self._update_pairs()
             return per_layer, sigmas
 
-        codes = [_VARIANT_CODE[layer.variant] for layer in self.layers]
+        codes = [VARIANT_CODE[layer.variant] for layer in self.layers]
         return self._collector.collect(t, read, loss, grad_norm, codes)
 
     def _chain_reading(self, layer: AttentionLayer) -> torch.Tensor:
