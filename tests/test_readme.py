@@ -133,7 +133,7 @@ def test_plain_loop_snippet_runs(tmp_path, monkeypatch):
     scope: dict = {}
     exec(compile(snippet, "README.md (plain loop)", "exec"), scope)
     monitor = scope["monitor"]
-    assert monitor.monitored_steps == 10 and monitor.errors == 0
+    assert monitor.monitored_steps == 5 and monitor.errors == 0
     assert len(monitor.layers) == 2
 
 
