@@ -29,4 +29,4 @@ def test_readme_table_is_the_generated_one():
     start, end = "<!-- metric-table:start -->\n", "<!-- metric-table:end -->"
     assert start in readme and end in readme
     block = readme.split(start, 1)[1].split(end, 1)[0].strip()
-    assert block == markdown_table(), "docs/SIGNALS.md metric table is stale: regenerate with `flashwatch metrics`"
+    assert block == markdown_table(), "README metric table is stale: regenerate with `flashwatch metrics`"
