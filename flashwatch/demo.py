@@ -179,13 +179,10 @@ def injected_fault(strength: float) -> Iterator[None]:
     if not strength:
         yield
         return
-    from .experiments.worker import install_injection
+    from .kernels import faults
 
-    undo = install_injection(strength)
-    try:
+    with faults.rounding_bias(strength):
         yield
-    finally:
-        undo()
 
 
 def _labelled_exporter(inner, label: str):
