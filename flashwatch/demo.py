@@ -170,11 +170,10 @@ def _lightning_parts(model_cfg: DemoModel, steps: int, seed: int):
 def injected_fault(strength: float) -> Iterator[None]:
     """Every own-kernel attention call of the run passes ``inject_bias=strength`` (INJECTED).
 
-    The experiments' hook (``flashwatch.experiments.worker.install_injection``): flashwatch's
-    router looks ``flashwatch.kernels.flash_attention`` up at every call and ``MonitorConfig``
-    has no fault option, so the hook swaps that attribute for the run; the original is back
-    afterwards. The strength is the demo's own (``PROVOKE_STRENGTH``, checked on the demo's
-    model and 400 steps); the experiments' injection scenario uses 512 on its own model.
+    ``MonitorConfig`` has no fault option: the process-wide INJECTED rounding bias of
+    ``flashwatch.kernels.faults`` is set for the run and restored afterwards. The strength is
+    the demo's own (``PROVOKE_STRENGTH``, checked on the demo's model and 400 steps); the
+    experiments' injection scenario uses 512 on its own model.
     """
     if not strength:
         yield

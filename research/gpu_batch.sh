@@ -18,7 +18,8 @@
 #                                  # again, to 5,000 steps (batch 1 stopped them at 2,280)
 #   bash research/gpu_batch.sh 6   # <= ~9.5 min: GPU 0: the healthy BF16 reference
 #                                  # sdpa_observe_lr1e-3 seeds 0-4 (delta from the rounded output);
-#                                  # GPU 1: FP32 control seeds 2-3 to 5,000 steps
+#                                  # GPU 1: FP32 control seeds 2-3 to 5,000 steps (the GPU-0 half
+#                                  # ran alone as batch 6; the FP32 half has not run)
 #
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT

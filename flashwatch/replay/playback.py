@@ -64,8 +64,9 @@ def _record_lag(records: list[dict], loss_at: dict) -> int:
     Older recordings (docs/EXPERIMENTS.md says which) were written right after ``monitor.step``
     of a monitored step; on CUDA with ``async_transfer`` that step's values are decided only at
     the next ``step()``, so the record named step t holds step t - interval's readings (the
-    first one holds none). Records that say ``"aligned": true`` hold their own step's. Otherwise the recorded loss is compared with ``steps.csv``: the lag at which more
-    records match is the one (the loss is a float32 written exactly).
+    first one holds none). Records that say ``"aligned": true`` hold their own step's.
+    Otherwise the recorded loss is compared with ``steps.csv``: the lag at which more records
+    match is the one (the loss is a float32 written exactly).
     """
     if not records or records[0].get("aligned"):
         return 0

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p, "results/early-warning.json")
     p.set_defaults(func=_cmd_run, command_name="early-warning")
 
-    p = sub.add_parser("real-failure", help="the real BF16 failure of the reference GPT, six arms (CUDA)",
+    p = sub.add_parser("real-failure", help="the real BF16 failure of the experiments' GPT, six arms (CUDA)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="The real BF16 failure. Arms marked * run by default.\n\n"
                                    + scen_doc("real-failure") +
