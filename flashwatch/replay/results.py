@@ -28,6 +28,7 @@ MIN_LEAD = {"real-failure": 1000}
 
 
 def load_results(path: Path) -> dict:
+    """The results JSON at ``path``, or {} where there is none yet."""
     if path.exists():
         with open(path) as f:
             return json.load(f)

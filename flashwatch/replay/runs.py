@@ -43,6 +43,7 @@ MECHANISM_RULES = ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier"
 
 
 def run_key(scenario: str, arm: str, seed: int) -> str:
+    """A run's key in a results JSON: ``scenario/arm/seed``."""
     return f"{scenario}/{arm}/{seed}"
 
 
