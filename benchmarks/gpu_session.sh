@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU sitting on the device machine (run from the repository root, no install needed):
+# GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|bench|ab|sweep|tune|overhead|ddp|host|lab ...]   (default: tests bench)
 # ab: benchmarks/kernel_ab.py against kernels/_ab_before.py (an earlier kernels/triton_attn.py;
@@ -24,7 +24,7 @@ for step in $steps; do
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;
     host) timeout 200 python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/host_overhead.log" ;;
-    lab) timeout 200 python3 -m flashwatch.cli lab --device cuda --json "$OUT/lab.json" 2>&1 | tee "$OUT/lab.log" | tail -40 ;;
+    lab) timeout 200 python3 -m research.lab --device cuda --json "$OUT/lab.json" 2>&1 | tee "$OUT/lab.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -15,12 +15,6 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_lab(args: argparse.Namespace) -> int:
-    from .lab import main as lab_main  # imports torch: only when the command runs
-
-    return lab_main(args)
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -28,7 +22,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_experiment(args: argparse.Namespace) -> int:
-    from .experiments.cli import main as experiment_main  # imports torch: only when the command runs
+    from .replay.cli import main as experiment_main  # imports torch: only when the command runs
 
     return experiment_main(args.rest)
 
@@ -72,14 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_report)
     p = sub.add_parser("metrics", help="print the metric table (Markdown)")
     p.set_defaults(func=_cmd_metrics)
-    p = sub.add_parser("lab", help="the bias lab: signed rounding bias of O and delta per kernel (docs/LAB.md)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--json", metavar="PATH", help="write every number as JSON")
-    p.add_argument("--quick", action="store_true", help="smaller default shape (a few seconds on a CPU)")
-    p.add_argument("--shape", metavar="B,H,N,D", help="override the shape (default: 8,8,1024,64 on cuda, 4,8,1024,64 on cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the input generator (default 0)")
-    p.add_argument("--tile", type=int, default=512, help="tile size of the paper emulation (default 512)")
-    p.set_defaults(func=_cmd_lab)
     p = sub.add_parser("bench", help="attention throughput of flashwatch's kernels vs torch SDPA (needs CUDA)")
     p.add_argument("--shape", action="append", metavar="B,H,N,D",
                    help="a shape to time (repeatable); default: 16,12,1024,64 8,16,2048,64 4,32,4096,128 1,32,16384,128")
@@ -93,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "launch work) and print it beside the event timing")
     p.add_argument("--json", metavar="PATH", help="write all numbers as JSON")
     p.set_defaults(func=_cmd_bench)
-    # everything after `experiment` goes to flashwatch.experiments.cli (its own --help, subcommands)
+    # everything after `experiment` goes to flashwatch.replay.cli (its own --help, subcommands)
     p = sub.add_parser("experiment", add_help=False, prefix_chars="\x00",
-                       help="early-warning and real-failure experiments, replay analysis (--help for the manual)")
+                       help="replay the detectors on recorded runs, calibrate thresholds (--help for the manual)")
     p.add_argument("rest", nargs="*")
     p.set_defaults(func=_cmd_experiment)
     return parser

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Rebuild every results JSON, table, calibration and figure of docs/EXPERIMENTS.md from the
-# recordings kept in results/ (no training, no GPU; ~10 min on 2 CPU cores), from the repository root:
+# recordings kept in results/ (no training, no GPU; ~10 min on 2 CPU cores), from the repository root
+# of a checkout (the figures come from research/, which is not installed):
 #
 #   bash results/analyze.sh            # PYTHON=/path/to/python to choose the interpreter
 #
@@ -14,7 +15,7 @@
 #   results/gpu-2026-11-30/runs-batch4.tgz   GPU batch 4: real-numerics paper seeds 2-4, plain_fast 0-4, fp32_fast 0-1
 #   results/gpu-2026-11-30/runs-batch5.tgz   GPU batch 5: real-failure fp32 seeds 0-1 again, to ~4,830 steps
 #                                            (they replace batch 1's fp32 runs of the same seeds, stopped at 2,280)
-#   results/gpu-2026-11-30/runs-batch6.tgz   GPU batch 6 (third session): real-failure sdpa_observe_lr1e-3 seeds
+#   results/gpu-2026-11-30/runs-batch6.tgz   GPU batch 6: real-failure sdpa_observe_lr1e-3 seeds
 #                                            0-4, the healthy BF16 reference, to ~4,940 steps
 #   results/injection-2026-11-30/runs.tgz    CPU injection scenario: healthy, injected (and the first
 #                                            injected_auto_fix runs, made with the old defaults)
@@ -22,7 +23,8 @@
 #                                            CPU injected_auto_fix rerun with the calibrated defaults
 set -eu
 PY=${PYTHON:-python}
-fw() { "$PY" -m flashwatch.cli experiment "$@"; }
+fw() { "$PY" -m flashwatch.cli experiment "$@"; }               # the product's replay
+figures() { "$PY" -m research.experiments figures "$@" --out docs/figures; }
 G=runs/gpu-2026-11-30
 I=runs/injection-2026-11-30
 mkdir -p $G/batch1 $G/batch2 $G/batch3 $G/batch4 $G/batch5 $G/batch6 $I/original $I/calibrated
@@ -40,12 +42,12 @@ REAL_NUMERICS="$G/batch1/real-numerics $G/batch4/real-numerics"
 INJECTION="$I/original/injection/healthy $I/original/injection/injected $I/calibrated/injection/injected_auto_fix"
 
 rm -f results/real-failure.json results/early-warning-gpu.json results/early-warning.json
-fw analyze $REAL_FAILURE --json results/real-failure.json --markdown results/real-failure-table.md \
-   --figures docs/figures
-fw analyze $REAL_NUMERICS --json results/early-warning-gpu.json --markdown results/early-warning-gpu-table.md \
-   --figures docs/figures
-fw analyze $INJECTION --json results/early-warning.json --markdown results/early-warning-table.md \
-   --figures docs/figures
+fw analyze $REAL_FAILURE --json results/real-failure.json --markdown results/real-failure-table.md
+figures $REAL_FAILURE
+fw analyze $REAL_NUMERICS --json results/early-warning-gpu.json --markdown results/early-warning-gpu-table.md
+figures $REAL_NUMERICS
+fw analyze $INJECTION --json results/early-warning.json --markdown results/early-warning-table.md
+figures $INJECTION
 # the default thresholds' evidence (margins, sweeps, baselines at other thresholds): the GPU
 # recordings, the CPU ones, and all of them together
 fw analyze $REAL_FAILURE $REAL_NUMERICS --calibrate results/calibration-gpu.json > results/calibration-gpu.txt

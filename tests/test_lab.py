@@ -1,4 +1,4 @@
-"""The bias lab: the paper's worked example, and `flashwatch lab --quick` on the CPU."""
+"""The bias lab (research.lab): the paper's worked example, and `python -m research.lab --quick` on the CPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import json
 import pytest
 import torch
 
-from flashwatch.cli import main
-from flashwatch.lab import paper_example
+from research.lab import main, paper_example
 
 
 def test_paper_example_reproduces_the_papers_arithmetic():
@@ -30,7 +29,7 @@ def _no_nan(name):
 @pytest.fixture(scope="module")
 def quick_lab(tmp_path_factory):
     path = tmp_path_factory.mktemp("lab") / "lab.json"
-    assert main(["lab", "--device", "cpu", "--quick", "--json", str(path)]) == 0
+    assert main(["--device", "cpu", "--quick", "--json", str(path)]) == 0
     return json.loads(path.read_text(), parse_constant=_no_nan)
 
 
@@ -44,7 +43,7 @@ def test_json_structure(quick_lab):
         assert key in d, key
     assert d["device"]["type"] == "cpu" and d["dtype"] == "bfloat16" and d["seed"] == 0
     assert d["versions"]["torch"] == torch.__version__ and "triton" in d["versions"]
-    assert d["command"].startswith("flashwatch lab --device cpu --quick")
+    assert d["command"].startswith("python -m research.lab --device cpu --quick")
     assert d["paper_example"]["bf16"] == -4.71875
     shape = d["shape"]
     assert set(d["inputs"]) == {"dup_q4", "dup_q1", "nodup_q4"}
@@ -88,5 +87,5 @@ def test_fp32_delta_uses_the_fp32_output(quick_lab):
 def test_cuda_without_cuda_is_a_clear_error(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    assert main(["lab", "--device", "cuda", "--quick"]) == 2
+    assert main(["--device", "cuda", "--quick"]) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """A non-editable `pip install .` into a fresh venv installs flashwatch.kernels and no
-top-level `kernels` module (that name belongs to another PyPI package)."""
+top-level `kernels` module (that name belongs to another PyPI package), and none of the
+research harness (research/: experiments, bias lab, GPU scripts), which runs from a checkout."""
 
 from __future__ import annotations
 
@@ -30,12 +31,20 @@ def test_non_editable_install_layout(tmp_path):
     installed = pathlib.Path(purelib)
     assert (installed / "flashwatch" / "kernels" / "__init__.py").is_file()
     assert (installed / "flashwatch" / "kernels" / "reference.py").is_file()
-    for sub in ("exporters", "experiments"):
+    for sub in ("exporters", "replay"):
         assert (installed / "flashwatch" / sub / "__init__.py").is_file(), f"flashwatch.{sub} not installed"
     assert not (installed / "kernels").exists(), "a top-level `kernels` package was installed"
+    # what the wheel installed, as its RECORD lists it: the product, no research code, no scripts
+    (record,) = installed.glob("flashwatch-*.dist-info/RECORD")
+    files = [line.split(",")[0] for line in record.read_text().splitlines() if line]
+    research = [f for f in files if f.startswith(("research/", "flashwatch/experiments/"))
+                or f.endswith((".sh", "/lab.py", "/worker.py", "/runner.py", "/scenarios.py", "/figures.py"))]
+    assert not research, f"research code or scripts in the wheel: {research}"
+    assert "flashwatch/replay/cli.py" in files and "flashwatch/replay/records.py" in files
     code = ("import flashwatch, flashwatch.kernels as k; "
             "assert 'site-packages' in k.__file__, k.__file__; "
             "import importlib.util as u; assert u.find_spec('kernels') is None; "
+            "assert u.find_spec('research') is None; "
             "print(k.VARIANTS)")
     out = subprocess.run([py, "-c", code], check=True, env=env, cwd=tmp_path, capture_output=True, text=True)
     assert "fp32_delta" in out.stdout

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from flashwatch.kernels import flash_attention
 from flashwatch.kernels.paper import paper_attention
-from flashwatch.lab import InputSpec, bias_stats, exact_attention, make_inputs
+from research.lab import InputSpec, bias_stats, exact_attention, make_inputs
 
 # tile 512 (one tile here), small tiles (running max and sum across tiles), unequal query/key
 # tiles (rows of a tile fully masked), odd N (ragged last tiles)

@@ -1,70 +1,72 @@
-"""flashwatch experiment: prove the early warning on runs that fail, and replay what was recorded.
+"""python -m research.experiments: train runs that fail, with flashwatch watching, and record them.
 
-Commands
-  flashwatch experiment early-warning   issue 7: the INJECTED-fault scenario (CPU) and the
-                                        real-numerics scenario (CUDA; skipped without it)
-  flashwatch experiment real-failure    issue 9: the probe's BF16 failure (CUDA only), six arms
-  flashwatch experiment analyze PATH    replay detectors and baselines on recorded runs
-  flashwatch experiment list            scenarios, arms, defaults
+Commands (from the repository root)
+  python -m research.experiments early-warning   the INJECTED-fault scenario (CPU) and the
+                                                 real-numerics scenario (CUDA; skipped without it)
+  python -m research.experiments real-failure    the real BF16 failure (CUDA only), six arms
+  python -m research.experiments list            scenarios, arms, defaults
+  python -m research.experiments figures PATH    one PNG per arm from recorded runs
 
 What a run is. One (scenario, arm, seed): a byte-level GPT trained on the Python standard
 library's source with flashwatch's Monitor attached, in its own process, stopped at blow-up,
 at --max-steps or at --max-seconds. Its folder (OUT/SCENARIO/ARM/seedN) records every step's
 loss and gradient norm (steps.csv) and every monitored step's per-head signals
 (signals.jsonl.gz: delta error e_t, C_T, drift z, windowed z, repeated-max counts on FP32 and
-BF16 scores, max logit, W^Q spectral norm, variants, alerts), plus run.json and worker.log.
+BF16 scores, max logit, W^Q spectral norm, variants, alerts), plus run.json and worker.log
+(the format: flashwatch/replay/records.py).
 
 Blow-up: a non-finite loss, or the median of the last 20 losses at >= 1.25x its lowest earlier
 value for 20 consecutive steps (the blow-up step is where that excursion starts; see
-flashwatch/experiments/analysis.py for why). Lead time = blow-up step - first alert step.
+flashwatch/replay/blowup.py for why). Lead time = blow-up step - first alert step.
 
 Results. After each run its recordings are analysed and merged into ONE JSON (--json), keyed
-by scenario/arm/seed, so runs from several sittings (other seeds, other GPUs) add up; a rerun
-replaces its key. The JSON holds per run: status, blow-up step, every flashwatch rule's first
-alert (replayed with the current MonitorConfig defaults), the baselines' first alerts
+by scenario/arm/seed, so runs made at different times (other seeds, other GPUs) add up; a
+rerun replaces its key. The JSON holds per run: status, blow-up step, every flashwatch rule's
+first alert (replayed with the current MonitorConfig defaults), the baselines' first alerts
 (Lightning-style loss spike, ZClip grad-norm z, QK-Clip max logit > 100), lead times, final
-loss; per arm aggregates; the issues' targets. A table is printed at the end.
+loss; per arm aggregates; the targets. A table is printed at the end.
 
-Analyze. `analyze` re-reads run folders (or the folders a results JSON names) and replays the
-detectors WITHOUT retraining: with MonitorConfig's defaults (whatever flashwatch/config.py says
-now), or with --set FIELD=VALUE overrides; --calibrate sweeps thresholds and writes the evidence;
---figures renders one PNG per arm (do this on your machine, not on the GPU).
+Analyze. The product command `flashwatch experiment analyze` re-reads run folders and replays
+the detectors WITHOUT retraining (other thresholds: --set FIELD=VALUE; --calibrate sweeps
+thresholds); `figures` renders one PNG per arm (do this on your machine, not on the GPU).
 
 Parallel runs. --parallel N runs N workers at a time; --devices 0,1 spreads CUDA runs over
 those GPUs (CUDA_VISIBLE_DEVICES per worker, least-loaded first); CPU runs take one thread each
-(small models gain nothing from intra-op threads, and on a busy CPU they spin). --budget SECONDS ends everything in time: no run starts that cannot get
-30 s, the last ones get shorter --max-seconds, stragglers are stopped (and keep what they
-recorded). A failing run is recorded as an error; the others go on. Worker output goes to
-RUN_DIR/worker.log. Without installing flashwatch: from the repository root, with
-flashwatch/kernels linked to kernels/ and PYTHONPATH=$PWD (see benchmarks/gpu_session.sh),
-`python -m flashwatch.cli experiment ...`; workers inherit that environment.
+(small models gain nothing from intra-op threads, and on a busy CPU they spin). --budget
+SECONDS ends everything in time: no run starts that cannot get 30 s, the last ones get shorter
+--max-seconds, stragglers are stopped (and keep what they recorded). A failing run is recorded
+as an error; the others go on. Worker output goes to RUN_DIR/worker.log. Without installing
+flashwatch: from the repository root, with flashwatch/kernels linked to kernels/ and
+PYTHONPATH=$PWD (see research/gpu_batch.sh); workers inherit that environment.
 
 Check before spending GPU time: --dry-run prints the plan (runs, arms, seeds, devices, bounds)
 and an estimated wall time; --device cpu --tiny runs the same code path on a tiny model on the
 CPU in seconds.
 
 Examples
-  flashwatch experiment early-warning --scenario injection --parallel 2 \\
+  python -m research.experiments early-warning --scenario injection --parallel 2 \\
       --json results/early-warning.json --out runs/experiments
-  python -m flashwatch.cli experiment real-failure --seeds 0-2 --parallel 8 --devices 0,1 \\
+  python -m research.experiments real-failure --seeds 0-2 --parallel 8 --devices 0,1 \\
       --budget 540 --out $OUT/runs --json $OUT/real-failure.json
-  flashwatch experiment real-failure --device cpu --tiny --seeds 0 --out /tmp/smoke --json /tmp/smoke.json
+  python -m research.experiments real-failure --device cpu --tiny --seeds 0 --out /tmp/smoke --json /tmp/smoke.json
   flashwatch experiment analyze runs/experiments --json results/early-warning.json \\
-      --figures docs/figures --calibrate results/calibration.json
-  flashwatch experiment analyze runs/experiments --set drift_threshold=3
+      --calibrate results/calibration.json
+  python -m research.experiments figures runs/experiments --out docs/figures
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
+from flashwatch.replay.cli import parse_overrides, print_results, run_folders
+
 __all__ = ["main", "build_parser"]
 
-EPILOG = "Run `flashwatch experiment COMMAND --help` for a command's options."
+PROG = "python -m research.experiments"
+EPILOG = f"Run `{PROG} COMMAND --help` for a command's options."
 
 
 def _seeds(text: str) -> list[int]:
@@ -96,34 +98,6 @@ def _parse_arms(text: str) -> list:
         else:
             out.append(part)
     # "a@0-2" splits "0-2" fine; "a@0,1" would split at the comma: write a@0;1 or a@0-1
-    return out
-
-
-def _value(text: str):
-    low = text.lower()
-    if low in ("none", "null"):
-        return None
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _overrides(items: list[str] | None) -> dict:
-    out = {}
-    for item in items or ():
-        if "=" not in item:
-            raise SystemExit(f"--set takes FIELD=VALUE (a MonitorConfig field), got {item!r}")
-        k, v = item.split("=", 1)
-        out[k.strip()] = _value(v.strip())
-    if out:
-        from ..config import MonitorConfig
-
-        MonitorConfig(**out)  # fail early, naming the field
     return out
 
 
@@ -161,13 +135,13 @@ def _add_run_options(p: argparse.ArgumentParser, default_json: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from .scenarios import SCENARIOS
 
-    parser = argparse.ArgumentParser(prog="flashwatch experiment", description=__doc__, epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def scen_doc(name: str) -> str:
         s = SCENARIOS[name]
-        lines = [f"{s.name} (issue {s.issue}, {s.device}): {s.summary}",
+        lines = [f"{s.name} ({s.device}): {s.summary}",
                  f"  recipe: {_recipe_text(s.recipe)}; {s.max_steps} steps, {s.max_seconds:g} s per run by default"]
         for a in s.arms:
             mark = "*" if a.name in s.default_arms else " "
@@ -176,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                 lines.append(f"      note: {a.note}")
         return "\n".join(lines)
 
-    p = sub.add_parser("early-warning", help="issue 7: injected-fault scenario (CPU) and real-numerics (CUDA)",
+    p = sub.add_parser("early-warning", help="the injected-fault scenario (CPU) and real-numerics (CUDA)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Early-warning scenarios (issue 7). Arms marked * run by default.\n\n"
+                       description="Early-warning scenarios. Arms marked * run by default.\n\n"
                                    + scen_doc("injection") + "\n\n" + scen_doc("real-numerics") +
                                    "\n\nWithout CUDA the real-numerics scenario is skipped (said so); "
                                    "--device cpu --tiny runs it as a smoke test.")
@@ -187,28 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p, "results/early-warning.json")
     p.set_defaults(func=_cmd_run, command_name="early-warning")
 
-    p = sub.add_parser("real-failure", help="issue 9: the probe's real BF16 failure, six arms (CUDA)",
+    p = sub.add_parser("real-failure", help="the real BF16 failure of the experiments' GPT, six arms (CUDA)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="The real BF16 failure (issue 9). Arms marked * run by default.\n\n"
+                       description="The real BF16 failure. Arms marked * run by default.\n\n"
                                    + scen_doc("real-failure") +
                                    "\n\nNeeds CUDA: without it the command says so and exits with status 2 "
                                    "(--device cpu --tiny runs the same code path on a tiny model).")
     _add_run_options(p, "results/real-failure.json")
     p.set_defaults(func=_cmd_run, command_name="real-failure", scenario="real-failure")
 
-    p = sub.add_parser("analyze", help="replay detectors and baselines on recorded runs (no training)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Replay on recorded runs. PATH: a run folder, a folder of run folders, or a "
-                                   "results JSON (its runs' folders are read where they exist).\n"
-                                   "Thresholds: MonitorConfig's defaults, or --set FIELD=VALUE (repeatable), e.g. "
-                                   "--set drift_threshold=3 --set warmup=50.")
+    p = sub.add_parser("figures", help="one PNG per (scenario, arm) from recorded runs, and an overview per scenario",
+                       description="Figures from recorded runs (matplotlib; no training). PATH: a run folder, a "
+                                   "folder of run folders, or a results JSON (its runs' folders are read where they "
+                                   "exist). Alerts are replayed with MonitorConfig's defaults, or --set FIELD=VALUE.")
     p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="MonitorConfig override for the replay")
-    p.add_argument("--json", metavar="PATH", help="merge the re-analysed runs into this results JSON")
-    p.add_argument("--figures", metavar="DIR", help="render one PNG per (scenario, arm) into DIR")
-    p.add_argument("--calibrate", metavar="PATH", help="write the calibration evidence (JSON) to PATH and print it")
-    p.add_argument("--markdown", metavar="PATH", help="write the run table as Markdown to PATH")
-    p.set_defaults(func=_cmd_analyze)
+    p.set_defaults(func=_cmd_figures)
 
     p = sub.add_parser("list", help="scenarios, arms and defaults")
     p.set_defaults(func=_cmd_list)
@@ -225,7 +194,7 @@ def _cmd_list(args) -> int:
     from .scenarios import SCENARIOS
 
     for s in SCENARIOS.values():
-        print(f"{s.name} (issue {s.issue}, {s.device}): {s.summary}")
+        print(f"{s.name} ({s.device}): {s.summary}")
         print(f"  recipe: {_recipe_text(s.recipe)}")
         print(f"  tiny:   {_recipe_text(s.tiny)}")
         print(f"  seeds {','.join(map(str, s.seeds))}; {s.max_steps} steps, {s.max_seconds:g} s per run")
@@ -250,7 +219,9 @@ def _cuda_devices(text: str | None) -> list[str]:
 def _cmd_run(args) -> int:
     import torch
 
-    from .runner import estimate, load_results, make_plan, measured_speeds, run_plan
+    from flashwatch.replay.results import load_results
+
+    from .runner import estimate, make_plan, measured_speeds, run_plan
     from .scenarios import get_scenario
 
     names = ["injection", "real-numerics"] if getattr(args, "scenario", None) == "all" else [args.scenario]
@@ -260,7 +231,7 @@ def _cmd_run(args) -> int:
         scenario = get_scenario(name)
         device = args.device or scenario.device
         if device == "cuda" and not cuda and not args.dry_run:
-            msg = (f"flashwatch experiment: the {name} scenario needs a CUDA GPU and torch.cuda.is_available() is "
+            msg = (f"{PROG}: the {name} scenario needs a CUDA GPU and torch.cuda.is_available() is "
                    f"False on this machine (torch {torch.__version__}). For a smoke run of the same code path on the "
                    f"CPU: --device cpu --tiny.")
             if args.command_name == "real-failure" or len(names) == 1:
@@ -269,19 +240,19 @@ def _cmd_run(args) -> int:
             print(msg.replace("needs", "is skipped: it needs"), file=sys.stderr)
             continue
         if device == "cpu" and scenario.device == "cuda" and not args.tiny:
-            print(f"flashwatch experiment: the {name} recipe on a CPU would take days; --device cpu is for "
+            print(f"{PROG}: the {name} recipe on a CPU would take days; --device cpu is for "
                   "--tiny smoke runs", file=sys.stderr)
             return 2
         try:
             arms = _parse_arms(args.arms) if args.arms else list(scenario.default_arms)
         except argparse.ArgumentTypeError as exc:
-            print(f"flashwatch experiment: --arms: {exc}", file=sys.stderr)
+            print(f"{PROG}: --arms: {exc}", file=sys.stderr)
             return 2
         names_of = {x.name for x in scenario.arms}
         unknown = [a if isinstance(a, str) else a[0] for a in arms if (a if isinstance(a, str) else a[0]) not in names_of]
         if unknown:
             if len(names) == 1:
-                print(f"flashwatch experiment: scenario {name} has no arm(s) {', '.join(unknown)}; arms: "
+                print(f"{PROG}: scenario {name} has no arm(s) {', '.join(unknown)}; arms: "
                       f"{', '.join(sorted(names_of))}", file=sys.stderr)
                 return 2
             arms = [a for a in arms if (a if isinstance(a, str) else a[0]) in names_of]
@@ -289,15 +260,16 @@ def _cmd_run(args) -> int:
                 continue
         chosen.append((scenario, arms))
     if not chosen:
-        print("flashwatch experiment: nothing to run", file=sys.stderr)
+        print(f"{PROG}: nothing to run", file=sys.stderr)
         return 2
     out = Path(args.out)
     json_path = Path(args.json)
     plan = make_plan(chosen, args.seeds, out, device=args.device, tiny=args.tiny, max_steps=args.max_steps,
-                     max_seconds=args.max_seconds, monitor_overrides=_overrides(args.monitor_set), inject=args.inject)
+                     max_seconds=args.max_seconds, inject=args.inject,
+                     monitor_overrides=parse_overrides(args.monitor_set, "--monitor-set"))
     devices = _cuda_devices(args.devices) if any(s.device == "cuda" for s in plan) else []
     if args.parallel < 1:
-        print("flashwatch experiment: --parallel must be >= 1", file=sys.stderr)
+        print(f"{PROG}: --parallel must be >= 1", file=sys.stderr)
         return 2
     est = estimate(plan, args.parallel, devices, measured_speeds(load_results(json_path)))
     print(f"plan: {len(plan)} runs, --parallel {args.parallel}"
@@ -314,7 +286,7 @@ def _cmd_run(args) -> int:
     results = run_plan(plan, parallel=args.parallel, devices=devices, json_path=json_path, budget_s=args.budget,
                        extra={"machine": _machine()})
     keys = {s.key for s in plan}
-    _print_results(results, keys)
+    print_results(results, keys)
     if args.figures:
         from .figures import figures_for
 
@@ -337,110 +309,16 @@ def _machine() -> dict:
     return out
 
 
-def _print_results(results: dict, keys: set | None = None) -> None:
-    from .analysis import format_table
+def _cmd_figures(args) -> int:
+    from .figures import figures_for
 
-    runs = {k: v for k, v in results.get("runs", {}).items() if keys is None or k in keys}
-    print()
-    print(format_table(runs))
-    scenarios = {r["scenario"] for r in runs.values()}
-    for name, t in results.get("targets", {}).items():
-        if name not in scenarios:
-            continue
-        b = t["alert_before_blowup"]
-        line = (f"{name}: flashwatch (mechanism rules) alerted before blow-up in {b['runs']}/{b['of']} blown-up runs; "
-                + "; ".join(f"earlier than {k} in {v['flashwatch_earlier']}/{v['of']}"
-                            f" ({k} fired on {v['healthy_runs_where_baseline_fired']}/{v['of_healthy']} healthy runs)"
-                            for k, v in t["earlier_than_baseline"].items())
-                + f"; healthy runs with a flashwatch alert: {t['healthy_runs_with_flashwatch_alerts']}/"
-                  f"{t['healthy_runs']}")
-        if t.get("failure_arm_runs_without_blowup"):
-            line += f"; failure-arm runs that did not blow up: {', '.join(t['failure_arm_runs_without_blowup'])}"
-        if "lead_at_least" in t:
-            la = t["lead_at_least"]
-            line += f"; lead >= {la['steps']} steps in {la['runs']}/{la['of']}"
-        for row in t.get("auto_fix", []):
-            ratio = row.get("loss_ratio")
-            line += (f"; {row['key']}: blow-up {row['blowup_step']}, {row['switches']} switch(es), final loss "
-                     f"{'-' if ratio is None else f'{ratio:.3f}'} x healthy")
-        print(line)
-
-
-def _cmd_analyze(args) -> int:
-    from .analysis import analyze_run, calibrate, find_runs, format_table
-    from .runner import merge_results
-
-    overrides = _overrides(args.set)
-    run_dirs: list[Path] = []
-    for p in args.paths:
-        path = Path(p)
-        if path.is_file() and path.suffix == ".json":
-            with open(path) as f:
-                data = json.load(f)
-            run_dirs += [Path(r["run_dir"]) for r in data.get("runs", {}).values()
-                         if r.get("run_dir") and (Path(r["run_dir"]) / "run.json").exists()]
-        elif path.exists():
-            run_dirs += find_runs(path)
-        else:
-            print(f"flashwatch experiment analyze: {p} does not exist", file=sys.stderr)
-            return 2
-    run_dirs = sorted(set(run_dirs))
-    if not run_dirs:
-        print("flashwatch experiment analyze: no run folders (with run.json) found", file=sys.stderr)
+    overrides = parse_overrides(args.set)
+    run_dirs = run_folders(args.paths, f"{PROG} figures")
+    if run_dirs is None:
         return 2
-    summaries = []
-    for d in run_dirs:
-        try:
-            summaries.append(analyze_run(d, overrides))
-        except Exception as exc:
-            print(f"  {d}: cannot analyse ({type(exc).__name__}: {exc})", file=sys.stderr)
-    runs = {s["key"]: s for s in summaries}
-    if overrides:
-        print(f"replayed with MonitorConfig overrides {overrides}")
-    if not args.json:
-        print(format_table(runs))
-    mismatched = [f"{s['key']} ({', '.join(s['in_training'].get('replay_differs_in') or [])})" for s in summaries
-                  if s["in_training"]["replay_matches"] is False and not overrides]
-    if mismatched:
-        print(f"note: replayed with their own thresholds, these runs' alerts differ from those raised in training, "
-              f"in the rules named (expected where a rule's logic changed since the run was recorded): "
-              f"{'; '.join(mismatched)}")
-    if args.json:
-        results = merge_results(Path(args.json), summaries)
-        _print_results(results, set(runs))
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(format_table(runs, markdown=True) + "\n")
-    if args.calibrate:
-        from .records import write_json_atomic
-
-        cal = calibrate(run_dirs)
-        write_json_atomic(Path(args.calibrate), cal)
-        _print_calibration(cal)
-    if args.figures:
-        from .figures import figures_for
-
-        for p in figures_for(run_dirs, Path(args.figures), overrides):
-            print("figure:", p)
+    for p in figures_for(run_dirs, Path(args.out), overrides):
+        print("figure:", p)
     return 0
-
-
-def _print_calibration(cal: dict) -> None:
-    print(f"\ncalibration over {cal['runs']} runs (healthy: arms meant to stay healthy, no blow-up, no auto-fix switch)")
-    print(f"  {'statistic':24s} {'healthy max':>12s} {'failing min(max before blow-up)':>32s} {'margin':>7s}")
-    for k, v in cal["extremes"].items():
-        h, f = v["healthy_max"], v["failing_min_of_max_before_blowup"]
-        print(f"  {k:24s} {('%.4g' % h['max']) if h else '-':>12s} "
-              f"{('%.4g' % f['min_of_max']) if f else '-':>32s} {('%.3g' % v['margin']) if v['margin'] else '-':>7s}")
-    for title, sweeps in (("", cal["sweeps"]), ("baseline ", cal.get("baseline_sweeps", {}))):
-        for field, rows in sweeps.items():
-            cells = []
-            for r in rows:
-                mark = "*" if r.get("default") else ""
-                cells.append(f"{r['value']:g}{mark}: {r['blown_up_alerted_before']}/{r['blown_up']} before"
-                             f" (median lead {r['median_lead']}, min {r['min_lead']}), "
-                             f"{r['healthy_with_alert']}/{r['healthy']} healthy alerted")
-            print(f"  {title}{field}: " + " | ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,35 +1,33 @@
 """One run in its own process: train the arm's recipe with the Monitor attached, record, stop.
 
-Started by the runner as ``python -m flashwatch.experiments.worker --spec SPEC.json`` (the spec
+Started by the runner as ``python -m research.experiments.worker --spec SPEC.json`` (the spec
 is a JSON file the runner writes in the run folder); runnable by hand the same way. Exit codes:
 0 the run finished (healthy, blown up, or stopped by a bound), 1 it failed (``run.json`` has
 the error and traceback), 3 the device it needs is missing.
 
-The loop (a plain PyTorch loop, as ../shared/probes/tie_dynamics.py):
+The loop (a plain PyTorch loop):
 
     batch (seeded per seed) -> forward (BF16 autocast, or FP32, or FP32 with BF16 attention)
     -> backward -> grad norm (before clipping) -> clip -> AdamW step -> monitor.step(loss, norm)
 
 Every step's loss and gradient norm stay on the device and are read in one transfer every
-``flush_every`` steps (no per-step host sync); the blow-up rule (``analysis.BlowupTracker``)
+``flush_every`` steps (no per-step host sync); the blow-up rule (``flashwatch.replay.blowup``)
 runs on them then, so a run stops at most ``flush_every`` steps after its blow-up is confirmed.
 A monitored step is recorded from the Monitor's public readings once the Monitor has decided it:
 right after its own ``monitor.step`` on the CPU, at the next ``monitor.step`` on CUDA (where
 ``async_transfer`` decides a monitored step one optimizer step later), with the variants its
 layers ran at that step and the alerts its decision raised; the last one is decided by
-``monitor.flush()`` at the end. (Before 2026-12 the worker recorded right after the monitored
-step's own ``monitor.step``: on CUDA every line held the previous monitored step's readings and
-no alerts; ``analysis.load_records`` corrects such recordings.)
+``monitor.flush()`` at the end. (Older recordings held, on CUDA, the previous monitored step's
+readings in each line: ``flashwatch.replay.playback.load_records`` corrects them.)
 
 Set-ups done before the Monitor attaches (so it keeps them as "the model's attention"):
 
 - ``attention == "paper"``: ``torch.nn.functional.scaled_dot_product_attention`` is replaced by
   a shim that runs ``flashwatch.kernels.paper.paper_attention`` (the paper's all-BF16 tiled
   numerics, tile 512) for causal self-attention calls; observe mode then measures that kernel.
-- ``inject > 0`` (INJECTED fault): ``flashwatch.kernels.flash_attention`` is wrapped to pass
-  ``inject_bias=inject``; the Monitor's router looks that function up at every call, so every
-  own-kernel attention call of this process carries the fault (the ``fixed`` variant disarms it
-  by construction: its P_bar stay below 1).
+- ``inject > 0`` (INJECTED fault): the process-wide rounding bias of ``flashwatch.kernels.faults``
+  is set to ``inject``, so every own-kernel attention call of this process carries the fault
+  (the ``fixed`` variant disarms it by construction: its P_bar stay below 1).
 
 SIGTERM or SIGINT ends the run cleanly at the next step (status "killed"), with its recordings.
 """
@@ -63,7 +61,7 @@ def _versions() -> dict:
         out["triton"] = triton.__version__
     except Exception:
         out["triton"] = None
-    from .. import __version__
+    from flashwatch import __version__
 
     out["flashwatch"] = __version__
     try:
@@ -155,14 +153,15 @@ class _Stop:
 
 
 def run(spec: dict) -> int:
-    """Train one run described by ``spec`` (see ``runner.make_spec``); returns the exit code."""
+    """Train one run described by ``spec`` (a ``runner.RunSpec`` as a dict); returns the exit code."""
     import torch
 
-    from .. import Monitor, MonitorConfig
-    from ..tinygpt import stdlib_corpus
-    from .analysis import BlowupTracker
-    from .model import ProbeGPT
-    from .records import RUN_FILE, SignalsWriter, StepsWriter, write_json_atomic
+    from flashwatch import Monitor, MonitorConfig
+    from flashwatch.replay.blowup import BlowupTracker
+    from flashwatch.replay.records import RUN_FILE, SignalsWriter, StepsWriter, write_json_atomic
+    from flashwatch.tinygpt import stdlib_corpus
+
+    from .model import ExperimentGPT
 
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +190,7 @@ def run(spec: dict) -> int:
             torch.set_num_threads(int(spec["threads"]))
         fp32 = arm["precision"] == "fp32"
         if device == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = not fp32  # as the probe: TF32 off in the FP32 control
+            torch.backends.cuda.matmul.allow_tf32 = not fp32  # TF32 off in the FP32 control
             torch.backends.cudnn.allow_tf32 = not fp32
             info["device_name"] = torch.cuda.get_device_name(0)
         else:
@@ -201,7 +200,7 @@ def run(spec: dict) -> int:
         data = stdlib_corpus(int(recipe["corpus_bytes"]))
         dev = torch.device(device)
         data_dev = data.to(dev)
-        model = ProbeGPT(recipe["n_layer"], recipe["n_head"], recipe["n_embd"], recipe["block_size"],
+        model = ExperimentGPT(recipe["n_layer"], recipe["n_head"], recipe["n_embd"], recipe["block_size"],
                          attn_dtype=torch.bfloat16 if arm["precision"] == "bf16_attention" else None).to(dev)
         if arm["attention"] == "paper":
             undo.append(install_paper_sdpa())
@@ -327,7 +326,7 @@ def run(spec: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashwatch.experiments.worker", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m research.experiments.worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", required=True, help="the run's spec (JSON), as the runner writes it")
     args = parser.parse_args(argv)

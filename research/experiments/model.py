@@ -1,10 +1,10 @@
-"""The GPT of the experiments: the probe's byte-level model (../shared/probes/tie_dynamics.py).
+"""The GPT of the experiments: the byte-level model whose BF16 training fails (docs/EXPERIMENTS.md).
 
-Layout as the probe (NUMERICS.md section 6): token and learned position embeddings, pre-LN
+Layout: token and learned position embeddings, pre-LN
 blocks (LayerNorm with its default affine bias, Linear layers without bias), GELU MLP of 4x,
 a final LayerNorm and an untied output head over 256 bytes; PyTorch's default initialisation
 (Embedding N(0, 1), Linear uniform +-1/sqrt(fan_in)), unlike ``flashwatch.tinygpt`` (GPT-2's
-0.02 init and tied weights), because the probe's failure was seen with this model.
+0.02 init and tied weights), because the real BF16 failure was first seen with this model.
 
 Attention lives in its own module (``c_attn`` of 3C outputs and an int ``n_head``: the
 nanoGPT family that ``Monitor.attach`` finds) and calls
@@ -14,11 +14,11 @@ time, so the Monitor's router (and an SDPA shim installed before it) reach every
 ``attn_dtype``: when set (e.g. ``torch.bfloat16``), q, k, v are cast to it for the attention
 call and the output back to the model's dtype: BF16 attention inside an FP32 model. The CPU
 injection scenario uses it (CPU autocast would put every matmul in BF16, slow on most CPUs);
-CUDA runs use BF16 autocast as the probe did, and leave it None.
+CUDA runs use BF16 autocast instead, and leave it None.
 
 Example::
 
-    model = ProbeGPT(n_layer=2, n_head=4, n_embd=64, block_size=64)
+    model = ExperimentGPT(n_layer=2, n_head=4, n_embd=64, block_size=64)
     loss = model(x, y)          # x, y (B, T) int64
 """
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ProbeGPT", "Attention"]
+__all__ = ["ExperimentGPT", "Attention"]
 
 
 class Attention(nn.Module):
@@ -67,7 +67,7 @@ class Block(nn.Module):
         return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
 
 
-class ProbeGPT(nn.Module):
+class ExperimentGPT(nn.Module):
     """Byte-level GPT: ``model(idx, targets) -> loss`` (FP32 cross entropy); idx (B, T) int64."""
 
     def __init__(self, n_layer: int = 6, n_head: int = 6, n_embd: int = 384, block_size: int = 512,

@@ -1,35 +1,38 @@
 #!/usr/bin/env bash
-# GPU sittings of `flashwatch experiment` on a 2x H200 machine, from the repository root, without
-# installing flashwatch (kernels/ is linked in as flashwatch/kernels, as benchmarks/gpu_session.sh does).
+# The GPU batches of the experiments (python -m research.experiments) on a 2x H200 machine, from the
+# repository root, without installing flashwatch (kernels/ is linked in as flashwatch/kernels, as
+# benchmarks/gpu_session.sh does). Each batch fits in ~10 minutes; docs/EXPERIMENTS.md has their results.
 #
-#   bash flashwatch/experiments/gpu_sitting.sh 1   # <= ~9.5 min: CUDA smoke of all arms (tiny), then
-#                                                  # real-failure seeds 0-1 x 6 arms + real-numerics paper seeds 0-1
-#   bash flashwatch/experiments/gpu_sitting.sh 2   # <= ~9 min: real-failure seeds 2-4 x (sdpa_observe, plain,
-#                                                  # fp32_delta, fp32) + real-numerics plain_fast/fp32_fast seed 0
-#   bash flashwatch/experiments/gpu_sitting.sh 3   # <= ~9.5 min: real-failure seeds 2-4: the five BF16 arms on GPU 0
-#                                                  # (15 runs), the FP32 control on GPU 1 (3 runs, as far as the
-#                                                  # budget takes them: TF32 off costs ~43 ms/step alone)
-#   bash flashwatch/experiments/gpu_sitting.sh 4   # <= ~9.5 min: GPU 0: kernel GPU tests and `flashwatch bench`
-#                                                  # (benchmarks/gpu_session.sh), then real-numerics plain_fast
-#                                                  # seeds 0-4; GPU 1: real-numerics paper seeds 2-4, fp32_fast 0-1
-#   bash flashwatch/experiments/gpu_sitting.sh 5   # <= ~8.5 min: GPU 0: kernel GPU tests, bench, host-overhead split
-#                                                  # (nothing else on that GPU); GPU 1: the FP32 control seeds 0-1
-#                                                  # again, to 5,000 steps (batch 1 stopped them at 2,280)
-#   bash flashwatch/experiments/gpu_sitting.sh 6   # <= ~9.5 min, NOT RUN YET: GPU 0: the healthy BF16 reference
-#                                                  # sdpa_observe_lr1e-3 seeds 0-4 (delta from the rounded output);
-#                                                  # GPU 1: FP32 control seeds 2-3 to 5,000 steps
+#   bash research/gpu_batch.sh 1   # <= ~9.5 min: CUDA smoke of all arms (tiny), then
+#                                  # real-failure seeds 0-1 x 6 arms + real-numerics paper seeds 0-1
+#   bash research/gpu_batch.sh 2   # <= ~9 min: real-failure seeds 2-4 x (sdpa_observe, plain,
+#                                  # fp32_delta, fp32) + real-numerics plain_fast/fp32_fast seed 0
+#   bash research/gpu_batch.sh 3   # <= ~9.5 min: real-failure seeds 2-4: the five BF16 arms on GPU 0
+#                                  # (15 runs), the FP32 control on GPU 1 (3 runs, as far as the
+#                                  # budget takes them: TF32 off costs ~43 ms/step alone)
+#   bash research/gpu_batch.sh 4   # <= ~9.5 min: GPU 0: kernel GPU tests and `flashwatch bench`
+#                                  # (benchmarks/gpu_session.sh), then real-numerics plain_fast
+#                                  # seeds 0-4; GPU 1: real-numerics paper seeds 2-4, fp32_fast 0-1
+#   bash research/gpu_batch.sh 5   # <= ~8.5 min: GPU 0: kernel GPU tests, bench, host-overhead split
+#                                  # (nothing else on that GPU); GPU 1: the FP32 control seeds 0-1
+#                                  # again, to 5,000 steps (batch 1 stopped them at 2,280)
+#   bash research/gpu_batch.sh 6   # <= ~9.5 min: GPU 0: the healthy BF16 reference
+#                                  # sdpa_observe_lr1e-3 seeds 0-4 (delta from the rounded output);
+#                                  # GPU 1: FP32 control seeds 2-3 to 5,000 steps (the GPU-0 half
+#                                  # ran alone as batch 6; the FP32 half has not run)
 #
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
 # because only files at most two folders down come back. Render figures and re-analyse on your own
-# machine: tar xzf runs.tgz -C runs/gpu && flashwatch experiment analyze runs/gpu --json ... --figures ...
+# machine: tar xzf runs.tgz -C runs/gpu && flashwatch experiment analyze runs/gpu --json ... and
+# python -m research.experiments figures runs/gpu --out ...
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -e flashwatch/kernels ] || ln -s ../kernels flashwatch/kernels
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 RUNS=/tmp/fw-runs
-fw() { python3 -m flashwatch.cli experiment "$@"; }
+fw() { python3 -m research.experiments "$@"; }
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 case "${1:-1}" in
@@ -37,7 +40,7 @@ case "${1:-1}" in
   # every arm's code path on CUDA in ~1 minute: stop here if anything fails
   fw real-failure --tiny --seeds 0 --max-steps 20 --parallel 6 --devices 0,1 --budget 110 \
      --out "$RUNS/smoke" --json "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1 \
-     || { tail -40 "$OUT/smoke.log"; echo "CUDA smoke failed: not starting the sitting"; exit 1; }
+     || { tail -40 "$OUT/smoke.log"; echo "CUDA smoke failed: not starting the batch"; exit 1; }
   tail -10 "$OUT/smoke.log"
   fw early-warning --scenario real-numerics --arms paper@0-1 --parallel 2 --devices 0,1 --budget 440 \
      --out "$RUNS" --json "$OUT/early-warning-gpu.json" > "$OUT/real-numerics.log" 2>&1 &
@@ -86,6 +89,6 @@ case "${1:-1}" in
   wait
   tail -5 "$OUT/real-failure-fp32.log"
   ;;
-*) echo "usage: bash flashwatch/experiments/gpu_sitting.sh 1|2|3|4|5|6"; exit 2 ;;
+*) echo "usage: bash research/gpu_batch.sh 1|2|3|4|5|6"; exit 2 ;;
 esac
 tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"

@@ -1,18 +1,18 @@
 """The bias lab: the paper's rounding arithmetic, and the signed rounding bias of each kernel.
 
-``flashwatch lab`` measures, for every attention kernel at hand, whether its BF16 output O and
-the delta = rowsum(dO * O) taken from it err in one direction on rows whose max score repeats
-(the mechanism of Qiu & Yao, ../shared/NUMERICS.md section 1), against other rows.
+``python -m research.lab`` measures, for every attention kernel at hand, whether its BF16
+output O and the delta = rowsum(dO * O) taken from it err in one direction on rows whose max
+score repeats (the mechanism of Qiu & Yao, docs/LAB.md), against other rows.
 
-Inputs (NUMERICS.md section 3): q ~ N(0, scale^2) with query scale 4 or 1, k ~ N(0, 1) with
-every key duplicated (K[2j+1] = K[2j], so the top score of almost every causal row is an exact
-tie), v ~ N(-2, 0.5^2) (mostly negative), rounded to BF16; a control without duplicated keys
-(query scale 4). Causal, sm_scale = 1/sqrt(D). dO ~ N(1, 1) in BF16: its mean is not zero on
-purpose, because the delta error of a row is sum_d dO_d err_d, whose expectation is zero for a
-zero-mean dO however biased O is; a real model's dO is not zero-mean noise (NUMERICS.md section
-6 saw the delta error keep one sign for thousands of steps). The zero-mean control is in the
-JSON (``delta_zero_mean_do``). All drawn on the CPU from one seeded generator, so CPU and GPU
-runs see the same numbers.
+Inputs (docs/LAB.md): q ~ N(0, scale^2) with query scale 4 or 1, k ~ N(0, 1) with every key
+duplicated (K[2j+1] = K[2j], so the top score of almost every causal row is an exact tie),
+v ~ N(-2, 0.5^2) (mostly negative), rounded to BF16; a control without duplicated keys (query
+scale 4). Causal, sm_scale = 1/sqrt(D). dO ~ N(1, 1) in BF16: its mean is not zero on purpose,
+because the delta error of a row is sum_d dO_d err_d, whose expectation is zero for a zero-mean
+dO however biased O is; a real model's dO is not zero-mean noise (the experiments saw the delta
+error keep one sign for thousands of steps, docs/EXPERIMENTS.md). The zero-mean control is in
+the JSON (``delta_zero_mean_do``). All drawn on the CPU from one seeded generator, so CPU and
+GPU runs see the same numbers.
 
 Errors, per kernel:
 - O: err = O_kernel - O_exact, O_exact the float64 attention of the same BF16 inputs.
@@ -34,9 +34,9 @@ in the JSON says where its backward takes delta from (``delta_source``). A kerne
 run (a backend missing on this machine) is recorded with its error and the lab goes on.
 
 Rows are split into tie rows (the max of the float64 scores repeats within eps = 1e-3, as
-DESIGN.md defines repeated-max rows) and other rows. For each group:
+the Monitor's repeated-max rows are defined) and other rows. For each group:
 - z (features): for each feature d, z_d = mean of err[:, d] / its standard error over rows;
-  z = the mean of z_d over d (as NUMERICS.md section 3), with max |z_d|.
+  z = the mean of z_d over d, with max |z_d|.
 - z (pooled): the mean over rows and features divided by its standard error with rows as the
   independent units (a row's features share one normalisation, so their errors correlate and
   counting elements as independent would overstate z).
@@ -61,11 +61,11 @@ from typing import Callable
 import torch
 
 __all__ = ["paper_example", "PAPER_TERMS", "InputSpec", "INPUTS", "make_inputs", "exact_attention",
-           "bias_stats", "row_stats", "run_lab", "render", "main", "DEFAULT_SHAPES"]
+           "bias_stats", "row_stats", "run_lab", "render", "build_parser", "main", "DEFAULT_SHAPES"]
 
 EPS = 1e-3
 DEFAULT_SHAPES = {  # (B, H, N, D)
-    "cuda": (8, 8, 1024, 64),   # NUMERICS.md section 3
+    "cuda": (8, 8, 1024, 64),   # the shape of the original GPU measurement (docs/LAB.md)
     "cpu": (4, 8, 1024, 64),    # 32k rows, two 512-tiles per row as on the GPU: ~35 s on 2 cores
     "quick": (2, 4, 256, 64),   # ~2k rows: a few seconds
 }
@@ -124,8 +124,8 @@ class InputSpec:
 
 
 INPUTS = (
-    InputSpec("dup_q4", True, 4.0),     # NUMERICS.md section 3, first column
-    InputSpec("dup_q1", True, 1.0),     # second column
+    InputSpec("dup_q4", True, 4.0),     # duplicated keys, query scale 4
+    InputSpec("dup_q1", True, 1.0),     # duplicated keys, query scale 1
     InputSpec("nodup_q4", False, 4.0),  # control: no duplicated keys
 )
 
@@ -374,7 +374,7 @@ def run_lab(device: str = "cpu", *, shape=None, seed: int = 0, quick: bool = Fal
     shape = tuple(int(x) for x in shape)
     started = time.perf_counter()
     result = {
-        "what": "signed rounding bias of O and delta on tie rows vs other rows (flashwatch lab)",
+        "what": "signed rounding bias of O and delta on tie rows vs other rows (python -m research.lab)",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": None,  # set by the command line entry point
         "device": _device_info(dev),
@@ -476,8 +476,26 @@ def render(result: dict, console=None) -> None:
     console.print(f"{result['seconds']:.1f} s")
 
 
-def main(args: argparse.Namespace) -> int:
-    """Entry point of ``flashwatch lab`` (arguments defined in flashwatch/cli.py)."""
+PROG = "python -m research.lab"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="The bias lab: signed rounding bias of O and delta per "
+                                                       "attention kernel, on tie rows against other rows "
+                                                       "(docs/LAB.md). Run from the repository root.")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    p.add_argument("--quick", action="store_true", help="smaller default shape (a few seconds on a CPU)")
+    p.add_argument("--shape", metavar="B,H,N,D",
+                   help="override the shape (default: 8,8,1024,64 on cuda, 4,8,1024,64 on cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the input generator (default 0)")
+    p.add_argument("--tile", type=int, default=512, help="tile size of the paper emulation (default 512)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m research.lab``; returns the exit status."""
+    args = build_parser().parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = None
     if args.shape:
@@ -486,10 +504,10 @@ def main(args: argparse.Namespace) -> int:
             if len(shape) != 4 or min(shape) < 1:
                 raise ValueError
         except ValueError:
-            print(f"flashwatch lab: --shape must be four positive integers B,H,N,D, got {args.shape!r}", file=sys.stderr)
+            print(f"{PROG}: --shape must be four positive integers B,H,N,D, got {args.shape!r}", file=sys.stderr)
             return 2
     if args.tile < 1:
-        print(f"flashwatch lab: --tile must be a positive integer, got {args.tile}", file=sys.stderr)
+        print(f"{PROG}: --tile must be a positive integer, got {args.tile}", file=sys.stderr)
         return 2
     from rich.console import Console
 
@@ -498,10 +516,10 @@ def main(args: argparse.Namespace) -> int:
         result = run_lab(device, shape=shape, seed=args.seed, quick=args.quick, tile=args.tile,
                          progress=lambda line: console.print(f"[dim]{line}[/dim]"))
     except ValueError as exc:
-        print(f"flashwatch lab: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     result["command"] = " ".join(
-        ["flashwatch lab", f"--device {device}"] + (["--quick"] if args.quick else [])
+        [PROG, f"--device {device}"] + (["--quick"] if args.quick else [])
         + ([f"--shape {args.shape}"] if args.shape else []) + [f"--seed {args.seed}", f"--tile {args.tile}"]
         + ([f"--json {args.json}"] if args.json else []))
     render(result, console)
@@ -510,3 +528,7 @@ def main(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1)
         console.print(f"wrote {args.json}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

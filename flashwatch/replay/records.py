@@ -1,4 +1,4 @@
-"""What a run records in its folder, and how it is read back (the worker writes, the analysis reads).
+"""What a run records in its folder, and how it is read back (a training loop writes, the replay reads).
 
 Files of a run folder:
 
@@ -14,13 +14,13 @@ Files of a run folder:
   (monitored steps before this one), the ``alerts`` that started there, ``monitor_error`` (the
   Monitor failed inside this step: its readings are the previous step's), and ``aligned``
   (true: the line holds the readings of the step it names). Lines without ``aligned`` come from
-  the worker before 2026-12: on CUDA each held the readings of the monitored step *before* the
-  one it names and no alerts (``analysis.load_records`` corrects that; ``run.json`` has the alerts).
+  older recordings: on CUDA each held the readings of the monitored step *before* the one it
+  names and no alerts (``playback.load_records`` corrects that; ``run.json`` has the alerts).
 
 Exactness. ``e``, ``max_logit``, ``sigma``, ``loss`` and ``grad_norm`` are float32 values (the
 kernels' statistics, the power iteration, the FP32 loss and norm) and are written as the
 shortest decimal that reads back as the same float32; the counts are integers; so the replay
-of the detectors (``analysis.replay``) sees what the Monitor saw, bit for bit. ``C``, ``z`` and
+of the detectors (``playback.replay``) sees what the Monitor saw, bit for bit. ``C``, ``z`` and
 ``zw`` are for reading (6 and 4 significant digits); replay recomputes them from ``e``. A value
 that is not a float32 is written as the string ``"d<repr>"`` (exact float64); non-finite
 numbers as ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
@@ -176,7 +176,7 @@ class SignalsWriter:
         """Record monitored step ``step`` from ``monitor.snapshot()`` and ``monitor.signals()``.
 
         Call it once the Monitor has *decided* that step (on CUDA with ``async_transfer``: at the
-        next ``step()``, see ``worker.run``), so the readings are that step's. ``index``:
+        next ``step()``), so the readings are that step's. ``index``:
         ``monitor.monitored_steps`` before the step was decided; ``alerts``: the alerts its
         decision returned; ``variants`` / ``low_precision``: what each layer ran at that step
         (default: what it runs now). The line says ``"aligned": true``.

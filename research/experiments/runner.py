@@ -1,8 +1,9 @@
 """Run many experiment runs as subprocesses, a few at a time, and gather their results in one JSON.
 
-``run_plan(plan, ...)`` starts each run as ``sys.executable -m flashwatch.experiments.worker
---spec RUN_DIR/spec.json`` with the caller's environment (so ``PYTHONPATH=$PWD`` from the
-repository root works without installing the package), at most ``parallel`` at a time, spread
+``run_plan(plan, ...)`` starts each run as ``sys.executable -m research.experiments.worker
+--spec RUN_DIR/spec.json`` with the caller's environment and the repository root on
+``PYTHONPATH`` (so ``research`` imports from any working directory, and ``PYTHONPATH=$PWD``
+runs flashwatch without installing it), at most ``parallel`` at a time, spread
 over ``devices`` (``CUDA_VISIBLE_DEVICES`` per subprocess; CPU runs get ``CUDA_VISIBLE_DEVICES=""``
 and one CPU thread each unless the spec says otherwise). A subprocess's output goes to ``RUN_DIR/worker.log``.
 
@@ -13,10 +14,11 @@ run that the overall ``budget_s`` cannot hold, shortening the last runs' ``max_s
 crash, a missing device, a kill) is recorded as an error with the tail of its log; the others
 go on.
 
-After each run the runner analyses its folder (``analysis.analyze_run``: blow-up, replayed
-alerts, baselines) and merges the summary into the results JSON under the key
-``scenario/arm/seed``: runs of earlier sittings stay, a rerun replaces its key. The JSON also
-carries the aggregate per arm, the targets, and the definitions (recomputed at every merge).
+After each run the runner analyses its folder (``flashwatch.replay.runs.analyze_run``: blow-up,
+replayed alerts, baselines) and merges the summary into the results JSON under the key
+``scenario/arm/seed`` (``flashwatch.replay.results.merge_results``): earlier runs stay, a rerun
+replaces its key. The JSON also carries the aggregate per arm, the targets, and the definitions
+(recomputed at every merge).
 """
 
 from __future__ import annotations
@@ -31,18 +33,21 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .analysis import (BLOWUP_FACTOR, BLOWUP_PATIENCE, BLOWUP_WINDOW, EARLY_RULES, FINAL_WINDOW, MECHANISM_RULES,
-                       aggregate, analyze_run, evaluate_targets, run_key)
-from .records import RUN_FILE, write_json_atomic
+from flashwatch.replay.records import RUN_FILE
+from flashwatch.replay.results import load_results, merge_results
+from flashwatch.replay.runs import analyze_run, run_key
+
 from .scenarios import Scenario
 
-__all__ = ["RunSpec", "make_plan", "run_plan", "merge_results", "estimate", "GRACE_S", "STARTUP_S"]
+__all__ = ["RunSpec", "make_plan", "run_plan", "estimate", "GRACE_S", "STARTUP_S"]
+
+REPOSITORY = Path(__file__).resolve().parents[2]  # the folder holding research/: on the workers' PYTHONPATH
 
 GRACE_S = 90.0  # a worker past max_seconds + this is killed (start-up, compilation, the last flush)
 STARTUP_S = {"cpu": 5.0, "cuda": 45.0}  # process start, imports, corpus, CUDA context, Triton compiles
 # Assumed ms per step for the dry-run estimate when the results JSON has no measurement of the
-# arm: one process alone on an H200 (NUMERICS.md section 6: SDPA ~19 ms a step incl. its probe).
-# Own kernel: flashwatch's own-kernel GPT step measured within 3% of SDPA's (docs/gpu-runs sitting 2).
+# arm: one process alone on an H200 (the reference GPT under SDPA: ~19 ms a step, its own-kernel
+# step a little slower). A results JSON's measured ms/step replace these.
 ASSUMED_MS = {("cuda", "sdpa", "bf16"): 22.0, ("cuda", "own", "bf16"): 24.0, ("cuda", "sdpa", "fp32"): 45.0,
               ("cuda", "paper", "bf16"): 50.0, ("cpu", "own", "bf16_attention"): 35.0}
 SHARE = 2.0  # processes that share one GPU without slowing each other (launch-bound small models); beyond: linear
@@ -155,44 +160,7 @@ def estimate(plan: list[RunSpec], parallel: int, devices: list[str], measured: d
             "assumption": how + "; every run taken to its max_steps or max_seconds (a blow-up ends one sooner)"}
 
 
-# --- results JSON ----------------------------------------------------------------------------------
-
-def load_results(path: Path) -> dict:
-    if path.exists():
-        with open(path) as f:
-            return json.load(f)
-    return {}
-
-
-def merge_results(path: Path, summaries: list[dict], extra: dict | None = None) -> dict:
-    """Merge run summaries into the results JSON at ``path`` (by key), recompute aggregates, write atomically."""
-    data = load_results(path)
-    runs = data.get("runs", {})
-    for s in summaries:
-        runs[s["key"]] = s
-    data.update({
-        "schema": 1, "kind": "flashwatch-experiments",
-        "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "definitions": {
-            "blowup": f"a non-finite loss (that step), or the median of the last {BLOWUP_WINDOW} losses >= "
-                      f"{BLOWUP_FACTOR} x its lowest earlier value at {BLOWUP_PATIENCE} consecutive steps (the "
-                      "blow-up step: the first loss >= that threshold in the window where it began)",
-            "lead": "blow-up step - first alert step (positive: the alert came first)",
-            "flashwatch_first": f"first alert of the rules {', '.join(EARLY_RULES)}",
-            "flashwatch_mechanism_first": f"first alert of the rules {', '.join(MECHANISM_RULES)} "
-                                          "(without max_logit, the QK-Clip criterion)",
-            "final_loss": f"mean of the last {FINAL_WINDOW} recorded losses",
-            "injected": "runs whose attention carries the INJECTED fault (inject_bias): not a real failure",
-        },
-        "runs": dict(sorted(runs.items())),
-    })
-    data["aggregate"] = aggregate(data["runs"])
-    data["targets"] = evaluate_targets(data["runs"], min_lead={"real-failure": 1000})
-    if extra:
-        data.update(extra)
-    write_json_atomic(path, data)
-    return data
-
+# --- one finished run ------------------------------------------------------------------------------
 
 def _error_summary(spec: RunSpec, message: str) -> dict:
     return {"key": spec.key, "scenario": spec.scenario, "arm": spec.arm["name"], "seed": spec.seed,
@@ -282,6 +250,7 @@ def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_p
             queue.pop(0)
             env = dict(os.environ)
             env["PYTHONUNBUFFERED"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPOSITORY), env.get("PYTHONPATH")) if p)
             dev = ""
             if spec.device == "cuda":
                 dev = min(load, key=load.get) if load else "0"
@@ -305,7 +274,7 @@ def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_p
             try:
                 # same session as the runner: if the runner is killed outright, whoever kills its session
                 # (a terminal, a job runner) takes the workers with it
-                proc = subprocess.Popen([sys.executable, "-m", "flashwatch.experiments.worker", "--spec",
+                proc = subprocess.Popen([sys.executable, "-m", "research.experiments.worker", "--spec",
                                          str(run_dir / "spec.json")], stdout=log, stderr=subprocess.STDOUT, env=env)
             except OSError as exc:
                 log.close()

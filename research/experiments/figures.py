@@ -28,8 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .analysis import MECHANISM_RULES, blowup_step, config_for, load_records, replay
-from .records import read_run, read_steps
+from flashwatch.replay.baselines import run_baselines
+from flashwatch.replay.blowup import blowup_step
+from flashwatch.replay.playback import config_for, load_records, replay
+from flashwatch.replay.records import read_run, read_steps
+from flashwatch.replay.runs import MECHANISM_RULES
 
 __all__ = ["arm_figure", "figures_for"]
 
@@ -82,8 +85,6 @@ def _series(run_dir: Path, overrides: dict | None):
     else:
         flagged = (0, 0)
     sigma = np.array([r["sigma"][flagged[0]][flagged[1]] for r in records], dtype=float)
-    from .baselines import run_baselines
-
     mls = per_step("max_logit", max)
     fired = run_baselines(steps["step"].tolist(), steps["loss"].tolist(), steps["grad_norm"].tolist(), ms.tolist(),
                           mls.tolist())

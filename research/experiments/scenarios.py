@@ -7,19 +7,19 @@ batches for a given seed (the seed drives both), so arms are paired comparisons.
 
 Scenarios (``SCENARIOS``):
 
-- ``injection`` (issue 7, CPU): a small byte-level GPT whose attention runs BF16 through
-  flashwatch's own kernel (the PyTorch reference on the CPU) with the INJECTED fault
-  ``inject_bias`` (``flashwatch.kernels.reference.inject_rounding_bias``): on rows where P_bar
+- ``injection`` (CPU): a small byte-level GPT whose attention runs BF16 through
+  flashwatch's own kernel (the PyTorch reference on the CPU) with the INJECTED rounding bias
+  of ``flashwatch.kernels.faults``: on rows where P_bar
   rounds to exactly 1 at two or more keys, |O| is inflated by ``strength * 2**-8`` before
   rounding, so O and delta carry a one-sided error where the paper's error enters. Arms:
   ``healthy`` (no fault), ``injected``, ``injected_auto_fix`` (the Monitor switches a flagged
   layer to ``fixed``, which keeps every P_bar below 1 and so disarms the fault; ``fp32_delta``
   disarms it too: its backward takes delta from the FP32 output before the injection). Everything
   shown from this scenario is labelled INJECTED.
-- ``real-numerics`` (issue 7, CUDA): the probe's model with the paper's all-BF16 attention
+- ``real-numerics`` (CUDA): the experiments' GPT with the paper's all-BF16 attention
   (``kernels/paper.py``, installed as an SDPA shim and observed), and flashwatch's ``plain``
   kernel at an aggressive learning rate, with an FP32 control at that rate.
-- ``real-failure`` (issue 9, CUDA): the probe's recipe (../shared/NUMERICS.md section 6) with
+- ``real-failure`` (CUDA): the recipe whose BF16 training fails (docs/EXPERIMENTS.md) with
   the arms ``sdpa_observe``, ``plain``, ``fixed``, ``fp32_delta``, ``auto_fix`` (observe mode,
   switching a flagged layer to ``fp32_delta``) and ``fp32`` (FP32 control, TF32 off).
 
@@ -40,7 +40,7 @@ EXPECTS = ("failure", "healthy", "rescued")
 
 @dataclass(frozen=True)
 class Recipe:
-    """Model, data and optimiser of a scenario (the probe's, NUMERICS.md section 6, by default)."""
+    """Model, data and optimiser of a scenario (by default the real-failure recipe, docs/EXPERIMENTS.md)."""
 
     n_layer: int = 6
     n_head: int = 6
@@ -69,13 +69,13 @@ class Arm:
         summary: one line for humans.
         expect: what the arm is meant to show: ``"failure"`` (the loss should blow up),
             ``"healthy"`` (a control), ``"rescued"`` (a failing setup the Monitor's auto_fix should save).
-        precision: ``"bf16"`` (BF16 autocast, as the probe), ``"fp32"`` (no autocast, TF32 off),
+        precision: ``"bf16"`` (BF16 autocast), ``"fp32"`` (no autocast, TF32 off),
             ``"bf16_attention"`` (FP32 model, attention inputs cast to BF16: the CPU scenario).
         attention: ``"sdpa"`` (the model calls torch SDPA; in own_kernel mode the Monitor routes it
             to flashwatch's kernel) or ``"paper"`` (an SDPA shim running the paper's all-BF16
             emulation, installed before the Monitor attaches, so observe mode measures it).
         monitor: ``MonitorConfig`` fields of the arm (mode, variant, auto_fix, ...).
-        inject: INJECTED fault strength passed as ``inject_bias`` to flashwatch's kernel (0: none).
+        inject: strength of the INJECTED rounding bias (``flashwatch.kernels.faults``; 0: none).
         lr: learning rate overriding the recipe's (None: the recipe's).
         device: ``"cuda"`` or ``"cpu"``: where the arm is meant to run.
         note: caveats shown in the manual and the docs.
@@ -122,7 +122,6 @@ class Scenario:
 
     Attributes:
         name: the scenario's name.
-        issue: the issue it answers.
         summary: one line.
         recipe: the full-size recipe.
         tiny: the smoke-test recipe (``--tiny``).
@@ -134,7 +133,6 @@ class Scenario:
     """
 
     name: str
-    issue: int
     summary: str
     recipe: Recipe
     tiny: Recipe
@@ -173,7 +171,7 @@ def _own(variant: str = "plain", **extra) -> dict:
 
 
 INJECTION = Scenario(
-    name="injection", issue=7, device="cpu",
+    name="injection", device="cpu",
     summary="INJECTED fault: small BF16-attention GPT on the CPU, |O| inflated on unit-P_bar tie rows",
     recipe=_INJECTION_RECIPE,
     tiny=replace(TINY, warmup_steps=5),
@@ -192,21 +190,21 @@ INJECTION = Scenario(
         Arm("injected_fp32_delta", "INJECTED fault, 'fp32_delta' kernel from the start", "healthy",
             precision="bf16_attention", monitor=_own("fp32_delta"), inject=INJECT_STRENGTH, device="cpu",
             note="the forward output keeps the injected push; the backward's delta, taken from the FP32 output "
-                 "before the injection, does not: 3/3 seeds healthy on 2026-11-30 (docs/EXPERIMENTS.md)"),
+                 "before the injection, does not (docs/EXPERIMENTS.md)"),
     ),
     default_arms=("healthy", "injected", "injected_auto_fix"),
 )
 
-# --- real failure (CUDA, issue 9) ----------------------------------------------------------------
+# --- real failure (CUDA) ---------------------------------------------------------------------------
 
-_PROBE = Recipe()
+_REAL_FAILURE_RECIPE = Recipe()
 
 GENTLE_LR = 1e-3
 
 REAL_FAILURE = Scenario(
-    name="real-failure", issue=9, device="cuda",
-    summary="the probe's byte-level GPT (6x6, d=384, ctx 512, batch 32, lr 3e-3) in BF16: a real failure",
-    recipe=_PROBE, tiny=TINY, max_steps=5000, max_seconds=540.0,
+    name="real-failure", device="cuda",
+    summary="a byte-level GPT (6x6, d=384, ctx 512, batch 32, lr 3e-3) in BF16: a real failure",
+    recipe=_REAL_FAILURE_RECIPE, tiny=TINY, max_steps=5000, max_seconds=540.0,
     arms=(
         Arm("sdpa_observe", "BF16 autocast, torch SDPA (FA2), Monitor in observe mode", "failure",
             monitor={"mode": "observe"}),
@@ -222,25 +220,24 @@ REAL_FAILURE = Scenario(
             monitor={"mode": "observe"}),
         Arm("sdpa_observe_lr1e-3", f"BF16 autocast, torch SDPA observed, lr {GENTLE_LR:g}", "healthy",
             monitor={"mode": "observe"}, lr=GENTLE_LR,
-            note="a healthy BF16 reference whose delta comes from the rounded output (NUMERICS.md section 6 "
-                 "suggests this lr), for the delta_drift threshold's false-alarm margin; not run yet, "
-                 "so not among the default arms"),
+            note="a healthy BF16 reference whose delta comes from the rounded output, for the delta_drift "
+                 "threshold's false-alarm margin; not among the default arms"),
     ),
     default_arms=("sdpa_observe", "plain", "fixed", "fp32_delta", "auto_fix", "fp32"),
 )
 
-# --- real numerics (CUDA, issue 7 part 2) --------------------------------------------------------
+# --- real numerics (CUDA) ------------------------------------------------------------------------
 
 AGGRESSIVE_LR = 6e-3
 
 REAL_NUMERICS = Scenario(
-    name="real-numerics", issue=7, device="cuda",
+    name="real-numerics", device="cuda",
     summary="real BF16 numerics: the paper's all-BF16 kernel (lr 3e-3), flashwatch plain at an aggressive lr",
-    recipe=_PROBE, tiny=TINY, max_steps=3000, max_seconds=420.0,
+    recipe=_REAL_FAILURE_RECIPE, tiny=TINY, max_steps=3000, max_seconds=420.0,
     arms=(
         Arm("paper", "the paper's all-BF16 tiled attention (kernels/paper.py) as an SDPA shim, observed",
             "failure", attention="paper", monitor={"mode": "observe"},
-            note="NUMERICS.md section 6: failed at step ~700 at lr 3e-3 (one seed)"),
+            note="fails in BF16 at lr 3e-3 within a thousand steps (docs/EXPERIMENTS.md, section 2)"),
         Arm("plain_fast", f"flashwatch 'plain' kernel at lr {AGGRESSIVE_LR:g}", "failure", monitor=_own("plain"),
             lr=AGGRESSIVE_LR),
         Arm("fp32_fast", f"FP32 control (TF32 off) at lr {AGGRESSIVE_LR:g}, SDPA observed", "healthy",

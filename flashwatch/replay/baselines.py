@@ -1,7 +1,7 @@
 """The baselines flashwatch is compared with, replayed on a run's recorded series.
 
-Each is what a user has today, written from its published rule (read 2026-11), and each
-returns every step at which it fires (its first one is the "first alert" of the tables):
+Each is what a user has today, written from its published rule, and each returns every step
+at which it fires (its first one is the "first alert" of the tables):
 
 - ``loss_spike``: Lightning's ``SpikeDetection`` (lightning_fabric/utilities/spike.py, as in
   pytorch-lightning 2.6.6) on every step's loss: mode "min", window 10, warm-up 1 batch, rtol

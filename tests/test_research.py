@@ -1,25 +1,30 @@
-"""flashwatch experiment: runner, worker, recordings, replay, baselines, CLI (CPU, real components)."""
+"""research.experiments: runner, worker, recordings, figures, CLI (CPU, real components).
+
+The research harness runs from the checkout (pytest puts the repository root on sys.path); it
+writes recordings that the product's replay (flashwatch.replay) reads.
+"""
 
 from __future__ import annotations
 
 import gzip
 import json
-import math
-import random
+import subprocess
+import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import flashwatch.collect
 import torch
 
-from flashwatch.config import MonitorConfig
-from flashwatch.experiments import analysis, baselines
-from flashwatch.experiments.cli import main as experiment_main
-from flashwatch.experiments.records import f32_text, read_f32, read_signals, read_steps
-from flashwatch.experiments.runner import make_plan, run_plan
-from flashwatch.experiments.scenarios import INJECTION
+from flashwatch.cli import main as flashwatch_main
+from flashwatch.replay import baselines, playback, runs
+from flashwatch.replay.records import read_signals, read_steps
+from research.experiments.cli import main as experiment_main
+from research.experiments.runner import make_plan, run_plan
+from research.experiments.scenarios import INJECTION
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- the pipeline, end to end ----------------------------------------------------------------------
@@ -55,16 +60,17 @@ def test_injection_runs_through_the_runner_in_parallel_merge_and_replay(tmp_path
     fixed = data["runs"]["injection/injected_auto_fix/0"]
     assert fixed["switches"] and fixed["switches"][0]["to"] == "fixed"  # auto_fix acted on an alert
 
-    # a second sitting adds a seed; the first sitting's runs stay
+    # a later call adds a seed; the earlier runs stay
     assert _cli(*common, "--seeds", 1, "--arms", "healthy") == 0
     data = json.loads(results.read_text())
     assert set(data["runs"]) == {"injection/healthy/0", "injection/injected_auto_fix/0", "injection/healthy/1"}
     assert data["aggregate"]["injection"]["healthy"]["seeds"] == [0, 1]
 
-    # analyze replays the recordings with other thresholds, without training
+    # the product's analyze replays the recordings with other thresholds, without training
     capsys.readouterr()
-    assert _cli("analyze", out, "--set", "drift_threshold=100", "--set", "max_logit_bound=1e9",
-                "--set", "warmup=1", "--markdown", tmp_path / "table.md") == 0
+    assert flashwatch_main(["experiment", "analyze", str(out), "--set", "drift_threshold=100",
+                            "--set", "max_logit_bound=1e9", "--set", "warmup=1",
+                            "--markdown", str(tmp_path / "table.md")]) == 0
     assert "drift_threshold" in capsys.readouterr().out
     assert (tmp_path / "table.md").read_text().startswith("| run |")
 
@@ -89,9 +95,9 @@ class _CopyDone:
 def _worker_run(tmp_path, name: str, defer: bool, monkeypatch, arm: str = "auto_fix") -> Path:
     """One tiny real-failure run in this process, thresholds low so that alerts fire; ``defer``: the
     Monitor decides a monitored step at the next step() as on CUDA with async_transfer."""
-    from flashwatch.experiments import worker
-    from flashwatch.experiments.scenarios import REAL_FAILURE
     from flashwatch.monitor import Monitor
+    from research.experiments import worker
+    from research.experiments.scenarios import REAL_FAILURE
 
     with monkeypatch.context() as m:
         if defer:
@@ -120,7 +126,7 @@ def test_the_worker_records_each_monitored_step_once_decided_with_what_it_ran(tm
         assert (ra["e"], ra["max_logit"], ra["index"], ra["alerts"]) == (rb["e"], rb["max_logit"], rb["index"],
                                                                           rb["alerts"])
     assert sum(len(r["alerts"]) for r in b) > 0
-    s = analysis.analyze_run(later)
+    s = runs.analyze_run(later)
     assert s["in_training"]["replay_matches"] is True and not s["records_lag_corrected"]
 
     fix = _worker_run(tmp_path, "auto_fix", True, monkeypatch)  # auto_fix decided one step late, as on CUDA
@@ -137,10 +143,10 @@ def test_the_worker_records_each_monitored_step_once_decided_with_what_it_ran(tm
 
 def test_figures_per_arm_and_an_overview(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from flashwatch.experiments.figures import figures_for
+    from research.experiments.figures import figures_for
 
-    runs = [_worker_run(tmp_path, "figs", False, monkeypatch, arm) for arm in ("sdpa_observe", "auto_fix")]
-    paths = figures_for(runs, tmp_path / "figures")
+    recorded = [_worker_run(tmp_path, "figs", False, monkeypatch, arm) for arm in ("sdpa_observe", "auto_fix")]
+    paths = figures_for(recorded, tmp_path / "figures")
     assert sorted(p.name for p in paths) == ["real-failure-auto_fix-tiny.png", "real-failure-overview-tiny.png",
                                              "real-failure-sdpa_observe-tiny.png"]
     for p in paths:
@@ -148,11 +154,11 @@ def test_figures_per_arm_and_an_overview(tmp_path, monkeypatch):
 
 
 def test_load_records_undoes_the_lag_of_old_cuda_recordings(tmp_path, monkeypatch):
-    """Recordings of the worker before the fix (GPU runs of 2026-11-30): line k+1 held monitored
+    """Older recordings (the GPU runs in results/gpu-2026-11-30): line k+1 held monitored
     step k's readings under step k+1's name, with the variants of step k+1, no alerts, and a first
     line without readings. ``load_records`` gives back the true series."""
     good = _worker_run(tmp_path, "good", False, monkeypatch)  # auto_fix: variants change during the run
-    truth = analysis.load_records(good)
+    truth = playback.load_records(good)
     old = tmp_path / "old"
     old.mkdir()
     for f in ("run.json", "steps.csv"):
@@ -172,105 +178,15 @@ def test_load_records_undoes_the_lag_of_old_cuda_recordings(tmp_path, monkeypatc
         shown.pop("aligned")
         lines.append(json.dumps(shown))
     (old / "signals.jsonl").write_text("\n".join(lines) + "\n")
-    fixed = analysis.load_records(old)
+    fixed = playback.load_records(old)
     assert all(r["lag_corrected"] for r in fixed)
     assert len(fixed) == len(truth) - 1  # the last monitored step was never recorded
     for t, f in zip(truth, fixed):
         assert (t["step"], t["index"], t["e"], t["variant"], t["loss"], t["grad_norm"]) == \
                (f["step"], f["index"], f["e"], f["variant"], f["loss"], f["grad_norm"])
-    s = analysis.analyze_run(old)
+    s = runs.analyze_run(old)
     assert s["records_lag_corrected"] and s["in_training"]["replay_matches"] is True  # alerts from run.json
     assert s["flashwatch"]["non_finite"]["first"] is None  # the empty first line is gone
-
-
-# --- blow-up and lead time on synthetic series --------------------------------------------------------
-
-def test_blowup_is_the_start_of_a_sustained_excursion_or_a_non_finite_loss():
-    falling = [5.0 - 0.01 * i for i in range(300)]  # the 20-step median ends at ~2.1
-    steps = list(range(400))
-    assert analysis.blowup_step(steps, falling + [2.5] * 100) is None  # 1.19x the best median: not a blow-up
-    assert analysis.blowup_step(steps, falling + [3.5] * 100) == 300  # where the loss left its trend
-    spike = falling + [3.5] * 10 + [2.0] * 90  # ten steps up, then back: a spike, not a blow-up
-    assert analysis.blowup_step(steps, spike) is None
-    noisy = falling + [20.0 if i % 7 == 0 else 2.0 for i in range(100)]  # single bad batches: the median ignores them
-    assert analysis.blowup_step(steps, noisy) is None
-    assert analysis.blowup_step(steps, falling + [2.0] * 50 + [math.nan] + [2.0] * 49) == 350
-    assert analysis.blowup_step(steps, falling + [3.5] * 15 + [math.inf] + [2.0] * 84) == 300  # inside an excursion
-    tracker = analysis.BlowupTracker()
-    for s, loss in zip(steps, falling + [3.5] * 100):
-        tracker.update(s, loss)
-    assert (tracker.blowup, tracker.confirmed_at) == (300, 328)  # the median crosses at 309, 20 steps of it
-
-
-def _synthetic_run(run_dir: Path, *, drift_from: int, blowup_at: int, n_steps: int = 1000, interval: int = 10,
-                   heads: int = 2) -> None:
-    """A run folder written by hand: noise in e_t until ``drift_from``, then one sign; loss blows up at ``blowup_at``."""
-    run_dir.mkdir(parents=True)
-    rng = random.Random(0)
-    monitor = {"mode": "own_kernel"}
-    run = {"scenario": "synthetic", "seed": 0, "status": "completed", "recipe": {"interval": interval},
-           "arm": {"name": "drift", "monitor": monitor, "expect": "failure", "inject": 0.0},
-           "monitor_config": MonitorConfig(**monitor, interval=interval).to_dict()}
-    (run_dir / "run.json").write_text(json.dumps(run))
-    losses = [max(1.0, 3.0 - s / 200) if s < blowup_at else 4.0 for s in range(n_steps)]
-    with open(run_dir / "steps.csv", "w") as f:
-        f.write("step,loss,grad_norm,lr,time_s\n")
-        for s, loss in enumerate(losses):
-            f.write(f"{s},{loss},{0.5 + 0.01 * rng.random():.4f},0.001,{s * 0.01:.3f}\n")
-    with open(run_dir / "signals.jsonl", "w") as f:
-        for i, s in enumerate(range(0, n_steps, interval)):
-            e = [[(1.0 if s >= drift_from else rng.choice((-0.5, 0.5))) * 2 ** -10 for _ in range(heads)]]
-            f.write(json.dumps({"step": s, "index": i, "rows": [64], "low_precision": [True], "variant": ["plain"],
-                                "monitor_error": False, "alerts": [], "loss": losses[s], "grad_norm": 0.5, "e": e,
-                                "C": e, "z": e, "zw": e, "rm": [[0] * heads], "rm16": [[0] * heads],
-                                "max_logit": [[5.0] * heads], "sigma": [[1.0] * heads]}) + "\n")
-
-
-def test_lead_time_counts_from_the_first_alert_to_the_blowup(tmp_path):
-    _synthetic_run(tmp_path / "run", drift_from=300, blowup_at=800)
-    s = analysis.analyze_run(tmp_path / "run")
-    assert s["blowup_step"] == 800
-    first = s["flashwatch"]["delta_drift"]["first"]
-    # the drift z of a head crosses 4 a few monitored steps after e_t keeps one sign
-    assert 300 < first < 700
-    assert s["flashwatch"]["delta_drift"]["lead"] == 800 - first == analysis.lead_time(800, first)
-    assert s["flashwatch_mechanism_first"] == {"step": first, "rule": "delta_drift", "lead": 800 - first}
-    assert s["baselines"]["qk_clip"]["first"] is None  # max logit 5 < 100
-    assert s["extremes"]["drift_abs_z"]["max"] >= 4.0
-    # a higher threshold fires later: the replay follows MonitorConfig
-    later = analysis.analyze_run(tmp_path / "run", {"drift_threshold": 8.0})["flashwatch"]["delta_drift"]["first"]
-    assert later > first
-    cal = analysis.calibrate([tmp_path / "run"], sweeps=[("drift", "drift_threshold", (4.0, 100.0), ("delta_drift",))])
-    assert [r["blown_up_alerted_before"] for r in cal["sweeps"]["drift"]] == [1, 0]
-
-
-# --- baselines -----------------------------------------------------------------------------------------
-
-def test_baselines_fire_on_what_they_watch():
-    steps = list(range(100))
-    losses = [2.0] * 50 + [7.0] + [2.0] * 49  # 3.5x the running mean: a Lightning spike (rtol 2)
-    assert baselines.loss_spike(steps, losses) == [50]
-    assert baselines.loss_spike(steps, [2.0] * 50 + [5.9] + [2.0] * 49) == []  # < 3x the mean
-    assert baselines.loss_spike(steps, [2.0] * 50 + [math.nan] + [2.0] * 49) == [50]
-    rng = random.Random(0)
-    norms = [1.0 + 0.01 * rng.random() for _ in range(100)]
-    norms[60] = 3.0
-    assert 60 in baselines.zclip(steps, norms)
-    assert baselines.zclip(steps[:25], norms[:25]) == []  # warm-up only
-    assert baselines.qk_clip([0, 10, 20], [50.0, 100.0, 150.0]) == [20]  # strictly above tau
-
-
-# --- records -------------------------------------------------------------------------------------------
-
-def test_float32_values_round_trip_exactly():
-    vals = np.random.default_rng(0).standard_normal(2000).astype(np.float32) * np.float32(1e3)
-    vals = list(vals.astype(np.float64)) + [0.0, -0.0, 1e-40, 3.4e38, math.inf, -math.inf]
-    for v in vals:
-        text = f32_text(v)
-        back = read_f32(json.loads(text, parse_float=str))
-        assert back == v and math.copysign(1, back) == math.copysign(1, v)
-    assert math.isnan(read_f32(json.loads(f32_text(math.nan))))
-    assert read_f32(json.loads(f32_text(0.1), parse_float=str)) == 0.1  # not a float32: kept exactly
 
 
 # --- CLI -----------------------------------------------------------------------------------------------
@@ -293,8 +209,8 @@ def test_real_failure_without_cuda_says_so_and_exits_non_zero(tmp_path, capsys):
     assert "real-failure/sdpa_observe_lr1e-3/4" in out and "real-failure/sdpa_observe/" not in out
 
 
-def test_the_gentle_lr_arm_is_the_probe_at_lr_1e_3_observed_in_bf16():
-    from flashwatch.experiments.scenarios import REAL_FAILURE
+def test_the_gentle_lr_arm_is_the_real_failure_recipe_at_lr_1e_3_observed_in_bf16():
+    from research.experiments.scenarios import REAL_FAILURE
 
     arm = {a.name: a for a in REAL_FAILURE.arms}["sdpa_observe_lr1e-3"]
     assert (arm.lr, arm.precision, arm.monitor, arm.expect) == (1e-3, "bf16", {"mode": "observe"}, "healthy")
@@ -311,3 +227,29 @@ def test_help_is_a_manual(capsys):
     with pytest.raises(SystemExit):
         experiment_main(["early-warning", "--help"])
     assert "INJECTED" in capsys.readouterr().out
+
+
+def test_figures_command_says_what_was_wrong(tmp_path, capsys):
+    assert experiment_main(["figures", str(tmp_path / "nowhere"), "--out", str(tmp_path / "f")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_research_entry_points_run_from_the_repository_root():
+    """``python -m research.experiments`` and ``python -m research.lab`` from a checkout."""
+    for module, words in (("research.experiments", "real-failure"), ("research.lab", "--quick")):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert words in out.stdout
+    out = subprocess.run([sys.executable, "-m", "research.experiments", "list"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "injected_auto_fix" in out.stdout and "issue" not in out.stdout
+
+
+def test_flashwatch_never_imports_research():
+    """The product does not depend on the research harness (the reverse is the rule)."""
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "flashwatch").rglob("*.py")
+                 if "research" in "".join(line for line in p.read_text().splitlines()
+                                          if line.lstrip().startswith(("import ", "from ")))]
+    assert not offenders, offenders

@@ -1,0 +1,7 @@
+"""``python -m research.experiments``: see ``research.experiments.cli``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
