@@ -29,8 +29,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..config import MonitorConfig
-from ..detectors import Alert, LayerSignals, StepSignals, build_detectors
-from ..signals import DriftTracker, SigmaHistory, ratio_to_median
+from ..detectors import Alert, StepSignals, build_detectors
+from ..step_signals import LayerReading, SignalBuilder
 from .records import read_run, read_signals, read_steps
 
 __all__ = ["config_for", "config_from_dict", "load_records", "in_training_alerts", "build_signals", "replay"]
@@ -118,52 +118,43 @@ def in_training_alerts(run_dir: str | os.PathLike, records: list[dict] | None = 
     return [Alert.from_dict({**a, "value": float(a["value"]), "threshold": float(a["threshold"])}) for a in raw]
 
 
+# recorded per-head keys -> the chain readings they hold (absent in recordings made before the chain)
+_CHAIN_KEYS = {"push": "push", "push_true": "push_true", "align": "alignment", "coh": "coherence"}
+
+
+def _reading(rec: dict, layer: int) -> LayerReading:
+    """One layer's raw readings from a recorded line (``records.SignalsWriter``)."""
+    f64 = torch.float64
+    n = len(rec["e"][layer])
+
+    def heads(key: str) -> torch.Tensor:
+        return torch.tensor([math.nan if c is None else float(c) for c in rec[key][layer]], dtype=f64)
+
+    stats = {"rows": torch.full((n,), float(rec["rows"][layer]), dtype=f64),
+             "repeated_max_rows": heads("rm"), "repeated_max_rows_bf16": heads("rm16"),
+             "max_logit": heads("max_logit"), "delta_error": heads("e")}
+    chain = {name: heads(key) for key, name in _CHAIN_KEYS.items()} if all(k in rec for k in _CHAIN_KEYS) else None
+    variant = (rec.get("variant") or [None] * len(rec["e"]))[layer]
+    return LayerReading(stats=stats, sigma=heads("sigma"), chain=chain, low_precision=rec["low_precision"][layer],
+                        variant=variant)
+
+
 def build_signals(records: Iterable[dict], window: int) -> list[StepSignals]:
-    """``StepSignals`` per recorded monitored step, rebuilt as the Monitor builds them.
+    """``StepSignals`` per recorded monitored step, built by the Monitor's own builder
+    (``flashwatch.step_signals.SignalBuilder``) from the recorded readings.
 
     Steps where the Monitor failed (``monitor_error``) are left out: its detectors did not run there.
     """
     out: list[StepSignals] = []
-    drift: dict[int, DriftTracker] = {}
-    sigma_hist: dict[int, SigmaHistory] = {}
-    f64 = torch.float64
+    builder: SignalBuilder | None = None
     for rec in records:
         if rec.get("monitor_error"):
             continue
-        layers = []
-        for layer, e_row in enumerate(rec["e"]):
-            n = len(e_row)
-            rows = float(rec["rows"][layer])
-            seen = rows > 0
-            nan = torch.full((n,), math.nan, dtype=f64)
-            tracker = drift.setdefault(layer, DriftTracker(n, window))
-            hist = sigma_hist.setdefault(layer, SigmaHistory(n, window))
-            e = torch.tensor(e_row, dtype=f64)
-            if seen:
-                tracker.update(e)
-            sigma = torch.tensor(rec["sigma"][layer], dtype=f64)
-            hist.update(sigma)
-            rows_t = torch.full((n,), rows, dtype=f64)
-
-            def ratio(key: str) -> torch.Tensor:
-                if not seen:
-                    return nan.clone()
-                counts = torch.tensor([math.nan if c is None else float(c) for c in rec[key][layer]], dtype=f64)
-                return counts / rows_t
-
-            lp = rec["low_precision"][layer]
-            variant = (rec.get("variant") or [None] * len(rec["e"]))[layer]
-            layers.append(LayerSignals(
-                layer=layer, seen=seen, rows=rows_t,
-                repeated_max_ratio=ratio("rm"), repeated_max_ratio_bf16=ratio("rm16"),
-                max_logit=torch.tensor(rec["max_logit"][layer], dtype=f64) if seen else nan.clone(),
-                delta_error=e if seen else nan.clone(),
-                delta_cumulative=tracker.cumulative.clone(), drift_z=tracker.z, drift_window_z=tracker.window_z,
-                drift_count=tracker.count.clone(), wq_sigma=sigma.clone(), wq_growth=hist.growth,
-                wq_ratio=ratio_to_median(sigma), low_precision=True if lp is None else bool(lp), variant=variant))
-        out.append(StepSignals(step=int(rec["step"]), index=int(rec["index"]), loss=float(rec["loss"]),
-                               grad_norm=float(rec["grad_norm"]), layers=layers, loss_given=True,
-                               grad_norm_given=True))
+        if builder is None:
+            builder = SignalBuilder([len(row) for row in rec["e"]], window)
+        readings = [_reading(rec, layer) for layer in range(len(rec["e"]))]
+        out.append(builder.build(step=int(rec["step"]), index=int(rec["index"]), loss=float(rec["loss"]),
+                                 grad_norm=float(rec["grad_norm"]), readings=readings))
     return out
 
 

@@ -13,7 +13,10 @@ Files of a run folder:
   and ``variant`` (what the layer ran at that step); the step's ``loss``, ``grad_norm``, ``index``
   (monitored steps before this one), the ``alerts`` that started there, ``monitor_error`` (the
   Monitor failed inside this step: its readings are the previous step's), and ``aligned``
-  (true: the line holds the readings of the step it names). Lines without ``aligned`` come from
+  (true: the line holds the readings of the step it names). Per (layer, head) also the W^Q-error
+  chain's readings (``flashwatch.chain``): ``push`` and ``push_true`` (the error's and the true
+  gradient's push on sigma_max at this step), ``align`` and ``coh`` (alignment, coherence);
+  recordings made before the chain existed have none. Lines without ``aligned`` come from
   older recordings: on CUDA each held the readings of the monitored step *before* the one it
   names and no alerts (``playback.load_records`` corrects that; ``run.json`` has the alerts).
 
@@ -224,6 +227,10 @@ class SignalsWriter:
             f'"rm16":{counts("flashwatch_repeated_max_ratio_bf16")}',
             f'"max_logit":{grid(snap["flashwatch_max_logit"], f32_text)}',
             f'"sigma":{grid(snap["flashwatch_wq_spectral_norm"], f32_text)}',
+            f'"push":{grid(snap["flashwatch_wq_error_push"], f32_text)}',
+            f'"push_true":{grid(sig["wq_error_push_true"], f32_text)}',
+            f'"align":{grid(snap["flashwatch_wq_error_alignment"], f32_text)}',
+            f'"coh":{grid(snap["flashwatch_wq_error_coherence"], f32_text)}',
         ]
         self.f.write(text + "," + ",".join(parts) + "}\n")
         self.f.flush()
