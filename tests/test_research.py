@@ -253,3 +253,56 @@ def test_flashwatch_never_imports_research():
                  if "research" in "".join(line for line in p.read_text().splitlines()
                                           if line.lstrip().startswith(("import ", "from ")))]
     assert not offenders, offenders
+
+
+def _seed_split_spec(out: Path, **extra) -> dict:
+    from dataclasses import asdict
+
+    from research.experiments.scenarios import get_scenario
+
+    spec = make_plan([(get_scenario("seed-split"), ["sdpa_observe"])], [100], out, device="cpu", tiny=True,
+                     max_steps=40, max_seconds=600, resumable=True)[0]
+    return {**asdict(spec), **extra}
+
+
+def test_a_run_cut_into_pieces_resumes_exactly(tmp_path):
+    """Three checkpointed pieces record the same losses and monitored steps as one uninterrupted run."""
+    from research.experiments import worker
+
+    whole = _seed_split_spec(tmp_path / "whole")
+    assert worker.run(whole) == 0
+    pieces = _seed_split_spec(tmp_path / "pieces", piece_steps=17)
+    statuses = []
+    for _ in range(4):
+        assert worker.run(pieces) == 0
+        statuses.append(json.loads((Path(pieces["run_dir"]) / "run.json").read_text())["status"])
+        if statuses[-1] != "paused":
+            break
+    assert statuses == ["paused", "paused", "completed"]
+    a, b = Path(whole["run_dir"]), Path(pieces["run_dir"])
+    cols = lambda d: [line.split(",")[:3] for line in (d / "steps.csv").read_text().splitlines()]  # time_s differs
+    assert cols(a) == cols(b) and len(cols(a)) == 41
+    assert gzip.open(a / "signals.jsonl.gz").read() == gzip.open(b / "signals.jsonl.gz").read()
+    assert not (b / "checkpoint.pt").exists()
+    run = json.loads((b / "run.json").read_text())
+    assert len(run["pieces"]) == 2 and run["steps_done"] == 40
+    assert all(k in read_signals(b).__next__() for k in ("push", "push_true", "align", "coh"))
+
+
+def test_a_blow_up_is_run_past_by_after_blowup_steps(tmp_path, monkeypatch):
+    """With after_blowup the run goes on to confirmation + N steps; without, it stops at confirmation."""
+    from flashwatch.replay import blowup
+    from research.experiments import worker
+
+    class Early(blowup.BlowupTracker):  # confirms a blow-up at step 9 whatever the loss does
+        def update(self, step, loss):
+            if step >= 9 and self.blowup is None:
+                self.blowup, self.confirmed_at = 5, 9
+            return self.blowup
+
+    monkeypatch.setattr(blowup, "BlowupTracker", Early)
+    for after, expected in ((0, 10), (12, 22)):
+        spec = _seed_split_spec(tmp_path / f"after{after}", after_blowup=after, flush_every=1)
+        assert worker.run(spec) == 0
+        run = json.loads((Path(spec["run_dir"]) / "run.json").read_text())
+        assert (run["status"], run["blowup_step"], run["steps_done"]) == ("blown_up", 5, expected)

@@ -119,9 +119,11 @@ def read_run(run_dir: str | os.PathLike) -> dict:
 class StepsWriter:
     """``steps.csv``: one line per optimizer step, written and flushed in batches."""
 
-    def __init__(self, run_dir: str | os.PathLike):
-        self.f = open(Path(run_dir) / STEPS_FILE, "w")
-        self.f.write("step,loss,grad_norm,lr,time_s\n")
+    def __init__(self, run_dir: str | os.PathLike, append: bool = False):
+        path = Path(run_dir) / STEPS_FILE
+        self.f = open(path, "a" if append and path.exists() else "w")
+        if self.f.tell() == 0:
+            self.f.write("step,loss,grad_norm,lr,time_s\n")
 
     def write(self, rows) -> None:
         """rows: (step, loss, grad_norm, lr, time_s) tuples; loss and grad_norm float32 values."""
@@ -167,12 +169,13 @@ class SignalsWriter:
     Args:
         run_dir: the run folder.
         layout: heads per layer (``[layer.num_heads for layer in monitor.layers]``).
+        append: continue an uncompressed file (a run resumed from a checkpoint).
     """
 
-    def __init__(self, run_dir: str | os.PathLike, layout: list[int]):
+    def __init__(self, run_dir: str | os.PathLike, layout: list[int], append: bool = False):
         self.path = Path(run_dir) / SIGNALS_FILE
         self.layout = list(layout)
-        self.f = open(self.path, "w")
+        self.f = open(self.path, "a" if append else "w")
 
     def write(self, step: int, index: int, monitor, alerts, monitor_error: bool, variants: list | None = None,
               low_precision: list | None = None) -> None:

@@ -4,6 +4,7 @@ Commands (from the repository root)
   python -m research.experiments early-warning   the INJECTED-fault scenario (CPU) and the
                                                  real-numerics scenario (CUDA; skipped without it)
   python -m research.experiments real-failure    the real BF16 failure (CUDA only), six arms
+  python -m research.experiments seed-split      one configuration where seeds split (CUDA only)
   python -m research.experiments list            scenarios, arms, defaults
   python -m research.experiments figures PATH    one PNG per arm from recorded runs
 
@@ -122,6 +123,10 @@ def _add_run_options(p: argparse.ArgumentParser, default_json: str) -> None:
     g.add_argument("--devices", default=None, metavar="0,1",
                    help="GPU indices for CUDA runs (default: every visible GPU)")
     g.add_argument("--budget", type=float, metavar="S", help="overall wall-clock budget in seconds (see above)")
+    g.add_argument("--resumable", action="store_true",
+                   help="checkpoint runs stopped by a bound; run the same command again to continue them")
+    g.add_argument("--after-blowup", type=int, default=0, metavar="N",
+                   help="keep training N steps past a confirmed blow-up (default 0: stop there)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="runs/experiments", metavar="DIR",
                    help="run folders go to DIR/SCENARIO/ARM/seedN (default runs/experiments)")
@@ -169,6 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(--device cpu --tiny runs the same code path on a tiny model).")
     _add_run_options(p, "results/real-failure.json")
     p.set_defaults(func=_cmd_run, command_name="real-failure", scenario="real-failure")
+
+    p = sub.add_parser("seed-split", help="one configuration where seeds split (CUDA): the pre-registered test",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="The seed-split configuration. Arms marked * run by default.\n\n"
+                                   + scen_doc("seed-split") +
+                                   "\n\nLong runs: --resumable saves a checkpoint when a run is stopped by "
+                                   "--max-seconds or --budget, and the same command again continues every "
+                                   "unfinished run (finished ones are skipped); --after-blowup N keeps training N "
+                                   "steps past a confirmed blow-up.")
+    _add_run_options(p, "results/seed-split.json")
+    p.set_defaults(func=_cmd_run, command_name="seed-split", scenario="seed-split")
 
     p = sub.add_parser("figures", help="one PNG per (scenario, arm) from recorded runs, and an overview per scenario",
                        description="Figures from recorded runs (matplotlib; no training). PATH: a run folder, a "
@@ -266,7 +282,8 @@ def _cmd_run(args) -> int:
     json_path = Path(args.json)
     plan = make_plan(chosen, args.seeds, out, device=args.device, tiny=args.tiny, max_steps=args.max_steps,
                      max_seconds=args.max_seconds, inject=args.inject,
-                     monitor_overrides=parse_overrides(args.monitor_set, "--monitor-set"))
+                     monitor_overrides=parse_overrides(args.monitor_set, "--monitor-set"),
+                     resumable=args.resumable, after_blowup=args.after_blowup)
     devices = _cuda_devices(args.devices) if any(s.device == "cuda" for s in plan) else []
     if args.parallel < 1:
         print(f"{PROG}: --parallel must be >= 1", file=sys.stderr)

@@ -33,11 +33,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from flashwatch.replay.records import RUN_FILE
+from flashwatch.replay.records import RUN_FILE, read_run
 from flashwatch.replay.results import load_results, merge_results
 from flashwatch.replay.runs import analyze_run, run_key
 
 from .scenarios import Scenario
+from .worker import CHECKPOINT_FILE
 
 __all__ = ["RunSpec", "make_plan", "run_plan", "estimate", "GRACE_S", "STARTUP_S"]
 
@@ -70,6 +71,8 @@ class RunSpec:
     threads: int | None = None
     flush_every: int = 50
     monitor_overrides: dict = field(default_factory=dict)
+    checkpoint: bool = False  # save a checkpoint when stopped by a bound; a later plan with it resumes
+    after_blowup: int = 0  # steps to keep training past a confirmed blow-up
 
     @property
     def key(self) -> str:
@@ -78,7 +81,8 @@ class RunSpec:
 
 def make_plan(scenarios: list[tuple[Scenario, list]], seeds: list[int] | None, out: Path, *, device: str | None,
               tiny: bool, max_steps: int | None, max_seconds: float | None,
-              monitor_overrides: dict | None = None, inject: float | None = None) -> list[RunSpec]:
+              monitor_overrides: dict | None = None, inject: float | None = None, resumable: bool = False,
+              after_blowup: int = 0) -> list[RunSpec]:
     """Runs for each (scenario, arms) x seed, seeds interleaved (seed 0 of every arm first).
 
     An arm is a name (run with ``seeds``, or the scenario's seeds) or a (name, seeds) pair.
@@ -104,7 +108,8 @@ def make_plan(scenarios: list[tuple[Scenario, list]], seeds: list[int] | None, o
         plan.append(RunSpec(scenario=scenario.name, arm=arm.to_dict(), recipe=recipe.to_dict(), seed=seed,
                             run_dir=str(out / scenario.name / name / f"seed{seed}"), device=device or scenario.device,
                             max_steps=steps, max_seconds=max_seconds if max_seconds is not None else scenario.max_seconds,
-                            label=arm.label, tiny=tiny, monitor_overrides=dict(monitor_overrides or {})))
+                            label=arm.label, tiny=tiny, monitor_overrides=dict(monitor_overrides or {}),
+                            checkpoint=resumable, after_blowup=after_blowup))
     return plan
 
 
@@ -248,6 +253,11 @@ def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_p
                 if left < spec.max_seconds:
                     spec.max_seconds = round(left, 1)
             queue.pop(0)
+            run_dir = Path(spec.run_dir)
+            resuming = spec.checkpoint and (run_dir / CHECKPOINT_FILE).exists()
+            if spec.checkpoint and not resuming and _finished(run_dir):
+                echo(f"[{time.monotonic() - t0:6.0f}s] skip  {spec.key}: finished earlier")
+                continue
             env = dict(os.environ)
             env["PYTHONUNBUFFERED"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPOSITORY), env.get("PYTHONPATH")) if p)
@@ -265,12 +275,12 @@ def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_p
                 # and on a shared or oversubscribed CPU OpenMP threads spin (measured 10x slower)
                 spec.threads = spec.threads or 1
                 env["OMP_NUM_THREADS"] = str(spec.threads)
-            run_dir = Path(spec.run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / RUN_FILE).unlink(missing_ok=True)
+            if not resuming:
+                (run_dir / RUN_FILE).unlink(missing_ok=True)
             with open(run_dir / "spec.json", "w") as f:
                 json.dump({**asdict(spec), "parallel": parallel}, f, indent=1)
-            log = open(run_dir / "worker.log", "w")
+            log = open(run_dir / "worker.log", "a" if resuming else "w")
             try:
                 # same session as the runner: if the runner is killed outright, whoever kills its session
                 # (a terminal, a job runner) takes the workers with it
@@ -305,6 +315,14 @@ def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_p
                  f"{'' if summary.get('blowup_step') is None else ', blow-up at ' + str(summary['blowup_step'])}"
                  f"{'' if not summary.get('error') else ' ERROR ' + str(summary['error'])[:200]}")
     return results
+
+
+def _finished(run_dir: Path) -> bool:
+    """Whether a resumable run already ended (completed or blown up; not paused, not failed)."""
+    try:
+        return read_run(run_dir).get("status") in ("completed", "blown_up")
+    except (OSError, ValueError):
+        return False
 
 
 def _terminate(proc: subprocess.Popen) -> None:

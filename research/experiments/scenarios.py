@@ -247,7 +247,29 @@ REAL_NUMERICS = Scenario(
     default_arms=("paper", "plain_fast", "fp32_fast"),
 )
 
-SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERICS, REAL_FAILURE)}
+# --- seed split (CUDA): one configuration where runs differ only by seed -----------------------------
+
+SPLIT_LR = 2e-3  # earlier runs of this recipe at 2e-3: 5 of 7 seeds blew up (4,500-8,200 steps), 2 survived
+
+SEED_SPLIT = Scenario(
+    name="seed-split", device="cuda",
+    summary=f"the real-failure recipe at lr {SPLIT_LR:g}, where seeds split between blow-up and survival",
+    recipe=replace(_REAL_FAILURE_RECIPE, lr=SPLIT_LR), tiny=TINY, max_steps=10_000, max_seconds=540.0,
+    seeds=tuple(range(100, 112)),
+    arms=(
+        Arm("sdpa_observe", "BF16 autocast, torch SDPA (FA2), Monitor in observe mode with its defaults", "failure",
+            monitor={"mode": "observe"},
+            note="the configuration of the pre-registered test (research/preregistration/): some seeds blow up, "
+                 "others do not"),
+        Arm("fp32", "FP32 control (no autocast, TF32 off), SDPA observed", "healthy", precision="fp32",
+            monitor={"mode": "observe"}),
+        Arm("fp32_delta", "BF16, flashwatch kernel 'fp32_delta' in every layer", "healthy",
+            monitor=_own("fp32_delta")),
+    ),
+    default_arms=("sdpa_observe",),
+)
+
+SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERICS, REAL_FAILURE, SEED_SPLIT)}
 
 
 def get_scenario(name: str) -> Scenario:

@@ -49,6 +49,7 @@ from pathlib import Path
 __all__ = ["main", "run"]
 
 FLUSH_EVERY = 50
+CHECKPOINT_FILE = "checkpoint.pt"  # a paused run's state (spec "checkpoint": true), removed when it ends
 
 
 def _versions() -> dict:
@@ -158,18 +159,25 @@ def run(spec: dict) -> int:
 
     from flashwatch import Monitor, MonitorConfig
     from flashwatch.replay.blowup import BlowupTracker
-    from flashwatch.replay.records import RUN_FILE, SignalsWriter, StepsWriter, write_json_atomic
+    from flashwatch.replay.records import RUN_FILE, SignalsWriter, StepsWriter, read_run, write_json_atomic
     from flashwatch.tinygpt import stdlib_corpus
 
     from .model import ExperimentGPT
 
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("steps.csv", "signals.jsonl", "signals.jsonl.gz"):
-        (run_dir / stale).unlink(missing_ok=True)
+    ckpt_path = run_dir / CHECKPOINT_FILE
+    resume = bool(spec.get("checkpoint")) and ckpt_path.exists()
+    if not resume:
+        for stale in ("steps.csv", "signals.jsonl", "signals.jsonl.gz", CHECKPOINT_FILE):
+            (run_dir / stale).unlink(missing_ok=True)
     recipe, arm = spec["recipe"], spec["arm"]
     info = {**spec, "status": "starting", "pid": os.getpid(), "started": time.time(), "versions": _versions(),
             "label": spec.get("label", arm["name"])}
+    if resume:
+        earlier = read_run(run_dir)
+        info["pieces"] = earlier.get("pieces", []) + [{k: earlier.get(k) for k in ("started", "steps_done", "wall_s",
+                                                                                    "versions", "device_name")}]
     write_json_atomic(run_dir / RUN_FILE, info)
 
     device = spec["device"]
@@ -214,20 +222,32 @@ def run(spec: dict) -> int:
         info["layers"] = [{"name": l.name, "heads": l.num_heads} for l in layers]
         opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=(recipe["beta1"], recipe["beta2"]),
                                 weight_decay=recipe["weight_decay"], **({"fused": True} if device == "cuda" else {}))
-        steps_w = StepsWriter(run_dir)
-        signals_w = SignalsWriter(run_dir, [l.num_heads for l in layers])
+        steps_w = StepsWriter(run_dir, append=resume)
+        signals_w = SignalsWriter(run_dir, [l.num_heads for l in layers], append=resume)
         tracker = BlowupTracker()
         gen = torch.Generator().manual_seed(seed)
+        first_step, elapsed_before = 0, 0.0
+        if resume:  # continue exactly where the last piece stopped
+            ckpt = torch.load(ckpt_path, map_location=dev, weights_only=False)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+            monitor.load_state_dict(ckpt["monitor"])
+            gen.set_state(ckpt["generator"])
+            tracker.__dict__.update(ckpt["tracker"])
+            first_step, elapsed_before = int(ckpt["step"]), float(ckpt["elapsed_s"])
         T, B = int(recipe["block_size"]), int(recipe["batch_size"])
         offsets = torch.arange(T + 1, device=dev)
         autocast = arm["precision"] == "bf16"
         max_steps, max_seconds = int(spec["max_steps"]), float(spec["max_seconds"])
+        after_blowup = int(spec.get("after_blowup", 0))  # steps to keep training past a confirmed blow-up
+        piece_steps = int(spec.get("piece_steps") or 0)  # stop this piece after so many steps (tests; 0: no bound)
         flush_every = int(spec.get("flush_every", FLUSH_EVERY))
         pending: list = []  # (step, loss tensor, grad-norm tensor, lr, time)
         info["status"] = "running"
         write_json_atomic(run_dir / RUN_FILE, info)
         status = "completed"
-        t0 = time.monotonic()
+        paused_from = None
+        t0 = time.monotonic() - elapsed_before
 
         waiting: deque = deque()  # monitored steps not decided yet: (step, variants, low_precision, errors before)
 
@@ -252,7 +272,12 @@ def run(spec: dict) -> int:
                     return True
             return False
 
-        for step in range(max_steps):
+        step = first_step
+        end = max_steps
+        for step in range(first_step, 10**9):
+            if step >= end:
+                step -= 1
+                break
             lr = recipe["lr"] * min(1.0, (step + 1) / max(1, recipe["warmup_steps"]))
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -272,21 +297,34 @@ def run(spec: dict) -> int:
             alerts = monitor.step(loss=loss.detach(), grad_norm=grad_norm)
             record_decided(decided, alerts)
             pending.append((step, loss.detach(), grad_norm.detach(), lr, time.monotonic() - t0))
-            last = step == max_steps - 1
+            last = step == end - 1
             if len(pending) >= flush_every or last:
-                if flush():
+                if flush() and status != "blown_up":
                     status = "blown_up"
-                    break
-            if stop.signal is not None:
-                status = "killed"
-                break
-            if time.monotonic() - t_start > max_seconds:
-                status = "time_limit"
+                    # run past it to confirm it is sustained: to confirmation + after_blowup (or stop now)
+                    end = max(step + 1, tracker.confirmed_at + after_blowup + 1) if after_blowup else step + 1
+                    if step + 1 >= end:
+                        break
+            piece_over = piece_steps and step + 1 - first_step >= piece_steps
+            if stop.signal is not None or time.monotonic() - t_start > max_seconds or piece_over:
+                if status != "blown_up" or step + 1 < end:
+                    paused_from = status
+                    status = "killed" if stop.signal is not None else "time_limit"
                 break
         decided = monitor.monitored_steps
         record_decided(decided, monitor.flush())  # the last monitored step, if still on its way
-        if flush() and status != "blown_up":
+        if flush() and status not in ("blown_up", "killed", "time_limit"):
             status = "blown_up"
+        if status in ("killed", "time_limit") and spec.get("checkpoint"):
+            # a piece of a longer run: save everything the next piece needs, then say "paused"
+            torch.save({"step": step + 1, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "monitor": monitor.state_dict(), "generator": gen.get_state(),
+                        "tracker": dict(tracker.__dict__), "elapsed_s": time.monotonic() - t0,
+                        "status_before": paused_from}, ckpt_path.with_suffix(".tmp"))
+            os.replace(ckpt_path.with_suffix(".tmp"), ckpt_path)
+            status = "paused"
+        elif spec.get("checkpoint"):
+            ckpt_path.unlink(missing_ok=True)
         wall = time.monotonic() - t0
         info.update(status=status, steps_done=step + 1, wall_s=round(wall, 2),
                     total_s=round(time.monotonic() - t_start, 2),
@@ -306,7 +344,10 @@ def run(spec: dict) -> int:
         for closer in (steps_w, signals_w):
             if closer is not None:
                 try:
-                    closer.close()
+                    if closer is signals_w:
+                        closer.close(compress=info.get("status") != "paused")
+                    else:
+                        closer.close()
                 except Exception:
                     traceback.print_exc()
         if monitor is not None:
