@@ -255,7 +255,7 @@ SEED_SPLIT = Scenario(
     name="seed-split", device="cuda",
     summary=f"the real-failure recipe at lr {SPLIT_LR:g}, where seeds split between blow-up and survival",
     recipe=replace(_REAL_FAILURE_RECIPE, lr=SPLIT_LR), tiny=TINY, max_steps=10_000, max_seconds=540.0,
-    seeds=tuple(range(100, 112)),
+    seeds=tuple(range(100, 108)),  # the calibration seeds of the pre-registered test
     arms=(
         Arm("sdpa_observe", "BF16 autocast, torch SDPA (FA2), Monitor in observe mode with its defaults", "failure",
             monitor={"mode": "observe"},
