@@ -21,6 +21,10 @@
 #                                  # GPU 1: FP32 control seeds 2-3 to 5,000 steps (the GPU-0 half
 #                                  # ran alone as batch 6; the FP32 half has not run)
 #
+#   bash research/gpu_batch.sh split-cal       # the seed-split calibration runs, one piece per call
+#   bash research/gpu_batch.sh split-test      # the seed-split test runs (SPLIT_SEEDS=200-223)
+#   bash research/gpu_batch.sh split-controls  # fp32 and fp32_delta at the seed-split lr, seeds 200-203
+#
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
 # because only files at most two folders down come back. Render figures and re-analyse on your own
@@ -36,6 +40,24 @@ fw() { python3 -m research.experiments "$@"; }
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 case "${1:-1}" in
+split-cal|split-test|split-controls)
+  # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
+  # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
+  # survive between calls on one device machine; the same command again continues them
+  SPLIT_RUNS=${SPLIT_RUNS:-/tmp/fw-seed-split}
+  case "$1" in
+    split-cal) what=(--seeds 100-107); tag=calibration ;;
+    split-test) what=(--seeds ${SPLIT_SEEDS:-200-223}); tag=test ;;
+    split-controls) what=(--arms fp32,fp32_delta --seeds 200-203); tag=controls ;;
+  esac
+  fw seed-split "${what[@]}" --parallel ${SPLIT_PARALLEL:-8} --resumable --after-blowup 1000 \
+     --max-seconds ${SPLIT_SECONDS:-480} --budget $(( ${SPLIT_SECONDS:-480} + 60 )) --out "$SPLIT_RUNS/$tag" \
+     --json "$SPLIT_RUNS/seed-split-$tag.json" 2>&1 | tee "$OUT/seed-split-$tag.log" | grep -v "^  \|Warning"
+  cp "$SPLIT_RUNS/seed-split-$tag.json" "$OUT/"
+  # the recordings without checkpoints (what the claims need), every call, so nothing is lost
+  tar czf "$OUT/seed-split-$tag-runs.tgz" --exclude=checkpoint.pt -C "$SPLIT_RUNS" "$tag"
+  ls -la "$OUT"
+  ;;
 1)
   # every arm's code path on CUDA in ~1 minute: stop here if anything fails
   fw real-failure --tiny --seeds 0 --max-steps 20 --parallel 6 --devices 0,1 --budget 110 \

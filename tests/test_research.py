@@ -306,3 +306,28 @@ def test_a_blow_up_is_run_past_by_after_blowup_steps(tmp_path, monkeypatch):
         assert worker.run(spec) == 0
         run = json.loads((Path(spec["run_dir"]) / "run.json").read_text())
         assert (run["status"], run["blowup_step"], run["steps_done"]) == ("blown_up", 5, expected)
+
+
+def test_the_preregistered_analysis_runs_end_to_end(tmp_path, monkeypatch):
+    """calibrate -> thresholds -> test on tiny CPU runs: every rule and baseline gets a row, the
+    outcome definitions hold, a survivor's peak sets the threshold."""
+    from research import early_warning as ew
+    from research.experiments import worker
+
+    dirs = []
+    for seed in (100, 101):
+        spec = _seed_split_spec(tmp_path / f"s{seed}")
+        spec.update(seed=seed, run_dir=str(tmp_path / f"s{seed}" / "run"), max_steps=60)
+        assert worker.run(spec) == 0
+        dirs.append(Path(spec["run_dir"]))
+    monkeypatch.setattr(ew, "START_STEP", 0)
+    frozen = ew.calibrate(dirs[:1])
+    assert frozen["threshold_source"] == "calibration survivors" and frozen["thresholds"]["chain"] == 1.0
+    peak = ew._score_upto(ew.scores(dirs[0])["max_logit"], None)
+    assert frozen["thresholds"]["max_logit"] == pytest.approx(peak + 0.05 * abs(peak))
+    result = ew.evaluate(dirs, frozen)
+    assert set(result["table"]) == set(ew.RULES) | set(ew.BASELINES)
+    assert result["table"]["max_logit"]["survivors"] == 2 and result["table"]["max_logit"]["blowups"] == 0
+    # the calibration run's own peak is below its threshold: no false alarm there
+    assert result["runs"][str(dirs[0])]["first_fire"]["max_logit"] is None
+    assert "| `max_logit` |" in ew.markdown(result)

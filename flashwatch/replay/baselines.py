@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["BASELINES", "loss_spike", "zclip", "qk_clip", "run_baselines"]
+__all__ = ["BASELINES", "loss_spike", "zclip", "zclip_scores", "qk_clip", "run_baselines"]
 
 BASELINES = ("loss_spike", "zclip", "qk_clip")
 
@@ -58,15 +58,16 @@ def loss_spike(steps: Sequence[int], losses: Sequence[float], *, window: int = 1
     return out
 
 
-def zclip(steps: Sequence[int], grad_norms: Sequence[float], *, alpha: float = 0.97, z_thresh: float = 2.5,
-          warmup: int = 25, eps: float = 1e-6) -> list[int]:
-    """Steps at which ZClip's z-score of the gradient norm exceeds ``z_thresh`` (a non-finite norm fires too)."""
-    out: list[int] = []
+def zclip_scores(steps: Sequence[int], grad_norms: Sequence[float], *, alpha: float = 0.97, z_thresh: float = 2.5,
+                 warmup: int = 25, eps: float = 1e-6) -> list[tuple[int, float]]:
+    """ZClip's z-score of the gradient norm at every step after its warm-up: [(step, z)] (inf for a
+    non-finite norm). ``z_thresh`` is where ZClip clips a spike's norm before it enters the EMA."""
+    out: list[tuple[int, float]] = []
     buf: list[float] = []
     mu = var = None
     for step, g in zip(steps, grad_norms):
         if not math.isfinite(g):
-            out.append(int(step))
+            out.append((int(step), math.inf))
             continue
         if mu is None:
             buf.append(g)
@@ -76,12 +77,19 @@ def zclip(steps: Sequence[int], grad_norms: Sequence[float], *, alpha: float = 0
             continue
         sd = math.sqrt(var)
         z = (g - mu) / (sd + eps)
+        out.append((int(step), z))
         if z > z_thresh:
-            out.append(int(step))
             g = mu + z_thresh * sd
         mu = alpha * mu + (1 - alpha) * g
         var = alpha * var + (1 - alpha) * (g - mu) ** 2
     return out
+
+
+def zclip(steps: Sequence[int], grad_norms: Sequence[float], *, alpha: float = 0.97, z_thresh: float = 2.5,
+          warmup: int = 25, eps: float = 1e-6) -> list[int]:
+    """Steps at which ZClip's z-score of the gradient norm exceeds ``z_thresh`` (a non-finite norm fires too)."""
+    return [s for s, z in zclip_scores(steps, grad_norms, alpha=alpha, z_thresh=z_thresh, warmup=warmup, eps=eps)
+            if z > z_thresh]
 
 
 def qk_clip(steps: Sequence[int], max_logits: Sequence[float], *, tau: float = 100.0) -> list[int]:

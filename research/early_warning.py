@@ -1,0 +1,284 @@
+"""The pre-registered test of the early warning (research/preregistration/early-warning-protocol.md).
+
+    python -m research.early_warning calibrate RUNS... --out THRESHOLDS.json [--controls RUNS...]
+    python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md]
+
+RUNS: run folders of the seed-split scenario, or folders holding them. Everything here follows
+the protocol: outcomes (blow-up, confirmed, survivor), each rule's per-run score series (the
+Monitor's readings replayed through ``flashwatch.step_signals.SignalBuilder``), thresholds
+from calibration survivors (theta = M + 0.05 |M|), firing from step ``START_STEP`` on,
+detections, leads and false alarms on the test runs, the pass criteria, and, labelled as
+computed after, a table over thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashwatch.replay.baselines import loss_spike, zclip_scores
+from flashwatch.replay.blowup import BlowupTracker
+from flashwatch.replay.playback import build_signals, load_records
+from flashwatch.replay.records import read_run, read_steps
+from flashwatch.replay.runs import find_runs
+
+__all__ = ["RULES", "BASELINES", "START_STEP", "outcome", "scores", "calibrate", "evaluate"]
+
+START_STEP = 500  # rules and baselines fire from here on (past the learning-rate warm-up)
+WINDOW = 50  # MonitorConfig.window: the trends' and the coherence's window
+MARGIN = 0.05  # theta = M + MARGIN * |M|
+MIN_LEAD = 1000  # pass: lead >= this ...
+MIN_DETECTED = 0.8  # ... in at least this share of the blow-ups ...
+MAX_FALSE_ALARM = 1 / 7  # ... and false alarms in at most this share of the survivors
+CONFIRM_TAIL = 200  # recorded steps whose median confirms a blow-up (>= 1.25 x the best median before it)
+CONFIRM_FACTOR = 1.25
+DRIFT_Z = 4.5  # the chain rule's drift condition (MonitorConfig.drift_threshold)
+
+RULES = ("max_logit", "max_logit_growth_rate", "repeated_max_rise", "repeated_max_bf16_trend", "delta_drift",
+         "wq_growth", "wq_sigma_growth_rate", "wq_error_coherence", "wq_error_alignment", "wq_error_push_share",
+         "chain")
+BASELINES = ("qk_clip_100", "zclip_2.5", "zclip_calibrated", "loss_spike")
+
+
+# --- outcome --------------------------------------------------------------------------------------
+
+def outcome(run_dir: Path) -> dict:
+    """Blow-up step, whether it is confirmed as sustained, and the run's length (the protocol's definitions)."""
+    steps = read_steps(run_dir)
+    s, losses = steps["step"].tolist(), steps["loss"].tolist()
+    tracker = BlowupTracker()
+    for step, loss in zip(s, losses):
+        if tracker.update(int(step), float(loss)) is not None:
+            break
+    b = tracker.blowup
+    best_before = tracker.best  # the lowest running median before the blow-up's streak
+    tail = losses[-CONFIRM_TAIL:]
+    tail_median = statistics.median(tail) if tail else math.nan
+    confirmed = b is not None and (not math.isfinite(tail_median) or tail_median >= CONFIRM_FACTOR * best_before)
+    return {"blowup": b, "confirmed": bool(confirmed), "survivor": b is None, "last_step": int(s[-1]) if s else None,
+            "steps_after_blowup": (int(s[-1]) - b) if (b is not None and s) else None,
+            "tail_median_loss": tail_median, "best_median_before": best_before}
+
+
+# --- score series ---------------------------------------------------------------------------------
+
+def _max(t: torch.Tensor | None) -> float:
+    if t is None:
+        return math.nan
+    finite = t[torch.isfinite(t)]
+    return float(finite.max()) if finite.numel() else math.nan
+
+
+def scores(run_dir: Path, theta_coherence: float | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Every rule's and baseline's score at each monitored (rules, QK-Clip) or optimizer (ZClip) step.
+
+    Scores are maxima over layers and heads. ``chain`` needs ``theta_coherence`` (else it is left out).
+    """
+    steps = read_steps(run_dir)
+    records = load_records(run_dir, steps)
+    signals = build_signals(records, WINDOW)
+    out: dict[str, list[tuple[int, float]]] = {r: [] for r in RULES}
+    baseline_rm: dict[int, torch.Tensor] = {}
+    rm_hist: dict[int, list[torch.Tensor]] = {}
+    align_hist: dict[int, list[torch.Tensor]] = {}
+    for sig in signals:
+        t = sig.step
+        per = {r: [] for r in RULES}
+        for ls in sig.layers:
+            i = ls.layer
+            per["max_logit"].append(_max(ls.max_logit))
+            per["max_logit_growth_rate"].append(_max(ls.max_logit_growth))
+            # BF16 repeated-max ratio over its baseline: mean over monitored steps 20-39
+            if 20 <= sig.index < 40:
+                rm_hist.setdefault(i, []).append(ls.repeated_max_ratio_bf16)
+            if sig.index >= 40 and i not in baseline_rm and rm_hist.get(i):
+                baseline_rm[i] = torch.stack(rm_hist[i]).nanmean(0)
+            per["repeated_max_rise"].append(_max(ls.repeated_max_ratio_bf16 - baseline_rm[i]) if i in baseline_rm
+                                            else math.nan)
+            per["repeated_max_bf16_trend"].append(_max(ls.repeated_max_bf16_trend))
+            per["delta_drift"].append(_max(ls.drift_z.abs()))
+            per["wq_growth"].append(_max(ls.wq_growth) if sig.index >= 20 + WINDOW else math.nan)
+            per["wq_sigma_growth_rate"].append(_max(ls.wq_sigma_growth_rate))
+            per["wq_error_coherence"].append(_max(ls.wq_error_coherence))
+            hist = align_hist.setdefault(i, [])
+            if ls.wq_error_alignment is not None:
+                hist.append(ls.wq_error_alignment)
+                del hist[:-10]
+            per["wq_error_alignment"].append(_max(torch.stack(hist).nanmean(0)) if len(hist) == 10 else math.nan)
+            per["wq_error_push_share"].append(_max(ls.wq_error_push_share))
+            if theta_coherence is not None and ls.wq_error_coherence is not None:
+                both = torch.minimum(ls.wq_error_coherence / theta_coherence, ls.drift_z.abs() / DRIFT_Z)
+                per["chain"].append(_max(both))
+        for r in RULES:
+            vals = [v for v in per[r] if math.isfinite(v)]
+            if vals:
+                out[r].append((t, max(vals)))
+    if theta_coherence is None:
+        del out["chain"]
+    out["qk_clip"] = list(out["max_logit"])
+    out["zclip"] = zclip_scores(steps["step"].tolist(), steps["grad_norm"].tolist())
+    spikes = loss_spike(steps["step"].tolist(), steps["loss"].tolist())
+    out["loss_spike"] = [(s, 1.0) for s in spikes]
+    return out
+
+
+def first_fire(series: list[tuple[int, float]], theta: float) -> int | None:
+    """The first step >= START_STEP whose score reaches ``theta``."""
+    return next((s for s, v in series if s >= START_STEP and v >= theta), None)
+
+
+def _score_upto(series: list[tuple[int, float]], upto: int | None) -> float:
+    """The largest score from START_STEP on (up to ``upto``, excluded, if given)."""
+    vals = [v for s, v in series if s >= START_STEP and (upto is None or s < upto) and math.isfinite(v)]
+    return max(vals, default=-math.inf)
+
+
+# --- the protocol ---------------------------------------------------------------------------------
+
+def _runs(paths: list[str]) -> list[Path]:
+    out: list[Path] = []
+    for p in paths:
+        out.extend(find_runs(p))
+    return sorted(set(out))
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def _theta(m: float) -> float:
+    return m + MARGIN * abs(m)
+
+
+def calibrate(run_dirs: list[Path], control_dirs: list[Path] = ()) -> dict:
+    """Thresholds from the calibration survivors (controls stand in when there is none)."""
+    runs = {str(d): outcome(d) for d in run_dirs}
+    survivors = [Path(d) for d, o in runs.items() if o["survivor"]]
+    source = "calibration survivors"
+    if not survivors:
+        survivors, source = list(control_dirs), "controls (no calibration survivor)"
+    if not survivors:
+        raise SystemExit("no calibration survivor and no control run: the thresholds cannot be set")
+    series = {str(d): scores(d) for d in survivors}
+    theta = {}
+    for r in [r for r in RULES if r != "chain"] + ["zclip"]:
+        m = max(_score_upto(series[str(d)][r], None) for d in survivors)
+        theta[r] = _theta(m) if math.isfinite(m) else math.inf
+    theta["chain"] = 1.0
+    return {"protocol": "research/preregistration/early-warning-protocol.md", "computed": time.strftime("%Y-%m-%d"),
+            "commit": _commit(), "threshold_source": source, "margin": MARGIN, "start_step": START_STEP,
+            "thresholds": theta, "calibration_runs": runs, "survivors_used": [str(d) for d in survivors]}
+
+
+def evaluate(run_dirs: list[Path], frozen: dict) -> dict:
+    """The test: per rule and baseline, detections and leads on confirmed blow-ups, false alarms on survivors."""
+    theta = dict(frozen["thresholds"])
+    rules_theta = {**{r: theta[r] for r in RULES}, "qk_clip_100": 100.0, "zclip_2.5": 2.5,
+                   "zclip_calibrated": theta["zclip"], "loss_spike": 1.0}
+    source = {**{r: r for r in RULES}, "qk_clip_100": "qk_clip", "zclip_2.5": "zclip",
+              "zclip_calibrated": "zclip", "loss_spike": "loss_spike"}
+    per_run, excluded = {}, []
+    for d in run_dirs:
+        o = outcome(d)
+        if o["blowup"] is not None and not o["confirmed"]:
+            excluded.append(str(d))
+            continue
+        s = scores(d, theta_coherence=theta["wq_error_coherence"])
+        fires = {name: first_fire(s[source[name]], rules_theta[name]) for name in rules_theta}
+        peaks = {name: _score_upto(s[source[name]], o["blowup"]) for name in rules_theta}
+        per_run[str(d)] = {"outcome": o, "first_fire": fires, "peak_before_blowup": peaks,
+                           "seed": read_run(d).get("seed")}
+    blowups = {k: v for k, v in per_run.items() if not v["outcome"]["survivor"]}
+    survivors = {k: v for k, v in per_run.items() if v["outcome"]["survivor"]}
+    table = {}
+    for name in rules_theta:
+        leads = [v["outcome"]["blowup"] - v["first_fire"][name] for v in blowups.values()
+                 if v["first_fire"][name] is not None and v["first_fire"][name] < v["outcome"]["blowup"]]
+        early = sum(1 for x in leads if x >= MIN_LEAD)
+        false = sum(1 for v in survivors.values() if v["first_fire"][name] is not None)
+        n_b, n_s = len(blowups), len(survivors)
+        passes = bool(n_b and n_s and early >= MIN_DETECTED * n_b and false <= MAX_FALSE_ALARM * n_s)
+        table[name] = {"threshold": rules_theta[name], "blowups": n_b, "detected": len(leads),
+                       f"lead_ge_{MIN_LEAD}": early, "leads": sorted(leads), "survivors": n_s,
+                       "false_alarms": false, "passes": passes if name in RULES else None}
+    return {"protocol": frozen["protocol"], "thresholds_commit": frozen.get("commit"), "evaluated": time.strftime("%Y-%m-%d"),
+            "commit": _commit(), "table": table, "runs": per_run, "excluded_unconfirmed": excluded,
+            "post_hoc_threshold_table": _post_hoc(per_run, source)}
+
+
+def _post_hoc(per_run: dict, source: dict) -> dict:
+    """Computed after (not part of the pre-registered test): for each rule and baseline, at each
+    number of false alarms k on the test survivors, the detections and median lead of the lowest
+    threshold that has k false alarms (from the runs' peak scores)."""
+    blowups = [v for v in per_run.values() if not v["outcome"]["survivor"]]
+    survivors = [v for v in per_run.values() if v["outcome"]["survivor"]]
+    out = {}
+    for name in source:
+        if name == "loss_spike":
+            continue
+        surv_peaks = sorted((v["peak_before_blowup"][name] for v in survivors), reverse=True)
+        rows = []
+        for k in range(len(survivors) + 1):
+            # threshold just above the (k+1)-th highest survivor peak: k survivors reach it
+            above = surv_peaks[k] if k < len(surv_peaks) else -math.inf
+            detected = [v for v in blowups if v["peak_before_blowup"][name] > above]
+            rows.append({"false_alarms": k, "threshold_above": above, "detected": len(detected)})
+        out[name] = rows
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = ["| rule | threshold | detected / blow-ups | lead >= 1,000 | leads (steps) | false alarms / survivors | passes |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in result["table"].items():
+        leads = ", ".join(f"{x:,}" for x in row["leads"]) or "-"
+        passes = "-" if row["passes"] is None else ("yes" if row["passes"] else "no")
+        lines.append(f"| `{name}` | {row['threshold']:.4g} | {row['detected']} / {row['blowups']} | "
+                     f"{row[f'lead_ge_{MIN_LEAD}']} | {leads} | {row['false_alarms']} / {row['survivors']} | {passes} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m research.early_warning", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("calibrate", help="thresholds from calibration runs")
+    c.add_argument("runs", nargs="+")
+    c.add_argument("--controls", nargs="*", default=[])
+    c.add_argument("--out", required=True)
+    t = sub.add_parser("test", help="the pre-registered evaluation of test runs")
+    t.add_argument("runs", nargs="+")
+    t.add_argument("--thresholds", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--markdown")
+    args = p.parse_args(argv)
+    if args.command == "calibrate":
+        result = calibrate(_runs(args.runs), _runs(args.controls) if args.controls else [])
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        for r, v in result["thresholds"].items():
+            print(f"{r:28s} {v:.6g}")
+        return 0
+    frozen = json.loads(Path(args.thresholds).read_text())
+    result = evaluate(_runs(args.runs), frozen)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    text = markdown(result)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
