@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from . import faults
 from .checks import check_options, check_qkv, fixed_offset
 from .stats import AttentionStats
 
@@ -143,7 +144,7 @@ def _no_autocast(fn):
 class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
     @_no_autocast
-    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
         dtype = q.dtype
         s = scores(q, k, causal, sm_scale)  # (B, H, N, N)
         m1, m2 = row_top2(s)
@@ -156,10 +157,10 @@ class _ReferenceAttention(torch.autograd.Function):
         vv = _expand_kv(v, q.shape[1]).to(s.dtype)
         o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / row_sum.unsqueeze(-1)
         o_hp = o_fp32  # before any injected fault: fp32_delta's delta comes from it
-        if inject_bias and variant != "fixed":
+        if fault_strength and variant != "fixed":
             # the fixed variant keeps every P_bar < 1, so the injected fault never triggers there
             unit_rows = (m2 - m1) >= unit_p_gap(dtype)  # P_bar rounds to 1 at two or more keys
-            o_fp32 = inject_rounding_bias(o_fp32, unit_rows, inject_bias, dtype)
+            o_fp32 = inject_rounding_bias(o_fp32, unit_rows, fault_strength, dtype)
         out = o_fp32.to(dtype)
         residual = (o_hp - out.to(o_hp.dtype)).to(dtype) if variant == "fp32_delta" else None
         lse = shift + torch.log(row_sum)
@@ -201,19 +202,20 @@ class _ReferenceAttention(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3,
-                    stats=None, inject_bias=0.0):
+                    stats=None):
     """Reference attention; same contract as ``flashwatch.kernels.flash_attention``.
 
-    Also accepts float64 inputs (computed in float64 throughout), for use as an oracle.
+    Also accepts float64 inputs (computed in float64 throughout), for use as an oracle. The
+    INJECTED rounding bias of ``faults`` is read here, at call time, as the Triton path does.
     """
     check_qkv(q, k, v, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
-    check_options(variant, beta, eps, causal, sm_scale, inject_bias)
+    check_options(variant, beta, eps, causal, sm_scale)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     if stats is not None:
         stats.check_compatible(q.shape[1], q.device)
     return _ReferenceAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps),
-                                     stats, float(inject_bias))
+                                     stats, faults.rounding_bias_strength())
 
 
 @torch.no_grad()

@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import faults
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
 from .reference import unit_p_gap
 from .stats import AttentionStats
@@ -59,7 +60,6 @@ from .stats import AttentionStats
 INTERPRETER_WORKAROUNDS = True
 
 LOG2E = 1.4426950408889634
-_VARIANT_CODE = {"plain": 0, "fixed": 1, "fp32_delta": 2}
 _PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 
 
@@ -685,7 +685,7 @@ def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
     B, H, N, D = q.shape
     o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # log2 units
@@ -694,7 +694,7 @@ def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
     # each row's max score, for the backward's repeated-max count (statistics only)
     rowmax = torch.empty((B, H, N), dtype=torch.float32, device=q.device) if stats is not None else lse
     maxlogit = stats.max_logit if stats is not None else lse
-    inject_factor = 1.0 + inject_bias * 2.0 ** -_PRECISION_BITS[q.dtype]
+    inject_factor = 1.0 + fault_strength * 2.0 ** -_PRECISION_BITS[q.dtype]
 
     # the fixed variant is its own compilation with its own entry: its tie count's operand of
     # ones takes 2 KB of shared memory, one program per SM fewer at the plain entry (sitting 12)
@@ -776,9 +776,9 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        o, lse, r, rowmax = _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias)
+        o, lse, r, rowmax = _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength)
         ctx.save_for_backward(q, k, v, o, lse, r, rowmax)
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats = causal, sm_scale, eps, stats
         return o
@@ -790,13 +790,14 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3, stats=None,
-                    inject_bias=0.0):
-    """Triton path of ``flashwatch.kernels.flash_attention`` (arguments already checked there)."""
+def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3, stats=None):
+    """Triton path of ``flashwatch.kernels.flash_attention`` (arguments already checked there).
+    The INJECTED rounding bias of ``faults`` is read here, at call time: at 0 (the default) the
+    forward compiles with INJECT off and adds nothing."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     return _FlashAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps), stats,
-                                 float(inject_bias))
+                                 faults.rounding_bias_strength())
 
 
 def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causal=True, sm_scale=None, eps=1e-3):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashwatch.kernels import AttentionStats, flash_attention
+from flashwatch.kernels import AttentionStats, faults, flash_attention, reference
 
 
 def _qkv(B=1, H=2, N=8, D=64, Hkv=None, dtype=torch.bfloat16):
@@ -64,3 +64,35 @@ def test_nan_stays_in_its_head():
     out = flash_attention(q, k, v)
     assert torch.isnan(out[0, 0]).any()
     assert torch.isfinite(out[0, 1]).all()
+
+
+def test_the_injected_fault_is_not_an_argument():
+    """The INJECTED rounding bias lives in ``faults``, off the public signature."""
+    q, k, v = _qkv()
+    for fn in (flash_attention, reference.flash_attention):
+        with pytest.raises(TypeError, match="inject_bias"):
+            fn(q, k, v, inject_bias=1.0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "2", True, None])
+def test_fault_strength_is_checked(bad):
+    with pytest.raises(ValueError, match="rounding-bias strength must be a finite number >= 0"):
+        faults.set_rounding_bias(bad)
+    with pytest.raises(ValueError, match="rounding-bias strength"):
+        with faults.rounding_bias(bad):
+            pass
+    assert faults.rounding_bias_strength() == 0.0
+
+
+def test_fault_context_restores_the_previous_strength():
+    faults.set_rounding_bias(2.0)
+    try:
+        with faults.rounding_bias(5.0):
+            assert faults.rounding_bias_strength() == 5.0
+        assert faults.rounding_bias_strength() == 2.0
+        with pytest.raises(RuntimeError):
+            with faults.rounding_bias(7.0):
+                raise RuntimeError("inside")
+        assert faults.rounding_bias_strength() == 2.0
+    finally:
+        faults.set_rounding_bias(0.0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashwatch.kernels import AttentionStats, reference
+from flashwatch.kernels import AttentionStats, faults, reference
 from attention_oracles import assert_tolerance_rule, attention64, attention_same_dtype
 
 SHAPES = [(2, 4, 1, 64), (2, 4, 17, 64), (1, 2, 97, 128), (2, 2, 128, 64)]
@@ -176,7 +176,7 @@ def test_autocast_does_not_change_the_reference():
 
 def test_fp32_delta_takes_delta_from_the_output_before_the_injected_fault():
     """The injected rounding bias reaches the forward output of every non-fixed variant, but
-    fp32_delta's backward takes delta from the FP32 output before it (DESIGN: injected faults)."""
+    fp32_delta's backward takes delta from the FP32 output before it."""
     torch.manual_seed(9)
     B, H, N, D = 1, 2, 48, 64
     q = torch.randn(B, H, N, D)
@@ -186,7 +186,8 @@ def test_fp32_delta_takes_delta_from_the_output_before_the_injected_fault():
     g = torch.randn(B, H, N, D).bfloat16()
     grads = {}
     for variant, strength in (("fp32_delta", 0.0), ("fp32_delta", 4.0), ("plain", 4.0)):
-        out = reference.flash_attention(q, k, v, variant=variant, inject_bias=strength)
+        with faults.rounding_bias(strength):  # INJECTED
+            out = reference.flash_attention(q, k, v, variant=variant)
         grads[(variant, strength)] = torch.autograd.grad(out, q, g)[0].float()
     clean = grads[("fp32_delta", 0.0)]
     # dq depends on the output only through delta: fp32_delta's stays clean up to the BF16
