@@ -20,9 +20,9 @@ HEAD_DIMS = (16, 32, 64, 128)
 #   round to 1) also when m == 0, a case the paper's rule leaves alone;
 # - at most FIXED_MAX_OFFSET[dtype], so that the row sum never underflows: the paper's rule
 #   unguarded gives exp(-m) -> 0 and a zero row sum (NaN) once logits reach the hundreds
-#   (../shared/NUMERICS.md section 6). exp(-20) = 2e-9 keeps 67 natural-log units of FP32 range
-#   below the shifted max; for FP16 inputs P is rounded to FP16 for the PV product, whose
-#   normal range ends near exp(-9.7), hence 8 there.
+#   (exp(-x) rounds to 0 in FP32 beyond x = 104). exp(-20) = 2e-9 keeps 67 natural-log units
+#   of FP32 range below the shifted max; for FP16 inputs P is rounded to FP16 for the PV
+#   product, whose normal range ends near exp(-9.7), hence 8 there.
 FIXED_MIN_OFFSET = 1.0 / 64.0
 FIXED_MAX_OFFSET = {torch.bfloat16: 20.0, torch.float32: 20.0, torch.float16: 8.0, torch.float64: 20.0}
 

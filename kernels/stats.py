@@ -9,7 +9,7 @@ is read back to the host here; the Monitor reads every layer's statistics once p
 step (``packed()``), and ``reset()`` zeroes them for the next one. Micro-batches of one
 optimizer step simply add up.
 
-Definitions (../shared/DESIGN.md; all sums run over batch and rows, per query head):
+Definitions (all sums run over batch and rows, per query head):
 
 - ``rows``: softmax rows seen (int64).
 - ``repeated_max_rows``: rows whose maximum score m is reached within ``eps`` by at least two
