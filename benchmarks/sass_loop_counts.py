@@ -2,7 +2,8 @@
 
     python benchmarks/sass_loop_counts.py [--kernel fwd|dq|dkdv|stats] [--head-dim 64|128] [--json PATH]
 
-Compiles the forward kernel (plain, fixed), the dQ kernel (statistics off, on), the dK/dV
+Compiles the forward kernel (plain, fixed), the dQ kernel (statistics off, on, on with the
+per-row outputs of AttentionStats.rows_hook), the dK/dV
 kernel and the observe-mode statistics kernel for sm_90 at their ``kernels/tuning.py``
 configurations, with the argument specialisation the launcher gets at the bench's shapes
 (16-byte aligned pointers, strides and N divisible by 16), disassembles the cubin with the
@@ -24,14 +25,16 @@ import subprocess
 import sys
 import tempfile
 
-FP32_POINTERS = {"LSE", "DELTA", "ROWMAX", "ST_E", "ST_EABS", "ST_ESQ", "ST_ETIED", "ST_MAXL"}
+FP32_POINTERS = {"LSE", "DELTA", "ROWMAX", "ST_E", "ST_EABS", "ST_ESQ", "ST_ETIED", "ST_MAXL", "ERR_ROWS", "PK"}
 # per kernel: its function in triton_attn and, per variant, (tuning.TABLE entry, constexprs)
 KERNELS = {
     "fwd": ("_attn_fwd_kernel", {"plain": ("fwd", {"FIXED": False, "STATS": False, "INJECT": False}),
                                  "fixed": ("fwd_fixed", {"FIXED": True, "STATS": False, "INJECT": False})}),
-    "dq": ("_attn_bwd_dq_kernel", {"plain": ("dq", {"STATS": False}), "stats": ("dq_stats", {"STATS": True})}),
+    "dq": ("_attn_bwd_dq_kernel", {"plain": ("dq", {"STATS": False, "ROWS": False}),
+                                   "stats": ("dq_stats", {"STATS": True, "ROWS": False}),
+                                   "rows": ("dq_rows", {"STATS": True, "ROWS": True})}),
     "dkdv": ("_attn_bwd_dkdv_kernel", {"plain": ("dkdv", {})}),
-    "stats": ("_attn_stats_kernel", {"plain": ("stats", {})}),
+    "stats": ("_attn_stats_kernel", {"plain": ("stats", {"ROWS": False}), "rows": ("stats", {"ROWS": True})}),
 }
 FP32_SCALARS = {"sm_scale", "eps", "eps_raw", "beta", "min_off", "max_off", "inject_factor", "unit_gap"}
 

@@ -56,9 +56,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         beta: the fixed variant's factor (> 1): it subtracts beta*max on tied rows with a
             positive max, 0 on tied rows with a negative max (guarded, see ``checks``).
         eps: tie tolerance in logits (>= 0) for repeated-max rows.
-        stats: an ``AttentionStats`` to add this call's statistics into (forward: counts and
-            max logit; backward: delta error), on the device, without host synchronisation.
-            None costs nothing.
+        stats: an ``AttentionStats`` to add this call's statistics into (forward: max logit;
+            backward: rows, repeated-max counts, delta error), on the device, without host
+            synchronisation; its ``rows_hook``, if set, is called by the backward with this
+            call's per-row delta errors and P K. None costs nothing.
 
     The INJECTED rounding-bias fault of tests and experiments is no argument here: it is the
     process-wide knob ``flashwatch.kernels.faults`` (off by default), read at every call.
@@ -94,7 +95,9 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     output's gradient ``grad_out``: rows, repeated-max counts (FP32 and BF16 scores), the max
     logit, and the delta-error sums of rowsum(grad_out * out) - rowsum(P * dP). Runs the Triton
     statistics kernel on CUDA (reads the bf16 inputs, accumulates in FP32, no N x N tensor)
-    and the reference on the CPU. No host synchronisation.
+    and the reference on the CPU. No host synchronisation. If ``stats.rows_hook`` is set, it is
+    called once, before this returns, with the per-row delta errors and P K
+    (``AttentionStats``); an exception it raises propagates.
     """
     check_qkv(q, k, v)
     check_options("plain", 2.0, eps, causal, sm_scale)

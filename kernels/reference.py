@@ -14,7 +14,8 @@ Numerics, as the FlashAttention-2 style Triton kernel computes them:
   the forward in the input dtype; dS = P * (dP - delta_used); P and dS are rounded to the input
   dtype for the dV, dQ, dK products, as the kernel feeds them to the tensor cores.
 - statistics: see ``stats.AttentionStats``; delta_hp = rowsum(P * dP), the delta of the exact
-  softmax output in FP32.
+  softmax output in FP32. The per-row outputs of ``AttentionStats.rows_hook``: delta_used -
+  delta_hp and P K, an FP32 product of the FP32 P (float64 inputs: computed in float64).
 
 The Triton kernel's tiling changes FP32 rounding (running max, accumulation order), not the
 function: outputs and gradients agree within the tolerance rule of the tests; repeated-max
@@ -119,6 +120,15 @@ def _add_row_counts(stats: AttentionStats, tied, tied_bf16) -> None:
     stats.repeated_max_rows_bf16.add_(tied_bf16.sum(dim=(0, 2)))
 
 
+def _report_rows(stats: AttentionStats, err: torch.Tensor, p: torch.Tensor, k: torch.Tensor) -> None:
+    """Call ``stats.rows_hook(delta_error_rows, pk)`` if one is set. err: (B, H, N) delta_used -
+    delta_hp; p: (B, H, N, N) exact softmax; k: (B, Hkv, N, D). Both outputs FP32."""
+    hook = stats.rows_hook
+    if hook is not None:
+        pk = torch.matmul(p, _expand_kv(k, p.shape[1]).to(p.dtype))
+        hook(err.to(torch.float32), pk.to(torch.float32))
+
+
 def _add_delta_stats(stats: AttentionStats, err: torch.Tensor, tied: torch.Tensor) -> None:
     """err: (B, H, N) delta_used - delta_hp; tied: (B, H, N) bool."""
     err = err.to(torch.float32)
@@ -195,9 +205,10 @@ class _ReferenceAttention(torch.autograd.Function):
             dk = dk.view(B, Hkv, H // Hkv, N, D).sum(2)
             dv = dv.view(B, Hkv, H // Hkv, N, D).sum(2)
         if ctx.stats is not None:
-            delta_hp = (p * dp).sum(-1)
+            err = delta_used - (p * dp).sum(-1)  # delta_used - delta_hp
             _add_row_counts(ctx.stats, tied, tied_bf16)
-            _add_delta_stats(ctx.stats, delta_used - delta_hp, tied)
+            _add_delta_stats(ctx.stats, err, tied)
+            _report_rows(ctx.stats, err, p, k)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
 
 
@@ -252,4 +263,6 @@ def _statistics(q, k, v, out, grad_out, stats, causal, sm_scale, eps):
     dp = torch.matmul(do, _expand_kv(v, q.shape[1]).to(cd).transpose(-1, -2))
     delta_hp = (p * dp).sum(-1)
     delta_used = (do * out.to(cd)).sum(-1)
-    _add_delta_stats(stats, delta_used - delta_hp, tied)
+    err = delta_used - delta_hp
+    _add_delta_stats(stats, err, tied)
+    _report_rows(stats, err, p, k)

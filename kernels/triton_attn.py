@@ -25,6 +25,11 @@ Changes:
   R = O_fp32 - O in the input dtype; the backward's delta uses O + R).
 - A statistics-only kernel for observe mode (another kernel's output and its gradient in,
   per-head statistics out): one pass over K with an online rescaled rowsum(P * dP).
+- Per-row outputs behind the constexpr flag ROWS (``AttentionStats.rows_hook`` set; off, the
+  kernels compile as without it): the dQ kernel and the statistics kernel also store each
+  row's delta error and P K, accumulated in FP32 from P split into two input-dtype terms
+  (``_probabilities_dot``); the statistics kernel rescales P K online like rowsum(P * dP). The
+  dQ kernel then runs at its own tiles (``tuning.TABLE["dq_rows"]``).
 - Backward: two launches. The dQ kernel runs first and computes delta_used = rowsum(dO * O)
   for its rows from the dO tile it loads anyway (no separate delta kernel), storing it for the
   dK/dV kernel, which runs second.
@@ -74,14 +79,15 @@ _PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b accumulated in FP32. UPCAST: interpreter workaround for its broken bf16 dot."""
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, acc=None):
+    """a @ b (+ acc, an FP32 accumulator) in FP32. UPCAST: interpreter workaround for its
+    broken bf16 dot."""
     if UPCAST:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a, b, acc, input_precision="ieee")
     else:
-        c = tl.dot(a, b)
+        c = tl.dot(a, b, acc)
     return c
 
 
@@ -160,6 +166,27 @@ def _tie_update(qk, m1, tied, eps_raw, UPCAST: tl.constexpr):
     joins = (t1 >= m1 - eps_raw) & (t1 > float("-inf"))
     tied = tl.where(rises, keep.to(tl.int32), tied | joins.to(tl.int32))
     return tl.maximum(m1, t1), tied
+
+
+@triton.jit
+def _probabilities_dot(p, k, acc, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                       EXACT_BF16: tl.constexpr):
+    """acc + p @ k: (BLOCK_M, BLOCK_N) FP32 probabilities in [0, 1] times a (BLOCK_N, D) tile in
+    the input dtype, for the per-row P K output. Rounding p to BF16 once, as the P_bar V and
+    dS K products do, would err by up to 2**-9 of each term: as large as the BF16 rounding of O
+    whose effect the per-row outputs measure. An FP32 product on the FMA units (IEEE) costs D
+    multiply-adds per score. So p is split into two input-dtype terms, hi = round(p) and
+    lo = round(p - hi), with |p - hi - lo| <= 2**-18 |p| in BF16 (2**-22 in FP16, where values
+    below 2**-14 keep an absolute error of at most 2**-25), both multiplied on the tensor cores:
+    products of input-dtype values are exact in FP32, and they accumulate in FP32. FP32 inputs
+    take the IEEE product the kernels use for them anyway."""
+    if IEEE:
+        acc = _dot(p, k, True, UPCAST, acc)
+    else:
+        hi = _cast(p, DTYPE, EXACT_BF16)
+        lo = _cast(p - hi.to(tl.float32), DTYPE, EXACT_BF16)
+        acc = _dot(lo, k, False, UPCAST, _dot(hi, k, False, UPCAST, acc))
+    return acc
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,10 +526,11 @@ def _bf16_lower_bound(t, EXACT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn, offs_m, offs_d,
+def _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn, offs_m, offs_d,
                   lo, hi, N, sm_scale, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, STATS: tl.constexpr,
-                  DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                  ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                  EXACT_BF16: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -522,23 +550,28 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_ba
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
+        if ROWS:
+            pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
-    return dq, dhp, n32, nb16
+    return dq, dhp, n32, nb16, pk
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+                        ERR_ROWS, PK,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
                         H, G, N, sm_scale, eps,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CAUSAL: tl.constexpr, STATS: tl.constexpr, FP32_DELTA: tl.constexpr, IEEE: tl.constexpr,
-                        UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                        CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
+                        IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # It first computes delta_used = rowsum(dO * O) (O + R under fp32_delta) for its rows and
     # stores it for the dK/dV kernel, which runs after it: no separate delta launch, and dO is
     # read once for both. With STATS it also counts repeated maxima against the row max the
-    # forward stored, and accumulates delta_hp = rowsum(P * dP) beside dS.
+    # forward stored, and accumulates delta_hp = rowsum(P * dP) beside dS. With ROWS (needs
+    # STATS) it also stores each row's delta error and P K ((B, H, N) and (B, H, N, D) FP32,
+    # contiguous), the per-row outputs of AttentionStats.rows_hook.
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     DTYPE = DQ.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -560,6 +593,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     # counts of near-max scores, FP32 and BF16 tests; every column holds the row's count
     n32 = tl.zeros([BLOCK_M, 16], tl.float32)
     nb16 = tl.zeros([BLOCK_M, 16], tl.float32)
+    pk = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # sum_j P_ij k_j (ROWS only)
     if STATS:
         s1 = _load_row_values(ROWMAX + row_base, offs_m, N, True)
         # repeated max (FP32): sm_scale*qk >= s1 - eps; (BF16): bf16(sm_scale*qk) >= bf16(s1) - eps
@@ -571,13 +605,13 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         tb16 = lse
     qk_scale = sm_scale * 1.4426950408889634
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
-    dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
-                                       offs_m, offs_d, 0, split, N, sm_scale, qk_scale,
-                                       BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    dq, dhp, n32, nb16, pk = _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base,
+                                           skn, svn, offs_m, offs_d, 0, split, N, sm_scale, qk_scale,
+                                           BLOCK_N, False, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
-    dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
-                                       offs_m, offs_d, split, hi, N, sm_scale, qk_scale,
-                                       BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    dq, dhp, n32, nb16, pk = _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base,
+                                           skn, svn, offs_m, offs_d, split, hi, N, sm_scale, qk_scale,
+                                           BLOCK_N, True, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     dq_base = DQ + bh.to(tl.int64) * N * HEAD_DIM  # dQ: contiguous (B, H, N, D)
     _store_rows(dq_base, offs_m, HEAD_DIM, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))
     if STATS:
@@ -586,6 +620,9 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         err = tl.where(row_ok, delta - dhp, 0.0)
         _add_tie_counts(ST_REP, ST_REP_B, h, tied, tied_b)
         _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
+        if ROWS:
+            tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
+            _store_rows(PK + bh.to(tl.int64) * N * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -593,9 +630,9 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d, lo, hi, N, qk_scale,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, offs_d, lo, hi, N, qk_scale,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROWS: tl.constexpr,
+                 DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -612,19 +649,23 @@ def _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         l_i = l_i * alpha + tl.sum(p, 1)
         d_i = d_i * alpha + tl.sum(p * dp, 1)
+        if ROWS:  # rescaled like d_i: sum exp(s - m) k, divided by l at the end
+            pk = _probabilities_dot(p, k, pk * alpha[:, None], DTYPE, IEEE, UPCAST, EXACT_BF16)
         m1, m2 = new_m1, new_m2
-    return m1, m2, l_i, d_i
+    return m1, m2, l_i, d_i, pk
 
 
 @triton.jit
-def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS, PK,
                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
                        H, G, N, sm_scale, eps,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                       CAUSAL: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                       EXACT_BF16: tl.constexpr):
     # grid: (cdiv(N, BLOCK_M), B * H). Reads q, k, v, the other kernel's output O and dO;
     # adds per-head counts, max logit and delta-error sums. delta_hp = rowsum(P * dP) is
     # accumulated online like the softmax denominator: d = sum exp(s - m) * dP, then d / l.
+    # With ROWS it also stores each row's delta error and P K, accumulated the same way.
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -638,13 +679,17 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS,
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     d_i = tl.zeros([BLOCK_M], tl.float32)
+    pk = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # sum_j exp(s_ij - m_i) k_j (ROWS only)
+    DTYPE = Q.dtype.element_ty
     qk_scale = sm_scale * 1.4426950408889634
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
-    m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
-                                    0, split, N, qk_scale, BLOCK_N, False, CAUSAL, IEEE, UPCAST)
+    m1, m2, l_i, d_i, pk = _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
+                                        0, split, N, qk_scale, BLOCK_N, False, CAUSAL, ROWS, DTYPE, IEEE, UPCAST,
+                                        EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
-    m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
-                                    split, hi, N, qk_scale, BLOCK_N, True, CAUSAL, IEEE, UPCAST)
+    m1, m2, l_i, d_i, pk = _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
+                                        split, hi, N, qk_scale, BLOCK_N, True, CAUSAL, ROWS, DTYPE, IEEE, UPCAST,
+                                        EXACT_BF16)
     s1 = m1 * sm_scale
     s2 = m2 * sm_scale
     tied = (s2 >= s1 - eps) & row_ok
@@ -656,6 +701,10 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS,
     _add_tie_counts(ST_REP, ST_REP_B, h, tied, tied_b)
     tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
     _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
+    if ROWS:
+        row_base = bh.to(tl.int64) * N
+        tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
+        _store_rows(PK + row_base * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk / l_i[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -739,16 +788,24 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg):
-    # writes delta (B, H, N) as well as dq: launch it before _launch_dkdv, which reads delta
+def _row_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (delta_error_rows (B, H, N), pk (B, H, N, D)) FP32 buffers for AttentionStats.rows_hook."""
+    B, H, N, D = q.shape
+    return (torch.empty((B, H, N), dtype=torch.float32, device=q.device),
+            torch.empty((B, H, N, D), dtype=torch.float32, device=q.device))
+
+
+def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg, rows=None):
+    # writes delta (B, H, N) as well as dq: launch it before _launch_dkdv, which reads delta.
+    # rows: None, or the (delta_error_rows, pk) buffers to fill (statistics on)
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
     _attn_bwd_dq_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
-        q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st,
+        q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st, *(rows or (delta, delta)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
         H, H // k.shape[1], N, sm_scale, eps, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        CAUSAL=causal, STATS=stats_on, FP32_DELTA=r is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast,
-        EXACT_BF16=exact,
+        CAUSAL=causal, STATS=stats_on, ROWS=rows is not None, FP32_DELTA=r is not None,
+        IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
 
 
@@ -766,13 +823,14 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
         sk, sv = torch.empty_like(dk), torch.empty_like(dv)  # dk, dv are contiguous
         return lambda: _launch_dkdv(q, k, v, do, lse, delta, sk, sv, causal, sm_scale, cfg)
 
-    def bench_dq(cfg, with_stats=False):
-        # scratch outputs; with statistics, scratch sums too (tuning never adds into stats)
+    def bench_dq(cfg, with_stats=False, with_rows=False):
+        # scratch outputs; with statistics, scratch sums and rows too (tuning never adds into stats)
         sq, sdelta = torch.empty_like(dq), torch.empty_like(delta)
         sst = (torch.zeros(H, dtype=torch.int64, device=q.device),) * 2 + (torch.zeros(H, device=q.device),) * 4
         srowmax = rowmax if rowmax is not None else sdelta
+        srows = _row_outputs(q) if with_rows else None
         return lambda: _launch_dq(q, k, v, o, r, do, lse, sdelta, sq, srowmax, sst if with_stats else (sdelta,) * 6,
-                                  causal, sm_scale, eps, with_stats, cfg)
+                                  causal, sm_scale, eps, with_stats, cfg, srows)
 
     if stats is not None:
         st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.delta_error, stats.delta_error_abs,
@@ -780,13 +838,19 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
         stats.rows.add_(B * N)
     else:
         st = (delta,) * 6
-    if stats is not None:
+    hook = stats.rows_hook if stats is not None else None  # looked up now, when the backward runs
+    rows = _row_outputs(q) if hook is not None else None
+    if rows is not None:
+        dq_cfg = tuning.choose("dq_rows", q, causal, lambda cfg: bench_dq(cfg, with_stats=True, with_rows=True))
+    elif stats is not None:
         dq_cfg = tuning.choose("dq_stats", q, causal, lambda cfg: bench_dq(cfg, with_stats=True))
     else:
         dq_cfg = tuning.choose("dq", q, causal, bench_dq)
     _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
-               stats is not None, dq_cfg)
+               stats is not None, dq_cfg, rows)
     _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
+    if hook is not None:
+        hook(*rows)
     return dq, dk, dv
 
 
@@ -825,11 +889,16 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     G = H // k.shape[1]
     upcast, exact = _workarounds(q.device)
     c = tuning.choose("stats", q, causal, None)
+    hook = stats.rows_hook
+    rows = _row_outputs(q) if hook is not None else None
     _attn_stats_kernel[(triton.cdiv(N, c["BLOCK_M"]), B * H)](
         q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.max_logit,
         stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied,
+        *(rows or (stats.delta_error, stats.delta_error)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(grad_out),
         H, G, N, float(sm_scale), float(eps), HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-        CAUSAL=causal, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
+        CAUSAL=causal, ROWS=rows is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     stats.rows.add_(B * N)
+    if hook is not None:
+        hook(*rows)

@@ -9,8 +9,9 @@ dim, dtype, causal, N) and keep the fastest for the process; the timing runs int
 outputs and scratch statistics, so tuning never adds into an ``AttentionStats``. Under the
 Triton interpreter small blocks are used, so tests at small N still cross several tiles.
 
-Constraints: fwd, fwd_fixed, dq, dq_stats and stats need BLOCK_M % BLOCK_N == 0 (the causal
-off-diagonal loop takes whole key blocks below the query block); dkdv needs BLOCK_N % BLOCK_M == 0.
+Constraints: fwd, fwd_fixed, dq, dq_stats, dq_rows and stats need BLOCK_M % BLOCK_N == 0 (the
+causal off-diagonal loop takes whole key blocks below the query block); dkdv needs
+BLOCK_N % BLOCK_M == 0.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ TABLE = {
 # its own entry and candidates, chosen by a device-time sweep (benchmarks/dq_stats_sweep.py,
 # docs/KERNEL_TUNING.md): smaller 64x32 tiles at D <= 64, the dq entry at D=128
 TABLE["dq_stats"] = {**TABLE["dq"], **{d: _cfg(64, 32, 4, 3) for d in (16, 32, 64)}}
+# the dQ kernel with the per-row outputs of AttentionStats.rows_hook (monitored steps only) adds a
+# (BLOCK_M, D) FP32 accumulator for P K: at D=128 the dq_stats tiles spill it to local memory
+# in the loop, 128x32 tiles do not (benchmarks/sass_loop_counts.py, docs/KERNEL_TUNING.md)
+TABLE["dq_rows"] = {**TABLE["dq_stats"], 128: _cfg(128, 32, 8, 3)}
 # the fixed forward is its own compilation too: its tie count's (BLOCK_N, 16) operand of ones
 # sits in shared memory (2 KB), which at the plain D=64 entry (57,344 B, exactly four programs'
 # worth on an H200) leaves room for three: two pipeline stages keep four
@@ -58,6 +63,7 @@ CANDIDATES = {
     "stats": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
     "fwd_fixed": [_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 8, 3),
                   _cfg(128, 64, 8, 2), _cfg(128, 32, 4, 4)],
+    "dq_rows": [_cfg(64, 32, 4, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3)],
     "dq_stats": [_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3, maxnreg=168), _cfg(64, 32, 4, 3), _cfg(64, 32, 4, 4),
                  _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 3, maxnreg=128), _cfg(64, 64, 4, 2),
                  _cfg(32, 32, 4, 3)],

@@ -96,3 +96,46 @@ def test_fault_context_restores_the_previous_strength():
         assert faults.rounding_bias_strength() == 2.0
     finally:
         faults.set_rounding_bias(0.0)
+
+
+# --- AttentionStats.rows_hook (CPU reference path) ---------------------------------------------
+
+def test_rows_hook_is_checked_on_assignment():
+    stats = AttentionStats(2)
+    assert stats.rows_hook is None
+    with pytest.raises(TypeError, match="rows_hook must be a callable hook\\(delta_error_rows, pk\\) or None, got int"):
+        stats.rows_hook = 3
+    stats.rows_hook = print
+    stats.rows_hook = None
+    assert stats.rows_hook is None
+
+
+def test_rows_hook_called_once_per_call_and_only_with_stats():
+    calls = []
+    q, k, v = (t.requires_grad_(True) for t in _qkv(B=2, H=4, N=9, D=16, Hkv=2))
+    stats = AttentionStats(4)
+    stats.rows_hook = lambda err, pk: calls.append((err.shape, pk.shape, err.dtype, pk.dtype))
+    out = flash_attention(q, k, v, stats=stats)
+    assert calls == [], "called by the backward, not the forward"
+    out.backward(torch.ones_like(out))
+    assert calls == [((2, 4, 9), (2, 4, 9, 16), torch.float32, torch.float32)]
+    flash_attention(q, k, v).backward(torch.ones_like(out))  # no stats: no hook
+    with torch.no_grad():
+        flash_attention(q, k, v, stats=stats)  # no backward: no hook
+    stats.rows_hook = None
+    flash_attention(q, k, v, stats=stats).backward(torch.ones_like(out))
+    assert len(calls) == 1
+
+
+def test_rows_hook_error_propagates_from_attention_statistics():
+    from flashwatch.kernels import attention_statistics
+
+    q, k, v = _qkv(H=2, N=8, D=16)
+    stats = AttentionStats(2)
+
+    def broken(delta_error_rows, pk):
+        raise RuntimeError("hook failed")
+
+    stats.rows_hook = broken
+    with pytest.raises(RuntimeError, match="hook failed"):
+        attention_statistics(q, k, v, q, q, stats)

@@ -289,3 +289,64 @@ def test_gradients_through_a_fused_qkv_projection():
     from kernel_cases import check_fused_projection_gradients
 
     check_fused_projection_gradients("cpu")
+
+
+# --- per-row outputs (AttentionStats.rows_hook) ------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["plain", "fixed", "fp32_delta"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D, Hkv", [(16, 1), (32, 2), (64, 4)], ids=["D16-Hkv1", "D32-Hkv2", "D64-Hkv4"])
+def test_rows_hook_matches_float64(variant, causal, D, Hkv):
+    """N=37: two and a half 16-row tiles, a ragged tail; H=4 over Hkv kv heads."""
+    from kernel_cases import check_rows_hook
+
+    check_rows_hook(*random_qkv(1, 4, 37, D, Hkv=Hkv, seed=D), causal=causal, variant=variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rows_hook_other_dtypes(dtype):
+    """FP16 splits P into two FP16 terms; FP32 inputs take the IEEE product."""
+    from kernel_cases import check_rows_hook, check_rows_hook_observe
+
+    check_rows_hook(*random_qkv(1, 2, 37, 32, Hkv=1, dtype=dtype, seed=17))
+    check_rows_hook_observe(*random_qkv(1, 2, 37, 32, Hkv=1, dtype=dtype, seed=18))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D, Hkv", [(16, 1), (64, 2)], ids=["D16-Hkv1", "D64-Hkv2"])
+def test_rows_hook_in_the_statistics_pass_matches_float64(causal, D, Hkv):
+    from kernel_cases import check_rows_hook_observe
+
+    check_rows_hook_observe(*random_qkv(1, 4, 37, D, Hkv=Hkv, seed=D + 1), causal=causal)
+
+
+def test_rows_hook_fresh_tensors_and_not_called_without_it():
+    from kernel_cases import RowsRecorder
+
+    q, k, v = random_qkv(1, 2, 20, 16, seed=15)
+    stats = AttentionStats(2)
+    stats.rows_hook = hook = RowsRecorder()
+    for _ in range(2):
+        flash_attention(q, k, v, stats=stats).backward(torch.ones(q.shape, dtype=q.dtype))
+    assert len(hook.calls) == 2
+    (e1, p1), (e2, p2) = hook.calls
+    assert len({t.data_ptr() for t in (e1, p1, e2, p2)}) == 4, "every call hands over new tensors"
+    torch.testing.assert_close(p1, p2)
+    flash_attention(q, k, v).backward(torch.ones(q.shape, dtype=q.dtype))  # stats None
+    stats.rows_hook = None
+    flash_attention(q, k, v, stats=stats).backward(torch.ones(q.shape, dtype=q.dtype))
+    attention_statistics(q.detach(), k.detach(), v.detach(), q.detach(), q.detach(), stats)
+    assert len(hook.calls) == 2
+
+
+def test_rows_hook_error_propagates_from_the_statistics_pass():
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 16, seed=16))
+    stats = AttentionStats(2)
+
+    def broken(delta_error_rows, pk):
+        raise RuntimeError("hook failed")
+
+    stats.rows_hook = broken
+    with pytest.raises(RuntimeError, match="hook failed"):
+        attention_statistics(q, k, v, q, q, stats)
+    assert stats.rows.tolist() == [20, 20], "the statistics were added before the hook ran"
