@@ -8,8 +8,9 @@ For each shape and each of plain, plain with statistics and fixed, the forward+b
 (``flashwatch.bench.device_fwd_bwd_ms``: GPU time, no host work), in interleaved rounds; the
 median of the rounds is printed with each version's ratio to the first before file and its
 overhead vs its own plain.
-Why: a kernel change worth a few percent is smaller than the spread between two sittings
-(docs/KERNEL_TUNING.md), so its gain is measured in one process, on the same inputs.
+Why: a kernel change worth a few percent is smaller than the spread between two runs on
+different occasions (docs/KERNEL_TUNING.md), so its gain is measured in one process, on the
+same inputs.
 The before file is loaded as a sibling module of ``flashwatch.kernels`` (its relative imports
 resolve there); it compiles its own kernels.
 """

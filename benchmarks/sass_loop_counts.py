@@ -1,15 +1,17 @@
 """Instructions per loop iteration of the Triton kernels on Hopper, without a GPU.
 
-    python benchmarks/sass_loop_counts.py [--kernel fwd|dq] [--head-dim 64|128] [--json PATH]
+    python benchmarks/sass_loop_counts.py [--kernel fwd|dq|dkdv|stats] [--head-dim 64|128] [--json PATH]
 
-Compiles the forward kernel (plain, fixed) and the dQ kernel (statistics off, on) for sm_90 at
-their ``kernels/tuning.py`` configurations, with the argument specialisation the launcher gets
-at the bench's shapes (16-byte aligned pointers, strides and N divisible by 16), disassembles the
-cubin with the cuobjdump that ships with Triton, and prints, per compilation, the registers per
-thread, the shared memory, and for every loop (a backward branch) its instruction count and
-most frequent opcodes. Counting first: a statistic that adds k instructions per score to an
-issue-bound loop of n costs about k/n of it, and registers decide how many programs an SM holds
-(docs/KERNEL_TUNING.md, sittings 8-11).
+Compiles the forward kernel (plain, fixed), the dQ kernel (statistics off, on, on with the
+per-row outputs of AttentionStats.rows_hook), the dK/dV
+kernel and the observe-mode statistics kernel for sm_90 at their ``kernels/tuning.py``
+configurations, with the argument specialisation the launcher gets at the bench's shapes
+(16-byte aligned pointers, strides and N divisible by 16), disassembles the cubin with the
+cuobjdump that ships with Triton, and prints, per compilation, the registers per thread, the
+stack (spilled registers live there), the shared memory, and for every loop (a backward branch)
+its instruction count and most frequent opcodes. Counting first: a statistic that adds k
+instructions per score to an issue-bound loop of n costs about k/n of it, and registers decide
+how many programs an SM holds (docs/KERNEL_TUNING.md, "Counting first").
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ import subprocess
 import sys
 import tempfile
 
-FP32_POINTERS = {"LSE", "DELTA", "ROWMAX", "ST_E", "ST_EABS", "ST_ESQ", "ST_ETIED", "ST_MAXL"}
+FP32_POINTERS = {"LSE", "DELTA", "ROWMAX", "ST_E", "ST_EABS", "ST_ESQ", "ST_ETIED", "ST_MAXL", "ERR_ROWS", "PK"}
+# per kernel: its function in triton_attn and, per variant, (tuning.TABLE entry, constexprs)
+KERNELS = {
+    "fwd": ("_attn_fwd_kernel", {"plain": ("fwd", {"FIXED": False, "STATS": False, "INJECT": False}),
+                                 "fixed": ("fwd_fixed", {"FIXED": True, "STATS": False, "INJECT": False})}),
+    "dq": ("_attn_bwd_dq_kernel", {"plain": ("dq", {"STATS": False, "ROWS": False}),
+                                   "stats": ("dq_stats", {"STATS": True, "ROWS": False}),
+                                   "rows": ("dq_rows", {"STATS": True, "ROWS": True})}),
+    "dkdv": ("_attn_bwd_dkdv_kernel", {"plain": ("dkdv", {})}),
+    "stats": ("_attn_stats_kernel", {"plain": ("stats", {"ROWS": False}), "rows": ("stats", {"ROWS": True})}),
+}
 FP32_SCALARS = {"sm_scale", "eps", "eps_raw", "beta", "min_off", "max_off", "inject_factor", "unit_gap"}
 
 
@@ -33,6 +45,7 @@ def _compile(fn, constexprs: dict, cfg: dict):
     from triton.compiler import ASTSource
 
     names = fn.arg_names
+    constexprs = {n: v for n, v in constexprs.items() if n in names}  # each kernel takes its own
     first_scalar = names.index("sqb")  # both kernels take their tensors first, then q's strides
     signature, attrs = {}, {}
     for i, n in enumerate(names):
@@ -78,17 +91,12 @@ def loop_counts(sass: str) -> list[dict]:
 def analyse(kind: str, variant: str, head_dim: int) -> dict:
     from flashwatch.kernels import triton_attn, tuning
 
-    common = {"HEAD_DIM": head_dim, "CAUSAL": True, "IEEE": False, "UPCAST": False, "EXACT_BF16": False,
-              "FP32_DELTA": False}
-    if kind == "fwd":
-        cfg = tuning.TABLE["fwd_fixed" if variant == "fixed" else "fwd"][head_dim]
-        fn = triton_attn._attn_fwd_kernel
-        constexprs = dict(common, FIXED=variant == "fixed", STATS=False, INJECT=False)
-    else:
-        cfg = tuning.TABLE["dq_stats" if variant == "stats" else "dq"][head_dim]
-        fn = triton_attn._attn_bwd_dq_kernel
-        constexprs = dict(common, STATS=variant == "stats")
-    constexprs.update(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+    fn_name, variants = KERNELS[kind]
+    entry, flags = variants[variant]
+    cfg = tuning.TABLE[entry][head_dim]
+    fn = getattr(triton_attn, fn_name)
+    constexprs = {"HEAD_DIM": head_dim, "CAUSAL": True, "IEEE": False, "UPCAST": False, "EXACT_BF16": False,
+                  "FP32_DELTA": False, **flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
     compiled = _compile(fn, constexprs, cfg)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
@@ -98,27 +106,27 @@ def analyse(kind: str, variant: str, head_dim: int) -> dict:
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
                                check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
     return {"kernel": kind, "variant": variant, "head_dim": head_dim, "config": cfg,
-            "registers": int(regs.group(1)) if regs else None, "shared_bytes": compiled.metadata.shared,
-            "loops": loop_counts(sass)}
+            "registers": int(regs.group(1)) if regs else None, "stack_bytes": int(stack.group(1)) if stack else None,
+            "shared_bytes": compiled.metadata.shared, "loops": loop_counts(sass)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", choices=("fwd", "dq"), action="append", help="default: both")
+    ap.add_argument("--kernel", choices=tuple(KERNELS), action="append", help="default: all")
     ap.add_argument("--head-dim", type=int, choices=(64, 128), action="append", help="default: both")
     ap.add_argument("--json", metavar="PATH", help="write every number as JSON")
     args = ap.parse_args(argv)
-    variants = {"fwd": ("plain", "fixed"), "dq": ("plain", "stats")}
     out = []
-    for kind in args.kernel or ("fwd", "dq"):
+    for kind in args.kernel or tuple(KERNELS):
         for d in args.head_dim or (64, 128):
-            for variant in variants[kind]:
+            for variant in KERNELS[kind][1]:
                 r = analyse(kind, variant, d)
                 out.append(r)
                 c = r["config"]
                 print(f"{kind} {variant:<6} D={d} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']}: "
-                      f"{r['registers']} registers, {r['shared_bytes']} B shared")
+                      f"{r['registers']} registers, {r['stack_bytes']} B stack, {r['shared_bytes']} B shared")
                 for loop in r["loops"]:
                     top = ", ".join(f"{k} {v}" for k, v in list(loop["opcodes"].items())[:8])
                     print(f"    loop: {loop['instructions']} instructions ({top})")

@@ -11,6 +11,7 @@ Public API:
     VARIANTS = ("plain", "fixed", "fp32_delta")
     reference   (module) the same in plain PyTorch, the CPU path and the test oracle
     paper       (module) the paper's all-BF16 tiled numerics, for experiments
+    faults      (module) the INJECTED rounding-bias fault, for tests and experiments only
 
 Dispatch: CUDA tensors run the Triton kernel; CPU tensors run ``reference``, unless the
 environment variable TRITON_INTERPRET=1 is set, in which case the Triton kernel runs in
@@ -29,7 +30,7 @@ from .stats import FIELDS as STAT_FIELDS
 from .stats import AttentionStats
 
 __all__ = ["flash_attention", "attention_statistics", "AttentionStats", "VARIANTS", "HEAD_DIMS",
-           "DTYPES", "STAT_FIELDS", "reference", "uses_triton"]
+           "DTYPES", "STAT_FIELDS", "reference", "faults", "uses_triton"]
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -39,8 +40,7 @@ def uses_triton(device: torch.device) -> bool:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     sm_scale: float | None = None, variant: str = "plain", beta: float = 2.0,
-                    eps: float = 1e-3, stats: AttentionStats | None = None,
-                    inject_bias: float = 0.0) -> torch.Tensor:
+                    eps: float = 1e-3, stats: AttentionStats | None = None) -> torch.Tensor:
     """Scaled dot-product attention, as ``F.scaled_dot_product_attention(q, k, v,
     is_causal=causal, scale=sm_scale)``, with autograd, optional statistics and variants.
 
@@ -56,12 +56,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         beta: the fixed variant's factor (> 1): it subtracts beta*max on tied rows with a
             positive max, 0 on tied rows with a negative max (guarded, see ``checks``).
         eps: tie tolerance in logits (>= 0) for repeated-max rows.
-        stats: an ``AttentionStats`` to add this call's statistics into (forward: counts and
-            max logit; backward: delta error), on the device, without host synchronisation.
-            None costs nothing.
-        inject_bias: INJECTED FAULT for experiments only (default 0: off): biases the rounding
-            of the output on rows where P_bar is exactly 1 at two or more keys
-            (``reference.inject_rounding_bias``). Never set it in training you care about.
+        stats: an ``AttentionStats`` to add this call's statistics into (forward: max logit;
+            backward: rows, repeated-max counts, delta error), on the device, without host
+            synchronisation; its ``rows_hook``, if set, is called by the backward with this
+            call's per-row delta errors and P K. None costs nothing.
+
+    The INJECTED rounding-bias fault of tests and experiments is no argument here: it is the
+    process-wide knob ``flashwatch.kernels.faults`` (off by default), read at every call.
 
     Returns:
         (B, H, N, D) output in q's dtype.
@@ -70,8 +71,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         TypeError, ValueError: with the argument's name and what is accepted.
     """
     check_qkv(q, k, v)
-    check_options(variant, beta, eps, causal, sm_scale, inject_bias)
-    inject_bias = inject_bias or faults.rounding_bias_strength()
+    check_options(variant, beta, eps, causal, sm_scale)
     if stats is not None:
         if not isinstance(stats, AttentionStats):
             raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")
@@ -80,9 +80,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         from . import triton_attn  # imported lazily: the CPU path never needs triton
 
         return triton_attn.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, variant=variant,
-                                           beta=beta, eps=eps, stats=stats, inject_bias=inject_bias)
+                                           beta=beta, eps=eps, stats=stats)
     return reference.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, variant=variant, beta=beta,
-                                     eps=eps, stats=stats, inject_bias=inject_bias)
+                                     eps=eps, stats=stats)
 
 
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -95,7 +95,9 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     output's gradient ``grad_out``: rows, repeated-max counts (FP32 and BF16 scores), the max
     logit, and the delta-error sums of rowsum(grad_out * out) - rowsum(P * dP). Runs the Triton
     statistics kernel on CUDA (reads the bf16 inputs, accumulates in FP32, no N x N tensor)
-    and the reference on the CPU. No host synchronisation.
+    and the reference on the CPU. No host synchronisation. If ``stats.rows_hook`` is set, it is
+    called once, before this returns, with the per-row delta errors and P K
+    (``AttentionStats``); an exception it raises propagates.
     """
     check_qkv(q, k, v)
     check_options("plain", 2.0, eps, causal, sm_scale)

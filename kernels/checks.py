@@ -23,14 +23,14 @@ HEAD_DIMS = (16, 32, 64, 128)
 #   round to 1) also when m == 0, a case the paper's rule leaves alone;
 # - at most FIXED_MAX_OFFSET[dtype], so that the row sum never underflows: the paper's rule
 #   unguarded gives exp(-m) -> 0 and a zero row sum (NaN) once logits reach the hundreds
-#   (../shared/NUMERICS.md section 6). exp(-20) = 2e-9 keeps 67 natural-log units of FP32 range
-#   below the shifted max; for FP16 inputs P is rounded to FP16 for the PV product, whose
-#   normal range ends near exp(-9.7), hence 8 there.
+#   (exp(-x) rounds to 0 in FP32 beyond x = 104). exp(-20) = 2e-9 keeps 67 natural-log units
+#   of FP32 range below the shifted max; for FP16 inputs P is rounded to FP16 for the PV
+#   product, whose normal range ends near exp(-9.7), hence 8 there.
 FIXED_MIN_OFFSET = 1.0 / 64.0
 FIXED_MAX_OFFSET = {torch.bfloat16: 20.0, torch.float32: 20.0, torch.float16: 8.0, torch.float64: 20.0}
 
 
-def check_options(variant: str, beta: float, eps: float, causal: bool, sm_scale, inject_bias: float = 0.0) -> None:
+def check_options(variant: str, beta: float, eps: float, causal: bool, sm_scale) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 1.0:
@@ -41,8 +41,6 @@ def check_options(variant: str, beta: float, eps: float, causal: bool, sm_scale,
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0):
         raise ValueError(f"sm_scale must be None (1/sqrt(D)) or a finite number > 0, got {sm_scale!r}")
-    if not isinstance(inject_bias, (int, float)) or not math.isfinite(inject_bias):
-        raise ValueError(f"inject_bias must be a finite number, got {inject_bias!r}")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed_dtypes=DTYPES) -> None:

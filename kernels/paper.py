@@ -5,7 +5,7 @@ Analysis on Flash Attention" (ICLR 2026, arXiv 2510.04212), repository
 ucker/why-low-precision-training-fails, file attention.py (a pure-PyTorch FlashAttention-2
 with 512 x 512 tiles; its fix is switched on there by the environment variable STABLE=1).
 This is a new implementation of the same arithmetic, not a copy; what it must reproduce is
-the rounding of every step (../shared/NUMERICS.md section 2):
+the rounding of every step:
 
 - forward, per query tile, over key tiles: s = (q k^T) * sm_scale, rounded to the input dtype
   after the product and again after the scale; masked scores are -finfo(dtype).max (finite);

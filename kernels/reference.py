@@ -14,7 +14,8 @@ Numerics, as the FlashAttention-2 style Triton kernel computes them:
   the forward in the input dtype; dS = P * (dP - delta_used); P and dS are rounded to the input
   dtype for the dV, dQ, dK products, as the kernel feeds them to the tensor cores.
 - statistics: see ``stats.AttentionStats``; delta_hp = rowsum(P * dP), the delta of the exact
-  softmax output in FP32.
+  softmax output in FP32. The per-row outputs of ``AttentionStats.rows_hook``: delta_used -
+  delta_hp and P K, an FP32 product of the FP32 P (float64 inputs: computed in float64).
 
 The Triton kernel's tiling changes FP32 rounding (running max, accumulation order), not the
 function: outputs and gradients agree within the tolerance rule of the tests; repeated-max
@@ -27,6 +28,7 @@ import math
 
 import torch
 
+from . import faults
 from .checks import check_options, check_qkv, fixed_offset
 from .stats import AttentionStats
 
@@ -118,6 +120,15 @@ def _add_row_counts(stats: AttentionStats, tied, tied_bf16) -> None:
     stats.repeated_max_rows_bf16.add_(tied_bf16.sum(dim=(0, 2)))
 
 
+def _report_rows(stats: AttentionStats, err: torch.Tensor, p: torch.Tensor, k: torch.Tensor) -> None:
+    """Call ``stats.rows_hook(delta_error_rows, pk)`` if one is set. err: (B, H, N) delta_used -
+    delta_hp; p: (B, H, N, N) exact softmax; k: (B, Hkv, N, D). Both outputs FP32."""
+    hook = stats.rows_hook
+    if hook is not None:
+        pk = torch.matmul(p, _expand_kv(k, p.shape[1]).to(p.dtype))
+        hook(err.to(torch.float32), pk.to(torch.float32))
+
+
 def _add_delta_stats(stats: AttentionStats, err: torch.Tensor, tied: torch.Tensor) -> None:
     """err: (B, H, N) delta_used - delta_hp; tied: (B, H, N) bool."""
     err = err.to(torch.float32)
@@ -143,7 +154,7 @@ def _no_autocast(fn):
 class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
     @_no_autocast
-    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
         dtype = q.dtype
         s = scores(q, k, causal, sm_scale)  # (B, H, N, N)
         m1, m2 = row_top2(s)
@@ -156,10 +167,10 @@ class _ReferenceAttention(torch.autograd.Function):
         vv = _expand_kv(v, q.shape[1]).to(s.dtype)
         o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / row_sum.unsqueeze(-1)
         o_hp = o_fp32  # before any injected fault: fp32_delta's delta comes from it
-        if inject_bias and variant != "fixed":
+        if fault_strength and variant != "fixed":
             # the fixed variant keeps every P_bar < 1, so the injected fault never triggers there
             unit_rows = (m2 - m1) >= unit_p_gap(dtype)  # P_bar rounds to 1 at two or more keys
-            o_fp32 = inject_rounding_bias(o_fp32, unit_rows, inject_bias, dtype)
+            o_fp32 = inject_rounding_bias(o_fp32, unit_rows, fault_strength, dtype)
         out = o_fp32.to(dtype)
         residual = (o_hp - out.to(o_hp.dtype)).to(dtype) if variant == "fp32_delta" else None
         lse = shift + torch.log(row_sum)
@@ -194,26 +205,28 @@ class _ReferenceAttention(torch.autograd.Function):
             dk = dk.view(B, Hkv, H // Hkv, N, D).sum(2)
             dv = dv.view(B, Hkv, H // Hkv, N, D).sum(2)
         if ctx.stats is not None:
-            delta_hp = (p * dp).sum(-1)
+            err = delta_used - (p * dp).sum(-1)  # delta_used - delta_hp
             _add_row_counts(ctx.stats, tied, tied_bf16)
-            _add_delta_stats(ctx.stats, delta_used - delta_hp, tied)
+            _add_delta_stats(ctx.stats, err, tied)
+            _report_rows(ctx.stats, err, p, k)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
 
 
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3,
-                    stats=None, inject_bias=0.0):
+                    stats=None):
     """Reference attention; same contract as ``flashwatch.kernels.flash_attention``.
 
-    Also accepts float64 inputs (computed in float64 throughout), for use as an oracle.
+    Also accepts float64 inputs (computed in float64 throughout), for use as an oracle. The
+    INJECTED rounding bias of ``faults`` is read here, at call time, as the Triton path does.
     """
     check_qkv(q, k, v, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
-    check_options(variant, beta, eps, causal, sm_scale, inject_bias)
+    check_options(variant, beta, eps, causal, sm_scale)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     if stats is not None:
         stats.check_compatible(q.shape[1], q.device)
     return _ReferenceAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps),
-                                     stats, float(inject_bias))
+                                     stats, faults.rounding_bias_strength())
 
 
 @torch.no_grad()
@@ -250,4 +263,6 @@ def _statistics(q, k, v, out, grad_out, stats, causal, sm_scale, eps):
     dp = torch.matmul(do, _expand_kv(v, q.shape[1]).to(cd).transpose(-1, -2))
     delta_hp = (p * dp).sum(-1)
     delta_used = (do * out.to(cd)).sum(-1)
-    _add_delta_stats(stats, delta_used - delta_hp, tied)
+    err = delta_used - delta_hp
+    _add_delta_stats(stats, err, tied)
+    _report_rows(stats, err, p, k)

@@ -9,7 +9,7 @@ is read back to the host here; the Monitor reads every layer's statistics once p
 step (``packed()``), and ``reset()`` zeroes them for the next one. Micro-batches of one
 optimizer step simply add up.
 
-Definitions (../shared/DESIGN.md; all sums run over batch and rows, per query head):
+Definitions (all sums run over batch and rows, per query head):
 
 - ``rows``: softmax rows seen (int64).
 - ``repeated_max_rows``: rows whose maximum score m is reached within ``eps`` by at least two
@@ -21,11 +21,20 @@ Definitions (../shared/DESIGN.md; all sums run over batch and rows, per query he
   the exact softmax output computed in FP32 from the same inputs.
 - ``delta_error_abs``, ``delta_error_sq``: sums of |delta_used - delta_hp| and its square.
 - ``delta_error_tied``: the part of ``delta_error`` from repeated-max rows.
+
+Per-row outputs (``AttentionStats.rows_hook``): the paper's W^Q-gradient error is, per
+attention call, dQ_used - dQ_hp = -sm_scale * (delta_used - delta_hp)[..., None] * (P K), with
+P = softmax(sm_scale * q k^T + mask) the exact softmax of the FP32 scores. A hook set on the
+statistics receives the two per-row factors of it on the device.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
+
+RowsHook = Callable[[torch.Tensor, torch.Tensor], object]
 
 COUNT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16")
 SUM_FIELDS = ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied")
@@ -41,7 +50,26 @@ class AttentionStats:
         device: where the tensors live; must be the device of the attention inputs.
 
     Attributes: one tensor of shape (num_heads,) per field of ``FIELDS``: int64 counts,
-    float32 ``max_logit`` (starts at -inf) and float32 delta-error sums.
+    float32 ``max_logit`` (starts at -inf) and float32 delta-error sums; and ``rows_hook``.
+
+    ``rows_hook`` (default None): a callable ``hook(delta_error_rows, pk)`` or None. While it is
+    set, every attention call that adds into these statistics also computes, on q's device:
+
+    - ``delta_error_rows``: (B, H, N) float32, delta_used - delta_hp of every query row, the
+      values whose sum over batch and rows this call adds to ``delta_error``;
+    - ``pk``: (B, H, N, D) float32, sum_j P_ij k_j, with P the exact softmax of the FP32 scores
+      (causal mask applied) and k from the kv head that query head h reads, h // (H // Hkv);
+
+    and calls ``hook(delta_error_rows, pk)`` once with fresh tensors (the hook may keep them):
+    ``flash_attention(..., stats=stats)`` from its backward, after the dQ pass (a forward
+    without backward calls nothing; the hook is looked up when the backward runs), and
+    ``attention_statistics`` before it returns. Then, per call, the W^Q-gradient error is
+    dQ_used - dQ_hp = -sm_scale * delta_error_rows[..., None] * pk. Nothing is synchronised
+    with the host. Cost, only while the hook is set: the extra kernel work (a (BLOCK_M, D) FP32
+    accumulator, two more matrix products per key tile; the dQ kernel with it holds fewer
+    programs per SM) and 4 * B * H * N * (D + 1) bytes per call: set it on monitored steps only.
+    An exception raised by the hook propagates to the caller of ``attention_statistics`` or of
+    the backward.
 
     Example::
 
@@ -66,6 +94,19 @@ class AttentionStats:
         for i, name in enumerate(MAX_FIELDS + SUM_FIELDS):
             setattr(self, name, self._values[i])
         self.max_logit.fill_(float("-inf"))
+        self._rows_hook: Optional[RowsHook] = None
+
+    @property
+    def rows_hook(self) -> Optional[RowsHook]:
+        """``hook(delta_error_rows, pk)`` called once per attention call, or None (class docstring)."""
+        return self._rows_hook
+
+    @rows_hook.setter
+    def rows_hook(self, hook: Optional[RowsHook]) -> None:
+        if hook is not None and not callable(hook):
+            raise TypeError(f"rows_hook must be a callable hook(delta_error_rows, pk) or None, "
+                            f"got {type(hook).__name__}")
+        self._rows_hook = hook
 
     def reset(self) -> None:
         """Zero every field in place (max_logit back to -inf). No host synchronisation."""

@@ -7,8 +7,8 @@ for flashwatch.
 
 Changes:
 - Statistics behind the constexpr flag STATS (``stats=None`` compiles them away):
-  * forward: nothing per score (the softmax there is ALU-bound: a running top-two cost +66%
-    forward time at D=64 on an H200, docs/KERNEL_TUNING.md); it stores each row's final max
+  * forward: nothing per score (the softmax there is ALU-bound: a running top-two per score
+    costs a large share of the forward, docs/KERNEL_TUNING.md); it stores each row's final max
     (B*H*N floats) and adds the head's max logit.
   * backward, dQ kernel (it sees whole rows): the repeated-max test "at least two scores
     >= m - eps" is a count against the stored row max, exact however the row is tiled; the
@@ -20,11 +20,16 @@ Changes:
     dQ kernel needs about twice the registers of the plain one and has its own block shape
     (``tuning.TABLE["dq_stats"]``).
 - Variants: ``fixed`` (Qiu & Yao's shifted max on repeated-max rows, guarded; an online exact
-  tie flag, one compare per score and a count on the tensor cores, decides it, so every P_bar < 1 once a row's
-  running max repeats) and ``fp32_delta``
-  (the forward stores R = O_fp32 - O in the input dtype; the backward's delta uses O + R).
+  tie flag, one compare per score and a count on the tensor cores, decides it, so every
+  P_bar < 1 once a row's running max repeats) and ``fp32_delta`` (the forward stores
+  R = O_fp32 - O in the input dtype; the backward's delta uses O + R).
 - A statistics-only kernel for observe mode (another kernel's output and its gradient in,
   per-head statistics out): one pass over K with an online rescaled rowsum(P * dP).
+- Per-row outputs behind the constexpr flag ROWS (``AttentionStats.rows_hook`` set; off, the
+  kernels compile as without it): the dQ kernel and the statistics kernel also store each
+  row's delta error and P K, accumulated in FP32 from P split into two input-dtype terms
+  (``_probabilities_dot``); the statistics kernel rescales P K online like rowsum(P * dP). The
+  dQ kernel then runs at its own tiles (``tuning.TABLE["dq_rows"]``).
 - Backward: two launches. The dQ kernel runs first and computes delta_used = rowsum(dO * O)
   for its rows from the dO tile it loads anyway (no separate delta kernel), storing it for the
   dK/dV kernel, which runs second.
@@ -33,9 +38,15 @@ Changes:
 - Ragged N: tails are masked in-kernel; inputs of any strides are accepted (a last-dimension
   stride other than 1 is made contiguous first, for 16-byte loads).
 
+Layout: the kernels share their prologue and tile code through small device helpers:
+``_query_program`` (program id -> query block, batch, head, kv head), ``_head`` (a head's base
+pointer), ``_load_rows`` / ``_store_rows`` / ``_load_row_values`` (masked tiles and row values),
+``_mask_scores``, the key ranges ``_unmasked_keys_end`` / ``_keys_end``, and the per-head sums
+``_add_tie_counts`` / ``_add_delta_errors``.
+
 Cautions:
-- The Triton interpreter (TRITON_INTERPRET=1, CPU) multiplies bf16 dot operands as raw bits
-  and truncates fp32->bf16 casts (../shared/NUMERICS.md section 4). With
+- The Triton interpreter (TRITON_INTERPRET=1, CPU; triton 3.6) multiplies bf16 dot operands as
+  raw uint16 bit patterns and truncates fp32->bf16 casts instead of rounding them. With
   ``INTERPRETER_WORKAROUNDS`` on (default) the interpreted kernel upcasts dot operands to
   FP32 (exact: products of bf16 values are exact in FP32) and rounds to BF16 with explicit
   round-to-nearest-even bit arithmetic. On the GPU neither is used.
@@ -51,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import faults
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
 from .reference import unit_p_gap
 from .stats import AttentionStats
@@ -59,23 +71,23 @@ from .stats import AttentionStats
 INTERPRETER_WORKAROUNDS = True
 
 LOG2E = 1.4426950408889634
-_VARIANT_CODE = {"plain": 0, "fixed": 1, "fp32_delta": 2}
 _PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 
 
 # --------------------------------------------------------------------------------------------
-# device helpers
+# device helpers: arithmetic
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b accumulated in FP32. UPCAST: interpreter workaround for its broken bf16 dot."""
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr, acc=None):
+    """a @ b (+ acc, an FP32 accumulator) in FP32. UPCAST: interpreter workaround for its
+    broken bf16 dot."""
     if UPCAST:
-        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a, b, acc, input_precision="ieee")
     else:
-        c = tl.dot(a, b)
+        c = tl.dot(a, b, acc)
     return c
 
 
@@ -127,10 +139,8 @@ def _count_into(hit, acc, UPCAST: tl.constexpr):
     BLOCK_N), in every one of acc's 16 columns, on the tensor cores: the 0/1 indicator matrix
     times a (BLOCK_N, 16) matrix of ones. Exact: 0, 1 and their products are exact in BF16 and
     FP32 sums integers exactly up to 2**24 (a row's count is at most N). Against a per-score
-    select and integer add (tl.sum), a score costs one FP32 set and half a BF16 pack: the dQ
-    loop's statistics went from +231 to +140 instructions per iteration, which gained 1-2
-    points of overhead at D=128 and nothing measurable at D=64 (docs/KERNEL_TUNING.md,
-    sittings 8-11)."""
+    select and integer add (tl.sum), a score costs one FP32 set and half a BF16 pack
+    (instruction counts and timings: docs/KERNEL_TUNING.md)."""
     BLOCK_N: tl.constexpr = hit.shape[1]
     if UPCAST:  # the interpreter multiplies bf16 dot operands as raw bits (module docstring)
         ones = tl.full([BLOCK_N, 16], 1.0, tl.float32)
@@ -159,15 +169,131 @@ def _tie_update(qk, m1, tied, eps_raw, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _query_block_start(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    """First query row of this program. Causal programs of late query blocks have the most
-    keys to visit: hand those out first (the longest-processing-time order), so the grid's
-    last wave is made of short programs."""
+def _probabilities_dot(p, k, acc, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                       EXACT_BF16: tl.constexpr):
+    """acc + p @ k: (BLOCK_M, BLOCK_N) FP32 probabilities in [0, 1] times a (BLOCK_N, D) tile in
+    the input dtype, for the per-row P K output. Rounding p to BF16 once, as the P_bar V and
+    dS K products do, would err by up to 2**-9 of each term: as large as the BF16 rounding of O
+    whose effect the per-row outputs measure. An FP32 product on the FMA units (IEEE) costs D
+    multiply-adds per score. So p is split into two input-dtype terms, hi = round(p) and
+    lo = round(p - hi), with |p - hi - lo| <= 2**-18 |p| in BF16 (2**-22 in FP16, where values
+    below 2**-14 keep an absolute error of at most 2**-25), both multiplied on the tensor cores:
+    products of input-dtype values are exact in FP32, and they accumulate in FP32. FP32 inputs
+    take the IEEE product the kernels use for them anyway."""
+    if IEEE:
+        acc = _dot(p, k, True, UPCAST, acc)
+    else:
+        hi = _cast(p, DTYPE, EXACT_BF16)
+        lo = _cast(p - hi.to(tl.float32), DTYPE, EXACT_BF16)
+        acc = _dot(lo, k, False, UPCAST, _dot(hi, k, False, UPCAST, acc))
+    return acc
+
+
+# --------------------------------------------------------------------------------------------
+# device helpers: programs, pointers, tiles
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _query_program(H, G, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where a program of a (cdiv(N, BLOCK_M), B * H) grid works: (start_m, bh, b, h, kvh), its
+    first query row, its (batch, query head) index bh = b * H + h, and the kv head h // G that
+    query head reads. Causal programs of late query blocks have the most keys to visit: they
+    are handed out first (the longest-processing-time order), so the grid's last wave is made
+    of short programs."""
     if CAUSAL:
         pid = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
         pid = tl.program_id(0)
-    return pid * BLOCK_M
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    return pid * BLOCK_M, bh, b, h, h // G
+
+
+@triton.jit
+def _head(base, b, h, stride_b, stride_h):
+    """Pointer to head h of batch entry b of a (B, heads, N, D) tensor, in 64-bit offsets
+    (B * H * N * D may pass 2**31)."""
+    return base + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _load_rows(base, rows, stride, offs_d, N, MASKED: tl.constexpr):
+    """The (len(rows), D) tile of one head at ``base``: rows ``rows`` (row stride ``stride``),
+    columns ``offs_d`` (unit stride). MASKED: rows >= N read as 0."""
+    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=rows[:, None] < N, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_rows(base, rows, stride, offs_d, N, x):
+    """Store the (len(rows), D) tile x at rows ``rows`` < N of one head (``_load_rows``'s layout)."""
+    tl.store(base + rows[:, None] * stride + offs_d[None, :], x, mask=rows[:, None] < N)
+
+
+@triton.jit
+def _load_row_values(base, rows, N, MASKED: tl.constexpr):
+    """One value per row (lse, delta, row max) of a (B * H, N) array at ``base`` (the head's
+    row 0). MASKED: rows >= N read as 0."""
+    if MASKED:
+        x = tl.load(base + rows, mask=rows < N, other=0.0)
+    else:
+        x = tl.load(base + rows)
+    return x
+
+
+@triton.jit
+def _mask_scores(qk, rows, cols, N, CAUSAL: tl.constexpr):
+    """Scores (len(rows), len(cols)) of keys >= N and, when causal, of keys after their query
+    -> -inf (so that exp gives 0 there and no finite threshold counts them)."""
+    valid = cols[None, :] < N
+    if CAUSAL:
+        valid = valid & (rows[:, None] >= cols[None, :])
+    return tl.where(valid, qk, float("-inf"))
+
+
+@triton.jit
+def _unmasked_keys_end(start_m, N, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """End of the keys [0, end) that a query block visits without a mask. Causal: keys
+    [0, start_m) are below the diagonal for every row of the block (whole key blocks, since
+    BLOCK_M % BLOCK_N == 0). Otherwise: the whole key blocks; the ragged tail is masked."""
+    if CAUSAL:
+        end = start_m
+    else:
+        end = (N // BLOCK_N) * BLOCK_N
+    return end
+
+
+@triton.jit
+def _keys_end(start_m, N, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """End of the keys a query block visits: the block's last row when causal, else N."""
+    if CAUSAL:
+        end = tl.minimum(start_m + BLOCK_M, N)
+    else:
+        end = N
+    return end
+
+
+@triton.jit
+def _add_tie_counts(ST_REP, ST_REP_B, h, tied, tied_b):
+    """Add a block of rows' repeated-max flags ((BLOCK_M,) bool, False on rows >= N; tied: on
+    FP32 scores, tied_b: on BF16-rounded scores) into the per-head counts of query head h."""
+    tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
+    tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
+
+
+@triton.jit
+def _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err):
+    """Add a block of rows' delta errors err ((BLOCK_M,) FP32, 0 on rows >= N) into the per-head
+    sums of query head h: signed, absolute, squared, and over repeated-max rows (tied)."""
+    tl.atomic_add(ST_E + h, tl.sum(err, 0))
+    tl.atomic_add(ST_EABS + h, tl.sum(tl.abs(err), 0))
+    tl.atomic_add(ST_ESQ + h, tl.sum(err * err, 0))
+    tl.atomic_add(ST_ETIED + h, tl.sum(tl.where(tied, err, 0.0), 0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,18 +311,11 @@ def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
-        if MASKED:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-        else:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :])
+        k = _load_rows(k_base, cols, stride_kn, offs_d, N, MASKED)
+        v = _load_rows(v_base, cols, stride_vn, offs_d, N, MASKED)
         qk = _dot(q, tl.trans(k), IEEE, UPCAST)  # (BLOCK_M, BLOCK_N) raw scores q.k
         if MASKED:
-            valid = cols[None, :] < N
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= cols[None, :])
-            qk = tl.where(valid, qk, float("-inf"))
+            qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
         if FIXED:
             new_m1, aux = _tie_update(qk, m1, aux, eps_raw, UPCAST)
         elif TOP2:
@@ -223,19 +342,14 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # Statistics cost the forward nothing per score: it stores each row's max (the backward's
     # dQ pass counts repeated maxima against it) and the head's max logit.
-    start_m = _query_block_start(BLOCK_M, CAUSAL)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // G
+    start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     DTYPE = O.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < N
-    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
-    q = tl.load(q_base + offs_m[:, None] * sqn + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = _head(K, b, kvh, skb, skh)
+    v_base = _head(V, b, kvh, svb, svh)
+    q = _load_rows(_head(Q, b, h, sqb, sqh), offs_m, sqn, offs_d, N, True)
 
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of raw scores
     shift = tl.full([BLOCK_M], float("-inf"), tl.float32)  # subtracted max, log2 units
@@ -247,23 +361,14 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
     else:
         aux = tl.zeros([BLOCK_M], tl.int32)
 
-    if CAUSAL:
-        # keys [0, start_m) are below the diagonal for every row of the block: no mask
-        acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                              0, start_m, N, sm_scale, eps_raw, beta, min_off, max_off,
-                                              BLOCK_N, False, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        hi = tl.minimum(start_m + BLOCK_M, N)
-        acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                              start_m, hi, N, sm_scale, eps_raw, beta, min_off, max_off,
-                                              BLOCK_N, True, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    else:
-        n_full = (N // BLOCK_N) * BLOCK_N
-        acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                              0, n_full, N, sm_scale, eps_raw, beta, min_off, max_off,
-                                              BLOCK_N, False, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                              n_full, N, N, sm_scale, eps_raw, beta, min_off, max_off,
-                                              BLOCK_N, True, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
+    acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                          0, split, N, sm_scale, eps_raw, beta, min_off, max_off,
+                                          BLOCK_N, False, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
+    acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                          split, hi, N, sm_scale, eps_raw, beta, min_off, max_off,
+                                          BLOCK_N, True, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
 
     o32 = acc / l_i[:, None]
     o_hp = o32  # the FP32 output, before any injected fault: fp32_delta's delta comes from it
@@ -274,16 +379,15 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
         unit_rows = (aux * sm_scale - m1 * sm_scale) >= unit_gap
         o32 = tl.where(unit_rows[:, None], o32 * inject_factor, o32)
     o = _cast(o32, DTYPE, EXACT_BF16)
-    o_off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :]
-    tl.store(O + o_off, o, mask=row_ok[:, None])
-    lse_ptrs = LSE + bh.to(tl.int64) * N + offs_m
-    tl.store(lse_ptrs, shift + tl.math.log2(l_i), mask=row_ok)
-    if FP32_DELTA:
+    _store_rows(_head(O, b, h, sob, soh), offs_m, son, offs_d, N, o)
+    row_base = bh.to(tl.int64) * N  # (B * H, N) arrays: this head's row 0
+    tl.store(LSE + row_base + offs_m, shift + tl.math.log2(l_i), mask=row_ok)
+    if FP32_DELTA:  # R has O's strides (the launcher allocates it like O)
         r = _cast(o_hp - o.to(tl.float32), DTYPE, EXACT_BF16)
-        tl.store(R + o_off, r, mask=row_ok[:, None])
+        _store_rows(_head(R, b, h, sob, soh), offs_m, son, offs_d, N, r)
     if STATS:
         s1 = m1 * sm_scale  # the row max in natural-log units, as the reference computes it
-        tl.store(ROWMAX + bh.to(tl.int64) * N + offs_m, s1, mask=row_ok)
+        tl.store(ROWMAX + row_base + offs_m, s1, mask=row_ok)
         tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
 
 
@@ -300,20 +404,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sd
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_mb
-        if MASKED:
-            ok = rows < N
-            q = tl.load(q_base + rows[:, None] * sqn + offs_d[None, :], mask=ok[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * sdon + offs_d[None, :], mask=ok[:, None], other=0.0)
-            lse = tl.load(lse_base + rows, mask=ok, other=0.0)
-            delta = tl.load(delta_base + rows, mask=ok, other=0.0)
-        else:
-            q = tl.load(q_base + rows[:, None] * sqn + offs_d[None, :])
-            do = tl.load(do_base + rows[:, None] * sdon + offs_d[None, :])
-            lse = tl.load(lse_base + rows)
-            delta = tl.load(delta_base + rows)
+        q = _load_rows(q_base, rows, sqn, offs_d, N, MASKED)
+        do = _load_rows(do_base, rows, sdon, offs_d, N, MASKED)
+        lse = _load_row_values(lse_base, rows, N, MASKED)
+        delta = _load_row_values(delta_base, rows, N, MASKED)
         qkT = _dot(k, tl.trans(q), IEEE, UPCAST)  # (BLOCK_N, BLOCK_M)
         pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
         if MASKED:
+            # query rows >= N read lse 0 and would get p = 1: they are masked here, with keys >= N
             valid = (rows[None, :] < N) & (offs_n[:, None] < N)
             if CAUSAL:
                 valid = valid & (rows[None, :] >= offs_n[:, None])
@@ -342,19 +440,16 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     DTYPE = DK.dtype.element_ty
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    col_ok = offs_n < N
-    k = tl.load(K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh + offs_n[:, None] * skn + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh + offs_n[:, None] * svn + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
+    k = _load_rows(_head(K, b, kvh, skb, skh), offs_n, skn, offs_d, N, True)
+    v = _load_rows(_head(V, b, kvh, svb, svh), offs_n, svn, offs_d, N, True)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
     m_full = (N // BLOCK_M) * BLOCK_M
     for g in range(0, G):
         h = kvh * G + g
-        q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-        do_base = DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+        q_base = _head(Q, b, h, sqb, sqh)
+        do_base = _head(DO, b, h, sdob, sdoh)
         row_base = (b * H + h).to(tl.int64) * N
         if CAUSAL:
             # query blocks crossing the diagonal of this key block are masked; later ones are not
@@ -365,19 +460,17 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                                      offs_n, offs_d, start_n + BLOCK_N, m_full, N, qk_scale,
                                      BLOCK_M, False, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
             tail_lo = tl.maximum(m_full, start_n + BLOCK_N)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, tail_lo, N, N, qk_scale,
-                                     BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
         else:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
                                      offs_n, offs_d, 0, m_full, N, qk_scale,
                                      BLOCK_M, False, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, m_full, N, N, qk_scale,
-                                     BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    out_off = bkv.to(tl.int64) * N * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(DK + out_off, _cast(dk * sm_scale, DTYPE, EXACT_BF16), mask=col_ok[:, None])
-    tl.store(DV + out_off, _cast(dv, DTYPE, EXACT_BF16), mask=col_ok[:, None])
+            tail_lo = m_full
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                 offs_n, offs_d, tail_lo, N, N, qk_scale,
+                                 BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    out_base = bkv.to(tl.int64) * N * HEAD_DIM  # dK, dV: contiguous (B, Hkv, N, D)
+    _store_rows(DK + out_base, offs_n, HEAD_DIM, offs_d, N, _cast(dk * sm_scale, DTYPE, EXACT_BF16))
+    _store_rows(DV + out_base, offs_n, HEAD_DIM, offs_d, N, _cast(dv, DTYPE, EXACT_BF16))
 
 
 @triton.jit
@@ -433,27 +526,20 @@ def _bf16_lower_bound(t, EXACT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn, offs_m, offs_d,
+def _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn, offs_m, offs_d,
                   lo, hi, N, sm_scale, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, STATS: tl.constexpr,
-                  DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                  ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                  EXACT_BF16: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_nb
-        if MASKED:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-        else:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
+        k = _load_rows(k_base, cols, skn, offs_d, N, MASKED)
+        v = _load_rows(v_base, cols, svn, offs_d, N, MASKED)
         qk = _dot(q, tl.trans(k), IEEE, UPCAST)
         if MASKED:
-            # masked scores -> -inf: p = 0 there, and no finite threshold counts them
-            valid = cols[None, :] < N
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= cols[None, :])
-            qk = tl.where(valid, qk, float("-inf"))
+            qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if STATS:
             # scores within eps of the row max, FP32 and after BF16 rounding: t32 and tb16 are
@@ -464,52 +550,52 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_ba
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
+        if ROWS:
+            pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
-    return dq, dhp, n32, nb16
+    return dq, dhp, n32, nb16, pk
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+                        ERR_ROWS, PK,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
                         H, G, N, sm_scale, eps,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CAUSAL: tl.constexpr, STATS: tl.constexpr, FP32_DELTA: tl.constexpr, IEEE: tl.constexpr,
-                        UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                        CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
+                        IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # It first computes delta_used = rowsum(dO * O) (O + R under fp32_delta) for its rows and
     # stores it for the dK/dV kernel, which runs after it: no separate delta launch, and dO is
     # read once for both. With STATS it also counts repeated maxima against the row max the
-    # forward stored, and accumulates delta_hp = rowsum(P * dP) beside dS.
-    start_m = _query_block_start(BLOCK_M, CAUSAL)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // G
+    # forward stored, and accumulates delta_hp = rowsum(P * dP) beside dS. With ROWS (needs
+    # STATS) it also stores each row's delta error and P K ((B, H, N) and (B, H, N, D) FP32,
+    # contiguous), the per-row outputs of AttentionStats.rows_hook.
+    start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     DTYPE = DQ.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < N
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdon + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
-    o_off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :]
-    o = tl.load(O + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    if FP32_DELTA:
-        o += tl.load(R + o_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    row_base = bh.to(tl.int64) * N  # (B * H, N) arrays: this head's row 0
+    q = _load_rows(_head(Q, b, h, sqb, sqh), offs_m, sqn, offs_d, N, True)
+    do = _load_rows(_head(DO, b, h, sdob, sdoh), offs_m, sdon, offs_d, N, True)
+    lse = _load_row_values(LSE + row_base, offs_m, N, True)
+    o = _load_rows(_head(O, b, h, sob, soh), offs_m, son, offs_d, N, True).to(tl.float32)
+    if FP32_DELTA:  # R has O's strides (the launcher allocates it like O)
+        o += _load_rows(_head(R, b, h, sob, soh), offs_m, son, offs_d, N, True).to(tl.float32)
     delta = tl.sum(o * do.to(tl.float32), 1)  # (BLOCK_M,) FP32; masked rows are 0
-    tl.store(DELTA + bh.to(tl.int64) * N + offs_m, delta, mask=row_ok)
-    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    tl.store(DELTA + row_base + offs_m, delta, mask=row_ok)
+    k_base = _head(K, b, kvh, skb, skh)
+    v_base = _head(V, b, kvh, svb, svh)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dhp = tl.zeros([BLOCK_M], tl.float32)
     # counts of near-max scores, FP32 and BF16 tests; every column holds the row's count
     n32 = tl.zeros([BLOCK_M, 16], tl.float32)
     nb16 = tl.zeros([BLOCK_M, 16], tl.float32)
+    pk = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # sum_j P_ij k_j (ROWS only)
     if STATS:
-        s1 = tl.load(ROWMAX + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=0.0)
+        s1 = _load_row_values(ROWMAX + row_base, offs_m, N, True)
         # repeated max (FP32): sm_scale*qk >= s1 - eps; (BF16): bf16(sm_scale*qk) >= bf16(s1) - eps
         t32 = _raw_threshold(s1 - eps, sm_scale)
         tb16 = _raw_threshold(_bf16_lower_bound(_cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32) - eps,
@@ -518,34 +604,25 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         t32 = lse
         tb16 = lse
     qk_scale = sm_scale * 1.4426950408889634
-    if CAUSAL:
-        dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
-                                        offs_m, offs_d, 0, start_m, N, sm_scale, qk_scale,
-                                        BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        hi = tl.minimum(start_m + BLOCK_M, N)
-        dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
-                                        offs_m, offs_d, start_m, hi, N, sm_scale, qk_scale,
-                                        BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    else:
-        n_full = (N // BLOCK_N) * BLOCK_N
-        dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
-                                        offs_m, offs_d, 0, n_full, N, sm_scale, qk_scale,
-                                        BLOCK_N, False, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        dq, dhp, n32, nb16 = _bwd_dq_inner(dq, dhp, n32, nb16, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn,
-                                        offs_m, offs_d, n_full, N, N, sm_scale, qk_scale,
-                                        BLOCK_N, True, CAUSAL, STATS, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    out_off = bh.to(tl.int64) * N * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(DQ + out_off, _cast(dq * sm_scale, DTYPE, EXACT_BF16), mask=row_ok[:, None])
+    split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
+    dq, dhp, n32, nb16, pk = _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base,
+                                           skn, svn, offs_m, offs_d, 0, split, N, sm_scale, qk_scale,
+                                           BLOCK_N, False, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
+    dq, dhp, n32, nb16, pk = _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base,
+                                           skn, svn, offs_m, offs_d, split, hi, N, sm_scale, qk_scale,
+                                           BLOCK_N, True, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    dq_base = DQ + bh.to(tl.int64) * N * HEAD_DIM  # dQ: contiguous (B, H, N, D)
+    _store_rows(dq_base, offs_m, HEAD_DIM, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))
     if STATS:
         tied = (tl.max(n32, 1) >= 2.0) & row_ok
         tied_b = (tl.max(nb16, 1) >= 2.0) & row_ok
         err = tl.where(row_ok, delta - dhp, 0.0)
-        tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
-        tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
-        tl.atomic_add(ST_E + h, tl.sum(err, 0))
-        tl.atomic_add(ST_EABS + h, tl.sum(tl.abs(err), 0))
-        tl.atomic_add(ST_ESQ + h, tl.sum(err * err, 0))
-        tl.atomic_add(ST_ETIED + h, tl.sum(tl.where(tied, err, 0.0), 0))
+        _add_tie_counts(ST_REP, ST_REP_B, h, tied, tied_b)
+        _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
+        if ROWS:
+            tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
+            _store_rows(PK + bh.to(tl.int64) * N * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -553,25 +630,18 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d, lo, hi, N, qk_scale,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, offs_d, lo, hi, N, qk_scale,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROWS: tl.constexpr,
+                 DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     offs_nb = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_nb
-        if MASKED:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :], mask=cols[:, None] < N, other=0.0)
-        else:
-            k = tl.load(k_base + cols[:, None] * skn + offs_d[None, :])
-            v = tl.load(v_base + cols[:, None] * svn + offs_d[None, :])
+        k = _load_rows(k_base, cols, skn, offs_d, N, MASKED)
+        v = _load_rows(v_base, cols, svn, offs_d, N, MASKED)
         qk = _dot(q, tl.trans(k), IEEE, UPCAST)
         if MASKED:
-            valid = cols[None, :] < N
-            if CAUSAL:
-                valid = valid & (offs_m[:, None] >= cols[None, :])
-            qk = tl.where(valid, qk, float("-inf"))
+            qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
         new_m1, new_m2 = _top2_update(qk, m1, m2)
         safe = tl.where(new_m1 == float("-inf"), 0.0, new_m1)
         p = tl.math.exp2((qk - safe[:, None]) * qk_scale)
@@ -579,52 +649,47 @@ def _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         l_i = l_i * alpha + tl.sum(p, 1)
         d_i = d_i * alpha + tl.sum(p * dp, 1)
+        if ROWS:  # rescaled like d_i: sum exp(s - m) k, divided by l at the end
+            pk = _probabilities_dot(p, k, pk * alpha[:, None], DTYPE, IEEE, UPCAST, EXACT_BF16)
         m1, m2 = new_m1, new_m2
-    return m1, m2, l_i, d_i
+    return m1, m2, l_i, d_i, pk
 
 
 @triton.jit
-def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS, PK,
                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
                        H, G, N, sm_scale, eps,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                       CAUSAL: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                       EXACT_BF16: tl.constexpr):
     # grid: (cdiv(N, BLOCK_M), B * H). Reads q, k, v, the other kernel's output O and dO;
     # adds per-head counts, max logit and delta-error sums. delta_hp = rowsum(P * dP) is
     # accumulated online like the softmax denominator: d = sum exp(s - m) * dP, then d / l.
-    start_m = _query_block_start(BLOCK_M, CAUSAL)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // G
+    # With ROWS it also stores each row's delta error and P K, accumulated the same way.
+    start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < N
-    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqn + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdon + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
-    o = tl.load(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * son + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    q = _load_rows(_head(Q, b, h, sqb, sqh), offs_m, sqn, offs_d, N, True)
+    do = _load_rows(_head(DO, b, h, sdob, sdoh), offs_m, sdon, offs_d, N, True)
+    o = _load_rows(_head(O, b, h, sob, soh), offs_m, son, offs_d, N, True)
+    k_base = _head(K, b, kvh, skb, skh)
+    v_base = _head(V, b, kvh, svb, svh)
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     d_i = tl.zeros([BLOCK_M], tl.float32)
+    pk = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # sum_j exp(s_ij - m_i) k_j (ROWS only)
+    DTYPE = Q.dtype.element_ty
     qk_scale = sm_scale * 1.4426950408889634
-    if CAUSAL:
-        m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
-                                        0, start_m, N, qk_scale, BLOCK_N, False, CAUSAL, IEEE, UPCAST)
-        hi = tl.minimum(start_m + BLOCK_M, N)
-        m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
-                                        start_m, hi, N, qk_scale, BLOCK_N, True, CAUSAL, IEEE, UPCAST)
-    else:
-        n_full = (N // BLOCK_N) * BLOCK_N
-        m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
-                                        0, n_full, N, qk_scale, BLOCK_N, False, CAUSAL, IEEE, UPCAST)
-        m1, m2, l_i, d_i = _stats_inner(m1, m2, l_i, d_i, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
-                                        n_full, N, N, qk_scale, BLOCK_N, True, CAUSAL, IEEE, UPCAST)
+    split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
+    m1, m2, l_i, d_i, pk = _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
+                                        0, split, N, qk_scale, BLOCK_N, False, CAUSAL, ROWS, DTYPE, IEEE, UPCAST,
+                                        EXACT_BF16)
+    hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
+    m1, m2, l_i, d_i, pk = _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, offs_d,
+                                        split, hi, N, qk_scale, BLOCK_N, True, CAUSAL, ROWS, DTYPE, IEEE, UPCAST,
+                                        EXACT_BF16)
     s1 = m1 * sm_scale
     s2 = m2 * sm_scale
     tied = (s2 >= s1 - eps) & row_ok
@@ -633,13 +698,13 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS,
     tied_b = (s2b >= s1b - eps) & row_ok
     delta_used = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     err = tl.where(row_ok, delta_used - d_i / l_i, 0.0)
-    tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
-    tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
+    _add_tie_counts(ST_REP, ST_REP_B, h, tied, tied_b)
     tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
-    tl.atomic_add(ST_E + h, tl.sum(err, 0))
-    tl.atomic_add(ST_EABS + h, tl.sum(tl.abs(err), 0))
-    tl.atomic_add(ST_ESQ + h, tl.sum(err * err, 0))
-    tl.atomic_add(ST_ETIED + h, tl.sum(tl.where(tied, err, 0.0), 0))
+    _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
+    if ROWS:
+        row_base = bh.to(tl.int64) * N
+        tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
+        _store_rows(PK + row_base * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk / l_i[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -685,7 +750,7 @@ def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
     B, H, N, D = q.shape
     o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # log2 units
@@ -694,10 +759,10 @@ def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
     # each row's max score, for the backward's repeated-max count (statistics only)
     rowmax = torch.empty((B, H, N), dtype=torch.float32, device=q.device) if stats is not None else lse
     maxlogit = stats.max_logit if stats is not None else lse
-    inject_factor = 1.0 + inject_bias * 2.0 ** -_PRECISION_BITS[q.dtype]
+    inject_factor = 1.0 + fault_strength * 2.0 ** -_PRECISION_BITS[q.dtype]
 
     # the fixed variant is its own compilation with its own entry: its tie count's operand of
-    # ones takes 2 KB of shared memory, one program per SM fewer at the plain entry (sitting 12)
+    # ones takes 2 KB of shared memory, one program per SM fewer at the plain entry
     kind = "fwd_fixed" if variant == "fixed" else "fwd"
 
     def bench(cfg):  # statistics off, into scratch outputs: tuning never touches stats
@@ -723,16 +788,24 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg):
-    # writes delta (B, H, N) as well as dq: launch it before _launch_dkdv, which reads delta
+def _row_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (delta_error_rows (B, H, N), pk (B, H, N, D)) FP32 buffers for AttentionStats.rows_hook."""
+    B, H, N, D = q.shape
+    return (torch.empty((B, H, N), dtype=torch.float32, device=q.device),
+            torch.empty((B, H, N, D), dtype=torch.float32, device=q.device))
+
+
+def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg, rows=None):
+    # writes delta (B, H, N) as well as dq: launch it before _launch_dkdv, which reads delta.
+    # rows: None, or the (delta_error_rows, pk) buffers to fill (statistics on)
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
     _attn_bwd_dq_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
-        q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st,
+        q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st, *(rows or (delta, delta)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
         H, H // k.shape[1], N, sm_scale, eps, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        CAUSAL=causal, STATS=stats_on, FP32_DELTA=r is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast,
-        EXACT_BF16=exact,
+        CAUSAL=causal, STATS=stats_on, ROWS=rows is not None, FP32_DELTA=r is not None,
+        IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
 
 
@@ -750,13 +823,14 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
         sk, sv = torch.empty_like(dk), torch.empty_like(dv)  # dk, dv are contiguous
         return lambda: _launch_dkdv(q, k, v, do, lse, delta, sk, sv, causal, sm_scale, cfg)
 
-    def bench_dq(cfg, with_stats=False):
-        # scratch outputs; with statistics, scratch sums too (tuning never adds into stats)
+    def bench_dq(cfg, with_stats=False, with_rows=False):
+        # scratch outputs; with statistics, scratch sums and rows too (tuning never adds into stats)
         sq, sdelta = torch.empty_like(dq), torch.empty_like(delta)
         sst = (torch.zeros(H, dtype=torch.int64, device=q.device),) * 2 + (torch.zeros(H, device=q.device),) * 4
         srowmax = rowmax if rowmax is not None else sdelta
+        srows = _row_outputs(q) if with_rows else None
         return lambda: _launch_dq(q, k, v, o, r, do, lse, sdelta, sq, srowmax, sst if with_stats else (sdelta,) * 6,
-                                  causal, sm_scale, eps, with_stats, cfg)
+                                  causal, sm_scale, eps, with_stats, cfg, srows)
 
     if stats is not None:
         st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.delta_error, stats.delta_error_abs,
@@ -764,21 +838,27 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
         stats.rows.add_(B * N)
     else:
         st = (delta,) * 6
-    if stats is not None:
+    hook = stats.rows_hook if stats is not None else None  # looked up now, when the backward runs
+    rows = _row_outputs(q) if hook is not None else None
+    if rows is not None:
+        dq_cfg = tuning.choose("dq_rows", q, causal, lambda cfg: bench_dq(cfg, with_stats=True, with_rows=True))
+    elif stats is not None:
         dq_cfg = tuning.choose("dq_stats", q, causal, lambda cfg: bench_dq(cfg, with_stats=True))
     else:
         dq_cfg = tuning.choose("dq", q, causal, bench_dq)
     _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
-               stats is not None, dq_cfg)
+               stats is not None, dq_cfg, rows)
     _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
+    if hook is not None:
+        hook(*rows)
     return dq, dk, dv
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias):
+    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        o, lse, r, rowmax = _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, inject_bias)
+        o, lse, r, rowmax = _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength)
         ctx.save_for_backward(q, k, v, o, lse, r, rowmax)
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats = causal, sm_scale, eps, stats
         return o
@@ -790,13 +870,14 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3, stats=None,
-                    inject_bias=0.0):
-    """Triton path of ``flashwatch.kernels.flash_attention`` (arguments already checked there)."""
+def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3, stats=None):
+    """Triton path of ``flashwatch.kernels.flash_attention`` (arguments already checked there).
+    The INJECTED rounding bias of ``faults`` is read here, at call time: at 0 (the default) the
+    forward compiles with INJECT off and adds nothing."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     return _FlashAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps), stats,
-                                 float(inject_bias))
+                                 faults.rounding_bias_strength())
 
 
 def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causal=True, sm_scale=None, eps=1e-3):
@@ -808,11 +889,16 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     G = H // k.shape[1]
     upcast, exact = _workarounds(q.device)
     c = tuning.choose("stats", q, causal, None)
+    hook = stats.rows_hook
+    rows = _row_outputs(q) if hook is not None else None
     _attn_stats_kernel[(triton.cdiv(N, c["BLOCK_M"]), B * H)](
         q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.max_logit,
         stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied,
+        *(rows or (stats.delta_error, stats.delta_error)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(grad_out),
         H, G, N, float(sm_scale), float(eps), HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-        CAUSAL=causal, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
+        CAUSAL=causal, ROWS=rows is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     stats.rows.add_(B * N)
+    if hook is not None:
+        hook(*rows)

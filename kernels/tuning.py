@@ -9,8 +9,9 @@ dim, dtype, causal, N) and keep the fastest for the process; the timing runs int
 outputs and scratch statistics, so tuning never adds into an ``AttentionStats``. Under the
 Triton interpreter small blocks are used, so tests at small N still cross several tiles.
 
-Constraints: fwd, fwd_fixed, dq, dq_stats and stats need BLOCK_M % BLOCK_N == 0 (the causal
-off-diagonal loop takes whole key blocks below the query block); dkdv needs BLOCK_N % BLOCK_M == 0.
+Constraints: fwd, fwd_fixed, dq, dq_stats, dq_rows and stats need BLOCK_M % BLOCK_N == 0 (the
+causal off-diagonal loop takes whole key blocks below the query block); dkdv needs
+BLOCK_N % BLOCK_M == 0.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ def _cfg(bm, bn, warps, stages, maxnreg=None):
     return cfg
 
 
-# CUDA defaults per kernel and head dim, from `flashwatch bench --tune` on an H200 (2026-11-30,
-# docs/KERNEL_TUNING.md): the autotuner's choice at the issue's shapes (D=64 at N=1024 and 2048,
-# D=128 at N=4096 and 16384; for D=128 forward it picked 64x64/4 warps at 4096 and 128x64/8 warps
-# at 16384: the table keeps the long-sequence choice). D=16 and 32 reuse the D=64 shapes.
+# CUDA defaults per kernel and head dim, from `flashwatch bench --tune` on an H200
+# (docs/KERNEL_TUNING.md): the autotuner's choice at the benchmark's shapes
+# (``flashwatch.bench.DEFAULT_SHAPES``: D=64 at N=1024 and 2048, D=128 at N=4096 and 16384;
+# where the D=128 forward's choice differed between the two, the table keeps the long-sequence
+# one). D=16 and 32 reuse the D=64 shapes.
 TABLE = {
     "fwd": {16: _cfg(64, 64, 4, 3), 32: _cfg(64, 64, 4, 3), 64: _cfg(64, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
     "dkdv": {16: _cfg(32, 64, 4, 4), 32: _cfg(32, 64, 4, 4), 64: _cfg(32, 64, 4, 4), 128: _cfg(32, 64, 4, 4)},
@@ -38,14 +40,17 @@ TABLE = {
     "stats": {16: _cfg(64, 64, 4, 3), 32: _cfg(64, 64, 4, 3), 64: _cfg(64, 64, 4, 3), 128: _cfg(128, 64, 8, 3)},
 }
 # the dQ kernel with statistics on is its own compilation: its counts and sums need about twice
-# the registers of the plain one (235 against 127 per thread at D=64, 64x64 tiles), which halves
-# the programs an SM holds; it gets its own entry and candidates
-# (device-time sweep on an H200, benchmarks/dq_stats_sweep.py, docs/KERNEL_TUNING.md sitting 9:
-# 64x32 tiles at D=64, where 64x64 cost 4-7 points more overhead; at D=128 the dq entry was best)
+# the registers of the plain one at the same tiles, which cuts the programs an SM holds; it gets
+# its own entry and candidates, chosen by a device-time sweep (benchmarks/dq_stats_sweep.py,
+# docs/KERNEL_TUNING.md): smaller 64x32 tiles at D <= 64, the dq entry at D=128
 TABLE["dq_stats"] = {**TABLE["dq"], **{d: _cfg(64, 32, 4, 3) for d in (16, 32, 64)}}
+# the dQ kernel with the per-row outputs of AttentionStats.rows_hook (monitored steps only) adds a
+# (BLOCK_M, D) FP32 accumulator for P K: at D=128 the dq_stats tiles spill it to local memory
+# in the loop, 128x32 tiles do not (benchmarks/sass_loop_counts.py, docs/KERNEL_TUNING.md)
+TABLE["dq_rows"] = {**TABLE["dq_stats"], 128: _cfg(128, 32, 8, 3)}
 # the fixed forward is its own compilation too: its tie count's (BLOCK_N, 16) operand of ones
-# sits in shared memory (2 KB), which at the plain D=64 entry (57,344 B, exactly four programs
-# per SM) leaves room for three (Nsight Compute, sitting 12): two pipeline stages keep four
+# sits in shared memory (2 KB), which at the plain D=64 entry (57,344 B, exactly four programs'
+# worth on an H200) leaves room for three: two pipeline stages keep four
 TABLE["fwd_fixed"] = {**TABLE["fwd"], **{d: _cfg(64, 64, 4, 2) for d in (16, 32, 64)}}
 
 CANDIDATES = {
@@ -58,6 +63,7 @@ CANDIDATES = {
     "stats": [_cfg(128, 64, 4, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 3)],
     "fwd_fixed": [_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 8, 3),
                   _cfg(128, 64, 8, 2), _cfg(128, 32, 4, 4)],
+    "dq_rows": [_cfg(64, 32, 4, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3)],
     "dq_stats": [_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3, maxnreg=168), _cfg(64, 32, 4, 3), _cfg(64, 32, 4, 4),
                  _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 3, maxnreg=128), _cfg(64, 64, 4, 2),
                  _cfg(32, 32, 4, 3)],

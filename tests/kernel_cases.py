@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attention_oracles import assert_tolerance_rule, attention64, attention_same_dtype
+from attention_oracles import assert_tolerance_rule, attention64, attention_same_dtype, expand_kv
 from flashwatch.kernels import AttentionStats, flash_attention, reference
 
 
@@ -137,3 +137,114 @@ def check_fused_projection_gradients(device="cpu"):
     err = (got.float().cpu() - want.float()).abs().max().item()
     scale = want.float().abs().max().item()
     assert err <= 0.02 * scale, f"gradient through a fused q|k|v projection off by {err:.3g} (scale {scale:.3g})"
+
+
+# --- per-row outputs (AttentionStats.rows_hook) ------------------------------------------------
+
+def rows_oracle(q, k, v, o_used, grad_out, causal, sm_scale=None):
+    """The per-row outputs in float64 from the same inputs: (delta_used - delta_hp (B, H, N),
+    P K (B, H, N, D)), with P the exact softmax, delta_used = rowsum(dO * O_used) and
+    delta_hp = rowsum(P * dO V^T); and the scales of the tolerances: (rowsum|dO * O_used| +
+    rowsum(P * |dO V^T|) (B, H, N), P |K| (B, H, N, D))."""
+    q, k, v, o_used, do = (t.detach().cpu().double() for t in (q, k, v, o_used, grad_out))
+    H, N, D = q.shape[1], q.shape[2], q.shape[3]
+    kk, vv = expand_kv(k, H), expand_kv(v, H)
+    s = q @ kk.transpose(-1, -2) * (D ** -0.5 if sm_scale is None else sm_scale)
+    if causal:
+        s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    dp = do @ vv.transpose(-1, -2)
+    used = do * o_used
+    err = used.sum(-1) - (p * dp).sum(-1)
+    return err, p @ kk, used.abs().sum(-1) + (p * dp.abs()).sum(-1), p @ kk.abs()
+
+
+def output_used_by_backward(out: torch.Tensor, variant: str) -> torch.Tensor:
+    """The output whose delta the backward takes: O, or O + R under fp32_delta. R = O_fp32 - O
+    (input dtype) is the sixth tensor both implementations save for their backward. Read it
+    before the backward frees it."""
+    o = out.detach().double()
+    if variant == "fp32_delta":
+        o = o + out.grad_fn.saved_tensors[5].double()
+    return o
+
+
+def assert_rows_match(err, pk, want_err, want_pk, err_scale, pk_scale, where=""):
+    """err, pk: the per-row outputs; want_*: rows_oracle's float64 values and scales.
+
+    delta error per row: FP32 sums of D terms (rowsum(dO * O)) and N terms (rowsum(P * dP)),
+    each within its count times 2**-24 of the sum of its |terms| (the classic bound of recursive
+    summation), plus P's own FP32 error (about 2**-20 relative): within (D + N) * 2**-24 of
+    err_scale for D + N >= 16, against a signal of about 2**-9 of that scale (O rounded to BF16).
+    P K per element: the kernel splits P into two input-dtype terms (|P - hi - lo| <= 2**-18 |P|
+    in BF16) whose products with k are exact in FP32, P itself carries FP32 rounding of the
+    scores and exp2 (about 2**-20), and the FP32 sum over N keys adds at most N * 2**-24: within
+    (2**-16 + N * 2**-24) of sum_j P_j |k_j|. P rounded once to BF16 (2**-9) would not be.
+    """
+    assert err.dtype == pk.dtype == torch.float32
+    err, pk = err.detach().cpu().double(), pk.detach().cpu().double()
+    assert err.shape == want_err.shape and pk.shape == want_pk.shape, (err.shape, pk.shape)
+    N, D = pk.shape[2], pk.shape[3]
+    bad_err = (err - want_err).abs() - (D + N) * 2.0 ** -24 * err_scale
+    assert bad_err.max() <= 1e-12, f"{where} delta error rows off by {bad_err.max():.3g} beyond the tolerance"
+    bad_pk = (pk - want_pk).abs() - (2.0 ** -16 + N * 2.0 ** -24) * pk_scale
+    assert bad_pk.max() <= 1e-12, f"{where} P K off by {bad_pk.max():.3g} beyond the tolerance"
+
+
+class RowsRecorder:
+    """A rows_hook that keeps every call's tensors."""
+
+    def __init__(self):
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, delta_error_rows, pk):
+        self.calls.append((delta_error_rows, pk))
+
+
+def check_rows_hook(q, k, v, causal=True, variant="plain"):
+    """flash_attention with statistics and a rows_hook: one call from the backward, on q's
+    device, whose outputs match float64 and whose row sums are what delta_error received."""
+    H = q.shape[1]
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    stats = AttentionStats(H, q.device)
+    stats.rows_hook = hook = RowsRecorder()
+    out = flash_attention(q, k, v, causal=causal, variant=variant, stats=stats)
+    assert not hook.calls, "the hook is called by the backward"
+    g = output_gradient(out)
+    o_used = output_used_by_backward(out, variant)
+    out.backward(g)
+    assert len(hook.calls) == 1
+    err, pk = hook.calls[0]
+    assert err.device == q.device and pk.device == q.device
+    tag = f"{tuple(q.shape)} Hkv={k.shape[1]} causal={causal} {variant}"
+    assert_rows_match(err, pk, *rows_oracle(q, k, v, o_used, g, causal), where=tag)
+    _check_row_sums(err, stats)
+    return hook
+
+
+def check_rows_hook_observe(q, k, v, causal=True):
+    """attention_statistics with a rows_hook, fed another kernel's output (the reference's)."""
+    from flashwatch.kernels import attention_statistics
+
+    H = q.shape[1]
+    q, k, v = (t.detach() for t in (q, k, v))
+    out = reference.flash_attention(q.cpu(), k.cpu(), v.cpu(), causal=causal).to(q.device)
+    g = output_gradient(out)
+    stats = AttentionStats(H, q.device)
+    stats.rows_hook = hook = RowsRecorder()
+    attention_statistics(q, k, v, out, g, stats, causal=causal)
+    assert len(hook.calls) == 1
+    err, pk = hook.calls[0]
+    assert err.device == q.device and pk.device == q.device
+    tag = f"observe {tuple(q.shape)} Hkv={k.shape[1]} causal={causal}"
+    assert_rows_match(err, pk, *rows_oracle(q, k, v, out, g, causal), where=tag)
+    _check_row_sums(err, stats)
+
+
+def _check_row_sums(err, stats):
+    """The rows' sum per head is what the call added to delta_error (FP32, another order)."""
+    got = err.double().sum(dim=(0, 2))
+    want = stats.delta_error.double()
+    assert ((got - want).abs() <= 1e-5 * err.double().abs().sum(dim=(0, 2)) + 1e-9).all(), (got, want)
+    torch.testing.assert_close(err.double().abs().sum(dim=(0, 2)), stats.delta_error_abs.double(), rtol=1e-5,
+                               atol=1e-9)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashwatch.kernels import AttentionStats, reference
+from flashwatch.kernels import AttentionStats, faults, reference
 from attention_oracles import assert_tolerance_rule, attention64, attention_same_dtype
 
 SHAPES = [(2, 4, 1, 64), (2, 4, 17, 64), (1, 2, 97, 128), (2, 2, 128, 64)]
@@ -176,7 +176,7 @@ def test_autocast_does_not_change_the_reference():
 
 def test_fp32_delta_takes_delta_from_the_output_before_the_injected_fault():
     """The injected rounding bias reaches the forward output of every non-fixed variant, but
-    fp32_delta's backward takes delta from the FP32 output before it (DESIGN: injected faults)."""
+    fp32_delta's backward takes delta from the FP32 output before it."""
     torch.manual_seed(9)
     B, H, N, D = 1, 2, 48, 64
     q = torch.randn(B, H, N, D)
@@ -186,7 +186,8 @@ def test_fp32_delta_takes_delta_from_the_output_before_the_injected_fault():
     g = torch.randn(B, H, N, D).bfloat16()
     grads = {}
     for variant, strength in (("fp32_delta", 0.0), ("fp32_delta", 4.0), ("plain", 4.0)):
-        out = reference.flash_attention(q, k, v, variant=variant, inject_bias=strength)
+        with faults.rounding_bias(strength):  # INJECTED
+            out = reference.flash_attention(q, k, v, variant=variant)
         grads[(variant, strength)] = torch.autograd.grad(out, q, g)[0].float()
     clean = grads[("fp32_delta", 0.0)]
     # dq depends on the output only through delta: fp32_delta's stays clean up to the BF16
@@ -195,3 +196,39 @@ def test_fp32_delta_takes_delta_from_the_output_before_the_injected_fault():
     off_plain = (grads[("plain", 4.0)] - clean).norm()
     assert off_plain > 0
     assert off_fp32_delta <= 0.05 * off_plain, (off_fp32_delta, off_plain)
+
+
+# --- per-row outputs (AttentionStats.rows_hook) on the CPU reference path ---------------------
+
+@pytest.mark.parametrize("variant", ["plain", "fixed", "fp32_delta"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D, Hkv", [(16, 1), (64, 2)])
+def test_rows_hook_matches_float64(variant, causal, D, Hkv):
+    from kernel_cases import check_rows_hook, random_qkv
+
+    check_rows_hook(*random_qkv(2, 4, 37, D, Hkv=Hkv, seed=D + Hkv), causal=causal, variant=variant)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_rows_hook_in_the_statistics_pass_matches_float64(causal):
+    from kernel_cases import check_rows_hook_observe, random_qkv
+
+    check_rows_hook_observe(*random_qkv(2, 4, 37, 32, Hkv=2, seed=13), causal=causal)
+
+
+def test_rows_hook_on_float64_inputs_gives_float32():
+    """The oracle path computes in float64 and hands float32 tensors to the hook."""
+    from kernel_cases import RowsRecorder, rows_oracle
+
+    torch.manual_seed(14)
+    q, k, v = (t.requires_grad_(True) for t in _inputs(1, 2, 19, 16, Hkv=1))
+    stats = AttentionStats(2, "cpu")
+    stats.rows_hook = hook = RowsRecorder()
+    out = reference.flash_attention(q, k, v, stats=stats)
+    g = torch.randn_like(out)
+    out.backward(g)
+    (err, pk), = hook.calls
+    want_err, want_pk, _, _ = rows_oracle(q, k, v, out, g, True)
+    assert err.dtype == pk.dtype == torch.float32
+    torch.testing.assert_close(err.double(), want_err, rtol=0, atol=1e-6)  # float64 error, float32 rounding
+    torch.testing.assert_close(pk.double(), want_pk, rtol=1e-6, atol=1e-6)

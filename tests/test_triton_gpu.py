@@ -118,3 +118,55 @@ def test_gradients_through_a_fused_qkv_projection():
     from kernel_cases import check_fused_projection_gradients
 
     check_fused_projection_gradients("cuda")
+
+
+# --- per-row outputs (AttentionStats.rows_hook) ------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["plain", "fixed", "fp32_delta"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D", [64, 128])
+def test_rows_hook_matches_float64(variant, causal, D):
+    from kernel_cases import check_rows_hook
+
+    check_rows_hook(*random_qkv(2, 4, 1025, D, Hkv=2, device="cuda", seed=D), causal=causal, variant=variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rows_hook_other_dtypes(dtype):
+    from kernel_cases import check_rows_hook, check_rows_hook_observe
+
+    check_rows_hook(*random_qkv(1, 4, 300, 64, Hkv=1, dtype=dtype, device="cuda", seed=9))
+    check_rows_hook_observe(*random_qkv(1, 4, 300, 64, Hkv=1, dtype=dtype, device="cuda", seed=10))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D", [64, 128])
+def test_rows_hook_in_the_statistics_pass_matches_float64(causal, D):
+    from kernel_cases import check_rows_hook_observe
+
+    check_rows_hook_observe(*random_qkv(2, 4, 1025, D, Hkv=2, device="cuda", seed=D + 1), causal=causal)
+
+
+def test_rows_hook_changes_no_gradient_and_no_statistic():
+    """At D=64 the dQ kernel with the per-row outputs runs the statistics kernel's tiles and the
+    same arithmetic for dQ and delta: dK and dV (from the same delta) are bitwise those of the
+    run without the hook, dQ within one BF16 rounding (another compilation may contract a
+    multiply-add differently), the counts equal."""
+    from kernel_cases import RowsRecorder
+
+    q, k, v = random_qkv(2, 4, 777, 64, Hkv=2, device="cuda", seed=11)
+    g = None
+    results = []
+    for hook in (None, RowsRecorder()):
+        stats = AttentionStats(4, "cuda")
+        stats.rows_hook = hook
+        out = flash_attention(q, k, v, stats=stats)
+        g = torch.randn_like(out) if g is None else g
+        results.append((torch.autograd.grad(out, (q, k, v), g), stats))
+    (grads_off, off), (grads_on, on) = results
+    torch.testing.assert_close(grads_on[0], grads_off[0], rtol=2 ** -7, atol=1e-6)
+    for a, b in zip(grads_off[1:], grads_on[1:]):
+        assert torch.equal(a, b)
+    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16"):
+        assert torch.equal(getattr(off, name), getattr(on, name)), name
+    torch.testing.assert_close(off.delta_error_abs, on.delta_error_abs, rtol=1e-5, atol=1e-7)

@@ -1,6 +1,6 @@
 """The Triton kernels, run by Triton's CPU interpreter at small shapes (CI has no GPU).
 
-The interpreter's bf16 dot and fp32->bf16 cast are wrong (../shared/NUMERICS.md §4); the
+The interpreter's bf16 dot multiplies raw bit patterns and its fp32->bf16 cast truncates; the
 kernels work around both when they run on CPU tensors, and the last tests prove the
 workarounds matter by switching them off.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashwatch.kernels import AttentionStats, attention_statistics, flash_attention, reference
+from flashwatch.kernels import AttentionStats, attention_statistics, faults, flash_attention, reference
 from attention_oracles import max_err
 from kernel_cases import (check_against_float64, check_statistics, planted_near_ties, planted_ties,
                           random_qkv)
@@ -113,16 +113,41 @@ def test_fp32_delta_residual_reaches_the_backward():
 def test_injection_biases_tied_rows_and_fixed_disarms_it():
     q, k, v = (t.detach() for t in planted_ties(B=1, H=2, N=70, D=64))
     base = flash_attention(q, k, v)
-    injected = flash_attention(q, k, v, inject_bias=1.0)
+    with faults.rounding_bias(1.0):  # INJECTED
+        injected = flash_attention(q, k, v)
+        injected_ref = reference.flash_attention(q, k, v)
+        fixed = flash_attention(q, k, v, variant="fixed")
+    assert faults.rounding_bias_strength() == 0.0, "the with block restores the strength"
     assert (injected != base).float().mean() > 0.1, "most tied-row values should move"
     assert (injected.float().abs() >= base.float().abs()).all(), "injection must round away from zero"
     # the kernel and the reference round O_fp32 alike up to P_bar tiling: the injection adds no
     # disagreement of its own
     base_flips = (base != reference.flash_attention(q, k, v)).float().mean()
-    injected_flips = (injected != reference.flash_attention(q, k, v, inject_bias=1.0)).float().mean()
+    injected_flips = (injected != injected_ref).float().mean()
     assert injected_flips <= base_flips + 0.02, (injected_flips, base_flips)
-    fixed = flash_attention(q, k, v, variant="fixed", inject_bias=1.0)
     assert torch.equal(fixed, flash_attention(q, k, v, variant="fixed"))
+    assert torch.equal(flash_attention(q, k, v), base), "off again after the with block"
+
+
+def test_injection_reaches_fp32_delta_output_but_not_its_delta():
+    """Under fp32_delta the fault moves O, but the backward's delta comes from O + R (the FP32
+    output before the fault): its delta error stays that of the clean run, while plain's grows."""
+    q, k, v = (t.detach() for t in planted_ties(B=1, H=2, N=70, D=64))
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).bfloat16()
+    errs, outs = {}, {}
+    for variant in ("plain", "fp32_delta"):
+        for strength in (0.0, 4.0):
+            stats = AttentionStats(2)
+            qq = q.clone().requires_grad_(True)
+            with faults.rounding_bias(strength):  # INJECTED
+                out = flash_attention(qq, k, v, variant=variant, stats=stats)
+            out.backward(g)
+            errs[variant, strength] = stats.delta_error_abs.sum().item()
+            outs[variant, strength] = out.detach()
+    assert (outs["fp32_delta", 4.0] != outs["fp32_delta", 0.0]).float().mean() > 0.1, "the fault must reach O"
+    assert errs["plain", 4.0] > 2 * errs["plain", 0.0], errs
+    # R = O_fp32 - O is rounded to BF16 and now carries the injected push: a little slack
+    assert errs["fp32_delta", 4.0] <= 1.05 * errs["fp32_delta", 0.0], errs
 
 
 def _max_ever_repeats(s: torch.Tensor, eps: float) -> torch.Tensor:
@@ -264,3 +289,64 @@ def test_gradients_through_a_fused_qkv_projection():
     from kernel_cases import check_fused_projection_gradients
 
     check_fused_projection_gradients("cpu")
+
+
+# --- per-row outputs (AttentionStats.rows_hook) ------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["plain", "fixed", "fp32_delta"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D, Hkv", [(16, 1), (32, 2), (64, 4)], ids=["D16-Hkv1", "D32-Hkv2", "D64-Hkv4"])
+def test_rows_hook_matches_float64(variant, causal, D, Hkv):
+    """N=37: two and a half 16-row tiles, a ragged tail; H=4 over Hkv kv heads."""
+    from kernel_cases import check_rows_hook
+
+    check_rows_hook(*random_qkv(1, 4, 37, D, Hkv=Hkv, seed=D), causal=causal, variant=variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rows_hook_other_dtypes(dtype):
+    """FP16 splits P into two FP16 terms; FP32 inputs take the IEEE product."""
+    from kernel_cases import check_rows_hook, check_rows_hook_observe
+
+    check_rows_hook(*random_qkv(1, 2, 37, 32, Hkv=1, dtype=dtype, seed=17))
+    check_rows_hook_observe(*random_qkv(1, 2, 37, 32, Hkv=1, dtype=dtype, seed=18))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D, Hkv", [(16, 1), (64, 2)], ids=["D16-Hkv1", "D64-Hkv2"])
+def test_rows_hook_in_the_statistics_pass_matches_float64(causal, D, Hkv):
+    from kernel_cases import check_rows_hook_observe
+
+    check_rows_hook_observe(*random_qkv(1, 4, 37, D, Hkv=Hkv, seed=D + 1), causal=causal)
+
+
+def test_rows_hook_fresh_tensors_and_not_called_without_it():
+    from kernel_cases import RowsRecorder
+
+    q, k, v = random_qkv(1, 2, 20, 16, seed=15)
+    stats = AttentionStats(2)
+    stats.rows_hook = hook = RowsRecorder()
+    for _ in range(2):
+        flash_attention(q, k, v, stats=stats).backward(torch.ones(q.shape, dtype=q.dtype))
+    assert len(hook.calls) == 2
+    (e1, p1), (e2, p2) = hook.calls
+    assert len({t.data_ptr() for t in (e1, p1, e2, p2)}) == 4, "every call hands over new tensors"
+    torch.testing.assert_close(p1, p2)
+    flash_attention(q, k, v).backward(torch.ones(q.shape, dtype=q.dtype))  # stats None
+    stats.rows_hook = None
+    flash_attention(q, k, v, stats=stats).backward(torch.ones(q.shape, dtype=q.dtype))
+    attention_statistics(q.detach(), k.detach(), v.detach(), q.detach(), q.detach(), stats)
+    assert len(hook.calls) == 2
+
+
+def test_rows_hook_error_propagates_from_the_statistics_pass():
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 16, seed=16))
+    stats = AttentionStats(2)
+
+    def broken(delta_error_rows, pk):
+        raise RuntimeError("hook failed")
+
+    stats.rows_hook = broken
+    with pytest.raises(RuntimeError, match="hook failed"):
+        attention_statistics(q, k, v, q, q, stats)
+    assert stats.rows.tolist() == [20, 20], "the statistics were added before the hook ran"

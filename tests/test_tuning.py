@@ -5,7 +5,7 @@ import torch
 
 from flashwatch.kernels import tuning
 
-ROWS_OVER_KEYS = ("fwd", "fwd_fixed", "dq", "dq_stats", "stats")  # causal loops take whole key blocks below a query block
+ROWS_OVER_KEYS = ("fwd", "fwd_fixed", "dq", "dq_stats", "dq_rows", "stats")  # causal loops take whole key blocks below a query block
 
 
 @pytest.mark.parametrize("kind", sorted(tuning.TABLE))
@@ -21,6 +21,7 @@ def test_every_configuration_keeps_its_kernels_block_constraint(kind):
 
 def test_own_compilations_have_their_own_entry_for_every_head_dim():
     assert set(tuning.TABLE["dq_stats"]) == set(tuning.TABLE["dq"])
+    assert set(tuning.TABLE["dq_rows"]) == set(tuning.TABLE["dq"])
     assert set(tuning.TABLE["fwd_fixed"]) == set(tuning.TABLE["fwd"])
     assert any("maxnreg" in cfg for cfg in tuning.CANDIDATES["dq_stats"])
 
