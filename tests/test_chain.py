@@ -162,3 +162,51 @@ def test_rotary_family_reads_nan():
     assert all(math.isnan(v) for v in snap["flashwatch_wq_error_push"].values())
     assert not math.isnan(snap["flashwatch_max_logit"][(0, 0)])
     monitor.detach()
+
+
+def test_chain_readings_match_float64_in_own_kernel_mode(monkeypatch):
+    """Own-kernel mode: the rows come from the kernel's backward (one hook per call, in reverse order)."""
+    import flashwatch.kernels as kernels
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
+    monitor = Monitor(MonitorConfig(interval=1, mode="own_kernel"))
+    monitor.attach(model)
+    pairs = {i: (layer.chain.u.clone(), layer.chain.v.clone()) for i, layer in enumerate(monitor.layers)}
+    real = kernels.flash_attention
+    calls = []
+
+    def spy(q, k, v, **kw):
+        out = real(q, k, v, **kw)
+        out.retain_grad()
+        calls.append((q, k, v, out))
+        return out
+
+    monkeypatch.setattr(kernels, "flash_attention", spy)
+    rec, handles, _, _ = _record(model, None)
+    x, y = sample_batch(DATA, 3, 32, generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)[1]
+    loss.backward()
+    for h in handles:
+        h.remove()
+    monitor.step(loss=loss.detach())
+    snap = monitor.snapshot()
+    assert len(calls) == 2
+    for i, (q, k, v, out) in enumerate(calls):
+        u, vv = pairs[i]
+        qd = q.detach().to(F64).requires_grad_(True)
+        s = q.shape[-1] ** -0.5
+        n = q.shape[2]
+        scores_ = s * qd @ k.detach().to(F64).transpose(-1, -2)
+        p = torch.softmax(scores_.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf), -1)
+        (p @ v.detach().to(F64)).backward(out.grad.to(F64))
+        push, push_true, _ = _expected(rec[i]["x"], q.detach(), k.detach(), v.detach(), out.detach(), out.grad,
+                                       qd.grad, u, vv)
+        got = torch.tensor([snap["flashwatch_wq_error_push"][(i, h)] for h in range(4)], dtype=F64)
+        true = torch.tensor([monitor.signals()["wq_error_push_true"][(i, h)] for h in range(4)], dtype=F64)
+        assert torch.allclose(got, push, rtol=2e-3, atol=2e-3 * push.abs().max()), (i, got, push)
+        # the kernel's dQ carries the BF16 rounding of delta; the float64 one does not: close, not equal
+        assert torch.allclose(true, push_true, rtol=0.05, atol=0.05 * push_true.abs().max())
+        assert push.abs().max() > 0
+    monitor.detach()
