@@ -100,6 +100,7 @@ class LayerChain:
         self.rows_calls = 0  # statistics passes added this step
         self.grad_calls = 0
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
+        self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
@@ -132,34 +133,56 @@ class LayerChain:
         self.push_true -= (du * xv).sum(dim=(0, 2)).double()
         self.grad_calls += 1
 
+    @property
+    def flat_size(self) -> int:
+        return 2 * self.num_heads + self.sketch.numel() + 2
+
+    def flat(self) -> torch.Tensor:
+        """This step's accumulators as one float64 vector (for the mean over data-parallel ranks)."""
+        calls = torch.stack([torch.full((), float(n), dtype=torch.float64, device=self.device)
+                             for n in (self.rows_calls, self.grad_calls)])
+        return torch.cat([self.push, self.push_true, self.sketch.flatten().double(), calls])
+
+    def set_flat(self, t: torch.Tensor) -> None:
+        """Take the accumulators back from ``flat()``'s layout (after the ranks' mean)."""
+        h = self.num_heads
+        self.push = t[:h].clone()
+        self.push_true = t[h: 2 * h].clone()
+        self.sketch = t[2 * h: 2 * h + self.sketch.numel()].view_as(self.sketch).float().clone()
+        self._seen = (t[-2] > 0, t[-1] > 0)  # device scalars: no host sync
+
     @torch.no_grad()
     def reading(self, lam: float) -> torch.Tensor:
         """This step's readings (len(FIELDS), H) float64 on the device; starts the next step.
 
-        NaN rows for a step with no statistics pass (the window state is left as it was)."""
+        NaN for a step with no statistics pass (the window state is then left as it was); no
+        host synchronisation."""
         h = self.num_heads
         nan = torch.full((h,), math.nan, dtype=torch.float64, device=self.device)
-        if self.rows_calls == 0:
-            out = torch.stack([nan, nan, nan, nan])
+        if self._seen is not None:
+            rows_seen, grad_seen = self._seen
         else:
-            g = self.sketch
-            norm = g.flatten(1).norm(dim=1).double()  # (H,)
-            dot = (g * self.prev).flatten(1).sum(1).double()
-            prev_norm = self.prev.flatten(1).norm(dim=1).double()
-            den = norm * prev_norm
-            alignment = torch.where(self.has_prev & (den > 0), dot / den.clamp_min(1e-300), nan)
-            self.ew_sum.mul_(lam).add_(g)
-            self.ew_norm.mul_(lam).add_(norm)
-            s_norm = self.ew_sum.flatten(1).norm(dim=1).double()
-            coherence = torch.where(self.ew_norm > 0, s_norm / self.ew_norm.clamp_min(1e-300), nan)
-            push_true = self.push_true if self.grad_calls else nan
-            out = torch.stack([self.push.clone(), push_true.clone(), alignment, coherence])
-            self.prev.copy_(g)
-            self.has_prev.fill_(True)
-        self.push.zero_()
-        self.push_true.zero_()
-        self.sketch.zero_()
+            # a fill, not a copy from the host: nothing waits
+            rows_seen = torch.full((), self.rows_calls > 0, dtype=torch.bool, device=self.device)
+            grad_seen = torch.full((), self.grad_calls > 0, dtype=torch.bool, device=self.device)
+        g = self.sketch
+        norm = g.flatten(1).norm(dim=1).double()  # (H,)
+        dot = (g * self.prev).flatten(1).sum(1).double()
+        den = norm * self.prev.flatten(1).norm(dim=1).double()
+        alignment = torch.where(rows_seen & self.has_prev & (den > 0), dot / den.clamp_min(1e-300), nan)
+        self.ew_sum.copy_(torch.where(rows_seen, lam * self.ew_sum + g, self.ew_sum))
+        self.ew_norm.copy_(torch.where(rows_seen, lam * self.ew_norm + norm, self.ew_norm))
+        s_norm = self.ew_sum.flatten(1).norm(dim=1).double()
+        coherence = torch.where(rows_seen & (self.ew_norm > 0), s_norm / self.ew_norm.clamp_min(1e-300), nan)
+        out = torch.stack([torch.where(rows_seen, self.push, nan), torch.where(grad_seen, self.push_true, nan),
+                           alignment, coherence])
+        self.prev.copy_(torch.where(rows_seen, g, self.prev))
+        self.has_prev |= rows_seen
+        self.push = torch.zeros_like(self.push)
+        self.push_true = torch.zeros_like(self.push_true)
+        self.sketch = torch.zeros_like(self.sketch)
         self.rows_calls = self.grad_calls = 0
+        self._seen = None
         self.pending_hooks.clear()
         return out
 

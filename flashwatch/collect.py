@@ -26,8 +26,9 @@ from .kernels import STAT_FIELDS
 __all__ = ["FIELDS", "CHAIN_MEAN_ROWS", "Pending", "Readings", "Collector"]
 
 FIELDS = tuple(STAT_FIELDS) + tuple(CHAIN_FIELDS)  # rows of a layer's packed readings
-# chain rows that are rank-local ratios: combined over ranks as their mean (the others add up)
-CHAIN_MEAN_ROWS = tuple(FIELDS.index(n) for n in ("alignment", "coherence"))
+# the chain's rows are identical on every rank (the Monitor averages the accumulators over the
+# ranks first), so their sum over the ranks is divided back by the world size
+CHAIN_MEAN_ROWS = tuple(FIELDS.index(n) for n in CHAIN_FIELDS)
 
 
 @dataclasses.dataclass

@@ -340,6 +340,15 @@ class Reducer:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         return torch.cat([head, both])
 
+    def average_(self, t: torch.Tensor) -> None:
+        """In place: the mean of ``t`` over the group (one SUM all-reduce). Every rank must call it,
+        with a tensor of the same size. Used for the W^Q-error sketches, which must be combined
+        before their alignment and coherence are computed."""
+        dist = _dist()
+        x = t.to(self._comm_device(t))
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        t.copy_(x.to(t.device) / self.world_size)
+
     # unpacking ----------------------------------------------------------------------------------
     def _max_min(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, m = self.sum_size, self.max_size

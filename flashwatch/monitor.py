@@ -430,6 +430,7 @@ class Monitor:
         """Every layer's readings, the W^Q norms, loss and gradient norm: packed, combined over
         ranks, their host copy started (``flashwatch.collect``)."""
         def read() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            self._average_chains()
             per_layer = [torch.cat([layer.stats.packed(), self._chain_reading(layer)]) for layer in self.layers]
             every = self.config.power_exact_every
             exact = bool(every) and self.monitored_steps % every == every - 1
@@ -439,6 +440,26 @@ class Monitor:
 
         codes = [VARIANT_CODE[layer.variant] for layer in self.layers]
         return self._collector.collect(t, read, loss, grad_norm, codes)
+
+    def _average_chains(self) -> None:
+        """Under data parallelism: the W^Q-error accumulators averaged over the ranks (the gradient
+        DDP applies is the ranks' mean), so every rank computes the same alignment, coherence and
+        window state. A second collective on monitored steps; every rank runs it, also when its own
+        accumulators failed (it then sends NaN)."""
+        chains = [layer.chain for layer in self.layers if layer.chain is not None]
+        if self._reducer is None or not chains:
+            return
+        size = sum(c.flat_size for c in chains)
+        try:
+            flat = torch.cat([c.flat() for c in chains])
+        except Exception as exc:
+            self._error("wq_error_chain", exc)
+            flat = torch.full((size,), math.nan, dtype=torch.float64, device=chains[0].device)
+        self._reducer.average_(flat)
+        offset = 0
+        for c in chains:
+            c.set_flat(flat[offset: offset + c.flat_size])
+            offset += c.flat_size
 
     def _chain_reading(self, layer: AttentionLayer) -> torch.Tensor:
         """The layer's W^Q-error readings (len(CHAIN_FIELDS), H) float64 on its statistics' device."""

@@ -86,6 +86,7 @@ def test_chain_readings_match_float64_in_observe_mode(dtype, monkeypatch):
         share = torch.tensor([snap["flashwatch_wq_error_push_share"][(i, h)] for h in range(4)], dtype=F64)
         assert torch.allclose(share, push / push_true.abs(), rtol=5e-3, atol=1e-9)
         assert push.abs().max() > 0  # BF16 rounding leaves a measurable error to compare
+    monkeypatch.undo()  # the spy out first, so detach gives torch's own SDPA back
     monitor.detach()
 
 

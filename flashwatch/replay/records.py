@@ -259,6 +259,7 @@ def _alert(a) -> dict:
 
 
 _F32_FIELDS = ("e", "max_logit", "sigma")
+_CHAIN_FIELDS = ("push", "push_true", "align", "coh")
 _FLOAT_FIELDS = ("C", "z", "zw")
 
 
@@ -289,6 +290,9 @@ def read_signals(run_dir: str | os.PathLike) -> Iterator[dict]:
             continue
         for key in _F32_FIELDS:
             rec[key] = [[read_f32(x) for x in row] for row in rec[key]]
+        for key in _CHAIN_FIELDS:  # absent in recordings made before the W^Q-error chain
+            if key in rec:
+                rec[key] = [[read_f32(x) for x in row] for row in rec[key]]
         for key in _FLOAT_FIELDS:
             rec[key] = [[_read_float(x) for x in row] for row in rec[key]]
         rec["loss"], rec["grad_norm"] = read_f32(rec["loss"]), read_f32(rec["grad_norm"])

@@ -185,6 +185,14 @@ def summarize(spec: RunSpec, returncode: int | None, note: str | None = None) ->
     """The analysed summary of a finished run, or an error record that says what went wrong."""
     run_dir = Path(spec.run_dir)
     try:
+        run = read_run(run_dir)
+    except (OSError, ValueError):
+        run = {}
+    if run.get("status") == "paused":  # a piece of a longer run: analysed once it ends
+        return {"key": spec.key, "scenario": spec.scenario, "arm": spec.arm["name"], "seed": spec.seed,
+                "label": spec.label, "status": "paused", "steps": run.get("steps_done"), "run_dir": spec.run_dir,
+                "tiny": spec.tiny, "ms_per_step": run.get("ms_per_step"), "device": run.get("device_name")}
+    try:
         summary = analyze_run(run_dir)
     except Exception as exc:
         log_tail = _tail(run_dir / "worker.log")
