@@ -158,6 +158,15 @@ def _commit() -> str | None:
         return None
 
 
+def _file_commit(path: Path) -> str | None:
+    """The last commit that changed ``path`` (the frozen thresholds' commit, recorded with the test)."""
+    try:
+        return subprocess.run(["git", "log", "-1", "--format=%H", "--", path.name], capture_output=True, text=True,
+                              timeout=5, cwd=path.resolve().parent).stdout.strip() or None
+    except Exception:
+        return None
+
+
 def _theta(m: float) -> float:
     return m + MARGIN * abs(m)
 
@@ -272,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     frozen = json.loads(Path(args.thresholds).read_text())
     result = evaluate(_runs(args.runs), frozen)
+    result["thresholds_file"] = args.thresholds
+    result["thresholds_file_commit"] = _file_commit(Path(args.thresholds))
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     text = markdown(result)
     if args.markdown:

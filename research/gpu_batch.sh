@@ -57,6 +57,7 @@ split-cal|split-test|split-controls)
   # the recordings without checkpoints (what the claims need), every call, so nothing is lost
   tar czf "$OUT/seed-split-$tag-runs.tgz" --exclude=checkpoint.pt -C "$SPLIT_RUNS" "$tag"
   ls -la "$OUT"
+  exit 0
   ;;
 1)
   # every arm's code path on CUDA in ~1 minute: stop here if anything fails
@@ -111,6 +112,6 @@ split-cal|split-test|split-controls)
   wait
   tail -5 "$OUT/real-failure-fp32.log"
   ;;
-*) echo "usage: bash research/gpu_batch.sh 1|2|3|4|5|6"; exit 2 ;;
+*) echo "usage: bash research/gpu_batch.sh 1|2|3|4|5|6|split-cal|split-test|split-controls"; exit 2 ;;
 esac
 tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"

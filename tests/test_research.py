@@ -331,3 +331,24 @@ def test_the_preregistered_analysis_runs_end_to_end(tmp_path, monkeypatch):
     # the calibration run's own peak is below its threshold: no false alarm there
     assert result["runs"][str(dirs[0])]["first_fire"]["max_logit"] is None
     assert "| `max_logit` |" in ew.markdown(result)
+
+
+def test_a_piece_that_fails_after_its_checkpoint_loses_no_recording(tmp_path, monkeypatch):
+    """A resumed piece that fails (its recordings get compressed) is resumed again with every line kept."""
+    from research.experiments import worker
+
+    whole = _seed_split_spec(tmp_path / "whole")
+    assert worker.run(whole) == 0
+    spec = _seed_split_spec(tmp_path / "pieces", piece_steps=17)
+    assert worker.run(spec) == 0  # paused at 17
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("disk hiccup")))
+    assert worker.run(spec) == 1  # fails while resuming; the checkpoint stays
+    monkeypatch.setattr(torch, "load", real_load)
+    a, b = Path(whole["run_dir"]), Path(spec["run_dir"])
+    for _ in range(3):
+        worker.run(spec)
+        if json.loads((b / "run.json").read_text())["status"] != "paused":
+            break
+    assert json.loads((b / "run.json").read_text())["status"] == "completed"
+    assert gzip.open(a / "signals.jsonl.gz").read() == gzip.open(b / "signals.jsonl.gz").read()

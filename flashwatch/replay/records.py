@@ -15,7 +15,8 @@ Files of a run folder:
   Monitor failed inside this step: its readings are the previous step's), and ``aligned``
   (true: the line holds the readings of the step it names). Per (layer, head) also the W^Q-error
   chain's readings (``flashwatch.chain``): ``push`` and ``push_true`` (the error's and the true
-  gradient's push on sigma_max at this step), ``align`` and ``coh`` (alignment, coherence);
+  gradient's push on sigma_max at this step), ``align`` and ``coh`` (alignment, coherence), rounded
+  to float32;
   recordings made before the chain existed have none. Lines without ``aligned`` come from
   older recordings: on CUDA each held the readings of the monitored step *before* the one it
   names and no alerts (``playback.load_records`` corrects that; ``run.json`` has the alerts).
@@ -67,6 +68,11 @@ def f32_text(x: float) -> str:
     if float(v) != x:
         return f'"d{x!r}"'
     return str(v)
+
+
+def _f32_rounded(x: float) -> str:
+    """JSON text of x rounded to the nearest float32 (shortest decimal that reads back as it)."""
+    return f32_text(float(np.float32(x)))
 
 
 def _sig_text(x: float, digits: int) -> str:
@@ -175,6 +181,12 @@ class SignalsWriter:
     def __init__(self, run_dir: str | os.PathLike, layout: list[int], append: bool = False):
         self.path = Path(run_dir) / SIGNALS_FILE
         self.layout = list(layout)
+        gz = self.path.with_name(self.path.name + ".gz")
+        if append and gz.exists() and not self.path.exists():
+            # an earlier piece ended compressed (it failed after its checkpoint): continue its lines
+            with gzip.open(gz, "rb") as src, open(self.path, "wb") as dst:
+                dst.write(src.read())
+            gz.unlink()
         self.f = open(self.path, "a" if append else "w")
 
     def write(self, step: int, index: int, monitor, alerts, monitor_error: bool, variants: list | None = None,
@@ -230,10 +242,11 @@ class SignalsWriter:
             f'"rm16":{counts("flashwatch_repeated_max_ratio_bf16")}',
             f'"max_logit":{grid(snap["flashwatch_max_logit"], f32_text)}',
             f'"sigma":{grid(snap["flashwatch_wq_spectral_norm"], f32_text)}',
-            f'"push":{grid(snap["flashwatch_wq_error_push"], f32_text)}',
-            f'"push_true":{grid(sig["wq_error_push_true"], f32_text)}',
-            f'"align":{grid(snap["flashwatch_wq_error_alignment"], f32_text)}',
-            f'"coh":{grid(snap["flashwatch_wq_error_coherence"], f32_text)}',
+            # the chain's readings rounded to float32: read for analysis, not replayed by a detector
+            f'"push":{grid(snap["flashwatch_wq_error_push"], _f32_rounded)}',
+            f'"push_true":{grid(sig["wq_error_push_true"], _f32_rounded)}',
+            f'"align":{grid(snap["flashwatch_wq_error_alignment"], _f32_rounded)}',
+            f'"coh":{grid(snap["flashwatch_wq_error_coherence"], _f32_rounded)}',
         ]
         self.f.write(text + "," + ",".join(parts) + "}\n")
         self.f.flush()

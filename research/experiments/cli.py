@@ -303,7 +303,11 @@ def _cmd_run(args) -> int:
     results = run_plan(plan, parallel=args.parallel, devices=devices, json_path=json_path, budget_s=args.budget,
                        extra={"machine": _machine()})
     keys = {s.key for s in plan}
-    print_results(results, keys)
+    paused = sorted(k for k in keys if results.get("runs", {}).get(k, {}).get("status") == "paused")
+    if paused:
+        print(f"paused (checkpointed; run the same command again to continue): {', '.join(paused)}")
+    if keys - set(paused):
+        print_results(results, keys - set(paused))
     if args.figures:
         from .figures import figures_for
 

@@ -232,7 +232,7 @@ def run(spec: dict) -> int:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
             monitor.load_state_dict(ckpt["monitor"])
-            gen.set_state(ckpt["generator"])
+            gen.set_state(ckpt["generator"].cpu())  # a CPU generator: map_location moved its state
             tracker.__dict__.update(ckpt["tracker"])
             first_step, elapsed_before = int(ckpt["step"]), float(ckpt["elapsed_s"])
         T, B = int(recipe["block_size"]), int(recipe["batch_size"])
