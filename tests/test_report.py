@@ -180,7 +180,7 @@ def test_resumed_steps_keep_the_last_record_and_long_runs_are_binned(run_dir, tm
 def test_binned_grid_keeps_extremes_and_alert_columns(run_dir):
     """The data both renderers draw: a column per bin of steps, the rule's combine per bin, alerts in their bin."""
     run = load_run(run_dir)
-    drift, max_logit = HEATMAPS[0], HEATMAPS[-1]
+    drift, max_logit = HEATMAPS[0], next(h for h in HEATMAPS if h.metric == "flashwatch_max_logit")
     assert max_logit.metric == "flashwatch_max_logit" and max_logit.combine == "max"
     full = heatmap_grid(run, max_logit)
     assert not full.binned and full.columns == [(s, s) for s in run.steps]

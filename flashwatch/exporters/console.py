@@ -158,7 +158,8 @@ class ConsoleExporter(Exporter):
         for metric, label in (("flashwatch_repeated_max_ratio", "max repeated-max"),
                               ("flashwatch_repeated_max_ratio_bf16", "bf16"),
                               ("flashwatch_wq_spectral_norm", "max W^Q norm"),
-                              ("flashwatch_max_logit", "max logit")):
+                              ("flashwatch_max_logit", "max logit"),
+                              ("flashwatch_wq_error_coherence", "max W^Q-error coherence")):
             top = top_heads(s, metric, 1)
             if top:
                 l, h, v = top[0]
@@ -178,7 +179,8 @@ class ConsoleExporter(Exporter):
 
         heads = Table(title=f"top {self.top} heads by |drift z|", title_justify="left",
                       expand=False, pad_edge=False)
-        for col in ("layer", "head", "drift z", "repeated-max", "bf16 rep-max", "max logit", "W^Q norm"):
+        for col in ("layer", "head", "drift z", "repeated-max", "bf16 rep-max", "max logit", "W^Q norm",
+                    "W^Q-err coh"):
             heads.add_column(col, justify="right")
         # red where the Monitor decided delta_drift: the record carries its decisions, not its thresholds
         drifting = {(a.get("layer"), a.get("head")) for a in map(alert_to_dict, record.active_alerts)
@@ -191,6 +193,7 @@ class ConsoleExporter(Exporter):
                           _f(s.get("flashwatch_repeated_max_ratio_bf16", {}).get(key), ".2%"),
                           _f(s.get("flashwatch_max_logit", {}).get(key), ".3g"),
                           _f(s.get("flashwatch_wq_spectral_norm", {}).get(key), ".4g"),
+                          _f(s.get("flashwatch_wq_error_coherence", {}).get(key), ".2f"),
                           style=style)
 
         parts: list[Any] = [header, heads]

@@ -46,6 +46,10 @@ HEATMAPS: tuple[Heatmap, ...] = (
     Heatmap("flashwatch_wq_spectral_norm", "W^Q spectral norm", "sequential", "{:.3g}",
             ("wq_growth", "wq_outlier"), "last"),
     Heatmap("flashwatch_max_logit", "max logit", "sequential", "{:.3g}", ("max_logit",), "max"),
+    Heatmap("flashwatch_wq_error_coherence", "W^Q-gradient error coherence (1: one direction)", "sequential",
+            "{:.2f}", (), "last"),
+    Heatmap("flashwatch_wq_error_push_cumulative", "cumulative W^Q-error push on sigma_max", "diverging", "{:+.3g}",
+            (), "last"),
 )
 assert tuple(h.metric for h in HEATMAPS) == PER_HEAD_METRICS
 

@@ -17,7 +17,8 @@ __all__ = ["RunData", "UnreadableRun", "load_run", "PER_HEAD_METRICS", "INJECTED
 INJECTED = "INJECTED"
 # the per-head metrics the report draws (one heatmap each), read from every step record
 PER_HEAD_METRICS = ("flashwatch_delta_drift_z", "flashwatch_repeated_max_ratio_bf16",
-                    "flashwatch_wq_spectral_norm", "flashwatch_max_logit")
+                    "flashwatch_wq_spectral_norm", "flashwatch_max_logit", "flashwatch_wq_error_coherence",
+                    "flashwatch_wq_error_push_cumulative")
 _DEFAULTS = MonitorConfig()
 
 
