@@ -230,7 +230,7 @@ REAL_FAILURE = Scenario(
 
 AGGRESSIVE_LR = 6e-3
 
-REAL_NUMERICS = Scenario(
+REAL_NUMERIC = Scenario(
     name="real-numerics", device="cuda",
     summary="real BF16 numerics: the paper's all-BF16 kernel (lr 3e-3), flashwatch plain at an aggressive lr",
     recipe=_REAL_FAILURE_RECIPE, tiny=TINY, max_steps=3000, max_seconds=420.0,
@@ -249,7 +249,7 @@ REAL_NUMERICS = Scenario(
 
 # --- seed split (CUDA): one configuration where runs differ only by seed -----------------------------
 
-SPLIT_LR = 2e-3  # earlier runs of this recipe at 2e-3: 5 of 7 seeds blew up (4,500-8,200 steps), 2 survived
+SPLIT_LR = 2e-3  # where seeds split between blow-up and survival (research/preregistration/early-warning-protocol.md)
 
 SEED_SPLIT = Scenario(
     name="seed-split", device="cuda",
@@ -269,7 +269,7 @@ SEED_SPLIT = Scenario(
     default_arms=("sdpa_observe",),
 )
 
-SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERICS, REAL_FAILURE, SEED_SPLIT)}
+SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERIC, REAL_FAILURE, SEED_SPLIT)}
 
 
 def get_scenario(name: str) -> Scenario:
