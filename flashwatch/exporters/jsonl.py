@@ -10,7 +10,7 @@ Files (in ``run_dir``):
   A resumed run appends to the same file: its ``open`` record marks the resumption, and steps
   written after the checkpoint appear again (readers keep the last record of each step).
 - ``alerts.log`` (:data:`ALERTS_FILE`): one human-readable line per alert raised, e.g.
-  ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.31 threshold=4: ...``.
+  ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.71 threshold=4.5: ...``.
 
 Step record (``kind == "step"``; :data:`SCHEMA` is the JSON Schema of every record)::
 
