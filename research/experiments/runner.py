@@ -290,8 +290,8 @@ def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_p
                 json.dump({**asdict(spec), "parallel": parallel}, f, indent=1)
             log = open(run_dir / "worker.log", "a" if resuming else "w")
             try:
-                # same session as the runner: if the runner is killed outright, whoever kills its session
-                # (a terminal, a job runner) takes the workers with it
+                # the runner's process group and POSIX session: if the runner is killed outright, whoever
+                # kills its group (a terminal, a job runner) takes the workers with it
                 proc = subprocess.Popen([sys.executable, "-m", "research.experiments.worker", "--spec",
                                          str(run_dir / "spec.json")], stdout=log, stderr=subprocess.STDOUT, env=env)
             except OSError as exc:
