@@ -63,6 +63,7 @@ import sys
 from pathlib import Path
 
 from flashwatch.replay.cli import parse_overrides, print_results, run_folders
+from flashwatch.vocabulary import INJECTED
 
 __all__ = ["main", "build_parser"]
 
@@ -292,8 +293,9 @@ def _cmd_run(args) -> int:
     print(f"plan: {len(plan)} runs, --parallel {args.parallel}"
           f"{', GPUs ' + ','.join(devices) if devices else ''}; results -> {json_path}; run folders -> {out}")
     for spec, row in zip(plan, est["runs"]):
+        injected = f"  {INJECTED} x{spec.arm['inject']:g}" if spec.arm.get("inject") else ""
         print(f"  {spec.key:40s} {spec.device:4s} {spec.max_steps:6d} steps <= {spec.max_seconds:5.0f} s  "
-              f"~{row['ms_per_step']} ms/step ({row['source']}){'  INJECTED x%g' % spec.arm['inject'] if spec.arm.get('inject') else ''}")
+              f"~{row['ms_per_step']} ms/step ({row['source']}){injected}")
     budget_note = f" (capped by --budget {args.budget:g} s)" if args.budget else ""
     print(f"estimated wall time at most ~{est['wall_s']} s{budget_note}; {est['assumption']}")
     if args.dry_run:

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from flashwatch.vocabulary import INJECTED
+
 __all__ = ["Recipe", "Arm", "Scenario", "SCENARIOS", "TINY", "PRECISIONS", "ATTENTIONS", "EXPECTS", "get_scenario"]
 
 PRECISIONS = ("bf16", "fp32", "bf16_attention")
@@ -110,7 +112,7 @@ class Arm:
     @property
     def label(self) -> str:
         """The arm's name as shown: INJECTED arms say so."""
-        return f"{self.name} [INJECTED x{self.inject:g}]" if self.injected else self.name
+        return f"{self.name} [{INJECTED} x{self.inject:g}]" if self.injected else self.name
 
     def to_dict(self) -> dict:
         return asdict(self)
