@@ -303,7 +303,8 @@ def _cmd_run(args) -> int:
             print("note: no CUDA here; the real run needs it")
         return 0
     results = run_plan(plan, parallel=args.parallel, devices=devices, json_path=json_path, budget_s=args.budget,
-                       extra={"machine": _machine()})
+                       extra={"machine": _machine()},
+                       min_lead={s.name: s.min_lead for s, _ in chosen if s.min_lead is not None})
     keys = {s.key for s in plan}
     paused = sorted(k for k in keys if results.get("runs", {}).get(k, {}).get("status") == "paused")
     if paused:

@@ -132,6 +132,8 @@ class Scenario:
         seeds: default seeds.
         max_steps, max_seconds: default bounds per run.
         device: where it runs by default (``"cpu"`` or ``"cuda"``).
+        min_lead: the least lead (steps before every blow-up) the scenario's target asks of
+            flashwatch's first alert, or None (any lead); the results JSON's targets report it.
     """
 
     name: str
@@ -145,6 +147,7 @@ class Scenario:
     max_seconds: float = 600.0
     tiny_max_steps: int = 30
     device: str = "cuda"
+    min_lead: int | None = None
 
     def arm(self, name: str) -> Arm:
         for a in self.arms:
@@ -207,6 +210,7 @@ REAL_FAILURE = Scenario(
     name="real-failure", device="cuda",
     summary="a byte-level GPT (6x6, d=384, ctx 512, batch 32, lr 3e-3) in BF16: a real failure",
     recipe=_REAL_FAILURE_RECIPE, tiny=TINY, max_steps=5000, max_seconds=540.0,
+    min_lead=1000,  # the target: warn 1,000 steps ahead of every blow-up
     arms=(
         Arm("sdpa_observe", "BF16 autocast, torch SDPA (FA2), Monitor in observe mode", "failure",
             monitor={"mode": "observe"}),
