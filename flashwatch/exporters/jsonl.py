@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .. import __version__
-from ..metrics import METRICS, MetricSpec
+from ..metrics import METRICS, MetricSpec, present
 from .base import Exporter, Layout, StepRecord, alert_to_dict
 
 log = logging.getLogger("flashwatch.exporters.jsonl")
@@ -235,10 +235,7 @@ def encode_metrics(snapshot: Mapping[str, Any], layout: Layout | None = None) ->
     """The ``metrics`` object of a step record, from a ``Monitor.snapshot()``."""
     heads_per_layer = [h for _, h in layout.layers] if layout is not None else []
     out: dict[str, Any] = {}
-    for spec in METRICS:
-        if spec.name not in snapshot:
-            continue
-        value = snapshot[spec.name]
+    for spec, value in present(snapshot):
         if not spec.labels:
             out[spec.name] = _num(value)
         elif spec.per_head:

@@ -40,6 +40,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..cli import run_subcommand
+
 __all__ = ["main", "build_parser", "parse_overrides", "parse_min_leads"]
 
 EPILOG = "Run `flashwatch experiment analyze --help` for its options."
@@ -205,12 +207,7 @@ def _cmd_analyze(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return args.func(args)
+    return run_subcommand(build_parser(), argv)
 
 
 if __name__ == "__main__":

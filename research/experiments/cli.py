@@ -62,6 +62,7 @@ import os
 import sys
 from pathlib import Path
 
+from flashwatch.cli import run_subcommand
 from flashwatch.replay.cli import parse_overrides, print_results, run_folders
 from flashwatch.vocabulary import INJECTED
 
@@ -346,12 +347,7 @@ def _cmd_figures(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return args.func(args)
+    return run_subcommand(build_parser(), argv)
 
 
 if __name__ == "__main__":
