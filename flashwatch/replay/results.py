@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..detectors import RULES
+from ..vocabulary import RULES
 from .baselines import BASELINES
 from .blowup import BLOWUP_FACTOR, BLOWUP_PATIENCE, BLOWUP_WINDOW
 from .records import read_steps, write_json_atomic

@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..detectors import RULES
-from ..vocabulary import INJECTED
+from ..vocabulary import INJECTED, RULES
 from .baselines import BASELINES
 
 __all__ = ["format_table", "format_targets", "format_calibration"]
