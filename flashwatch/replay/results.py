@@ -66,7 +66,8 @@ def merge_results(path: Path, summaries: list[dict], extra: dict | None = None,
             "flashwatch_mechanism_first": f"first alert of the rules {', '.join(MECHANISM_RULES)} "
                                           "(without max_logit, the QK-Clip criterion)",
             "final_loss": f"mean of the last {FINAL_WINDOW} recorded losses",
-            "injected": "runs whose attention carries the INJECTED fault (inject_bias): not a real failure",
+            "injected": "runs whose attention carries the INJECTED fault (flashwatch.kernels.faults.rounding_bias): "
+                        "not a real failure",
         },
         "runs": dict(sorted(runs.items())),
     })
