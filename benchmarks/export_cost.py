@@ -5,7 +5,7 @@ Prometheus exporter's checked copy of the snapshot (``PrometheusExporter.export`
 the JSONL line, the console's log line or live panel, and all three through ``FanOut``. Also
 the cost of one Prometheus scrape after a new step (building and rendering ``/metrics``),
 which runs on the server thread but holds the GIL. Target: <= 50 ms per
-monitored step for 1,024 heads (issue 5).
+monitored step for 1,024 heads (docs/PERFORMANCE.md).
 
 Run:  python benchmarks/export_cost.py [--layers 32 --heads 32 --steps 50]
 This is a benchmark, not a test: it is never collected by pytest.

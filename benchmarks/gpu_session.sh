@@ -2,8 +2,9 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|bench|ab|sweep|tune|overhead|ddp|host|lab ...]   (default: tests bench)
-# ab: benchmarks/kernel_ab.py against kernels/_ab_before.py (an earlier kernels/triton_attn.py;
-# git-ignored, so pass it in the device tool's carry)
+# ab: benchmarks/kernel_ab.py against kernels/_ab_before (a copy of an earlier revision's kernels/
+# folder; or kernels/_ab_before.py, an earlier single-file kernels/triton_attn.py), then every
+# kernels/_ab_before_* beside it; git-ignored, so pass them in the device tool's carry
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,7 +19,8 @@ for step in $steps; do
   case $step in
     tests) timeout 420 python3 -m pytest -q -m gpu tests/test_triton_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     bench) timeout 400 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
-    ab) timeout 400 python3 benchmarks/kernel_ab.py --before kernels/_ab_before.py $(ls kernels/_ab_before_*.py 2>/dev/null | sed 's/^/--before /') --json "$OUT/kernel_ab.json" 2>&1 | tee "$OUT/kernel_ab.log" ;;
+    ab) befores=$(for b in kernels/_ab_before kernels/_ab_before.py kernels/_ab_before_*; do [ -e "$b" ] && echo "--before $b"; done)
+        timeout 400 python3 benchmarks/kernel_ab.py $befores --json "$OUT/kernel_ab.json" 2>&1 | tee "$OUT/kernel_ab.log" ;;
     sweep) timeout 400 python3 benchmarks/dq_stats_sweep.py --json "$OUT/dq_stats_sweep.json" 2>&1 | tee "$OUT/dq_stats_sweep.log" ;;
     tune) timeout 500 python3 -m flashwatch.cli bench --tune --json "$OUT/bench_tuned.json" 2>&1 | tee "$OUT/bench_tuned.log" ;;
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;

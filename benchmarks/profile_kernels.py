@@ -7,7 +7,7 @@
 
 Each variant runs once untimed first (Triton compiles there: the first six launches of the two
 kernels, which ``--launch-skip 6`` leaves out), then once more; the launches are in the order
-plain, statistics, fixed. docs/KERNEL_TUNING.md (sitting 12) has what Nsight Compute said.
+plain, statistics, fixed. docs/KERNEL_TUNING.md has what Nsight Compute said.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 FP32_POINTERS = {"LSE", "DELTA", "ROWMAX", "ST_E", "ST_EABS", "ST_ESQ", "ST_ETIED", "ST_MAXL", "ERR_ROWS", "PK"}
-# per kernel: its function in triton_attn and, per variant, (tuning.TABLE entry, constexprs)
+# per kernel: its function in triton_kernels and, per variant, (tuning.TABLE entry, constexprs)
 KERNELS = {
     "fwd": ("_attn_fwd_kernel", {"plain": ("fwd", {"FIXED": False, "STATS": False, "INJECT": False}),
                                  "fixed": ("fwd_fixed", {"FIXED": True, "STATS": False, "INJECT": False})}),
@@ -89,12 +89,12 @@ def loop_counts(sass: str) -> list[dict]:
 
 
 def analyse(kind: str, variant: str, head_dim: int) -> dict:
-    from flashwatch.kernels import triton_attn, tuning
+    from flashwatch.kernels import triton_kernels, tuning
 
     fn_name, variants = KERNELS[kind]
     entry, flags = variants[variant]
     cfg = tuning.TABLE[entry][head_dim]
-    fn = getattr(triton_attn, fn_name)
+    fn = getattr(triton_kernels, fn_name)
     constexprs = {"HEAD_DIM": head_dim, "CAUSAL": True, "IEEE": False, "UPCAST": False, "EXACT_BF16": False,
                   "FP32_DELTA": False, **flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
     compiled = _compile(fn, constexprs, cfg)

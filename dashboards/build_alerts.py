@@ -136,14 +136,14 @@ def runbook_markdown() -> str:
         "",
         "flashwatch's Monitor decides every rule but the last once per monitored step "
         "(`flashwatch/detectors.py`; thresholds, warm-up and hysteresis are `MonitorConfig`'s, "
-        "`flashwatch/config.py`, which says where each default comes from). It logs each alert once "
+        "`flashwatch/config.py`). It logs each alert once "
         "when it starts, counts it in `flashwatch_alerts_total` and exports its state as "
         "`flashwatch_alert_active{rule, layer, head}`. The Prometheus alerts of "
         "`dashboards/alerts.yml` fire on that exported decision, so Prometheus and the Monitor "
         "agree by construction. `stopped_reporting` is Prometheus's own. Layer and head -1: the "
         "alert concerns no single layer or head. Counts of steps in the settings are monitored "
-        "steps (one every `interval` optimizer steps). The evidence behind the defaults is in "
-        "`docs/EXPERIMENTS.md`.",
+        "steps (one every `interval` optimizer steps). Where each default comes from, and on which "
+        "recordings it was set: `docs/CALIBRATION.md`.",
         "",
         markdown_table(link="#"),
     ]

@@ -20,7 +20,7 @@ _LAZY = {
     "Monitor": ".monitor",
     "TrainingStopped": ".monitor",
     "Alert": ".detectors",
-    "RULES": ".detectors",
+    "RULES": ".vocabulary",
 }
 
 __all__ = ["__version__", *_LAZY]

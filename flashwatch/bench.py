@@ -13,7 +13,8 @@ forward+backward captured once in a CUDA graph and replayed: GPU time alone, no 
 timed region; it adds a second table (device ms, ratio to SDPA flash, overhead vs plain).
 
 TFLOP/s counts causal attention as half the dense 4*B*H*N^2*D forward FLOPs and
-forward+backward as 3.5x the forward (the convention of ../shared/ANCHORS.md).
+forward+backward as 3.5x the forward (FlashAttention-2's convention: the backward does 2.5x the
+forward's work).
 Needs CUDA; ``--json PATH`` writes every number with the GPU, versions and date.
 """
 

@@ -30,22 +30,30 @@ two random directions reads about N(0, 1/r), one of a fixed direction reads 1).
 The pair (u, v) is the power iteration's as of the previous monitored step (the vectors move
 slowly; the first monitored step uses the exact pair from attach). Only defined where the
 query the attention sees is the projection's output (``flashwatch.families``: not for rotary
-queries); such layers read NaN.
+queries), and where a rank holds W^Q whole (not for sharded models); other layers read NaN.
+
+``LayerChain`` holds one layer's accumulators; ``Chains`` is the Monitor's view of all its
+layers' chains: made at attach, averaged over data-parallel ranks, read, and given the next
+singular pairs at every monitored step.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 
+from .families import FAMILIES
 from .signals import top_eigenvector
 
-__all__ = ["FIELDS", "SKETCH_DIM", "LayerChain", "top_pair"]
+__all__ = ["FIELDS", "SKETCH_DIM", "CHAIN_FAMILIES", "LayerChain", "Chains", "top_pair"]
 
 FIELDS = ("push", "push_true", "alignment", "coherence")
 SKETCH_DIM = 64  # r: a random cosine reads about N(0, 1/64), sd 0.125
 _SEED = 20260101  # fixed: Omega is part of the definition, so a resumed run uses the same one
+# model families whose query is the projection's output of the module's input (dQ maps onto W^Q)
+CHAIN_FAMILIES = frozenset(f.name for f in FAMILIES if not f.rotary)
 
 
 def _omega(width: int, device: torch.device) -> torch.Tensor:
@@ -196,3 +204,76 @@ class LayerChain:
                 raise ValueError(f"saved W^Q-error state {k} has shape {tuple(state[k].shape)}, this layer needs "
                                  f"{tuple(mine.shape)}")
             setattr(self, k, state[k].to(device=self.device, dtype=mine.dtype).clone())
+
+
+class Chains:
+    """The W^Q-error chains of a Monitor's attached layers (``layer.chain``: a ``LayerChain``, or
+    None where the chain is not defined).
+
+    Args:
+        layers: the attached layers, their chains already made (``Chains.make``).
+        on_error: ``on_error(kind, exc)`` for a failure (kind ``"wq_error_chain"``); the
+            readings of a failed step are NaN, and training goes on.
+    """
+
+    def __init__(self, layers: list, on_error: Callable[[str, BaseException], None]):
+        self.layers, self.on_error = layers, on_error
+
+    @staticmethod
+    def make(family: str, num_heads: int, weight: torch.Tensor, sharded: bool) -> LayerChain | None:
+        """A layer's chain for its query weight (heads, D, C), or None where it is not defined."""
+        if sharded or family not in CHAIN_FAMILIES:
+            return None
+        return LayerChain(num_heads, weight.shape[1], weight.shape[2], weight.device)
+
+    @property
+    def chains(self) -> list[LayerChain]:
+        return [layer.chain for layer in self.layers if layer.chain is not None]
+
+    def start(self, wq: Any) -> None:
+        """At attach: each chain starts from the exact top singular pairs of its W^Q (``WqNorms``)."""
+        for index, (u, v) in wq.pairs().items():
+            chain = self.layers[index].chain
+            if chain is not None:
+                chain.set_pair(u, v)
+
+    def update_pairs(self, wq: Any) -> None:
+        """After a monitored step's power iteration: each chain gets the top singular pairs of the
+        weights just measured, for the next step."""
+        if wq is None or not self.chains:
+            return
+        try:
+            self.start(wq)
+        except Exception as exc:
+            self.on_error("wq_error_chain", exc)
+
+    def average(self, reducer: Any) -> None:
+        """Under data parallelism (``reducer``: a ``flashwatch.distributed.Reducer``, else None): the
+        step's accumulators averaged over the ranks (the gradient DDP applies is the ranks' mean), so
+        every rank computes the same alignment, coherence and window state. A second collective on
+        monitored steps; every rank runs it, also when its own accumulators failed (it then sends NaN)."""
+        chains = self.chains
+        if reducer is None or not chains:
+            return
+        size = sum(c.flat_size for c in chains)
+        try:
+            flat = torch.cat([c.flat() for c in chains])
+        except Exception as exc:
+            self.on_error("wq_error_chain", exc)
+            flat = torch.full((size,), math.nan, dtype=torch.float64, device=chains[0].device)
+        reducer.average_(flat)
+        offset = 0
+        for c in chains:
+            c.set_flat(flat[offset: offset + c.flat_size])
+            offset += c.flat_size
+
+    def reading(self, layer: Any, window: int) -> torch.Tensor:
+        """The layer's readings (len(FIELDS), H) float64 on its statistics' device (NaN without a
+        chain); starts the chain's next step. ``window``: ``MonitorConfig.window`` (lam = 1 - 1/window)."""
+        device = layer.stats.device
+        if layer.chain is not None:
+            try:
+                return layer.chain.reading(1.0 - 1.0 / window).to(device)
+            except Exception as exc:
+                self.on_error("wq_error_chain", exc)
+        return torch.full((len(FIELDS), layer.num_heads), math.nan, dtype=torch.float64, device=device)

@@ -87,13 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def run_subcommand(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` with ``parser``, whose subcommands set ``func``, and run the one named; no
+    subcommand prints the help (exit status 2). Every flashwatch command line (this one, ``flashwatch
+    experiment``, ``python -m research.experiments``) dispatches so."""
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_subcommand(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,17 @@ class Readings:
     loss_given: bool
     grad_norm_given: bool
 
+    def per_layer(self, heads: list[int]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """Each layer's readings, ``{field: (H,) tensor}`` over ``FIELDS``, and W^Q norms (H,), for
+        layers of ``heads`` heads side by side."""
+        out, offset = [], 0
+        for h in heads:
+            cols = slice(offset, offset + h)
+            offset += h
+            values = self.values[:, cols]
+            out.append(({name: values[i] for i, name in enumerate(FIELDS)}, self.sigma[cols]))
+        return out
+
 
 @dataclasses.dataclass
 class Pending:

@@ -5,47 +5,10 @@ and raises ``ValueError`` naming it (``MonitorConfig.interval must be ...``) and
 accepted. Counts of "steps" in detector settings are *monitored* steps (one every ``interval``
 optimizer steps), so ``warmup=20`` with ``interval=10`` is 200 optimizer steps.
 
-Default thresholds and their evidence: calibrated on every valid recording of the project's
-experiments (docs/EXPERIMENTS.md, ``results/calibration*.json``; rebuilt by ``bash
-results/analyze.sh``): the real BF16 failure on 2x H200 (a byte-level GPT, 6 layers x 6 heads,
-lr 3e-3; 2 seeds per arm: 6 runs that blew up at steps 2,514-3,770, 4 healthy references: 2 FP32
-controls cut at ~2,280 steps, 2 fp32_delta runs to 5,000), the paper's all-BF16 kernel (2 runs,
-blown up at 872 and 886), and the CPU injection scenario (INJECTED fault; 5 healthy, 5 blown up at
-559-1,820). "Healthy max" is the largest value on healthy references, "failing min" the smallest,
-over blown-up runs, of the largest value before the blow-up. Two seeds per GPU arm: margins, not
-proofs.
-
-Re-checked, no default changed, on five seeds per arm (30 real-failure runs on 2x H200,
-``results/calibration-real-failure.txt``): 14 blow-ups at 2,514-4,110, each alerted by
-``delta_drift`` 1,177-2,510 steps ahead; no alert in 5 FP32 controls (to ~3,730-4,840 steps) and
-5 fp32_delta runs; their largest BF16-tie rise 0.236 (margin 0.3), max logit 255, W^Q growth x2.47.
-
-- ``drift_threshold=4.5`` (was 4): failing runs reached |z| 6.1-9.2 on the GPU (min 6.06) and
-  4.0-5.9 on the CPU; |z| >= 4.5 came 1,474-2,300 steps before every real-failure blow-up (232
-  and 316 before the paper kernel's). Healthy: 3.96 (CPU), and 4.00-4.01 on the SDPA layers of
-  the GPU auto_fix runs, which trained fine to step 5,000. 4 had no margin (3.96 against 4.00);
-  under a simulated coin-toss null the largest |z| of 36 heads x 500 monitored steps passes 4 in
-  3.6 % of runs and 4.5 in 0.3 % (144 heads x 1,000 steps: 15 % and 1.7 %). The windowed z separated no
-  better (off). Judged only for layers whose delta comes from the rounded output: the
-  fp32_delta runs' residue reached |z| 5.8 and 8.8 while they trained fine (detectors.py).
-- ``repeated_max_factor=3`` and ``repeated_max_margin=0.3`` (was 0.1): the rise of a head's BF16
-  repeated-max ratio over its baseline reached 0.184 in the FP32 control (still climbing, ~0.01
-  per 100 steps, when it was cut at ~2,280 steps; run to ~4,830 steps later it reached 0.236: the
-  climb slowed, but this is the thinnest margin of the defaults) and 0.12 in the fp32_delta runs; failing runs reached 0.73-0.92 (GPU) and 0.41-0.68
-  (CPU). With 0.1 all four GPU healthy runs alerted. The margin binds; the factor does not.
-- ``wq_growth_factor=3`` (was 2), judged only once its comparison point lies after warm-up
-  (detectors.py): compared with the initial weights, every healthy run grew x2.4-5.8 by step
-  500. After warm-up healthy runs grew at most x2.68 (FP32 control, step 700); failing ones
-  x3.4-9.9 on the GPU, mostly in the last 100-500 steps before the blow-up, and x2.7-5.1 on the
-  CPU: a weak, late warning with little margin.
-- ``wq_outlier_ratio=3``: no signal here (healthy up to 2.2, failing 1.3-4.4); unchanged.
-- ``max_logit_bound=1000`` (was 100, QK-Clip's tau): every run, healthy ones included, passes
-  100 within ~300 steps (healthy max 227 here, 270 in NUMERICS.md's healthy FP32-attention run;
-  another healthy BF16 run there kept 10^4). 1000 stayed quiet on every healthy run and was
-  passed 2-431 steps before every GPU blow-up (219-750 on the CPU): it says a failure is under
-  way, not that one is coming.
-- ``warmup=20``, ``window=50``, ``loss_spike_rtol=2`` (as Lightning's ``SpikeDetection``, for
-  comparison): unchanged.
+The default thresholds were calibrated on recorded training runs, healthy and failing:
+docs/CALIBRATION.md says, per setting, on which recordings and with what margin. Margins seen on
+small GPTs are not guarantees: for a model with hundreds of heads raise ``drift_threshold`` (e.g.
+5), or set it above the largest |z| a healthy run of yours reaches (``flashwatch_delta_drift_z``).
 """
 
 from __future__ import annotations

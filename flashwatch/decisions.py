@@ -11,7 +11,8 @@ import torch
 
 from .attach import AttentionLayer
 from .config import MonitorConfig
-from .detectors import RULES, Alert, StepSignals, build_detectors
+from .detectors import Alert, StepSignals, build_detectors
+from .vocabulary import RULES
 
 log = logging.getLogger("flashwatch")
 

@@ -4,7 +4,7 @@ Each detector's ``update(signals) -> list[Alert]`` returns the alerts that *star
 An alert is keyed by (layer, head); once raised it stays active (``detector.active``) while
 its condition holds, and is raised again only after it cleared (hysteresis: an "above
 threshold" condition holds while the value stays above ``threshold - (1 - clear_ratio) *
-|threshold|``). Warm-up and thresholds come from ``MonitorConfig`` (see config.py for the
+|threshold|``). Warm-up and thresholds come from ``MonitorConfig`` (docs/CALIBRATION.md has the
 evidence behind the defaults). Logging, counting, exporting, switching variants and stopping
 are the Monitor's job.
 
@@ -14,10 +14,9 @@ Their names, severities, meaning and what to do when one fires live in ``flashwa
 
 - ``delta_drift``: |z| of the signed delta error >= ``drift_threshold`` after
   ``warmup`` monitored steps of that head; optionally the windowed |z| too. It says the BF16
-  bias of delta (the mechanism) is at work, not that the run will fail: it fired 1,000-2,500
-  steps ahead of every recorded blow-up, and also in 5/5 healthy BF16 runs of the same model at
-  a third of the learning rate (docs/EXPERIMENTS.md section 6). Read it with
-  ``repeated_max_rise`` and ``max_logit``, which stayed quiet in those healthy runs. Judged only for
+  bias of delta (the mechanism) is at work, not that the run will fail: it comes long before a
+  blow-up, and healthy BF16 runs can raise it too. Read it with ``repeated_max_rise`` and
+  ``max_logit``, which tell the two apart (docs/CALIBRATION.md). Judged only for
   layers whose backward takes delta from the rounded (BF16/FP16) output: observed SDPA/FA2 and
   flashwatch's ``plain`` and ``fixed``; not for FP32 attention nor for layers running
   ``fp32_delta`` (the remedy), unless ``drift_include_fp32``.
@@ -222,9 +221,9 @@ class DeltaDriftDetector(Detector):
     - FP32 attention: e_t is rounding noise of the statistics pass.
     - ``fp32_delta``: delta comes from the FP32 output, so e_t is only the residue of rounding
       P_bar to BF16 for the P_bar V product (e_t compares with delta_hp = rowsum(P * dP) of the
-      exact softmax). That residue can keep one sign too (|z| 5.8 and 8.8 in the healthy
-      fp32_delta runs of docs/EXPERIMENTS.md), but those runs trained fine, and fp32_delta is
-      what ``auto_fix`` switches a flagged layer to: an alert on the remedy is not actionable.
+      exact softmax). That residue can keep one sign too, in runs that train fine
+      (docs/CALIBRATION.md), and fp32_delta is what ``auto_fix`` switches a flagged layer to:
+      an alert on the remedy is not actionable.
 
     A layer switched to ``fp32_delta`` keeps the alert it had (it records that the layer
     drifted; ``flashwatch_kernel_variant`` shows the fix); its drift z is still computed and
@@ -379,8 +378,8 @@ class WqGrowthDetector(_PerHeadAbove):
 
     Growth is sigma_t / sigma_(t - window). It is judged only once the comparison point t - window
     lies after warm-up (monitored step index >= ``warmup + window``): W^Q grows fastest from its
-    initialisation (x2.4-5.8 over the first 500 steps of every healthy run recorded), which says
-    nothing about a failure.
+    initialisation, in healthy runs as much as in failing ones, which says nothing about a
+    failure.
 
     Args:
         threshold: growth factor over the window.
@@ -417,7 +416,7 @@ class WqOutlierDetector(_PerHeadAbove):
 
 
 class MaxLogitDetector(_PerHeadAbove):
-    """``max_logit``: a head's largest scaled score reached the bound (QK-Clip's tau by default)."""
+    """``max_logit``: a head's largest scaled score reached the bound (``max_logit_bound``)."""
 
     rule = "max_logit"
 
@@ -426,7 +425,7 @@ class MaxLogitDetector(_PerHeadAbove):
 
     def _message(self, layer, head, value):
         return (f"{_where(layer, head)}: max logit {value:.4g} >= {self.threshold:g}; weak evidence alone "
-                "(runs with 1e4 logits trained fine): read it with delta drift and repeated-max rows")
+                "(healthy runs can hold large logits): read it with delta drift and repeated-max rows")
 
 
 class NonFiniteDetector(Detector):

@@ -26,6 +26,7 @@ from .config import MonitorConfig
 from .exporters.base import Exporter
 from .exporters.summary import scalar_summary
 from .monitor import Monitor, TrainingStopped
+from .vocabulary import check_port
 
 log = logging.getLogger("flashwatch")
 
@@ -139,8 +140,7 @@ class FlashWatchCallback(Callback):
                                  f"fields of MonitorConfig") from None
         elif not isinstance(config, MonitorConfig):
             raise ValueError(f"config must be a flashwatch.MonitorConfig or None, got {type(config).__name__}")
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
-            raise ValueError(f"port must be an int in 0..65535 (0: any free port) or None (no server), got {port!r}")
+        check_port(port)
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be an address such as '127.0.0.1', got {host!r}")
         if console is not None and console not in _CONSOLE_MODES:
@@ -264,9 +264,8 @@ class FlashWatchCallback(Callback):
 
         if self.per_rank_endpoints and trainer.world_size > 1:
             port = self.port_requested + trainer.local_rank if self.port_requested else self.port_requested
-            if port > 65535:
-                raise ValueError(f"per_rank_endpoints: port {self.port_requested} + local rank {trainer.local_rank} "
-                                 "is above 65535")
+            check_port(port, f"per_rank_endpoints: port {self.port_requested} + local rank {trainer.local_rank}",
+                       allow_none=False)
             self.prometheus = PrometheusExporter(port=port, host=self.host,
                                                  const_labels={"rank": str(trainer.global_rank)})
         else:

@@ -19,6 +19,7 @@ kernel variant, ``(rule,)`` for the alert counter, ``(rule, layer, head)`` for a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 from .vocabulary import RULES, VARIANT_LABELS
 
@@ -91,6 +92,14 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def present(snapshot: Mapping[str, Any]) -> Iterator[tuple[MetricSpec, Any]]:
+    """The table's metrics that ``snapshot`` (``Monitor.snapshot()``) holds, with their values, in
+    table order; names outside the table are left out."""
+    for spec in METRICS:
+        if spec.name in snapshot:
+            yield spec, snapshot[spec.name]
 
 # Labels whose values are a fixed vocabulary (``layer`` and ``head`` are integers from 0).
 LABEL_VALUES: dict[str, tuple[str, ...]] = {"rule": RULES, "variant": VARIANT_LABELS}

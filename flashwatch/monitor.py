@@ -53,14 +53,13 @@ from torch import nn
 
 from .attach import AttentionLayer, find_attention, select_layers
 from .chain import FIELDS as CHAIN_FIELDS
-from .chain import LayerChain
+from .chain import Chains
 from .collect import FIELDS, Collector, Pending
 from .config import MonitorConfig
 from .decisions import Decisions
 from .detectors import Alert
 from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, structural_attention
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
-from .families import FAMILIES
 from .kernels import STAT_FIELDS
 from .routing import Router
 from .snapshot import extra_signals, host_record, snapshot
@@ -73,7 +72,6 @@ log = logging.getLogger("flashwatch")
 __all__ = ["Monitor", "TrainingStopped"]
 
 STATE_VERSION = 2  # 1: before the W^Q-error chain (still loaded)
-_CHAIN_FAMILIES = {f.name for f in FAMILIES if not f.rotary}  # where the projection input maps dQ onto W^Q
 
 
 class TrainingStopped(RuntimeError):
@@ -216,14 +214,12 @@ class Monitor:
                                    variant=self.config.variant if own else "sdpa")
             w = layer.query_weight()
             layer.ensure_stats(w.device)
-            if sharding is None and family in _CHAIN_FAMILIES:
-                layer.chain = LayerChain(heads, w.shape[1], w.shape[2], w.device)
+            layer.chain = Chains.make(family, heads, w, sharded=sharding is not None)
             layers.append(layer)
         self.sharding = sharding
         wq = WqNorms(layers, self.config.power_block, skip=sharding)
-        for index, (u, v) in wq.pairs().items():
-            if layers[index].chain is not None:
-                layers[index].chain.set_pair(u, v)
+        chains = Chains(layers, self._error)
+        chains.start(wq)
         if group is None:
             self._reducer, self.rank, self.world_size = None, 0, 1
         else:
@@ -233,7 +229,7 @@ class Monitor:
             self._reducer, self.rank, self.world_size = reducer, group[1], group[2]
         router = Router(layers, beta=self.config.beta, eps=self.config.eps, on_error=self._error)
         router.monitoring = self._monitoring
-        self.layers, self._wq, self._router = layers, wq, router
+        self.layers, self._wq, self._chains, self._router = layers, wq, chains, router
         self._signals = SignalBuilder([layer.num_heads for layer in layers], self.config.window)
         self._collector = Collector(layers, self._reducer, self.config.async_transfer, self._error,
                                     self._check_combined)
@@ -290,6 +286,7 @@ class Monitor:
     def _unattached(self) -> None:
         """No model: the loss and gradient norm are still tracked (no layer readings)."""
         self.layers, self._wq, self._reducer = [], None, None
+        self._chains = Chains([], self._error)
         self._signals = SignalBuilder([], self.config.window)
         self._collector = Collector([], None, self.config.async_transfer, self._error, self._check_combined)
 
@@ -430,59 +427,17 @@ class Monitor:
         """Every layer's readings, the W^Q norms, loss and gradient norm: packed, combined over
         ranks, their host copy started (``flashwatch.collect``)."""
         def read() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            self._average_chains()
-            per_layer = [torch.cat([layer.stats.packed(), self._chain_reading(layer)]) for layer in self.layers]
+            self._chains.average(self._reducer)
+            per_layer = [torch.cat([layer.stats.packed(), self._chains.reading(layer, self.config.window)])
+                         for layer in self.layers]
             every = self.config.power_exact_every
             exact = bool(every) and self.monitored_steps % every == every - 1
             sigmas = self._wq.step(exact, self.config.power_iters, self._error) if self._wq is not None else []
-            self._update_pairs()
+            self._chains.update_pairs(self._wq)
             return per_layer, sigmas
 
         codes = [VARIANT_CODE[layer.variant] for layer in self.layers]
         return self._collector.collect(t, read, loss, grad_norm, codes)
-
-    def _average_chains(self) -> None:
-        """Under data parallelism: the W^Q-error accumulators averaged over the ranks (the gradient
-        DDP applies is the ranks' mean), so every rank computes the same alignment, coherence and
-        window state. A second collective on monitored steps; every rank runs it, also when its own
-        accumulators failed (it then sends NaN)."""
-        chains = [layer.chain for layer in self.layers if layer.chain is not None]
-        if self._reducer is None or not chains:
-            return
-        size = sum(c.flat_size for c in chains)
-        try:
-            flat = torch.cat([c.flat() for c in chains])
-        except Exception as exc:
-            self._error("wq_error_chain", exc)
-            flat = torch.full((size,), math.nan, dtype=torch.float64, device=chains[0].device)
-        self._reducer.average_(flat)
-        offset = 0
-        for c in chains:
-            c.set_flat(flat[offset: offset + c.flat_size])
-            offset += c.flat_size
-
-    def _chain_reading(self, layer: AttentionLayer) -> torch.Tensor:
-        """The layer's W^Q-error readings (len(CHAIN_FIELDS), H) float64 on its statistics' device."""
-        device = layer.stats.device
-        if layer.chain is None:
-            return torch.full((len(CHAIN_FIELDS), layer.num_heads), math.nan, dtype=torch.float64, device=device)
-        try:
-            return layer.chain.reading(1.0 - 1.0 / self.config.window).to(device)
-        except Exception as exc:
-            self._error("wq_error_chain", exc)
-            return torch.full((len(CHAIN_FIELDS), layer.num_heads), math.nan, dtype=torch.float64, device=device)
-
-    def _update_pairs(self) -> None:
-        """Give each layer's chain the top singular pairs of the weights just measured (for the next step)."""
-        if self._wq is None or not any(layer.chain is not None for layer in self.layers):
-            return
-        try:
-            for index, (u, v) in self._wq.pairs().items():
-                chain = self.layers[index].chain
-                if chain is not None:
-                    chain.set_pair(u, v)
-        except Exception as exc:
-            self._error("wq_error_chain", exc)
 
     def _check_combined(self, red: Any, t: int) -> bool:
         """Checks of a step combined over ranks; False: skip it (a rank could not measure it)."""
@@ -521,13 +476,9 @@ class Monitor:
             return []
         t = pending.step
         ran = pending.variants or [layer.variant for layer in self.layers]
-        readings, offset = [], 0
-        for layer, variant in zip(self.layers, ran):
-            cols = slice(offset, offset + layer.num_heads)
-            offset += layer.num_heads
-            values = got.values[:, cols]
-            fields = {name: values[i] for i, name in enumerate(FIELDS)}
-            sigma = got.sigma[cols]
+        readings = []
+        per_layer = got.per_layer([layer.num_heads for layer in self.layers])
+        for layer, variant, (fields, sigma) in zip(self.layers, ran, per_layer):
             if self.sharding is not None:
                 sigma = torch.full_like(sigma, math.nan)  # skipped: NaN, as the metric shows
             self._warn_unseen(t, layer, fields["rows"])

@@ -5,7 +5,7 @@ run on CPU float64 tensors after a monitored step's single host transfer, so the
 and bit-for-bit reproducible; ``PowerIteration`` runs on the weight's device and returns a
 device tensor that joins that transfer.
 
-Definitions (../shared/DESIGN.md), per head, over monitored steps t:
+Definitions (docs/SIGNALS.md), per head, over monitored steps t:
 
 - cumulative coefficient C_T = sum_{t<=T} e_t; drift z_T = C_T / sqrt(sum_{t<=T} e_t^2),
   about N(0, 1) while the sign of e_t is a coin toss, growing like sqrt(T) under a persistent
@@ -189,9 +189,7 @@ class PowerIteration:
             d_head x d_model query weight.
         block: k, vectors kept per head (subspace iteration). k = 1 is classic power iteration.
             Why 4 by default: early in training a head's top singular values are close and their
-            directions turn quickly; on a tiny GPT (AdamW 3e-3, one iteration every 10 steps)
-            single-vector power iteration lagged the exact value by up to 20-55%, block 4 by
-            < 0.01% after its first 30 steps (measured while building this, see tests).
+            directions turn quickly, which a single vector follows badly (docs/CALIBRATION.md).
         seed: ``"svd"``: start from each head's exact top-k right singular vectors (one batched
             SVD at attach), so the estimate is exact at the start; ``"random"``: a fixed-seed
             random start.

@@ -10,7 +10,7 @@ import math
 import torch
 
 # absolute, not `..vocabulary`: with a checkout's root on sys.path (python -m from there) other
-# packages may import this folder as a top-level `kernels` (transformers probes that name)
+# packages may import this folder as a top-level `kernels` (transformers looks for a package of that name)
 from flashwatch.vocabulary import VARIANTS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

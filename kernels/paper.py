@@ -40,12 +40,12 @@ Changes from the public code:
   computes fused BF16 pointwise ops in FP32; either would silently change the numerics.
 
 Cautions:
-- This is an emulation of the function's eager numerics on BF16 tensors (as NUMERICS.md
-  section 3 measured them), not necessarily of the paper's training run: its train.py defaults
+- This is an emulation of the function's eager numerics on BF16 tensors (as ``research.lab``
+  measures them, docs/LAB.md), not necessarily of the paper's training run: its train.py defaults
   to BF16 autocast and torch.compile, under which some of these roundings happen in FP32.
 - The fixed rule is the paper's, unguarded: once 2 * max exceeds the scores by ~90 natural-log
   units the tile's P_bar underflows, the 1e-10 clamp hides the zero row sum, and such rows come
-  out as zeros or are silently dropped (NUMERICS.md section 6). For a guarded rule use
+  out as zeros or are silently dropped (tests/test_paper.py shows it). For a guarded rule use
   ``flash_attention(..., variant="fixed")``.
 - Matrix products use the backend's kernels: FP32 accumulation, one rounding at the end on
   CPU (oneDNN) and on CUDA (cuBLAS), unless a backend is allowed reduced-precision reductions

@@ -38,19 +38,19 @@ tar xzf results/injection-2026-11-30/runs.tgz -C $I/original
 tar xzf results/injection-2026-11-30/runs-auto_fix-calibrated.tgz -C $I/calibrated
 
 REAL_FAILURE="$G/batch1/real-failure/sdpa_observe $G/batch5/real-failure/fp32 $G/batch2/real-failure $G/batch3/real-failure"
-REAL_NUMERICS="$G/batch1/real-numerics $G/batch4/real-numerics"
+REAL_NUMERIC="$G/batch1/real-numerics $G/batch4/real-numerics"
 INJECTION="$I/original/injection/healthy $I/original/injection/injected $I/calibrated/injection/injected_auto_fix"
 
 rm -f results/real-failure.json results/early-warning-gpu.json results/early-warning.json
-fw analyze $REAL_FAILURE --json results/real-failure.json --markdown results/real-failure-table.md
+fw analyze $REAL_FAILURE --json results/real-failure.json --min-lead real-failure=1000 --markdown results/real-failure-table.md
 figures $REAL_FAILURE
-fw analyze $REAL_NUMERICS --json results/early-warning-gpu.json --markdown results/early-warning-gpu-table.md
-figures $REAL_NUMERICS
+fw analyze $REAL_NUMERIC --json results/early-warning-gpu.json --markdown results/early-warning-gpu-table.md
+figures $REAL_NUMERIC
 fw analyze $INJECTION --json results/early-warning.json --markdown results/early-warning-table.md
 figures $INJECTION
 # the default thresholds' evidence (margins, sweeps, baselines at other thresholds): the GPU
 # recordings, the CPU ones, and all of them together
-fw analyze $REAL_FAILURE $REAL_NUMERICS --calibrate results/calibration-gpu.json > results/calibration-gpu.txt
+fw analyze $REAL_FAILURE $REAL_NUMERIC --calibrate results/calibration-gpu.json > results/calibration-gpu.txt
 # the real failure alone (lr 3e-3): its healthy runs are the FP32 controls and fp32_delta; the
 # real-numerics pool adds the lr-6e-3 FP32 runs, whose logits pass 2e4 (docs/EXPERIMENTS.md section 2)
 fw analyze $REAL_FAILURE --calibrate results/calibration-real-failure.json > results/calibration-real-failure.txt
@@ -58,4 +58,4 @@ fw analyze $REAL_FAILURE --calibrate results/calibration-real-failure.json > res
 fw analyze $REAL_FAILURE $G/batch6/real-failure --calibrate results/calibration-real-failure-healthy-bf16.json \
    > results/calibration-real-failure-healthy-bf16.txt
 fw analyze $INJECTION --calibrate results/calibration-injection.json > results/calibration-injection.txt
-fw analyze $REAL_FAILURE $REAL_NUMERICS $INJECTION --calibrate results/calibration.json > results/calibration.txt
+fw analyze $REAL_FAILURE $REAL_NUMERIC $INJECTION --calibrate results/calibration.json > results/calibration.txt

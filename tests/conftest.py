@@ -42,11 +42,12 @@ def seed():
 
 @pytest.fixture(scope="session")
 def triton_interpreter():
-    """flashwatch.kernels.triton_attn with its kernels built for Triton's CPU interpreter.
+    """flashwatch.kernels.triton_attn (the launchers) with its kernels (``.triton_kernels``) built
+    for Triton's CPU interpreter.
 
-    Triton decides at decoration time whether a kernel is interpreted, so the module is
-    (re)imported with TRITON_INTERPRET=1. Skipped where CUDA exists (the GPU tests run the
-    compiled kernels there) or Triton is missing.
+    Triton decides at decoration time whether a kernel is interpreted, so the kernels' module is
+    (re)imported with TRITON_INTERPRET=1, then the launchers' (they bind the kernels at import).
+    Skipped where CUDA exists (the GPU tests run the compiled kernels there) or Triton is missing.
     """
     import importlib
 
@@ -56,9 +57,10 @@ def triton_interpreter():
     os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton: its own library is jitted then
     try:
         pytest.importorskip("triton")
-        from flashwatch.kernels import triton_attn
+        from flashwatch.kernels import triton_attn, triton_kernels
 
-        if type(triton_attn._attn_fwd_kernel).__name__ != "InterpretedFunction":
+        if type(triton_kernels._attn_fwd_kernel).__name__ != "InterpretedFunction":
+            importlib.reload(triton_kernels)
             triton_attn = importlib.reload(triton_attn)
     finally:
         if old is None:

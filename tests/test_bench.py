@@ -9,8 +9,8 @@ from flashwatch import bench
 from flashwatch.cli import main
 
 
-def test_flops_follow_the_anchor_convention():
-    # ../shared/ANCHORS.md: causal = half of 4*B*H*N^2*D
+def test_flops_follow_the_flash_attention_convention():
+    # causal attention counts half the dense 4*B*H*N^2*D forward FLOPs
     assert bench.attention_flops((16, 12, 1024, 64), causal=True) == 0.5 * 4 * 16 * 12 * 1024 ** 2 * 64
     assert bench.attention_flops((1, 1, 8, 16), causal=False) == 4 * 8 * 8 * 16
 

@@ -22,24 +22,46 @@ def test_gpu_only_benchmark_scripts_exit_2_and_say_they_need_cuda(script):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_kernel_ab_exits_2_without_cuda():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--before", "kernels/triton_attn.py"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--before", "kernels"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "needs CUDA" in proc.stderr
 
 
 def test_kernel_ab_loads_a_copy_of_the_kernels_beside_the_package(tmp_path):
+    """A before version brings its own jitted kernels: a copy of a kernels/ folder (launchers and
+    kernels), or a single file from before they were split."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import kernel_ab
     finally:
         sys.path.pop(0)
-    copy = tmp_path / "before.py"
-    copy.write_text((ROOT / "kernels" / "triton_attn.py").read_text())
-    module = kernel_ab.load_before(str(copy), 7)
     import flashwatch.kernels.triton_attn as current
+    import flashwatch.kernels.triton_kernels as current_kernels
 
+    launchers = (ROOT / "kernels" / "triton_attn.py").read_text()
+    jitted = (ROOT / "kernels" / "triton_kernels.py").read_text()
+    folder = tmp_path / "before"
+    folder.mkdir()
+    (folder / "triton_attn.py").write_text(launchers)
+    (folder / "triton_kernels.py").write_text(jitted)
+    module = kernel_ab.load_before(str(folder), 7)
     assert module is not current and module.flash_attention is not current.flash_attention
+    assert module._attn_fwd_kernel is not current._attn_fwd_kernel  # its own kernels, not the tree's
+    assert sys.modules["flashwatch.kernels.triton_kernels"] is current_kernels  # and the tree's stay in place
+
+    # one file with kernels and launchers, as kernels/triton_attn.py was before the split
+    single = tmp_path / "single.py"
+    own_launchers = "\n".join(l for l in launchers.splitlines() if not l.startswith("from .triton_kernels import"))
+    single.write_text(own_launchers + "\nimport triton.language as tl\n" + jitted.split("import triton.language as tl\n")[1])
+    module = kernel_ab.load_before(str(single), 8)
+    assert module._attn_fwd_kernel is not current._attn_fwd_kernel
+
+    with pytest.raises(SystemExit, match="holds only the launchers"):
+        kernel_ab.load_before(str(folder / "triton_attn.py"))
+    (folder / "triton_kernels.py").unlink()
+    with pytest.raises(SystemExit, match="must hold triton_attn.py and triton_kernels.py"):
+        kernel_ab.load_before(str(folder))
     not_kernels = tmp_path / "other.py"
     not_kernels.write_text("x = 1\n")
     with pytest.raises(SystemExit, match="has no flash_attention"):

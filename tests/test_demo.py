@@ -161,7 +161,9 @@ def test_refuses_a_run_folder_that_holds_a_run(tmp_path, capsys):
     assert code == 2 and "already holds a run" in out
 
 
-@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be a positive integer")])
+@pytest.mark.parametrize("args, message", [(["--steps", "0"], "--steps must be a positive integer"),
+                                           (["--port", "70000"], "--port must be an int in 0..65535 (0: any free port), got 70000")])
 def test_bad_arguments(args, message, tmp_path, capsys):
     code, out = _demo(capsys, *args, "--run-dir", str(tmp_path / "r"))
-    assert code == 2 and message in out
+    assert code == 2 and message in " ".join(out.split()), out
+    assert not (tmp_path / "r").exists()

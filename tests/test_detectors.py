@@ -110,7 +110,7 @@ def test_repeated_max_rise_against_its_own_baseline():
     for t in range(2, 5):
         assert d.update(step(t, layer(ratio_bf16=[0.02, 0.2, 0.02]))) == []
     assert d.baseline(0) == pytest.approx([0.02, 0.2, 0.02])
-    # head 0: 0.09 is 4.5x but only +0.07 (the healthy FP32 run of NUMERICS.md): no alert
+    # head 0: 0.09 is 4.5x its baseline but only +0.07 above it (a healthy FP32 run's rise): no alert
     assert d.update(step(5, layer(ratio_bf16=[0.09, 0.5, 0.02]))) == []
     new = d.update(step(6, layer(ratio_bf16=[0.13, 0.61, 0.02])))
     assert [(a.head, a.threshold) for a in new] == [(0, pytest.approx(0.12)), (1, pytest.approx(0.6))]

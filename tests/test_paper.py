@@ -81,8 +81,8 @@ def test_bf16_gradients_flow_and_approximate_float64():
 
 def test_fixed_rule_is_unguarded_rows_vanish_at_large_logits():
     """The paper's rule as published: a tied max of ~100 is shifted to ~200, exp(-100)
-    underflows, the 1e-10 clamp hides the zero row sum and the row comes out as zeros
-    (NUMERICS.md section 6). flashwatch's own ``fixed`` variant guards against this."""
+    underflows, the 1e-10 clamp hides the zero row sum and the row comes out as zeros.
+    flashwatch's own ``fixed`` variant guards against this."""
     torch.manual_seed(2)
     q = (1.0 + 0.1 * torch.randn(1, 1, 8, 16)).to(torch.bfloat16)
     k = q * 40  # every score ~ 40 |q|^2 / sqrt(16) ~ 160

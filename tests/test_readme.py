@@ -23,9 +23,11 @@ from flashwatch.metrics import METRICS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
-# The docs held to the same language as the README (the others have owners of their own).
+# The docs held to the same language as the README (docs/KERNEL_TUNING.md, a measurement log,
+# says "issue" and "sitting" in their hardware and plain-English senses).
 USER_DOCS = ["README.md", "docs/GUIDE.md", "docs/SIGNALS.md", "docs/EXPERIMENTS.md", "docs/PERFORMANCE.md",
-             "docs/DISTRIBUTED.md", "docs/INTERFACES.md", "results/INDEX.md"]
+             "docs/DISTRIBUTED.md", "docs/INTERFACES.md", "docs/CALIBRATION.md", "docs/LAB.md",
+             "results/INDEX.md"]
 # Words of the project's working notes, not of a user's manual; and paths users do not have.
 INTERNAL = re.compile(r"\bsessions?\b|\bsittings?\b|\bissues?\b|\bprobes?\b|\bthe lead\b|\.\./shared|/work/shared",
                       re.IGNORECASE)

@@ -136,6 +136,45 @@ def test_analyze_replays_merges_tabulates_and_calibrates(tmp_path, capsys):
     assert "replayed with MonitorConfig overrides {'drift_threshold': 100, 'warmup': 1}" in out
 
 
+def test_a_least_lead_is_the_scenarios_target_and_the_results_json_keeps_it(tmp_path, capsys):
+    """The synthetic run's delta_drift leads its blow-up by a few hundred steps: enough for a target
+    of 100 steps, not for one of 1,000. The lead a scenario asks for is given at a merge
+    (--min-lead, or research's Scenario.min_lead) and kept for later merges."""
+    _synthetic_run(tmp_path / "runs" / "a", drift_from=300, blowup_at=800)
+    results = tmp_path / "results.json"
+    assert _analyze(tmp_path / "runs", "--json", results, "--min-lead", "synthetic=1000") == 0
+    data = json.loads(results.read_text())
+    assert data["min_lead"] == {"synthetic": 1000}
+    assert data["targets"]["synthetic"]["lead_at_least"] == {"steps": 1000, "runs": 0, "of": 1}
+    assert "lead >= 1000" in capsys.readouterr().out
+    assert _analyze(tmp_path / "runs", "--json", results) == 0  # kept
+    assert json.loads(results.read_text())["targets"]["synthetic"]["lead_at_least"]["steps"] == 1000
+    assert _analyze(tmp_path / "runs", "--json", results, "--min-lead", "synthetic=100") == 0  # replaced
+    assert json.loads(results.read_text())["targets"]["synthetic"]["lead_at_least"] == {"steps": 100, "runs": 1,
+                                                                                          "of": 1}
+    # a results JSON written before "min_lead" existed: its targets say what it asked for
+    data = json.loads(results.read_text())
+    del data["min_lead"]
+    results.write_text(json.dumps(data))
+    assert _analyze(tmp_path / "runs", "--json", results) == 0
+    assert json.loads(results.read_text())["min_lead"] == {"synthetic": 100}
+    # without a target, none is reported
+    assert _analyze(tmp_path / "runs", "--json", tmp_path / "other.json") == 0
+    other = json.loads((tmp_path / "other.json").read_text())
+    assert "min_lead" not in other and "lead_at_least" not in other["targets"]["synthetic"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "r.json", "--min-lead", "synthetic"], "--min-lead takes SCENARIO=STEPS"),
+    (["--json", "r.json", "--min-lead", "synthetic=0"], "--min-lead takes SCENARIO=STEPS"),
+    (["--json", "r.json", "--min-lead", "=100"], "--min-lead takes SCENARIO=STEPS"),
+    (["--min-lead", "synthetic=100"], "it needs --json PATH"),
+])
+def test_min_lead_says_what_was_wrong(argv, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        _analyze(tmp_path, *argv)
+
+
 def test_analyze_says_what_was_wrong(tmp_path, capsys):
     assert _analyze(tmp_path / "nowhere") == 2
     assert "does not exist" in capsys.readouterr().err

@@ -209,6 +209,19 @@ def test_real_failure_without_cuda_says_so_and_exits_non_zero(tmp_path, capsys):
     assert "real-failure/sdpa_observe_lr1e-3/4" in out and "real-failure/sdpa_observe/" not in out
 
 
+def test_the_real_failure_target_asks_for_1000_steps_of_lead(tmp_path):
+    """The scenario's definition says so (Scenario.min_lead); the command passes it to the results JSON."""
+    from research.experiments.scenarios import REAL_FAILURE
+
+    assert REAL_FAILURE.min_lead == 1000 and INJECTION.min_lead is None
+    results = tmp_path / "r.json"
+    assert _cli("real-failure", "--device", "cpu", "--tiny", "--arms", "fp32", "--seeds", 0, "--max-steps", 2,
+                "--out", tmp_path / "runs", "--json", results) == 0
+    data = json.loads(results.read_text())
+    assert data["min_lead"] == {"real-failure": 1000}
+    assert data["targets"]["real-failure"]["lead_at_least"] == {"steps": 1000, "runs": 0, "of": 0}
+
+
 def test_the_gentle_lr_arm_is_the_real_failure_recipe_at_lr_1e_3_observed_in_bf16():
     from research.experiments.scenarios import REAL_FAILURE
 

@@ -207,8 +207,10 @@ def test_exact_bf16_rounding_fixes_the_interpreter_cast(triton_interpreter):
     import triton
     import triton.language as tl
 
+    from flashwatch.kernels import triton_kernels  # interpreted: the fixture built it so
+
     global _cast
-    _cast = triton_interpreter._cast  # the kernel below resolves it from this module's globals
+    _cast = triton_kernels._cast  # the kernel below resolves it from this module's globals
 
     @triton.jit
     def kernel(X, Y, Z, BLOCK: tl.constexpr):
@@ -231,8 +233,10 @@ def test_bf16_lower_bound_is_the_exact_rounding_threshold(triton_interpreter):
     import triton
     import triton.language as tl
 
+    from flashwatch.kernels import triton_kernels  # interpreted: the fixture built it so
+
     global _bound
-    _bound = triton_interpreter._bf16_lower_bound
+    _bound = triton_kernels._bf16_lower_bound
 
     @triton.jit
     def kernel(T, L, BLOCK: tl.constexpr):
@@ -262,8 +266,10 @@ def test_raw_threshold_turns_a_scaled_test_into_a_raw_one(triton_interpreter):
     import triton
     import triton.language as tl
 
+    from flashwatch.kernels import triton_kernels  # interpreted: the fixture built it so
+
     global _raw
-    _raw = triton_interpreter._raw_threshold
+    _raw = triton_kernels._raw_threshold
 
     @triton.jit
     def kernel(T, R, scale, BLOCK: tl.constexpr):

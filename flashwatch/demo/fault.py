@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..exporters.base import Exporter
+from ..vocabulary import INJECTED
 
-__all__ = ["INJECTED", "PROVOKE_STRENGTH", "Labelled", "describe"]
+__all__ = ["PROVOKE_STRENGTH", "Labelled", "describe"]
 
-INJECTED = "INJECTED"
 PROVOKE_STRENGTH = 128.0  # rounding bias of --provoke: |O| * (1 + 128 * 2**-8) on the selected BF16 rows
 
 

@@ -11,7 +11,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from ..exporters.summary import top_heads
-from .fault import INJECTED
+from ..vocabulary import INJECTED
 from .training import DemoResult
 
 __all__ = ["report_lines", "flashwatch_command"]

@@ -22,7 +22,8 @@ from rich.console import Console
 from ..config import MonitorConfig
 from ..exporters.jsonl import METRICS_FILE
 from ..kernels import faults
-from .fault import INJECTED, PROVOKE_STRENGTH, Labelled, describe
+from ..vocabulary import INJECTED, check_port
+from .fault import PROVOKE_STRENGTH, Labelled, describe
 from .live import DemoConsole, LossHistory, alert_logging, quiet_lightning, say
 from .model import DemoModel, build
 
@@ -188,8 +189,11 @@ def run(*, steps: int = DEFAULT_STEPS, seed: int = 0, device: str | None = None,
     """
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise DemoError(f"--steps must be a positive integer, got {steps!r}")
-    if port is not None and not 0 <= port <= 65535:
-        raise DemoError(f"--port must be in 0..65535 (0: any free port), got {port}")
+    if port is not None:
+        try:
+            check_port(port, "--port", allow_none=False)
+        except ValueError as exc:
+            raise DemoError(str(exc)) from None
     console = console or Console(highlight=False)
     live = console.is_terminal if live is None else live
     run_dir = Path(run_dir) if run_dir is not None else _default_run_dir(provoke)

@@ -10,7 +10,7 @@ Files (in ``run_dir``):
   A resumed run appends to the same file: its ``open`` record marks the resumption, and steps
   written after the checkpoint appear again (readers keep the last record of each step).
 - ``alerts.log`` (:data:`ALERTS_FILE`): one human-readable line per alert raised, e.g.
-  ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.31 threshold=4: ...``.
+  ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.71 threshold=4.5: ...``.
 
 Step record (``kind == "step"``; :data:`SCHEMA` is the JSON Schema of every record)::
 
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .. import __version__
-from ..metrics import METRICS, MetricSpec
+from ..metrics import METRICS, MetricSpec, present
 from .base import Exporter, Layout, StepRecord, alert_to_dict
 
 log = logging.getLogger("flashwatch.exporters.jsonl")
@@ -235,10 +235,7 @@ def encode_metrics(snapshot: Mapping[str, Any], layout: Layout | None = None) ->
     """The ``metrics`` object of a step record, from a ``Monitor.snapshot()``."""
     heads_per_layer = [h for _, h in layout.layers] if layout is not None else []
     out: dict[str, Any] = {}
-    for spec in METRICS:
-        if spec.name not in snapshot:
-            continue
-        value = snapshot[spec.name]
+    for spec, value in present(snapshot):
         if not spec.labels:
             out[spec.name] = _num(value)
         elif spec.per_head:

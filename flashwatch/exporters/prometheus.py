@@ -51,7 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest, push_to_gateway, start_http_server
 from prometheus_client.samples import Sample
 
-from ..metrics import METRICS
+from ..metrics import METRICS, present
 from ..vocabulary import RULES, check_port
 from .base import Exporter, Layout, StepRecord
 
@@ -113,10 +113,7 @@ def checked_copy(snapshot: Mapping[str, Any], known_keys: dict[str, Any] | None 
     """
     known_keys = known_keys if known_keys is not None else {}
     out: dict[str, Any] = {}
-    for spec in METRICS:
-        if spec.name not in snapshot:
-            continue
-        value = snapshot[spec.name]
+    for spec, value in present(snapshot):
         if not spec.labels:
             out[spec.name] = _number(spec.name, value)
             continue
@@ -186,10 +183,7 @@ def build_families(snapshot: Mapping[str, Any], *, created: float = 0.0,
     cache = cache if cache is not None else _LabelCache(const_labels)
     const_names = tuple(cache.const)
     families = []
-    for spec in METRICS:
-        if spec.name not in snapshot:
-            continue
-        value = snapshot[spec.name]
+    for spec, value in present(snapshot):
         counter = spec.kind == "counter"
         fam = (CounterMetricFamily if counter else GaugeMetricFamily)(spec.name, spec.help,
                                                                        labels=spec.labels + const_names)

@@ -13,10 +13,10 @@ A run that never does this within its budget is "healthy through step S" (censor
 fail later). Why the median and not a ratio to the running minimum: the running minimum of
 single-batch losses sits a few noise widths below the trend (small batches on the CPU: 5-10%
 noise), so a ratio to it measures noise as much as failure; the median of 20 steps ignores
-single spikes and that noise. Why 1.25: the small CPU models collapse from a loss of ~2.3 to
-~3.0-3.3 (1.3-1.7x), while the healthy runs' 20-step median never rose more than 12% above its
-best; the GPU failures go from ~0.6 to ~2 (3x) (docs/EXPERIMENTS.md). A lower factor dates a
-blow-up earlier, which shortens lead times: it cannot flatter a detector.
+single spikes and that noise. Why 1.25: it lies between the largest rise of a healthy run's
+20-step median and the smallest collapse of a failing one in the recordings
+(docs/CALIBRATION.md). A lower factor dates a blow-up earlier, which shortens lead times: it
+cannot flatter a detector.
 
 ``BlowupTracker`` is online (the experiment worker stops a run with it); ``blowup_step`` reads a
 whole series. Lead time = blow-up step - first alert step (positive: before the blow-up).

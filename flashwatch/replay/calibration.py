@@ -1,7 +1,7 @@
 """Calibration of the detectors' thresholds on recorded runs: margins and sweeps.
 
-``calibrate(run_dirs)`` is the evidence behind ``MonitorConfig``'s defaults (config.py says which
-numbers came from it): how far the healthy runs' largest statistic stays below the failing runs'
+``calibrate(run_dirs)`` is the evidence behind ``MonitorConfig``'s defaults (docs/CALIBRATION.md
+says which numbers came from it): how far the healthy runs' largest statistic stays below the failing runs'
 (``extremes``), and what each threshold over a grid would have done, replayed on every run
 (``sweeps``), with the baselines at other thresholds beside them (``baseline_sweeps``).
 ``flashwatch experiment analyze RUNS --calibrate PATH`` writes it as JSON and prints it

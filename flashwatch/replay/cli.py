@@ -23,8 +23,9 @@ flashwatch/replay/blowup.py for why). Lead time = blow-up step - first alert ste
 
 Results. --json merges the analysed runs into ONE JSON keyed by scenario/arm/seed (runs
 recorded at different times add up; a re-analysed run replaces its key), with per-arm
-aggregates and the targets; --calibrate sweeps thresholds and writes the evidence behind
-MonitorConfig's defaults.
+aggregates and the targets (--min-lead SCENARIO=STEPS: the targets also ask every blow-up of
+that scenario to be warned at least STEPS steps ahead; the JSON keeps it for later merges);
+--calibrate sweeps thresholds and writes the evidence behind MonitorConfig's defaults.
 
 Examples
   flashwatch experiment analyze runs/experiments --json results/early-warning.json \\
@@ -39,7 +40,9 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "parse_overrides"]
+from ..cli import run_subcommand
+
+__all__ = ["main", "build_parser", "parse_overrides", "parse_min_leads"]
 
 EPILOG = "Run `flashwatch experiment analyze --help` for its options."
 
@@ -83,6 +86,22 @@ def parse_overrides(items: list[str] | None, option: str = "--set") -> dict:
     return out
 
 
+def parse_min_leads(items: list[str] | None) -> dict[str, int]:
+    """``["SCENARIO=STEPS", ...]`` -> ``{scenario: steps}``; a malformed item exits with a message naming it."""
+    out = {}
+    for item in items or ():
+        scenario, _, steps = item.partition("=")
+        try:
+            value = int(steps)
+        except ValueError:
+            value = 0
+        if not scenario.strip() or value < 1:
+            raise SystemExit(f"--min-lead takes SCENARIO=STEPS (a scenario name and a whole number of steps >= 1), "
+                             f"got {item!r}")
+        out[scenario.strip()] = value
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashwatch experiment", description=__doc__, epilog=EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="MonitorConfig override for the replay")
     p.add_argument("--json", metavar="PATH", help="merge the re-analysed runs into this results JSON")
+    p.add_argument("--min-lead", action="append", metavar="SCENARIO=STEPS",
+                   help="with --json: the targets ask for a lead of at least STEPS steps on SCENARIO's blow-ups "
+                        "(repeatable; kept in the JSON)")
     p.add_argument("--calibrate", metavar="PATH", help="write the calibration evidence (JSON) to PATH and print it")
     p.add_argument("--markdown", metavar="PATH", help="write the run table as Markdown to PATH")
     p.set_defaults(func=_cmd_analyze)
@@ -147,6 +169,9 @@ def _cmd_analyze(args) -> int:
     from .tables import format_calibration, format_table
 
     overrides = parse_overrides(args.set)
+    min_lead = parse_min_leads(args.min_lead)
+    if min_lead and not args.json:
+        raise SystemExit("--min-lead sets a target of the results JSON: it needs --json PATH")
     run_dirs = run_folders(args.paths)
     if run_dirs is None:
         return 2
@@ -168,7 +193,7 @@ def _cmd_analyze(args) -> int:
               f"in the rules named (expected where a rule's logic changed since the run was recorded): "
               f"{'; '.join(mismatched)}")
     if args.json:
-        results = merge_results(Path(args.json), summaries)
+        results = merge_results(Path(args.json), summaries, min_lead=min_lead)
         print_results(results, set(runs))
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
@@ -182,12 +207,7 @@ def _cmd_analyze(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return args.func(args)
+    return run_subcommand(build_parser(), argv)
 
 
 if __name__ == "__main__":

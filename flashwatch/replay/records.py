@@ -83,8 +83,10 @@ def _sig_text(x: float, digits: int) -> str:
     return s if ("e" in s or "." in s or "inf" in s) else s + ".0"
 
 
-def read_f32(x: Any) -> float:
-    """Inverse of ``f32_text`` after ``json.loads(..., parse_float=str)``: the float32 value as a float."""
+def _read_number(x: Any, plain) -> float:
+    """A value written by ``f32_text`` (or a plain number), after ``json.loads(..., parse_float=str)``:
+    None -> NaN, the non-finite names, ``"d..."`` (written in float64) as float64, an int as it is,
+    and any other string through ``plain``."""
     if x is None:
         return math.nan
     if isinstance(x, str):
@@ -92,18 +94,18 @@ def read_f32(x: Any) -> float:
             return _NONFINITE[x]
         if x.startswith("d"):
             return float(x[1:])
-        return float(np.float32(x))
+        return plain(x)
     return float(x)  # an int
 
 
+def read_f32(x: Any) -> float:
+    """Inverse of ``f32_text`` after ``json.loads(..., parse_float=str)``: the float32 value as a float."""
+    return _read_number(x, lambda s: float(np.float32(s)))
+
+
 def _read_float(x: Any) -> float:
-    if x is None:
-        return math.nan
-    if isinstance(x, str):
-        if x in _NONFINITE:
-            return _NONFINITE[x]
-        return float(x[1:] if x.startswith("d") else x)
-    return float(x)
+    """As ``read_f32`` for values written in float64: plain strings are read as float64."""
+    return _read_number(x, float)
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> None:

@@ -4,7 +4,9 @@ One JSON gathers the summaries of ``runs.analyze_run`` under ``scenario/arm/seed
 recorded at different times (other seeds, other GPUs) add up and a re-analysed or rerun run
 replaces its key. ``merge_results`` recomputes, at every merge, the aggregate per scenario and
 arm (``aggregate``), the targets (``evaluate_targets``) and the definitions, and writes the file
-atomically.
+atomically. A scenario's target may ask for a least lead (``min_lead``: steps before every
+blow-up); whoever defines the scenario says so at a merge, and the JSON keeps it (``"min_lead"``)
+for later merges.
 """
 
 from __future__ import annotations
@@ -15,16 +17,13 @@ import statistics
 import time
 from pathlib import Path
 
-from ..detectors import RULES
+from ..vocabulary import RULES
 from .baselines import BASELINES
 from .blowup import BLOWUP_FACTOR, BLOWUP_PATIENCE, BLOWUP_WINDOW
 from .records import read_steps, write_json_atomic
 from .runs import EARLY_RULES, FINAL_WINDOW, MECHANISM_RULES, _finite_mean, _healthy_reference, _median
 
-__all__ = ["MIN_LEAD", "load_results", "merge_results", "aggregate", "evaluate_targets"]
-
-# Steps of lead the targets ask per scenario (the real failure's target: warn 1,000 steps ahead).
-MIN_LEAD = {"real-failure": 1000}
+__all__ = ["load_results", "merge_results", "aggregate", "evaluate_targets"]
 
 
 def load_results(path: Path) -> dict:
@@ -35,10 +34,24 @@ def load_results(path: Path) -> dict:
     return {}
 
 
-def merge_results(path: Path, summaries: list[dict], extra: dict | None = None) -> dict:
-    """Merge run summaries into the results JSON at ``path`` (by key), recompute aggregates, write atomically."""
+def _kept_min_lead(data: dict) -> dict[str, int]:
+    """The least lead per scenario a results JSON's targets ask for (``{scenario: steps}``): its
+    ``"min_lead"``, or, in a JSON written before that key, what its targets quote."""
+    kept = {scenario: t["lead_at_least"]["steps"] for scenario, t in data.get("targets", {}).items()
+            if isinstance(t, dict) and "lead_at_least" in t}
+    kept.update(data.get("min_lead", {}))
+    return kept
+
+
+def merge_results(path: Path, summaries: list[dict], extra: dict | None = None,
+                  min_lead: dict[str, int] | None = None) -> dict:
+    """Merge run summaries into the results JSON at ``path`` (by key), recompute aggregates, write atomically.
+
+    ``min_lead``: ``{scenario: steps}``, the least lead the scenario's target asks for; added to
+    what the JSON already keeps."""
     data = load_results(path)
     runs = data.get("runs", {})
+    leads = {**_kept_min_lead(data), **(min_lead or {})}
     for s in summaries:
         runs[s["key"]] = s
     data.update({
@@ -53,12 +66,15 @@ def merge_results(path: Path, summaries: list[dict], extra: dict | None = None) 
             "flashwatch_mechanism_first": f"first alert of the rules {', '.join(MECHANISM_RULES)} "
                                           "(without max_logit, the QK-Clip criterion)",
             "final_loss": f"mean of the last {FINAL_WINDOW} recorded losses",
-            "injected": "runs whose attention carries the INJECTED fault (inject_bias): not a real failure",
+            "injected": "runs whose attention carries the INJECTED fault (flashwatch.kernels.faults.rounding_bias): "
+                        "not a real failure",
         },
         "runs": dict(sorted(runs.items())),
     })
+    if leads:
+        data["min_lead"] = dict(sorted(leads.items()))
     data["aggregate"] = aggregate(data["runs"])
-    data["targets"] = evaluate_targets(data["runs"], min_lead=MIN_LEAD)
+    data["targets"] = evaluate_targets(data["runs"], min_lead=leads)
     if extra:
         data.update(extra)
     write_json_atomic(path, data)
@@ -117,7 +133,7 @@ def evaluate_targets(runs: dict[str, dict], min_lead: dict[str, int] | None = No
     """The experiments' targets per scenario, with the numbers behind each verdict.
 
     - every blown-up run has a flashwatch alert (mechanism rules) before its blow-up
-      (and at least ``min_lead[scenario]`` steps before, where given, e.g. ``MIN_LEAD``);
+      (and at least ``min_lead[scenario]`` steps before, where given);
     - that alert is earlier than every baseline's first alert (a baseline that never fired
       counts as later); baselines that also fire on healthy runs are marked;
     - no flashwatch alert (any rule) on healthy reference runs (arms meant to stay healthy that

@@ -29,7 +29,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..config import MonitorConfig
-from ..detectors import RULES, Alert, StepSignals
+from ..detectors import Alert, StepSignals
+from ..vocabulary import RULES
 from .baselines import BASELINES, run_baselines
 from .blowup import BlowupTracker, lead_time
 from .playback import build_signals, config_for, config_from_dict, in_training_alerts, load_records, replay

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..detectors import RULES
+from ..vocabulary import INJECTED, RULES
 from .baselines import BASELINES
 
 __all__ = ["format_table", "format_targets", "format_calibration"]
@@ -38,7 +38,7 @@ def format_table(runs: dict[str, dict], markdown: bool = False) -> str:
         fw, mech = r["flashwatch_first"], r["flashwatch_mechanism_first"]
         name = f"{r['scenario']}/{r['arm']}/{r['seed']}"
         if r.get("injected"):
-            name += f" [INJECTED x{r.get('inject_strength') or 0:g}]"
+            name += f" [{INJECTED} x{r.get('inject_strength') or 0:g}]"
         lines.append([
             name, r.get("status") or "?", _s(r.get("last_step")), _s(r.get("blowup_step")),
             f"{_s(fw.get('step'))} {fw.get('rule') or ''}".strip(), _s(fw.get("lead")),

@@ -11,10 +11,10 @@ from typing import Any
 
 from ..config import MonitorConfig
 from ..exporters.jsonl import METRICS_FILE, read_jsonl
+from ..vocabulary import INJECTED
 
-__all__ = ["RunData", "UnreadableRun", "load_run", "PER_HEAD_METRICS", "INJECTED", "num"]
+__all__ = ["RunData", "UnreadableRun", "load_run", "PER_HEAD_METRICS", "num"]
 
-INJECTED = "INJECTED"
 # the per-head metrics the report draws (one heatmap each), read from every step record
 PER_HEAD_METRICS = ("flashwatch_delta_drift_z", "flashwatch_repeated_max_ratio_bf16",
                     "flashwatch_wq_spectral_norm", "flashwatch_max_logit", "flashwatch_wq_error_coherence",

@@ -8,8 +8,9 @@ from collections import Counter
 from typing import Any
 
 from ..metrics import BY_NAME
+from ..vocabulary import INJECTED
 from .charts import CRITICAL_COLOUR, HEATMAPS, LOSS_COLOUR, WARNING_COLOUR
-from .load import INJECTED, RunData, num
+from .load import RunData, num
 from .svg import heatmap_svg, loss_svg
 
 __all__ = ["to_html", "title"]

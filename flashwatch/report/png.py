@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .charts import (CRITICAL_COLOUR, HEATMAPS, LOSS_COLOUR, NAN_COLOUR, WARNING_COLOUR, alert_markers, anchors,
                      heatmap_grid, nice_ticks, tick_text)
-from .load import INJECTED, RunData
+from ..vocabulary import INJECTED
+from .load import RunData
 from .page import title
 
 __all__ = ["to_png", "MissingMatplotlib"]

@@ -62,7 +62,9 @@ import os
 import sys
 from pathlib import Path
 
+from flashwatch.cli import run_subcommand
 from flashwatch.replay.cli import parse_overrides, print_results, run_folders
+from flashwatch.vocabulary import INJECTED
 
 __all__ = ["main", "build_parser"]
 
@@ -292,8 +294,9 @@ def _cmd_run(args) -> int:
     print(f"plan: {len(plan)} runs, --parallel {args.parallel}"
           f"{', GPUs ' + ','.join(devices) if devices else ''}; results -> {json_path}; run folders -> {out}")
     for spec, row in zip(plan, est["runs"]):
+        injected = f"  {INJECTED} x{spec.arm['inject']:g}" if spec.arm.get("inject") else ""
         print(f"  {spec.key:40s} {spec.device:4s} {spec.max_steps:6d} steps <= {spec.max_seconds:5.0f} s  "
-              f"~{row['ms_per_step']} ms/step ({row['source']}){'  INJECTED x%g' % spec.arm['inject'] if spec.arm.get('inject') else ''}")
+              f"~{row['ms_per_step']} ms/step ({row['source']}){injected}")
     budget_note = f" (capped by --budget {args.budget:g} s)" if args.budget else ""
     print(f"estimated wall time at most ~{est['wall_s']} s{budget_note}; {est['assumption']}")
     if args.dry_run:
@@ -301,7 +304,8 @@ def _cmd_run(args) -> int:
             print("note: no CUDA here; the real run needs it")
         return 0
     results = run_plan(plan, parallel=args.parallel, devices=devices, json_path=json_path, budget_s=args.budget,
-                       extra={"machine": _machine()})
+                       extra={"machine": _machine()},
+                       min_lead={s.name: s.min_lead for s, _ in chosen if s.min_lead is not None})
     keys = {s.key for s in plan}
     paused = sorted(k for k in keys if results.get("runs", {}).get(k, {}).get("status") == "paused")
     if paused:
@@ -343,12 +347,7 @@ def _cmd_figures(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return args.func(args)
+    return run_subcommand(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from flashwatch.replay.blowup import blowup_step
 from flashwatch.replay.playback import config_for, load_records, replay
 from flashwatch.replay.records import read_run, read_steps
 from flashwatch.replay.runs import MECHANISM_RULES
+from flashwatch.vocabulary import INJECTED
 
 __all__ = ["arm_figure", "figures_for"]
 
@@ -264,9 +265,9 @@ def figures_for(run_dirs: list[Path], out_dir: Path, overrides: dict | None = No
     for (scenario, arm, tiny), dirs in sorted(groups.items()):
         run = read_run(dirs[0])
         label = run.get("label") or arm
-        inj = " (INJECTED fault)" if run["arm"].get("inject") else ""
-        title = f"{scenario}: {label}{'' if 'INJECTED' in label else inj}{' [tiny smoke run]' if tiny else ''}"
-        name = f"{scenario}-{arm}{'-tiny' if tiny else ''}{'-INJECTED' if inj else ''}.png"
+        inj = f" ({INJECTED} fault)" if run["arm"].get("inject") else ""
+        title = f"{scenario}: {label}{'' if INJECTED in label else inj}{' [tiny smoke run]' if tiny else ''}"
+        name = f"{scenario}-{arm}{'-tiny' if tiny else ''}{'-' + INJECTED if inj else ''}.png"
         dirs = sorted(dirs, key=lambda p: read_run(p)["seed"])
         out.append(arm_figure(dirs, Path(out_dir) / name, title, overrides))
     scenarios = sorted({(sc, tiny) for sc, _, tiny in groups})
@@ -279,8 +280,8 @@ def figures_for(run_dirs: list[Path], out_dir: Path, overrides: dict | None = No
         for arm in arms:
             dirs = sorted(groups[(scenario, arm, tiny)], key=lambda p: read_run(p)["seed"])
             cols.append((read_run(dirs[0]).get("label") or arm, dirs))
-        injected = any("INJECTED" in label for label, _ in cols)
-        title = f"{scenario}: every arm{' (INJECTED fault in the arms so labelled)' if injected else ''}" \
+        injected = any(INJECTED in label for label, _ in cols)
+        title = f"{scenario}: every arm{f' ({INJECTED} fault in the arms so labelled)' if injected else ''}" \
                 f"{' [tiny smoke run]' if tiny else ''}"
         name = f"{scenario}-overview{'-tiny' if tiny else ''}.png"
         out.append(overview_figure(cols, Path(out_dir) / name, title, overrides))

@@ -17,8 +17,8 @@ go on.
 After each run the runner analyses its folder (``flashwatch.replay.runs.analyze_run``: blow-up,
 replayed alerts, baselines) and merges the summary into the results JSON under the key
 ``scenario/arm/seed`` (``flashwatch.replay.results.merge_results``): earlier runs stay, a rerun
-replaces its key. The JSON also carries the aggregate per arm, the targets, and the definitions
-(recomputed at every merge).
+replaces its key. The JSON also carries the aggregate per arm, the targets (with the least lead
+each scenario asks for, ``min_lead``), and the definitions (recomputed at every merge).
 """
 
 from __future__ import annotations
@@ -210,8 +210,9 @@ def summarize(spec: RunSpec, returncode: int | None, note: str | None = None) ->
 
 
 def run_plan(plan: list[RunSpec], *, parallel: int, devices: list[str], json_path: Path, budget_s: float | None = None,
-             poll_s: float = 0.5, echo=print, extra: dict | None = None) -> dict:
-    """Run ``plan`` (see the module docstring); returns the merged results."""
+             poll_s: float = 0.5, echo=print, extra: dict | None = None, min_lead: dict[str, int] | None = None) -> dict:
+    """Run ``plan`` (see the module docstring); returns the merged results. ``min_lead``:
+    ``{scenario: steps}`` for the targets (``Scenario.min_lead``)."""
     t0 = time.monotonic()
     deadline = None if budget_s is None else t0 + budget_s
     queue = list(plan)
@@ -224,20 +225,21 @@ def run_plan(plan: list[RunSpec], *, parallel: int, devices: list[str], json_pat
     def _interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    def merge(summary: dict) -> dict:
+        return merge_results(json_path, [summary], extra, min_lead)
+
     try:
         signal.signal(signal.SIGTERM, _interrupt)
     except ValueError:  # not the main thread
         previous = None
     try:
-        results = _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_path, poll_s, echo,
-                        extra)
+        results = _loop(queue, running, load, results, skipped, parallel, deadline, t0, poll_s, echo, merge)
     except KeyboardInterrupt:
         echo("interrupted: stopping the running workers (they keep what they recorded)")
         for proc, spec, dev, started, log in running:
             _terminate(proc)
             log.close()
-            results = merge_results(json_path, [summarize(spec, proc.returncode, "killed by the runner: interrupted")],
-                                    extra)
+            results = merge(summarize(spec, proc.returncode, "killed by the runner: interrupted"))
         skipped.extend(queue)
     finally:
         if previous is not None:
@@ -247,7 +249,7 @@ def run_plan(plan: list[RunSpec], *, parallel: int, devices: list[str], json_pat
     return results
 
 
-def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_path, poll_s, echo, extra) -> dict:
+def _loop(queue, running, load, results, skipped, parallel, deadline, t0, poll_s, echo, merge) -> dict:
     while queue or running:
         while queue and len(running) < parallel:
             spec = queue[0]
@@ -290,13 +292,13 @@ def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_p
                 json.dump({**asdict(spec), "parallel": parallel}, f, indent=1)
             log = open(run_dir / "worker.log", "a" if resuming else "w")
             try:
-                # same session as the runner: if the runner is killed outright, whoever kills its session
-                # (a terminal, a job runner) takes the workers with it
+                # the runner's process group and POSIX session: if the runner is killed outright, whoever
+                # kills its group (a terminal, a job runner) takes the workers with it
                 proc = subprocess.Popen([sys.executable, "-m", "research.experiments.worker", "--spec",
                                          str(run_dir / "spec.json")], stdout=log, stderr=subprocess.STDOUT, env=env)
             except OSError as exc:
                 log.close()
-                results = merge_results(json_path, [_error_summary(spec, f"could not start the worker: {exc}")], extra)
+                results = merge(_error_summary(spec, f"could not start the worker: {exc}"))
                 continue
             running.append((proc, spec, dev, time.monotonic(), log))
             echo(f"[{time.monotonic() - t0:6.0f}s] start {spec.key} on {spec.device}{(':' + dev) if dev else ''}")
@@ -318,7 +320,7 @@ def _loop(queue, running, load, results, skipped, parallel, deadline, t0, json_p
             if dev and dev in load:
                 load[dev] -= 1
             summary = summarize(spec, code, note)
-            results = merge_results(json_path, [summary], extra)
+            results = merge(summary)
             echo(f"[{time.monotonic() - t0:6.0f}s] done  {spec.key}: {summary.get('status')}"
                  f"{'' if summary.get('blowup_step') is None else ', blow-up at ' + str(summary['blowup_step'])}"
                  f"{'' if not summary.get('error') else ' ERROR ' + str(summary['error'])[:200]}")

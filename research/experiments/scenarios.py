@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from flashwatch.vocabulary import INJECTED
+
 __all__ = ["Recipe", "Arm", "Scenario", "SCENARIOS", "TINY", "PRECISIONS", "ATTENTIONS", "EXPECTS", "get_scenario"]
 
 PRECISIONS = ("bf16", "fp32", "bf16_attention")
@@ -110,7 +112,7 @@ class Arm:
     @property
     def label(self) -> str:
         """The arm's name as shown: INJECTED arms say so."""
-        return f"{self.name} [INJECTED x{self.inject:g}]" if self.injected else self.name
+        return f"{self.name} [{INJECTED} x{self.inject:g}]" if self.injected else self.name
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,6 +132,8 @@ class Scenario:
         seeds: default seeds.
         max_steps, max_seconds: default bounds per run.
         device: where it runs by default (``"cpu"`` or ``"cuda"``).
+        min_lead: the least lead (steps before every blow-up) the scenario's target asks of
+            flashwatch's first alert, or None (any lead); the results JSON's targets report it.
     """
 
     name: str
@@ -143,6 +147,7 @@ class Scenario:
     max_seconds: float = 600.0
     tiny_max_steps: int = 30
     device: str = "cuda"
+    min_lead: int | None = None
 
     def arm(self, name: str) -> Arm:
         for a in self.arms:
@@ -205,6 +210,7 @@ REAL_FAILURE = Scenario(
     name="real-failure", device="cuda",
     summary="a byte-level GPT (6x6, d=384, ctx 512, batch 32, lr 3e-3) in BF16: a real failure",
     recipe=_REAL_FAILURE_RECIPE, tiny=TINY, max_steps=5000, max_seconds=540.0,
+    min_lead=1000,  # the target: warn 1,000 steps ahead of every blow-up
     arms=(
         Arm("sdpa_observe", "BF16 autocast, torch SDPA (FA2), Monitor in observe mode", "failure",
             monitor={"mode": "observe"}),
@@ -230,7 +236,7 @@ REAL_FAILURE = Scenario(
 
 AGGRESSIVE_LR = 6e-3
 
-REAL_NUMERICS = Scenario(
+REAL_NUMERIC = Scenario(
     name="real-numerics", device="cuda",
     summary="real BF16 numerics: the paper's all-BF16 kernel (lr 3e-3), flashwatch plain at an aggressive lr",
     recipe=_REAL_FAILURE_RECIPE, tiny=TINY, max_steps=3000, max_seconds=420.0,
@@ -249,7 +255,7 @@ REAL_NUMERICS = Scenario(
 
 # --- seed split (CUDA): one configuration where runs differ only by seed -----------------------------
 
-SPLIT_LR = 2e-3  # earlier runs of this recipe at 2e-3: 5 of 7 seeds blew up (4,500-8,200 steps), 2 survived
+SPLIT_LR = 2e-3  # where seeds split between blow-up and survival (research/preregistration/early-warning-protocol.md)
 
 SEED_SPLIT = Scenario(
     name="seed-split", device="cuda",
@@ -269,7 +275,7 @@ SEED_SPLIT = Scenario(
     default_arms=("sdpa_observe",),
 )
 
-SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERICS, REAL_FAILURE, SEED_SPLIT)}
+SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERIC, REAL_FAILURE, SEED_SPLIT)}
 
 
 def get_scenario(name: str) -> Scenario:
