@@ -36,6 +36,18 @@ def _record(model: GPT, real):
     return rec, handles, spy, calls
 
 
+def _train_one_monitored_step(model, monitor, handles, dtype, seed: int) -> dict:
+    """One autocast forward and backward, the recording hooks removed, the step monitored: the snapshot."""
+    x, y = sample_batch(DATA, 3, 32, generator=torch.Generator().manual_seed(seed))
+    with torch.autocast("cpu", dtype=dtype):
+        loss = model(x, y)[1]
+    loss.backward()
+    for h in handles:
+        h.remove()
+    monitor.step(loss=loss.detach())
+    return monitor.snapshot()
+
+
 def _expected(x, q, k, v, out, dout, dq, u, vv):
     """float64: delta_used from the rounded output, delta_hp from the exact softmax, the error's
     push -u^T dG v, the true gradient's push -u^T (dQ^T X) v and the sketch-free dG."""
@@ -65,15 +77,8 @@ def test_chain_readings_match_float64_in_observe_mode(dtype, monkeypatch):
     from flashwatch import routing
 
     rec, handles, spy, calls = _record(model, routing.original_sdpa())
-    x, y = sample_batch(DATA, 3, 32, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(routing, "_original_sdpa", spy)
-    with torch.autocast("cpu", dtype=dtype):
-        loss = model(x, y)[1]
-    loss.backward()
-    for h in handles:
-        h.remove()
-    monitor.step(loss=loss.detach())
-    snap = monitor.snapshot()
+    snap = _train_one_monitored_step(model, monitor, handles, dtype, seed=1)
     assert len(calls) == 2
     for i, (q, k, v, out) in enumerate(calls):
         u, vv = pairs[i]
@@ -185,14 +190,7 @@ def test_chain_readings_match_float64_in_own_kernel_mode(monkeypatch):
 
     monkeypatch.setattr(kernels, "flash_attention", spy)
     rec, handles, _, _ = _record(model, None)
-    x, y = sample_batch(DATA, 3, 32, generator=torch.Generator().manual_seed(2))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(x, y)[1]
-    loss.backward()
-    for h in handles:
-        h.remove()
-    monitor.step(loss=loss.detach())
-    snap = monitor.snapshot()
+    snap = _train_one_monitored_step(model, monitor, handles, torch.bfloat16, seed=2)
     assert len(calls) == 2
     for i, (q, k, v, out) in enumerate(calls):
         u, vv = pairs[i]
