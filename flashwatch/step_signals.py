@@ -115,6 +115,7 @@ class SignalBuilder:
 
         if seen:
             state.drift.update(f["delta_error"].to(F64))
+        drift_measured = state.drift.count > 0  # heads with at least one measured delta error
         sigma = r.sigma.to(F64)
         state.sigma.update(sigma)
         max_logit = torch.where(rows > 0, f["max_logit"].to(F64), nan)
@@ -125,10 +126,10 @@ class SignalBuilder:
             push, push_true = chain["push"].to(F64), chain["push_true"].to(F64)
             state.push_cumulative += torch.nan_to_num(push, nan=0.0)
             state.push_true_cumulative += torch.nan_to_num(push_true, nan=0.0)
-            measured = torch.isfinite(push)
-            push_cum = torch.where(measured, state.push_cumulative, nan)
+            push_measured = torch.isfinite(push)
+            push_cum = torch.where(push_measured, state.push_cumulative, nan)
             share_den = state.push_true_cumulative.abs()
-            push_share = torch.where(measured & (share_den > 0), state.push_cumulative / share_den.clamp_min(1e-300),
+            push_share = torch.where(push_measured & (share_den > 0), state.push_cumulative / share_den.clamp_min(1e-300),
                                      nan)
             alignment, coherence = chain["alignment"].to(F64), chain["coherence"].to(F64)
         else:
@@ -143,7 +144,11 @@ class SignalBuilder:
             layer=i, seen=seen, rows=rows,
             repeated_max_ratio=ratio("repeated_max_rows"), repeated_max_ratio_bf16=rm16,
             max_logit=max_logit, delta_error=f["delta_error"].to(F64) if seen else nan.clone(),
-            delta_cumulative=state.drift.cumulative.clone(), drift_z=state.drift.z, drift_window_z=state.drift.window_z,
+            # a head whose delta error was never measured (no call it could measure: dropout, a mask,
+            # ...) reads NaN, not a z of 0 that would look healthy
+            delta_cumulative=torch.where(drift_measured, state.drift.cumulative, nan),
+            drift_z=torch.where(drift_measured, state.drift.z, nan),
+            drift_window_z=torch.where(drift_measured, state.drift.window_z, nan),
             drift_count=state.drift.count.clone(), wq_sigma=sigma.clone(), wq_growth=state.sigma.growth,
             wq_ratio=ratio_to_median(sigma),
             low_precision=True if r.low_precision is None else bool(r.low_precision),

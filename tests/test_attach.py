@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -454,5 +455,30 @@ def test_observe_mode_under_torch_compile_measures_nothing_rather_than_the_wrong
         rows = monitor.signals()["rows"]
         assert all(v == 0 for v in rows.values()), rows
         assert "runs inside torch.compile" in caplog.text
+    finally:
+        monitor.detach()
+
+
+def test_unmeasured_attention_reads_nan_not_a_healthy_zero():
+    """Hugging Face GPT-2 with its default attention dropout: observe mode cannot measure those calls,
+    so the drift z and the delta error read NaN (not measured), never 0 (which would look healthy)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=256,
+                                  bos_token_id=0, eos_token_id=0)  # attn_pdrop=0.1, the default
+    cfg._attn_implementation = "sdpa"
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    try:
+        for _ in range(3):
+            ids = torch.randint(0, 256, (2, 16))
+            model(ids, labels=ids).loss.backward()
+            monitor.step()
+        snap = monitor.snapshot()
+        for metric in ("flashwatch_delta_drift_z", "flashwatch_delta_error", "flashwatch_delta_error_cumulative"):
+            assert snap[metric] and all(math.isnan(v) for v in snap[metric].values()), metric
+        assert all(math.isnan(v) for v in monitor.signals()["drift_window_z"].values())
     finally:
         monitor.detach()
