@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .families import FAMILIES, Family, describe, match
+from .families import Family, describe, match
 
 QueryWeightFn = Callable[[nn.Module], torch.Tensor]  # module -> (H, D, C)
 

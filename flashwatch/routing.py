@@ -243,6 +243,7 @@ class Router:
                 self._observe(layer, args, kwargs, out)
             return out
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
+        query = q  # the model's own query tensor (its gradient is dQ for the W^Q-error chain)
         q, k, v, cast = _autocast_inputs(q, k, v) if isinstance(q, torch.Tensor) else (q, k, v, False)
         reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
         if reason is not None:
@@ -260,7 +261,7 @@ class Router:
                 layer.low_precision = q.dtype in (torch.bfloat16, torch.float16)
                 # the kernel's backward reports its rows through stats.rows_hook, once per call,
                 # in reverse order of the forwards: each call leaves its hook on a stack
-                hook = self._chain_hooks(layer, _bind(args, kwargs)[0], q.shape[-1], scale)
+                hook = self._chain_hooks(layer, query, q.shape[-1], scale)
                 stack = layer.chain.pending_hooks if layer.chain is not None else None
                 if hook is not None:
                     stack.append(hook)
