@@ -54,8 +54,11 @@ split-cal|split-test|split-controls)
      --max-seconds ${SPLIT_SECONDS:-480} --budget $(( ${SPLIT_SECONDS:-480} + 60 )) --out "$SPLIT_RUNS/$tag" \
      --json "$SPLIT_RUNS/seed-split-$tag.json" 2>&1 | tee "$OUT/seed-split-$tag.log" | grep -v "^  \|Warning"
   cp "$SPLIT_RUNS/seed-split-$tag.json" "$OUT/"
-  # the recordings without checkpoints (what the claims need), every call, so nothing is lost
-  tar czf "$OUT/seed-split-$tag-runs.tgz" --exclude=checkpoint.pt -C "$SPLIT_RUNS" "$tag"
+  # the recordings without checkpoints (what the claims need), every call, so nothing is lost; one
+  # archive per ten seeds (seed20*, seed21*, ...), each under the 16 MiB a returned file may have
+  for block in $(ls -d "$SPLIT_RUNS/$tag"/*/*/seed* 2>/dev/null | sed 's#.*/seed\([0-9]*\)[0-9]$#\1#' | sort -u); do
+    (cd "$SPLIT_RUNS/$tag" && tar czf "$OUT/seed-split-$tag-runs-${block}x.tgz" --exclude=checkpoint.pt */*/seed${block}?)
+  done
   ls -la "$OUT"
   exit 0
   ;;

@@ -206,3 +206,14 @@ def test_experiment_help_is_the_replay_manual(capsys):
     text = capsys.readouterr().out
     for words in ("analyze", "Blow-up", "--calibrate", "signals.jsonl.gz"):
         assert words in text
+
+
+def test_aggregate_leaves_out_paused_pieces():
+    # a run stopped by its time limit between pieces has no outcome and none of the per-rule fields
+    from flashwatch.replay.results import BASELINES, aggregate
+    paused = {"scenario": "s", "arm": "a", "seed": 1, "status": "paused", "steps": 4000}
+    done = {"scenario": "s", "arm": "a", "seed": 2, "status": "blown_up", "blowup_step": 10, "last_step": 20,
+            "final_loss": 2.0, "flashwatch_first": {"lead": 5}, "flashwatch_mechanism_first": {"lead": 5},
+            "baselines": {b: {"lead": None} for b in BASELINES}}
+    out = aggregate({"p": paused, "d": done})
+    assert out["s"]["a"]["seeds"] == [2] and out["s"]["a"]["blown_up"] == 1 and out["s"]["a"]["healthy_runs"] == 0

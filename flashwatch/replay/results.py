@@ -95,7 +95,7 @@ def aggregate(runs: dict[str, dict]) -> dict:
     """Per scenario and arm: counts, blow-up steps, first alerts, lead times, false alarms, final loss."""
     out: dict[str, dict] = {}
     for run in sorted(runs.values(), key=lambda r: (r["scenario"], r["arm"], r["seed"])):
-        if run.get("summary_error"):
+        if run.get("summary_error") or run.get("status") == "paused":  # paused: a piece, no outcome yet
             continue
         a = out.setdefault(run["scenario"], {}).setdefault(run["arm"], {
             "label": run.get("label"), "injected": run.get("injected"), "expect": run.get("expect"),
