@@ -38,6 +38,7 @@ MARGIN = 0.05  # theta = M + MARGIN * |M|
 MIN_LEAD = 1000  # pass: lead >= this ...
 MIN_DETECTED = 0.8  # ... in at least this share of the blow-ups ...
 MAX_FALSE_ALARM = 1 / 7  # ... and false alarms in at most this share of the survivors
+MIN_GROUP = 6  # a verdict needs at least this many confirmed blow-ups and survivors (else: undecided)
 CONFIRM_TAIL = 200  # recorded steps whose median confirms a blow-up (>= 1.25 x the best median before it)
 CONFIRM_FACTOR = 1.25
 DRIFT_Z = 4.5  # the chain rule's drift condition (MonitorConfig.drift_threshold)
@@ -218,13 +219,28 @@ def evaluate(run_dirs: list[Path], frozen: dict) -> dict:
         early = sum(1 for x in leads if x >= MIN_LEAD)
         false = sum(1 for v in survivors.values() if v["first_fire"][name] is not None)
         n_b, n_s = len(blowups), len(survivors)
-        passes = bool(n_b and n_s and early >= MIN_DETECTED * n_b and false <= MAX_FALSE_ALARM * n_s)
+        verdict = _verdict(n_b, early, n_s, false) if name in RULES else None
         table[name] = {"threshold": rules_theta[name], "blowups": n_b, "detected": len(leads),
                        f"lead_ge_{MIN_LEAD}": early, "leads": sorted(leads), "survivors": n_s,
-                       "false_alarms": false, "passes": passes if name in RULES else None}
+                       "false_alarms": false, "verdict": verdict,
+                       "passes": (verdict == "pass") if name in RULES else None}
     return {"protocol": frozen["protocol"], "thresholds_commit": frozen.get("commit"), "evaluated": time.strftime("%Y-%m-%d"),
             "commit": _commit(), "table": table, "runs": per_run, "excluded_unconfirmed": excluded,
             "post_hoc_threshold_table": _post_hoc(per_run, source)}
+
+
+def _verdict(n_blowups: int, early: int, n_survivors: int, false_alarms: int) -> str:
+    """"pass" or "fail" by the protocol's criteria; "undecided" while a group the verdict depends on
+    has fewer than MIN_GROUP runs (the protocol adds seeds until both groups have MIN_GROUP)."""
+    detects = early >= MIN_DETECTED * n_blowups
+    quiet = false_alarms <= MAX_FALSE_ALARM * n_survivors
+    if n_blowups >= MIN_GROUP and not detects:
+        return "fail"
+    if n_survivors >= MIN_GROUP and not quiet:
+        return "fail"
+    if n_blowups >= MIN_GROUP and n_survivors >= MIN_GROUP:
+        return "pass"
+    return "undecided"
 
 
 def _post_hoc(per_run: dict, source: dict) -> dict:
@@ -249,11 +265,11 @@ def _post_hoc(per_run: dict, source: dict) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| rule | threshold | detected / blow-ups | lead >= 1,000 | leads (steps) | false alarms / survivors | passes |",
+    lines = ["| rule | threshold | detected / blow-ups | lead >= 1,000 | leads (steps) | false alarms / survivors | verdict |",
              "|---|---|---|---|---|---|---|"]
     for name, row in result["table"].items():
         leads = ", ".join(f"{x:,}" for x in row["leads"]) or "-"
-        passes = "-" if row["passes"] is None else ("yes" if row["passes"] else "no")
+        passes = row.get("verdict") or "-"
         lines.append(f"| `{name}` | {row['threshold']:.4g} | {row['detected']} / {row['blowups']} | "
                      f"{row[f'lead_ge_{MIN_LEAD}']} | {leads} | {row['false_alarms']} / {row['survivors']} | {passes} |")
     return "\n".join(lines)

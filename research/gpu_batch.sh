@@ -24,6 +24,8 @@
 #   bash research/gpu_batch.sh split-cal       # the seed-split calibration runs, one piece per call
 #   bash research/gpu_batch.sh split-test      # the seed-split test runs (SPLIT_SEEDS=200-223)
 #   bash research/gpu_batch.sh split-controls  # fp32 and fp32_delta at the seed-split lr, seeds 200-203
+#   bash research/gpu_batch.sh split2-test     # the second protocol's test runs, lr 1.75e-3 (SPLIT_SEEDS=300-323)
+#   bash research/gpu_batch.sh split2-controls # its fp32_delta controls, seeds 300-303
 #
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
@@ -40,7 +42,7 @@ fw() { python3 -m research.experiments "$@"; }
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 case "${1:-1}" in
-split-cal|split-test|split-controls)
+split-cal|split-test|split-controls|split2-test|split2-controls)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -49,6 +51,8 @@ split-cal|split-test|split-controls)
     split-cal) what=(--seeds 100-107); tag=calibration ;;
     split-test) what=(--seeds ${SPLIT_SEEDS:-200-223}); tag=test ;;
     split-controls) what=(--arms fp32,fp32_delta --seeds 200-203); tag=controls ;;
+    split2-test) what=(--arms sdpa_observe_lr0.00175 --seeds ${SPLIT_SEEDS:-300-323}); tag=test2 ;;
+    split2-controls) what=(--arms fp32_delta_lr0.00175 --seeds ${SPLIT_SEEDS:-300-303}); tag=controls2 ;;
   esac
   fw seed-split "${what[@]}" --parallel ${SPLIT_PARALLEL:-8} --resumable --after-blowup 1000 \
      --max-seconds ${SPLIT_SECONDS:-480} --budget $(( ${SPLIT_SECONDS:-480} + 60 )) --out "$SPLIT_RUNS/$tag" \
@@ -115,6 +119,6 @@ split-cal|split-test|split-controls)
   wait
   tail -5 "$OUT/real-failure-fp32.log"
   ;;
-*) echo "usage: bash research/gpu_batch.sh 1|2|3|4|5|6|split-cal|split-test|split-controls"; exit 2 ;;
+*) echo "usage: bash research/gpu_batch.sh 1|2|3|4|5|6|split-cal|split-test|split-controls|split2-test|split2-controls"; exit 2 ;;
 esac
 tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"

@@ -344,6 +344,45 @@ def test_the_preregistered_analysis_runs_end_to_end(tmp_path, monkeypatch):
     # the calibration run's own peak is below its threshold: no false alarm there
     assert result["runs"][str(dirs[0])]["first_fire"]["max_logit"] is None
     assert "| `max_logit` |" in ew.markdown(result)
+    # two survivors, no blow-up: fewer than six in a group, so no rule has a verdict yet
+    assert result["table"]["max_logit"]["verdict"] == "undecided" and not result["table"]["max_logit"]["passes"]
+
+
+@pytest.mark.parametrize("n_b,early,n_s,false,expected", [
+    (23, 20, 1, 0, "undecided"),  # detection passes, one survivor: the false-alarm half cannot be judged
+    (23, 17, 1, 0, "fail"),       # 17/23 < 80% with lead >= 1,000: fails whatever the survivors
+    (6, 5, 7, 1, "pass"),         # 5/6 >= 80%, 1/7 false alarms
+    (6, 5, 7, 2, "fail"),         # 2/7 > 1/7
+    (6, 4, 7, 0, "fail"),         # 4/6 < 80%
+    (5, 5, 7, 0, "undecided"),    # five blow-ups: too few to judge detection
+    (8, 8, 6, 2, "fail"),         # 2/6 false alarms with six survivors
+])
+def test_the_verdict_needs_six_runs_in_each_group(n_b, early, n_s, false, expected):
+    from research import early_warning as ew
+    assert ew._verdict(n_b, early, n_s, false) == expected
+
+
+def test_packed_recordings_replay_as_the_originals(tmp_path):
+    """research.recordings drops only the fields the replay rebuilds: the replayed signals are equal."""
+    from flashwatch.replay.records import read_signals
+    from research import early_warning as ew
+    from research import recordings
+    from research.experiments import worker
+
+    spec = _seed_split_spec(tmp_path / "a")
+    spec.update(max_steps=40)
+    assert worker.run(spec) == 0
+    run = Path(spec["run_dir"])
+    archive = tmp_path / "runs.tar.xz"
+    recordings.pack([run], archive)
+    (unpacked,) = recordings.unpack(archive, tmp_path / "out")
+    assert (unpacked / "steps.csv").read_bytes() == (run / "steps.csv").read_bytes()
+    original, packed = list(read_signals(run)), list(read_signals(unpacked))
+    assert len(original) == len(packed) > 0 and all("C" not in r and "z" not in r for r in packed)
+    for a, b in zip(original, packed):
+        for key in ("e", "max_logit", "sigma", "push", "coh"):
+            assert str(a[key]) == str(b[key])  # NaN-safe equality of the kept fields
+    assert json.dumps(ew.scores(run), default=str) == json.dumps(ew.scores(unpacked), default=str)
 
 
 def test_a_piece_that_fails_after_its_checkpoint_loses_no_recording(tmp_path, monkeypatch):

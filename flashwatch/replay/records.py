@@ -308,8 +308,9 @@ def read_signals(run_dir: str | os.PathLike) -> Iterator[dict]:
         for key in _CHAIN_FIELDS:  # absent in recordings made before the W^Q-error chain
             if key in rec:
                 rec[key] = [[read_f32(x) for x in row] for row in rec[key]]
-        for key in _FLOAT_FIELDS:
-            rec[key] = [[_read_float(x) for x in row] for row in rec[key]]
+        for key in _FLOAT_FIELDS:  # derived (the replay rebuilds them); absent in packed recordings
+            if key in rec:
+                rec[key] = [[_read_float(x) for x in row] for row in rec[key]]
         rec["loss"], rec["grad_norm"] = read_f32(rec["loss"]), read_f32(rec["grad_norm"])
         for a in rec.get("alerts", ()):
             a["value"], a["threshold"] = _read_float(a["value"]), _read_float(a["threshold"])

@@ -256,6 +256,7 @@ REAL_NUMERIC = Scenario(
 # --- seed split (CUDA): one configuration where runs differ only by seed -----------------------------
 
 SPLIT_LR = 2e-3  # where seeds split between blow-up and survival (research/preregistration/early-warning-protocol.md)
+SPLIT_LR_2 = 1.75e-3  # the second protocol's rate (research/preregistration/early-warning-protocol-2.md)
 
 SEED_SPLIT = Scenario(
     name="seed-split", device="cuda",
@@ -271,6 +272,11 @@ SEED_SPLIT = Scenario(
             monitor={"mode": "observe"}),
         Arm("fp32_delta", "BF16, flashwatch kernel 'fp32_delta' in every layer", "healthy",
             monitor=_own("fp32_delta")),
+        Arm(f"sdpa_observe_lr{SPLIT_LR_2:g}", f"as sdpa_observe, at lr {SPLIT_LR_2:g}", "failure",
+            monitor={"mode": "observe"}, lr=SPLIT_LR_2,
+            note="the configuration of the second pre-registered test (research/preregistration/)"),
+        Arm(f"fp32_delta_lr{SPLIT_LR_2:g}", f"as fp32_delta, at lr {SPLIT_LR_2:g}", "healthy",
+            monitor=_own("fp32_delta"), lr=SPLIT_LR_2),
     ),
     default_arms=("sdpa_observe",),
 )
