@@ -301,3 +301,35 @@ def test_a_negative_grad_norm_is_warned_about_and_reported_as_not_measured(caplo
     assert monitor.alert_counts["non_finite"] == 0
     monitor.step(loss=1.0, grad_norm=0.75)
     assert monitor.snapshot()["flashwatch_grad_norm"] == 0.75
+
+
+# --- one line per episode ---------------------------------------------------------------------------
+
+def test_a_flapping_head_gives_one_alert_line_per_episode_in_the_log_console_and_alerts_log(tmp_path, caplog):
+    """The provoked demo's flap, in shape: head 0 of layer 0 goes above the bound, dips below the
+    clearing level and comes back, four times; one episode, so one line everywhere."""
+    from flashwatch.exporters import ConsoleExporter, JsonlExporter
+
+    flap = [12, 12, 5, 5, 9.5, 5, 11, 9.5, 9.5] + [5] * 8 + [11, 11, 11, 9.5] + [5] * 7 + [9.5, 5, 5, 11] + [5] * 3
+    keep = Keep()
+    run = Run(MonitorConfig(interval=1, max_logit_bound=10.0), attach=False,
+              exporters=[keep, JsonlExporter(tmp_path), ConsoleExporter("log", log_alerts=True)])
+    with caplog.at_level(logging.INFO, logger="flashwatch"):
+        with run.monitor:
+            run.monitor.attach(run.model)
+            for t, value in enumerate(flap):
+                run.loss(t).backward()
+                run.opt.step()
+                run.opt.zero_grad()
+                for layer in run.monitor.layers:
+                    layer.stats.max_logit.zero_()
+                run.monitor.layers[0].stats.max_logit[0] = value
+                run.monitor.step(loss=1.0)
+    assert [(a.step, a.rule, a.layer, a.head) for a in run.monitor.alerts] == [(0, "max_logit", 0, 0)]
+    assert [(s, new) for s, new in keep.records if new] == [(0, [("max_logit", 0, 0)])]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("alert [max_logit]" in m for m in messages) == 1  # the Monitor's log line
+    assert sum("max_logit" in m for m in messages if "alert [" not in m and "cleared" not in m) == 1  # the console's
+    assert not any("alert cleared" in m for m in messages)  # the episode was still open at the end
+    lines = (tmp_path / "alerts.log").read_text().splitlines()
+    assert len(lines) == 1 and "max_logit" in lines[0]
