@@ -143,6 +143,7 @@ class Monitor:
         self.layers: list[AttentionLayer] = []
         self._wq: WqNorms | None = None
         self._router: Router | None = None
+        self._ever_attached = False  # step() before the first attach() is warned about
         self._unattached()
         self.global_step = 0
         self.monitored_steps = 0  # monitored steps processed so far (the detectors' warm-up clock)
@@ -237,6 +238,7 @@ class Monitor:
         self._collector = Collector(layers, self._reducer, self.config.async_transfer, self._error,
                                     self._check_combined)
         router.install()
+        self._ever_attached = True
         try:
             self._fan.open(Layout(layers=[(layer.name, layer.num_heads) for layer in layers]))
             state, self._pending_state = self._pending_state, None
@@ -387,7 +389,7 @@ class Monitor:
         """
         _check_scalar("loss", loss)
         _check_scalar("grad_norm", grad_norm)
-        if self._router is None and not self.layers:
+        if not self._ever_attached:
             self._warn_once("unattached", "flashwatch: Monitor.step() was called before attach(model): only the loss "
                             "and gradient norm are tracked until monitor.attach(model) is called")
         t = self.global_step

@@ -333,3 +333,12 @@ def test_a_flapping_head_gives_one_alert_line_per_episode_in_the_log_console_and
     assert not any("alert cleared" in m for m in messages)  # the episode was still open at the end
     lines = (tmp_path / "alerts.log").read_text().splitlines()
     assert len(lines) == 1 and "max_logit" in lines[0]
+
+
+def test_step_after_detach_is_not_called_before_attach(caplog):
+    run = Run(MonitorConfig(interval=1))
+    run.train(1)
+    run.monitor.detach()
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        run.monitor.step(loss=1.0)
+    assert not any("before attach" in r.getMessage() for r in caplog.records)
