@@ -275,6 +275,44 @@ def test_the_async_copy_from_a_second_device_is_complete_when_its_event_is():
         assert bool((host == 7.0).all())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_state_dict_does_not_change_what_training_does_next():
+    """The real asynchronous copy: a state_dict() after a monitored step whose alert switches a
+    layer leaves the variant each step runs, the alerts step() returns and the switches as they are."""
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch
+    from test_monitor import DATA
+
+    def trace(checkpoint_after):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        monitor = Monitor(MonitorConfig(interval=2, warmup=0, mode="own_kernel", auto_fix="fp32_delta",
+                                        auto_fix_on={"max_logit"}, max_logit_bound=-1000.0))
+        monitor.attach(model)
+        out = []
+        try:
+            for t in range(6):
+                ran = dict(monitor.variants)  # what this step runs
+                x, y = sample_batch(DATA, 4, 32, generator=torch.Generator().manual_seed(1000 * t))
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x.cuda(), y.cuda())[1]
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                alerts = monitor.step(loss=loss.detach(), grad_norm=grad_norm)
+                out.append((ran, [(a.step, a.rule, a.layer, a.head) for a in alerts]))
+                if t == checkpoint_after:
+                    monitor.state_dict()
+            return out, monitor.switches
+        finally:
+            monitor.detach()
+
+    plain = trace(None)
+    assert plain[0][1][0] == {0: "plain", 1: "plain"} and plain[0][2][0] == {0: "fp32_delta", 1: "fp32_delta"}
+    assert trace(0) == plain
+
+
 # --- values that are not what they claim ----------------------------------------------------------------
 
 def test_step_before_attach_warns_once(caplog):
