@@ -316,7 +316,8 @@ class Monitor:
         every monitored step is written. Without ``close()`` (or ``flush()``) that step is never
         decided: use the Monitor as a context manager (``with Monitor(...) as monitor:``) to
         close it on every exit. A ``stop_on`` alert of that step is logged, not raised. Never
-        raises (failures are logged and counted in ``errors``); a second call does nothing more.
+        raises (failures are logged and counted in ``errors``); calling it again is harmless
+        (an exporter's ``close`` is idempotent).
         """
         try:
             self._flush(for_next_step=False)
