@@ -271,3 +271,17 @@ def test_the_replay_decides_episodes_as_the_monitor_does():
     live = next(d for d in build_detectors(cfg) if d.rule == "max_logit")
     assert [(a.step, a.rule) for a in replay(signals, cfg, rules=["max_logit"])] == \
         [(s, "max_logit") for s, _ in _flap(live, FLAP)] == [(0, "max_logit")]
+
+
+def test_a_recording_made_before_episodes_is_replayed_as_its_monitor_decided():
+    """A recorded MonitorConfig without clear_steps / alert_gap came from a Monitor whose alerts
+    ended at the first clear step: its own-configuration replay uses that, so it still gives the
+    alerts raised in training; a recording with the fields keeps them."""
+    from flashwatch.replay.playback import config_from_dict
+
+    recorded = MonitorConfig(max_logit_bound=10.0).to_dict()
+    old = {k: v for k, v in recorded.items() if k not in ("clear_steps", "alert_gap")}
+    assert (config_from_dict(old).clear_steps, config_from_dict(old).alert_gap) == (1, 0)
+    assert (config_from_dict(recorded).clear_steps, config_from_dict(recorded).alert_gap) == (10, 20)
+    det = next(d for d in build_detectors(config_from_dict(old)) if d.rule == "max_logit")
+    assert len(_flap(det, FLAP)) == 4
