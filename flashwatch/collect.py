@@ -74,13 +74,20 @@ class Pending:
 def start_host_copy(values: torch.Tensor, async_transfer: bool) -> tuple[torch.Tensor, Any]:
     """The step's one device->host transfer: (host tensor, CUDA event or None).
 
-    On CUDA with ``async_transfer`` the copy goes to pinned memory without waiting and an event,
-    recorded on the stream that produced ``values``, marks its end; otherwise ``.cpu()``."""
+    On CUDA with ``async_transfer`` the copy goes to pinned memory without waiting and an event
+    marks its end. Both are put on the current stream of the device that holds ``values`` (the
+    stream that produced the statistics), whichever device is current: a device-to-host copy
+    runs on its source device's stream, and an event recorded on another device's stream (the
+    model on ``cuda:1``, the current device ``cuda:0``) would be reached before the copy is done.
+    Otherwise ``.cpu()``."""
     if values.is_cuda and async_transfer:
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(values.device))
+        with torch.cuda.device(values.device):
+            stream = torch.cuda.current_stream(values.device)
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
         return host, event
     return values.cpu(), None
 

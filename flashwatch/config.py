@@ -14,11 +14,21 @@ small GPTs are not guarantees: for a model with hundreds of heads raise ``drift_
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .vocabulary import FIX_VARIANTS, MODES, RULES, VARIANTS
+
+# The longest windows accepted, in monitored steps. ``window`` keeps, per attention head, the last
+# W values of five float64 series on the host (delta error, W^Q norm, and the three trends):
+# 40 bytes per head per monitored step, held in memory, recomputed from on every monitored step
+# and written into every checkpoint. At 10,000 that is 0.4 MB per head (410 MB for 1,024 heads)
+# and about 10 million values per layer-head set read per monitored step: bounded, unlike 10**8
+# (4 GB per head). ``loss_spike_window`` keeps W floats and sums them every monitored step.
+MAX_WINDOW = 10_000
+WINDOW_BYTES_PER_HEAD = 40  # per monitored step of ``window`` (5 float64 series)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +57,7 @@ class MonitorConfig:
 
     # --- detectors (counts are monitored steps) --------------------------------------------
     warmup: int = 20  # monitored steps before drift, repeated-max and W^Q rules may fire
-    window: int = 50  # W: monitored steps of the windowed drift z and of W^Q growth
+    window: int = 50  # W: monitored steps of the windowed drift z and of W^Q growth (2 to 10,000: 40 bytes of host memory per head per step)
     drift_threshold: float = 4.5  # delta_drift fires when |z| (cumulative) >= this
     drift_window_threshold: float | None = None  # also fire when the windowed |z| >= this (None: off)
     drift_include_fp32: bool = False  # also judge drift of layers whose delta is not taken from a rounded output: FP32 attention (rounding noise) and the fp32_delta variant (a residue; the remedy)
@@ -59,8 +69,10 @@ class MonitorConfig:
     max_logit_bound: float = 1000.0  # max_logit (warning) fires when a head's max logit >= this
     loss_spike_rtol: float = 2.0  # loss_spike: loss - running mean >= rtol * |running mean| (Lightning's default)
     loss_spike_atol: float | None = None  # ... and >= atol if set
-    loss_spike_window: int = 10  # running mean over this many monitored losses
+    loss_spike_window: int = 10  # running mean over this many monitored losses (1 to 10,000)
     clear_ratio: float = 0.9  # hysteresis: an active "above threshold" alert clears below clear_ratio * threshold
+    clear_steps: int = 10  # hysteresis in time (warning rules): an alert's episode ends only after its condition was clear at this many consecutive monitored steps
+    alert_gap: int = 20  # warning rules: after an episode ended, monitored steps before the same (rule, layer, head) may start a new alert
     stop_on: frozenset = frozenset()  # rules whose new alerts raise flashwatch.TrainingStopped
 
     # --- host work -----------------------------------------------------------------------
@@ -82,7 +94,9 @@ class MonitorConfig:
         _number(self, "eps", low=0.0, what="a finite number >= 0 (logits)")
         self._check_layers()
         _int(self, "warmup", 0)
-        _int(self, "window", 2)
+        _int(self, "window", 2, high=MAX_WINDOW,
+             why=f"; each monitored step of the window costs {WINDOW_BYTES_PER_HEAD} bytes of host memory per "
+                 "attention head (five float64 series, kept in memory and in every checkpoint)")
         _number(self, "drift_threshold", low=0.0, what="a finite number >= 0")
         if self.drift_window_threshold is not None:
             _number(self, "drift_window_threshold", low=0.0, what="None or a finite number >= 0")
@@ -96,8 +110,11 @@ class MonitorConfig:
         _number(self, "loss_spike_rtol", low=0.0, what="a finite number >= 0")
         if self.loss_spike_atol is not None:
             _number(self, "loss_spike_atol", low=0.0, what="None or a finite number >= 0")
-        _int(self, "loss_spike_window", 1)
+        _int(self, "loss_spike_window", 1, high=MAX_WINDOW,
+             why="; the window's losses are kept and summed on every monitored step")
         _number(self, "clear_ratio", low=0.0, high=1.0, low_open=True, what="a number in (0, 1]")
+        _int(self, "clear_steps", 1, high=MAX_WINDOW)
+        _int(self, "alert_gap", 0, high=MAX_WINDOW)
         _rules(self, "stop_on")
         _bool(self, "async_transfer")
         _int(self, "power_iters", 1)
@@ -117,13 +134,14 @@ class MonitorConfig:
             return
         if isinstance(value, (list, tuple)):
             for item in value:
-                ok = isinstance(item, str) or (isinstance(item, int) and not isinstance(item, bool) and item >= 0)
+                ok = isinstance(item, str) or (_is_int(item) and item >= 0)
                 if not ok:
                     raise ValueError(f"MonitorConfig.layers: entry {item!r} must be a module name (str) or a layer "
                                      "index (int >= 0)")
             if not value:
                 raise ValueError("MonitorConfig.layers must not be an empty list; use None to monitor every layer")
-            object.__setattr__(self, "layers", tuple(value))  # hashable, immutable
+            # hashable, immutable; numpy integers become ints
+            object.__setattr__(self, "layers", tuple(item if isinstance(item, str) else int(item) for item in value))
             return
         raise ValueError(f"MonitorConfig.layers must be None, a regex string, or a list of module names / "
                          f"layer indices, got {type(value).__name__}")
@@ -143,23 +161,37 @@ def _fail(name: str, value: Any, accepted: str) -> None:
     raise ValueError(f"MonitorConfig.{name} must be {accepted}, got {value!r}")
 
 
-def _int(cfg: MonitorConfig, name: str, low: int) -> None:
+def _is_numpy_bool(value: Any) -> bool:
+    """numpy's bool scalar (``np.bool_``), recognised without importing numpy."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")
+
+
+def _is_int(value: Any) -> bool:
+    """An integer that means a number: ``numbers.Integral`` (int, numpy integers), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _int(cfg: MonitorConfig, name: str, low: int, *, high: int | None = None, why: str = "") -> None:
     value = getattr(cfg, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        _fail(name, value, f"an int >= {low}")
+    accepted = f"an int >= {low}" + ("" if high is None else f" and <= {high:,}")
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        _fail(name, value, accepted + why)
+    object.__setattr__(cfg, name, int(value))
 
 
 def _bool(cfg: MonitorConfig, name: str) -> None:
     value = getattr(cfg, name)
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and not _is_numpy_bool(value):
         _fail(name, value, "True or False")
+    object.__setattr__(cfg, name, bool(value))
 
 
 def _number(cfg: MonitorConfig, name: str, *, low: float | None = None, high: float | None = None,
             low_open: bool = False, what: str) -> None:
+    """A real number (``numbers.Real``: int, float, numpy scalars), never a bool; stored as a float."""
     value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        _fail(name, value, what)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        _fail(name, value, what + (" (a bool is not a number)" if isinstance(value, bool) else ""))
     if low is not None and (value <= low if low_open else value < low):
         _fail(name, value, what)
     if high is not None and value > high:

@@ -28,6 +28,7 @@ class Decisions:
         alert_counts: alerts raised per rule.
         ever_active: every (rule, layer, head) that was ever active (its series stays exported).
         switches: auto-fix switches, dicts with step, layer, name, from, to, rule.
+        due_switches: switches decided but not yet applied (see ``auto_fix``).
     """
 
     def __init__(self, config: MonitorConfig, on_error: Callable[[str, BaseException], None]):
@@ -38,6 +39,7 @@ class Decisions:
         self.alert_counts: dict[str, int] = {rule: 0 for rule in RULES}
         self.ever_active: set[tuple[str, int, int]] = set()
         self.switches: list[dict] = []
+        self.due_switches: list[dict] = []  # decided by auto_fix(defer=True), applied by apply_due()
 
     @property
     def active(self) -> list[Alert]:
@@ -68,8 +70,13 @@ class Decisions:
         return new
 
     def auto_fix(self, t: int, next_step: int, layers: list[AttentionLayer], alerts: list[Alert],
-                 reporting: bool) -> None:
-        """Switch each layer flagged by an alert of ``config.auto_fix_on`` to ``config.auto_fix``."""
+                 reporting: bool, defer: bool = False) -> None:
+        """Switch each layer flagged by an alert of ``config.auto_fix_on`` to ``config.auto_fix``.
+
+        With ``defer`` the switches are recorded and logged now but the layers change only at
+        ``apply_due`` (the next ``Monitor.step``): a monitored step decided early, by a flush
+        between optimizer steps, switches at the same optimizer step as one decided in order.
+        """
         target = self.config.auto_fix
         if target is None:
             return
@@ -77,22 +84,43 @@ class Decisions:
             if a.rule not in self.config.auto_fix_on or a.layer < 0:
                 continue
             layer = layers[a.layer]
-            if layer.mode == "own_kernel" and layer.variant == target:
+            if self.decided_variant(layer) == ("own_kernel", target):
                 continue
-            before = layer.variant
-            layer.mode, layer.variant = "own_kernel", target
-            self.switches.append({"step": t, "layer": layer.index, "name": layer.name, "from": before, "to": target,
-                                  "rule": a.rule})
+            before = self.decided_variant(layer)[1]
+            switch = {"step": t, "layer": layer.index, "name": layer.name, "from": before, "to": target,
+                      "rule": a.rule}
+            self.switches.append(switch)
+            if defer:
+                self.due_switches.append(dict(switch))
+            else:
+                layer.mode, layer.variant = "own_kernel", target
             if reporting:
                 log.warning("flashwatch auto_fix: layer %d (%s) switched from %s to %s from step %d on (%s at step %d)",
                             layer.index, layer.name, before, target, next_step, a.rule, t)
+
+    def decided_variant(self, layer: AttentionLayer) -> tuple[str, str]:
+        """(mode, variant) of ``layer`` once the switches decided so far have applied."""
+        for switch in reversed(self.due_switches):
+            if switch["layer"] == layer.index:
+                return "own_kernel", switch["to"]
+        return layer.mode, layer.variant
+
+    def apply_due(self, layers: list[AttentionLayer]) -> None:
+        """Apply the switches ``auto_fix(defer=True)`` decided (at the next optimizer step)."""
+        if not layers:  # detached: they wait for the layers (attach continues the detached state)
+            return
+        due, self.due_switches = self.due_switches, []
+        for switch in due:
+            layer = layers[switch["layer"]]
+            layer.mode, layer.variant = "own_kernel", switch["to"]
 
     def state_dict(self) -> dict:
         return {"detectors": {d.rule: d.state_dict() for d in self.detectors},
                 "alerts": [a.to_dict() for a in self.alerts],
                 "alert_counts": dict(self.alert_counts),
                 "ever_active": sorted(list(k) for k in self.ever_active),
-                "switches": [dict(s) for s in self.switches]}
+                "switches": [dict(s) for s in self.switches],
+                "due_switches": [dict(s) for s in self.due_switches]}
 
     def load_state_dict(self, state: dict) -> None:
         for d in self.detectors:
@@ -102,3 +130,4 @@ class Decisions:
         self.alert_counts = {rule: int(state["alert_counts"].get(rule, 0)) for rule in RULES}
         self.ever_active = {tuple(k) for k in state["ever_active"]}
         self.switches = [dict(s) for s in state["switches"]]
+        self.due_switches = [dict(s) for s in state.get("due_switches", [])]

@@ -1,12 +1,21 @@
 """Detectors: rules that look at one monitored step's signals and decide; they never act.
 
 Each detector's ``update(signals) -> list[Alert]`` returns the alerts that *start* at this step.
-An alert is keyed by (layer, head); once raised it stays active (``detector.active``) while
-its condition holds, and is raised again only after it cleared (hysteresis: an "above
-threshold" condition holds while the value stays above ``threshold - (1 - clear_ratio) *
-|threshold|``). Warm-up and thresholds come from ``MonitorConfig`` (docs/CALIBRATION.md has the
-evidence behind the defaults). Logging, counting, exporting, switching variants and stopping
-are the Monitor's job.
+An alert is keyed by (layer, head) and stands for one episode of its condition: raised once when
+the episode starts, active (``detector.active``) while it lasts, cleared once when it ends.
+
+- In value, an "above threshold" condition holds while the value stays above ``threshold -
+  (1 - clear_ratio) * |threshold|`` (``clear_ratio``).
+- In time (warning rules), an episode ends only after its condition has been clear at
+  ``clear_steps`` consecutive monitored steps (of its layer): a value dipping below and coming
+  back sooner continues the episode and raises nothing; and after an episode ended, the same
+  (rule, layer, head) starts no new alert for ``alert_gap`` monitored steps. Critical rules
+  (``non_finite``, ``loss_spike``) are never held back: each recurrence is raised, and an
+  episode ends at its first clear step.
+
+Warm-up and thresholds come from ``MonitorConfig`` (docs/CALIBRATION.md has the evidence behind
+the defaults). Logging, counting, exporting, switching variants and stopping are the Monitor's
+job.
 
 Rules (``RULES``; the ``rule`` label of ``flashwatch_alerts_total`` and ``flashwatch_alert_active``).
 Their names, severities, meaning and what to do when one fires live in ``flashwatch.vocabulary``
@@ -152,18 +161,26 @@ def _hold_threshold(threshold: float, clear_ratio: float) -> float:
 
 
 class Detector:
-    """Base class: per-(layer, head) hysteresis and state. Subclasses implement ``update``.
+    """Base class: per-(layer, head) episodes (hysteresis) and state. Subclasses implement ``update``.
 
     Args:
         clear_ratio: hysteresis factor in (0, 1] (see the module docstring).
+        clear_steps: monitored steps the condition must be clear before an episode ends (>= 1;
+            1: at the first clear step); warning rules only.
+        alert_gap: monitored steps after an episode ended before the same key may start a new
+            one (0: at once); warning rules only.
     """
 
     rule = ""
 
-    def __init__(self, clear_ratio: float = 0.9):
+    def __init__(self, clear_ratio: float = 0.9, clear_steps: int = 1, alert_gap: int = 0):
         self.clear_ratio = clear_ratio
+        self.clear_steps, self.alert_gap = clear_steps, alert_gap
         self._active: dict[tuple[int, int], Alert] = {}
-        self.cleared: list[Alert] = []  # alerts that stopped holding at the last update
+        self._clear_for: dict[tuple[int, int], int] = {}  # active keys: consecutive clear monitored steps
+        self._ended_at: dict[tuple[int, int], int] = {}  # key -> monitored step index its last episode ended
+        self._now = 0  # the monitored step index being judged (StepSignals.index)
+        self.cleared: list[Alert] = []  # alerts whose episode ended at the last update
 
     def update(self, signals: StepSignals) -> list[Alert]:
         raise NotImplementedError
@@ -178,34 +195,54 @@ class Detector:
         """Alerts holding now, ordered by (layer, head)."""
         return [self._active[k] for k in sorted(self._active)]
 
-    def _begin(self) -> list[Alert]:
+    def _begin(self, signals: StepSignals) -> list[Alert]:
         self.cleared = []
+        self._now = signals.index
         return []
 
     def _judge(self, key: tuple[int, int], fires: bool, holds: bool, make) -> Alert | None:
-        """Hysteresis: a new alert when ``fires`` and none is active; clear when not ``holds``."""
+        """One episode per alert: a new alert when ``fires``, none is active and the gap after
+        the last episode has passed; the active one ends after ``clear_steps`` steps not ``holds``."""
         if key in self._active:
-            if not holds:
-                self.cleared.append(self._active.pop(key))
+            if holds:
+                self._clear_for.pop(key, None)
+                return None
+            clear = self._clear_for.get(key, 0) + 1
+            if clear < (1 if self.severity == "critical" else self.clear_steps):
+                self._clear_for[key] = clear
+                return None
+            self._clear_for.pop(key, None)
+            self.cleared.append(self._active.pop(key))
+            self._ended_at[key] = self._now
             return None
-        if fires:
+        if fires and not self._held_back(key):
             alert = make()
             self._active[key] = alert
             return alert
         return None
+
+    def _held_back(self, key: tuple[int, int]) -> bool:
+        """Within ``alert_gap`` monitored steps of the end of this key's last episode (warnings only)."""
+        if self.severity == "critical" or key not in self._ended_at:
+            return False
+        return self._now - self._ended_at[key] <= self.alert_gap
 
     def _alert(self, step: int, layer: int, head: int, value: float, threshold: float, message: str) -> Alert:
         return Alert(rule=self.rule, step=step, layer=layer, head=head, value=float(value), threshold=float(threshold),
                      severity=self.severity, message=message)
 
     def state_dict(self) -> dict:
-        return {"active": [a.to_dict() for a in self.active]}
+        return {"active": [a.to_dict() for a in self.active],
+                "clear_for": [[*k, n] for k, n in sorted(self._clear_for.items())],
+                "ended_at": [[*k, i] for k, i in sorted(self._ended_at.items())]}
 
     def load_state_dict(self, state: dict) -> None:
         self._active = {}
         for d in state.get("active", []):
             a = Alert.from_dict(d)
             self._active[(a.layer, a.head)] = a
+        self._clear_for = {(int(l), int(h)): int(n) for l, h, n in state.get("clear_for", [])}
+        self._ended_at = {(int(l), int(h)): int(i) for l, h, i in state.get("ended_at", [])}
 
 
 def _where(layer: int, head: int) -> str:
@@ -239,13 +276,13 @@ class DeltaDriftDetector(Detector):
     rule = "delta_drift"
 
     def __init__(self, threshold: float = 4.5, window_threshold: float | None = None, warmup: int = 20,
-                 include_fp32: bool = False, clear_ratio: float = 0.9):
-        super().__init__(clear_ratio)
+                 include_fp32: bool = False, clear_ratio: float = 0.9, clear_steps: int = 1, alert_gap: int = 0):
+        super().__init__(clear_ratio, clear_steps, alert_gap)
         self.threshold, self.window_threshold = threshold, window_threshold
         self.warmup, self.include_fp32 = warmup, include_fp32
 
     def update(self, signals: StepSignals) -> list[Alert]:
-        out = self._begin()
+        out = self._begin(signals)
         hold = _hold_threshold(self.threshold, self.clear_ratio)
         whold = None if self.window_threshold is None else _hold_threshold(self.window_threshold, self.clear_ratio)
         for ls in signals.layers:
@@ -289,8 +326,8 @@ class RepeatedMaxRiseDetector(Detector):
     rule = "repeated_max_rise"
 
     def __init__(self, factor: float = 3.0, margin: float = 0.3, warmup: int = 20, baseline_steps: int = 20,
-                 clear_ratio: float = 0.9):
-        super().__init__(clear_ratio)
+                 clear_ratio: float = 0.9, clear_steps: int = 1, alert_gap: int = 0):
+        super().__init__(clear_ratio, clear_steps, alert_gap)
         self.factor, self.margin, self.warmup, self.baseline_steps = factor, margin, warmup, baseline_steps
         self.seen: dict[int, int] = {}  # layer -> monitored steps with data
         self.baseline_sum: dict[int, list[float]] = {}  # layer -> per-head sum of ratios in the baseline span
@@ -302,7 +339,7 @@ class RepeatedMaxRiseDetector(Detector):
         return [s / self.baseline_steps for s in self.baseline_sum[layer]]
 
     def update(self, signals: StepSignals) -> list[Alert]:
-        out = self._begin()
+        out = self._begin(signals)
         for ls in signals.layers:
             if not ls.seen:
                 continue
@@ -345,8 +382,9 @@ class RepeatedMaxRiseDetector(Detector):
 class _PerHeadAbove(Detector):
     """Shared shape of the simple "value >= threshold" per-head rules."""
 
-    def __init__(self, threshold: float, warmup: int = 0, clear_ratio: float = 0.9):
-        super().__init__(clear_ratio)
+    def __init__(self, threshold: float, warmup: int = 0, clear_ratio: float = 0.9, clear_steps: int = 1,
+                 alert_gap: int = 0):
+        super().__init__(clear_ratio, clear_steps, alert_gap)
         self.threshold, self.warmup = threshold, warmup
 
     def _values(self, ls: LayerSignals) -> torch.Tensor:
@@ -356,7 +394,7 @@ class _PerHeadAbove(Detector):
         raise NotImplementedError
 
     def update(self, signals: StepSignals) -> list[Alert]:
-        out = self._begin()
+        out = self._begin(signals)
         if signals.index < self.warmup:
             return out
         hold = _hold_threshold(self.threshold, self.clear_ratio)
@@ -389,8 +427,9 @@ class WqGrowthDetector(_PerHeadAbove):
 
     rule = "wq_growth"
 
-    def __init__(self, threshold: float, warmup: int = 0, window: int = 50, clear_ratio: float = 0.9):
-        super().__init__(threshold, warmup + window, clear_ratio)
+    def __init__(self, threshold: float, warmup: int = 0, window: int = 50, clear_ratio: float = 0.9,
+                 clear_steps: int = 1, alert_gap: int = 0):
+        super().__init__(threshold, warmup + window, clear_ratio, clear_steps, alert_gap)
         self.window = window
 
     def _values(self, ls):
@@ -438,7 +477,7 @@ class NonFiniteDetector(Detector):
     rule = "non_finite"
 
     def update(self, signals: StepSignals) -> list[Alert]:
-        out = self._begin()
+        out = self._begin(signals)
         bad = [(name, v) for name, v, given in (("loss", signals.loss, signals.loss_given),
                                                 ("grad_norm", signals.grad_norm, signals.grad_norm_given))
                if given and not math.isfinite(v)]
@@ -479,8 +518,8 @@ class LossSpikeDetector(Detector):
     rule = "loss_spike"
 
     def __init__(self, rtol: float | None = 2.0, atol: float | None = None, window: int = 10,
-                 clear_ratio: float = 0.9):
-        super().__init__(clear_ratio)
+                 clear_ratio: float = 0.9, clear_steps: int = 1, alert_gap: int = 0):
+        super().__init__(clear_ratio, clear_steps, alert_gap)
         self.rtol, self.atol, self.window = rtol, atol, window
         self.losses: deque[float] = deque(maxlen=window)
         self.last: float | None = None
@@ -492,7 +531,7 @@ class LossSpikeDetector(Detector):
         return ok_r and ok_a
 
     def update(self, signals: StepSignals) -> list[Alert]:
-        out = self._begin()
+        out = self._begin(signals)
         loss = signals.loss
         if not signals.loss_given or not math.isfinite(loss):
             return out
@@ -527,13 +566,13 @@ class LossSpikeDetector(Detector):
 def build_detectors(config: Any) -> list[Detector]:
     """One detector per rule of ``RULES``, in that order, configured from a ``MonitorConfig``."""
     c = config
+    ep = dict(clear_ratio=c.clear_ratio, clear_steps=c.clear_steps, alert_gap=c.alert_gap)  # episodes
     return [
-        DeltaDriftDetector(c.drift_threshold, c.drift_window_threshold, c.warmup, c.drift_include_fp32, c.clear_ratio),
-        RepeatedMaxRiseDetector(c.repeated_max_factor, c.repeated_max_margin, c.warmup, c.repeated_max_baseline,
-                                c.clear_ratio),
-        WqGrowthDetector(c.wq_growth_factor, c.warmup, c.window, c.clear_ratio),
-        WqOutlierDetector(c.wq_outlier_ratio, c.warmup, c.clear_ratio),
-        MaxLogitDetector(c.max_logit_bound, 0, c.clear_ratio),
-        NonFiniteDetector(c.clear_ratio),
-        LossSpikeDetector(c.loss_spike_rtol, c.loss_spike_atol, c.loss_spike_window, c.clear_ratio),
+        DeltaDriftDetector(c.drift_threshold, c.drift_window_threshold, c.warmup, c.drift_include_fp32, **ep),
+        RepeatedMaxRiseDetector(c.repeated_max_factor, c.repeated_max_margin, c.warmup, c.repeated_max_baseline, **ep),
+        WqGrowthDetector(c.wq_growth_factor, c.warmup, c.window, **ep),
+        WqOutlierDetector(c.wq_outlier_ratio, c.warmup, **ep),
+        MaxLogitDetector(c.max_logit_bound, 0, **ep),
+        NonFiniteDetector(**ep),
+        LossSpikeDetector(c.loss_spike_rtol, c.loss_spike_atol, c.loss_spike_window, **ep),
     ]

@@ -143,6 +143,7 @@ class Monitor:
         self.layers: list[AttentionLayer] = []
         self._wq: WqNorms | None = None
         self._router: Router | None = None
+        self._ever_attached = False  # step() before the first attach() is warned about
         self._unattached()
         self.global_step = 0
         self.monitored_steps = 0  # monitored steps processed so far (the detectors' warm-up clock)
@@ -155,7 +156,10 @@ class Monitor:
         self._pending_state: dict | None = None  # from load_state_dict() before attach
         self._detached_state: dict | None = None  # from detach(): attaching the same layers again continues
         self._pending: Pending | None = None  # a monitored step whose host copy is on its way (CUDA)
-        self._stops_due: list[Alert] = []  # stop_on alerts decided by flush(), raised at the next step()
+        # decided by a flush between optimizer steps, acted on at the next step() as if decided there
+        # (the auto_fix switches wait in Decisions.due_switches); all three are part of state_dict()
+        self._due_alerts: list[Alert] = []  # returned by the next step() (a flush inside state_dict())
+        self._stops_due: list[Alert] = []  # stop_on alerts: raised by the next step()
 
     # --- attach / detach --------------------------------------------------------------------------
     def set_sharding(self, sharding: str | None) -> None:
@@ -234,6 +238,7 @@ class Monitor:
         self._collector = Collector(layers, self._reducer, self.config.async_transfer, self._error,
                                     self._check_combined)
         router.install()
+        self._ever_attached = True
         try:
             self._fan.open(Layout(layers=[(layer.name, layer.num_heads) for layer in layers]))
             state, self._pending_state = self._pending_state, None
@@ -242,7 +247,10 @@ class Monitor:
                     == [(layer.name, layer.num_heads) for layer in layers]:
                 state = resumed  # the same layers again (e.g. a second fit): carry on where detach() left off
             if state is not None:
+                due = self._due_alerts, self._stops_due  # a step() after detach() may have acted on them already
                 self.load_state_dict(state)
+                if state is resumed:
+                    self._due_alerts, self._stops_due = due
         except BaseException:
             self.detach()
             raise
@@ -300,16 +308,34 @@ class Monitor:
         return self.rank == 0
 
     def close(self) -> None:
-        """Decide a monitored step still in flight, then close every exporter. Never raises
-        (failures are logged and counted)."""
+        """End the run: decide the last monitored step, export it, close every exporter.
+
+        On CUDA with ``config.async_transfer`` the last monitored step's values are still on
+        their way when training ends; ``close()`` waits for them, decides that step (its alerts
+        are logged and exported like any other) and then closes the exporters, so the record of
+        every monitored step is written. Without ``close()`` (or ``flush()``) that step is never
+        decided: use the Monitor as a context manager (``with Monitor(...) as monitor:``) to
+        close it on every exit. A ``stop_on`` alert of that step is logged, not raised. Never
+        raises (failures are logged and counted in ``errors``); calling it again is harmless
+        (an exporter's ``close`` is idempotent).
+        """
         try:
-            self.flush()
+            self._flush(for_next_step=False)
         except Exception as exc:
             self._error("flush", exc)
         try:
             self._fan.close()
         except Exception as exc:
             self._error("close", exc)
+
+    def __enter__(self) -> "Monitor":
+        """``with Monitor(config) as monitor:`` closes the Monitor (``close()``) when the block ends."""
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        """``close()`` on every exit, an exception's included; the exception goes on (never masked)."""
+        self.close()
+        return False
 
     # --- schedule ----------------------------------------------------------------------------------
     @property
@@ -364,9 +390,16 @@ class Monitor:
         """
         _check_scalar("loss", loss)
         _check_scalar("grad_norm", grad_norm)
+        if not self._ever_attached:
+            self._warn_once("unattached", "flashwatch: Monitor.step() was called before attach(model): only the loss "
+                            "and gradient norm are tracked until monitor.attach(model) is called")
         t = self.global_step
         ran = [layer.variant for layer in self.layers]  # what step t ran, before a decision below switches one
-        new = self._drain()  # an earlier monitored step whose values were still on their way (CUDA)
+        # what a flush between the steps decided: acted on now, as if decided here
+        new, self._due_alerts = self._due_alerts, []
+        stops, self._stops_due = self._stops_due, []
+        self._decisions.apply_due(self.layers)
+        decided = self._drain()  # an earlier monitored step whose values were still on their way (CUDA)
         if self._monitoring:
             pending = None
             try:
@@ -379,14 +412,15 @@ class Monitor:
             if pending is not None:
                 pending.variants = ran
                 if pending.event is None:
-                    new.extend(self._decide_safely(pending))
+                    decided.extend(self._decide_safely(pending))
                 else:
                     self._pending = pending
         self.global_step = t + 1
         self._monitoring = self.global_step % self.config.interval == 0
         if self._router is not None:
             self._router.monitoring = self._monitoring
-        stops = [a for a in new if a.rule in self.config.stop_on]
+        new.extend(decided)
+        stops.extend(a for a in decided if a.rule in self.config.stop_on)
         if stops:
             raise TrainingStopped(stops, stops[0].step)
         return new
@@ -397,25 +431,35 @@ class Monitor:
         With ``config.async_transfer`` on CUDA, ``step()`` only starts the host copy of a
         monitored step and decides its alerts at the next ``step()`` call. ``state_dict()``,
         ``detach()`` and ``close()`` flush first, so nothing measured is lost; call it yourself
-        before reading ``snapshot()`` or ``alerts`` right after a monitored step. Returns the
-        alerts that started (a ``stop_on`` rule among them raises at the next ``step()``).
+        before reading ``snapshot()`` or ``alerts`` right after a monitored step.
+
+        A flush decides, logs and exports, but does not change what training does next: the
+        step's actions happen at the next ``step()``, where they would have happened without
+        it (an ``auto_fix`` switch applies from the optimizer step after that one; a
+        ``stop_on`` alert raises ``TrainingStopped`` there).
+
+        Returns:
+            the alerts that started (not returned again by the next ``step()``).
         """
-        new = self._drain()
+        return self._flush(for_next_step=False)
+
+    def _flush(self, for_next_step: bool) -> list[Alert]:
+        """Decide a step in flight, deferring its actions to the next ``step()``; with
+        ``for_next_step`` the next ``step()`` also returns its alerts (a flush the caller did not ask
+        for, as inside ``state_dict()``)."""
+        new = self._drain(defer=True)
         self._stops_due.extend(a for a in new if a.rule in self.config.stop_on)
+        if for_next_step:
+            self._due_alerts.extend(new)
         return new
 
-    def _drain(self) -> list[Alert]:
-        new: list[Alert] = []
-        if self._stops_due:
-            new, self._stops_due = self._stops_due, []
+    def _drain(self, defer: bool = False) -> list[Alert]:
         pending, self._pending = self._pending, None
-        if pending is not None:
-            new.extend(self._decide_safely(pending))
-        return new
+        return self._decide_safely(pending, defer) if pending is not None else []
 
-    def _decide_safely(self, pending: Pending) -> list[Alert]:
+    def _decide_safely(self, pending: Pending, defer: bool = False) -> list[Alert]:
         try:
-            new = self._decide(pending)
+            new = self._decide(pending, defer)
         except Exception as exc:  # monitoring never stops training
             self._error("step", exc)
             new = []
@@ -469,11 +513,20 @@ class Monitor:
                 layer.stats.reset()
 
     # --- the monitored step: host half -------------------------------------------------------------
-    def _decide(self, pending: Pending) -> list[Alert]:
-        """Signals, detectors, alerts, actions and exports of monitored step ``pending.step``."""
+    def _decide(self, pending: Pending, defer: bool = False) -> list[Alert]:
+        """Signals, detectors, alerts, actions and exports of monitored step ``pending.step``
+        (``defer``: the auto_fix switches wait for the next ``step()``)."""
         got = pending.readings()
         if got is None:
             return []
+        grad_norm, grad_norm_given = got.grad_norm, got.grad_norm_given
+        if grad_norm_given and math.isfinite(grad_norm) and grad_norm < 0:
+            # a norm is never negative: a bug in the caller's value, not a reading; NaN (not
+            # measured) rather than a value that looks like one, and training goes on
+            self._warn_once("negative_grad_norm", "flashwatch: grad_norm=%r at step %d is negative, so it is not a norm "
+                            "(pass the total gradient norm, e.g. what clip_grad_norm_ returns); such values are "
+                            "ignored and the gradient norm is reported as not measured (NaN)", grad_norm, pending.step)
+            grad_norm, grad_norm_given = math.nan, False
         t = pending.step
         ran = pending.variants or [layer.variant for layer in self.layers]
         readings = []
@@ -486,11 +539,11 @@ class Monitor:
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
                                          low_precision=layer.low_precision, variant=variant))
             layer.calls = 0
-        signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=got.grad_norm,
-                                      readings=readings, loss_given=got.loss_given, grad_norm_given=got.grad_norm_given)
+        signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=grad_norm,
+                                      readings=readings, loss_given=got.loss_given, grad_norm_given=grad_norm_given)
         new = self._decisions.judge(t, signals, self.sharding is not None, self._reporting)
         self._last = host_record(signals)
-        self._decisions.auto_fix(t, self.global_step + 1, self.layers, new, self._reporting)
+        self._decisions.auto_fix(t, self.global_step + 1, self.layers, new, self._reporting, defer=defer)
         self._fan.export(StepRecord(step=t, time=time.time(), snapshot=self.snapshot(), new_alerts=list(new),
                                     active_alerts=self.active_alerts))
         return new
@@ -539,7 +592,10 @@ class Monitor:
         ``flashwatch_alerts_total`` (every rule, zeros included) and ``(rule, layer, head)`` for
         ``flashwatch_alert_active`` (1.0 while active, 0.0 once cleared).
         """
-        return snapshot(self._last, self.variants, VARIANT_LABELS, self.alert_counts, self.active_alerts,
+        # the variants as decided: a switch decided by a flush shows already, as it does when
+        # the same step is decided at the next step()
+        variants = {layer.index: self._decisions.decided_variant(layer)[1] for layer in self.layers}
+        return snapshot(self._last, variants, VARIANT_LABELS, self.alert_counts, self.active_alerts,
                         self._decisions.ever_active)
 
     def signals(self) -> dict:
@@ -570,8 +626,12 @@ class Monitor:
     def state_dict(self) -> dict:
         """Everything needed to continue exactly: plain Python data and CPU tensors (``torch.save``-able).
 
-        Decides a monitored step still in flight first (``flush``)."""
-        self.flush()
+        Decides a monitored step still in flight first (``flush``), without changing what training
+        does next: the alerts it decides are still returned by the next ``step()``, and its actions
+        (``auto_fix`` switches, a ``stop_on`` stop) happen there; they are part of the state, so a
+        run resumed from it acts at the same step.
+        """
+        self._flush(for_next_step=True)
         signals = self._signals.state_dict()
         return {
             "version": STATE_VERSION,
@@ -585,6 +645,8 @@ class Monitor:
             **self._decisions.state_dict(),
             "errors": self.errors,
             "last": self._last,
+            "due_alerts": [a.to_dict() for a in self._due_alerts],
+            "stops_due": [a.to_dict() for a in self._stops_due],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -622,6 +684,8 @@ class Monitor:
         self.monitored_steps = int(state["monitored_steps"])
         self.errors = int(state["errors"])
         self._last = state["last"]
+        self._due_alerts = [Alert.from_dict(a) for a in state.get("due_alerts", [])]
+        self._stops_due = [Alert.from_dict(a) for a in state.get("stops_due", [])]
         self._monitoring = self.global_step % self.config.interval == 0
         self._router.monitoring = self._monitoring
 

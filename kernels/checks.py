@@ -6,6 +6,7 @@ Each error names the argument, what it was, and what is accepted.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -30,17 +31,22 @@ FIXED_MIN_OFFSET = 1.0 / 64.0
 FIXED_MAX_OFFSET = {torch.bfloat16: 20.0, torch.float32: 20.0, torch.float16: 8.0, torch.float64: 20.0}
 
 
+def _is_real(value) -> bool:
+    """A finite real number (``numbers.Real``: int, float, numpy scalars), never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_options(variant: str, beta: float, eps: float, causal: bool, sm_scale) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 1.0:
+    if not _is_real(beta) or beta <= 1.0:
         raise ValueError(f"beta must be a finite number > 1 (the fixed variant subtracts beta*max), got {beta!r}")
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if not _is_real(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0 (tie tolerance in logits), got {eps!r}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if sm_scale is not None and (not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale) or sm_scale <= 0):
-        raise ValueError(f"sm_scale must be None (1/sqrt(D)) or a finite number > 0, got {sm_scale!r}")
+    if sm_scale is not None and (not _is_real(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"sm_scale must be None (1/sqrt(D)) or a finite number > 0 (not a bool), got {sm_scale!r}")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed_dtypes=DTYPES) -> None:

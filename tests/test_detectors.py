@@ -194,3 +194,94 @@ def test_detector_state_round_trip_keeps_active_alerts():
     e.load_state_dict(d.state_dict())
     assert e.active == d.active and e.active[0].step == 7
     assert e.update(step(8, layer(max_logit=[12.0, 0.0, 0.0]))) == []
+
+
+# --- one alert per episode -------------------------------------------------------------------------
+
+def _flap(det, values, start=0):
+    """Feed head 0 of layer 0 a max logit per monitored step; (step, value) of each alert raised."""
+    out = []
+    for i, v in enumerate(values):
+        t = start + i
+        out += [(a.step, a.value) for a in det.update(step(t, layer(max_logit=[v, 0.0, 0.0])))]
+    return out
+
+
+# the provoked demo's flap, in shape: above the threshold (10), dips, above again ...
+FLAP = [12, 12, 5, 5, 9.5, 5, 11, 9.5, 9.5] + [5] * 8 + [11, 11, 11, 9.5] + [5] * 7 + [9.5, 5, 5, 11] + [5] * 30
+
+
+def test_a_flapping_value_raises_one_alert_per_episode():
+    assert len(_flap(MaxLogitDetector(10.0, clear_steps=1, alert_gap=0), FLAP)) == 4  # what flapped before
+    det = MaxLogitDetector(10.0, clear_steps=10, alert_gap=20)
+    assert _flap(det, FLAP) == [(0, 12.0)]
+    # the episode ended at the 10th clear step after the last value that held (FLAP[31] = 11)
+    assert det.active == [] and det._ended_at == {(0, 0): 41}
+
+
+def test_an_episode_continues_through_short_dips_and_ends_after_clear_steps():
+    det = MaxLogitDetector(10.0, clear_steps=3, alert_gap=0)
+    assert _flap(det, [11, 5, 5, 11]) == [(0, 11.0)]  # two clear steps: the same episode
+    assert len(det.active) == 1
+    assert _flap(det, [5, 5], start=4) == [] and len(det.active) == 1
+    det.update(step(6, layer(max_logit=[5.0, 0, 0])))  # the third clear step ends it
+    assert det.active == [] and [a.step for a in det.cleared] == [0]
+    assert _flap(det, [11], start=7) == [(7, 11.0)]  # no gap: a new episode at once
+
+
+def test_a_new_warning_waits_for_the_gap_after_an_episode_ended():
+    det = MaxLogitDetector(10.0, clear_steps=1, alert_gap=5)
+    assert _flap(det, [11, 5]) == [(0, 11.0)]  # ended at index 1
+    assert _flap(det, [11] * 5, start=2) == []  # indices 2..6: within 5 of the end
+    assert _flap(det, [11], start=7) == [(7, 11.0)]  # still above once the gap has passed: raised
+
+
+@pytest.mark.parametrize("rule", ["non_finite", "loss_spike"])
+def test_critical_rules_are_never_held_back(rule):
+    c = MonitorConfig(clear_steps=10, alert_gap=50)
+    det = next(d for d in build_detectors(c) if d.rule == rule)
+    raised = []
+    for t in range(12):
+        bad = t in (3, 6)  # two NaN losses / two spikes, two steps of calm between them
+        loss = (math.nan if bad else 1.0) if rule == "non_finite" else (10.0 if bad else 1.0)
+        raised += [a.step for a in det.update(step(t, loss=loss))]
+    assert raised == [3, 6]
+
+
+def test_episodes_resume_exactly_from_a_state():
+    values = [11, 5, 5, 11, 5, 5, 5, 5, 11, 5, 11, 11, 5, 5, 5, 5, 5, 5, 11]
+    whole = MaxLogitDetector(10.0, clear_steps=3, alert_gap=4)
+    want = _flap(whole, values)
+    for cut in range(1, len(values)):
+        first = MaxLogitDetector(10.0, clear_steps=3, alert_gap=4)
+        got = _flap(first, values[:cut])
+        second = MaxLogitDetector(10.0, clear_steps=3, alert_gap=4)
+        second.load_state_dict(first.state_dict())
+        got += _flap(second, values[cut:], start=cut)
+        assert got == want, cut
+    assert want == [(0, 11.0), (11, 11.0)]  # ended at 6, held back to 10; ended at 14, held back at 18
+
+
+def test_the_replay_decides_episodes_as_the_monitor_does():
+    """flashwatch.replay builds its detectors from the same MonitorConfig: same episodes."""
+    from flashwatch.replay.playback import replay
+
+    signals = [step(t, layer(max_logit=[v, 0.0, 0.0])) for t, v in enumerate(FLAP)]
+    cfg = MonitorConfig(max_logit_bound=10.0)
+    live = next(d for d in build_detectors(cfg) if d.rule == "max_logit")
+    assert [(a.step, a.rule) for a in replay(signals, cfg, rules=["max_logit"])] == \
+        [(s, "max_logit") for s, _ in _flap(live, FLAP)] == [(0, "max_logit")]
+
+
+def test_a_recording_made_before_episodes_is_replayed_as_its_monitor_decided():
+    """A recorded MonitorConfig without clear_steps / alert_gap came from a Monitor whose alerts
+    ended at the first clear step: its own-configuration replay uses that, so it still gives the
+    alerts raised in training; a recording with the fields keeps them."""
+    from flashwatch.replay.playback import config_from_dict
+
+    recorded = MonitorConfig(max_logit_bound=10.0).to_dict()
+    old = {k: v for k, v in recorded.items() if k not in ("clear_steps", "alert_gap")}
+    assert (config_from_dict(old).clear_steps, config_from_dict(old).alert_gap) == (1, 0)
+    assert (config_from_dict(recorded).clear_steps, config_from_dict(recorded).alert_gap) == (10, 20)
+    det = next(d for d in build_detectors(config_from_dict(old)) if d.rule == "max_logit")
+    assert len(_flap(det, FLAP)) == 4

@@ -52,10 +52,20 @@ def config_for(run: dict | None = None, overrides: dict | None = None) -> Monito
     return MonitorConfig(**fields)
 
 
+# A recorded configuration without these fields was recorded before alerts had episodes in time:
+# an alert ended at its first clear step and could start again at the next. Replaying it that way
+# gives the alerts its Monitor raised.
+BEFORE_EPISODES = {"clear_steps": 1, "alert_gap": 0}
+
+
 def config_from_dict(d: dict) -> MonitorConfig:
-    """A ``MonitorConfig`` from ``MonitorConfig.to_dict()`` (sets come back as lists)."""
+    """A ``MonitorConfig`` from ``MonitorConfig.to_dict()`` (sets come back as lists); fields the
+    recording's version did not have take its behaviour (``BEFORE_EPISODES``) or the defaults."""
     known = {f for f in MonitorConfig.__dataclass_fields__}
-    return MonitorConfig(**{k: v for k, v in d.items() if k in known})
+    fields = {k: v for k, v in d.items() if k in known}
+    if not any(k in d for k in BEFORE_EPISODES):
+        fields.update(BEFORE_EPISODES)
+    return MonitorConfig(**fields)
 
 
 def _record_lag(records: list[dict], loss_at: dict) -> int:

@@ -1,0 +1,382 @@
+"""The Monitor's life cycle: a context manager, close() decides the last step, a checkpoint changes
+nothing about training and carries what is still to be done, the asynchronous copy's stream, and
+values that are not what they claim (step() before attach(), a negative gradient norm)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import flashwatch.collect
+from flashwatch import Monitor, MonitorConfig, TrainingStopped
+from flashwatch.exporters.base import Exporter
+from test_monitor import RUNS, Run, _assert_same, _defer_like_cuda
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_detach():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+    while RUNS:
+        RUNS.pop().monitor.detach()
+
+
+class Keep(Exporter):
+    """Keeps what it is given: (step, new alerts) per record, and how often it was closed."""
+
+    name = "keep"
+
+    def __init__(self):
+        self.records, self.closed = [], 0
+
+    def export(self, record):
+        self.records.append((record.step, sorted((a.rule, a.layer, a.head) for a in record.new_alerts)))
+
+    def close(self):
+        self.closed += 1
+
+
+# --- context manager and close() ------------------------------------------------------------------
+
+def test_the_monitor_is_a_context_manager_that_decides_the_last_step(monkeypatch):
+    _defer_like_cuda(monkeypatch)  # the CUDA path: a monitored step is decided one step() later
+    keep = Keep()
+    run = Run(MonitorConfig(interval=1), attach=False, exporters=[keep])
+    with run.monitor as monitor:
+        assert monitor is run.monitor
+        monitor.attach(run.model)
+        run.train(3)
+        assert [s for s, _ in keep.records] == [0, 1]  # step 2 is in flight
+    assert [s for s, _ in keep.records] == [0, 1, 2] and keep.closed == 1
+    assert run.monitor.monitored_steps == 3
+
+
+def test_the_context_manager_closes_on_an_exception_and_lets_it_through(monkeypatch):
+    _defer_like_cuda(monkeypatch)
+    keep = Keep()
+    run = Run(MonitorConfig(interval=1), attach=False, exporters=[keep])
+    with pytest.raises(KeyError, match="from the training loop"):
+        with run.monitor as monitor:
+            monitor.attach(run.model)
+            run.train(2)
+            raise KeyError("from the training loop")
+    assert [s for s, _ in keep.records] == [0, 1] and keep.closed == 1
+
+
+def test_the_context_manager_lets_training_stopped_through_and_still_closes():
+    keep = Keep()
+    run = Run(MonitorConfig(interval=1, max_logit_bound=-1000.0, stop_on={"max_logit"}), attach=False,
+              exporters=[keep])
+    with pytest.raises(TrainingStopped):
+        with run.monitor:
+            run.monitor.attach(run.model)
+            run.train(2)
+    assert keep.closed == 1 and [s for s, _ in keep.records] == [0]
+
+
+def test_close_decides_the_last_monitored_step_and_logs_a_stop_it_cannot_raise(monkeypatch, caplog):
+    _defer_like_cuda(monkeypatch)
+    keep = Keep()
+    run = Run(MonitorConfig(interval=1, warmup=0, max_logit_bound=-1000.0, stop_on={"max_logit"}), exporters=[keep])
+    run.train(1)
+    assert keep.records == []  # without close() (or flush()) step 0 would never be decided
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        run.monitor.close()  # never raises, also for a stop_on alert
+    assert keep.records[0][0] == 0 and len(keep.records[0][1]) == 8 and keep.closed == 1
+    assert sum("alert [max_logit] step 0" in r.getMessage() for r in caplog.records) == 8
+
+
+# --- a checkpoint changes nothing and carries what is due ---------------------------------------------
+
+def _trace(run, steps, checkpoint_after=None):
+    """Train ``steps`` steps; per step: the loss, the variants the attention ran, the alerts step()
+    returned; a state_dict() after step ``checkpoint_after``."""
+    import flashwatch.kernels as kernels
+
+    ran = []
+    real = kernels.flash_attention
+
+    def spy(*args, **kwargs):
+        ran.append(kwargs["variant"])
+        return real(*args, **kwargs)
+
+    trace = []
+    for t in range(steps):
+        ran.clear()
+        kernels.flash_attention = spy
+        try:
+            loss = run.loss(t)
+            loss.backward()
+        finally:
+            kernels.flash_attention = real
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)
+        run.opt.step()
+        run.opt.zero_grad()
+        returned = run.monitor.step(loss=loss.detach(), grad_norm=grad_norm)
+        trace.append((loss.item(), list(ran), [(a.step, a.rule, a.layer, a.head) for a in returned]))
+        if t == checkpoint_after:
+            run.monitor.state_dict()
+    return trace
+
+
+@pytest.mark.parametrize("checkpoint_after", [0, 2])
+def test_state_dict_does_not_change_what_training_does_next(monkeypatch, checkpoint_after):
+    """On CUDA (async copy) state_dict() decides the step in flight; its auto_fix switch still
+    applies from the step it would have applied from, and step() returns the same alerts."""
+    _defer_like_cuda(monkeypatch)
+    cfg = MonitorConfig(interval=2, warmup=0, mode="own_kernel", auto_fix="fp32_delta",
+                        auto_fix_on={"max_logit"}, max_logit_bound=-1000.0, layers=[1])
+    keep_a, keep_b = Keep(), Keep()
+    plain = Run(cfg, exporters=[keep_a])
+    checkpointed = Run(cfg, exporters=[keep_b])
+    a = _trace(plain, 6)
+    b = _trace(checkpointed, 6, checkpoint_after=checkpoint_after)
+    if checkpoint_after == 0:
+        assert a[1][1] == ["plain"] and a[2][1] == ["fp32_delta"], "step 0's switch applies from step 2"
+    assert b == a  # losses, variants run, alerts returned: step by step
+    assert checkpointed.monitor.switches == plain.monitor.switches
+    assert [x.to_dict() for x in checkpointed.monitor.alerts] == [x.to_dict() for x in plain.monitor.alerts]
+    assert keep_b.records == keep_a.records
+    for p, q in zip(plain.model.parameters(), checkpointed.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_stop_decided_by_the_checkpoint_flush_is_saved_and_a_resumed_run_stops(monkeypatch, tmp_path):
+    _defer_like_cuda(monkeypatch)
+    cfg = MonitorConfig(interval=1, warmup=0, max_logit_bound=-1000.0, stop_on={"max_logit"})
+    first = Run(cfg)
+    first.train(1)  # step 0 measured, in flight
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": first.model.state_dict(), "opt": first.opt.state_dict(),
+                "monitor": first.monitor.state_dict()}, path)  # the flush decides step 0: a stop is due
+    ckpt = torch.load(path, weights_only=True)
+    resumed = Run(cfg, attach=False)
+    resumed.model.load_state_dict(ckpt["model"])
+    resumed.opt.load_state_dict(ckpt["opt"])
+    resumed.monitor.load_state_dict(ckpt["monitor"])
+    resumed.monitor.attach(resumed.model)
+    resumed.step_index = 1
+    with pytest.raises(TrainingStopped, match="at step 0 on max_logit") as resumed_stop:
+        resumed.train(1)
+    with pytest.raises(TrainingStopped, match="at step 0 on max_logit") as first_stop:
+        first.train(1)  # the run that was not interrupted stops at the same step() call
+    assert len(resumed_stop.value.alerts) == len(first_stop.value.alerts) == 8
+    _assert_same(first.monitor.state_dict(), resumed.monitor.state_dict())
+
+
+def test_a_switch_decided_by_the_checkpoint_flush_is_saved_and_applies_at_the_same_step(monkeypatch, tmp_path):
+    _defer_like_cuda(monkeypatch)
+    cfg = MonitorConfig(interval=2, warmup=0, mode="own_kernel", auto_fix="fixed", auto_fix_on={"max_logit"},
+                        max_logit_bound=-1000.0)
+    whole = Run(cfg)
+    a = _trace(whole, 5)
+    first = Run(cfg)
+    _trace(first, 1)
+    state = first.monitor.state_dict()
+    assert state["due_switches"] and state["due_alerts"]  # decided by the flush, acted on at the next step()
+    torch.save({"model": first.model.state_dict(), "opt": first.opt.state_dict(), "monitor": state},
+               tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    second = Run(cfg, attach=False)
+    second.model.load_state_dict(ckpt["model"])
+    second.opt.load_state_dict(ckpt["opt"])
+    second.monitor.attach(second.model)
+    second.monitor.load_state_dict(ckpt["monitor"])
+    b = [None] + _trace_from(second, 1, 5)
+    assert b[1:] == a[1:]
+    assert second.monitor.switches == whole.monitor.switches
+
+
+def _trace_from(run, start, stop):
+    """``_trace`` of steps start..stop-1 of a resumed run (batches depend on the step only)."""
+    loss_of = run.loss
+    run.loss = lambda t, micro=0: loss_of(t + start, micro)
+    try:
+        return _trace(run, stop - start)
+    finally:
+        run.loss = loss_of
+
+
+# --- the asynchronous host copy's stream --------------------------------------------------------------
+
+class _Stream:
+    def __init__(self, device):
+        self.device = device
+
+    def __repr__(self):
+        return f"stream of {self.device}"
+
+
+def test_the_async_copy_and_its_event_are_on_the_stream_of_the_values_device(monkeypatch):
+    """The model on cuda:1 while cuda:0 is current: the event that marks the end of the copy must be
+    recorded on cuda:1's current stream, where the statistics were made and the copy runs (torch
+    mocked: the CPU has no CUDA)."""
+    current = {"device": 0}
+    log = []
+
+    class Device:
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.before, current["device"] = current["device"], self.index
+
+        def __exit__(self, *exc):
+            current["device"] = self.before
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(("stream", self.stream.device))
+
+        def __exit__(self, *exc):
+            log.append(("stream_end", self.stream.device))
+
+    class Event:
+        def record(self, stream=None):
+            log.append(("record", (stream or _Stream(current["device"])).device))
+
+    class Host:
+        def copy_(self, values, non_blocking=False):
+            log.append(("copy", non_blocking))
+
+    class Values:
+        is_cuda, device, shape, dtype = True, torch.device("cuda", 1), (3,), torch.float64
+
+    def current_stream(device=None):
+        return _Stream(current["device"] if device is None else torch.device(device).index)
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: Host())
+    host, event = flashwatch.collect.start_host_copy(Values(), async_transfer=True)
+    assert log == [("stream", 1), ("copy", True), ("stream_end", 1), ("record", 1)]
+    assert current["device"] == 0  # the caller's current device is left as it was
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_the_async_copy_from_a_second_device_is_complete_when_its_event_is():
+    with torch.cuda.device(0):
+        values = torch.zeros(1 << 20, dtype=torch.float64, device="cuda:1")
+        with torch.cuda.device(1):
+            torch.cuda._sleep(200_000_000)  # keep cuda:1's stream busy: the copy waits behind it
+            values += 7.0
+        host, event = flashwatch.collect.start_host_copy(values, async_transfer=True)
+        event.synchronize()
+        assert bool((host == 7.0).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_state_dict_does_not_change_what_training_does_next():
+    """The real asynchronous copy: a state_dict() after a monitored step whose alert switches a
+    layer leaves the variant each step runs, the alerts step() returns and the switches as they are."""
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch
+    from test_monitor import DATA
+
+    def trace(checkpoint_after):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        monitor = Monitor(MonitorConfig(interval=2, warmup=0, mode="own_kernel", auto_fix="fp32_delta",
+                                        auto_fix_on={"max_logit"}, max_logit_bound=-1000.0))
+        monitor.attach(model)
+        out = []
+        try:
+            for t in range(6):
+                ran = dict(monitor.variants)  # what this step runs
+                x, y = sample_batch(DATA, 4, 32, generator=torch.Generator().manual_seed(1000 * t))
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x.cuda(), y.cuda())[1]
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                alerts = monitor.step(loss=loss.detach(), grad_norm=grad_norm)
+                out.append((ran, [(a.step, a.rule, a.layer, a.head) for a in alerts]))
+                if t == checkpoint_after:
+                    monitor.state_dict()
+            return out, monitor.switches
+        finally:
+            monitor.detach()
+
+    plain = trace(None)
+    assert plain[0][1][0] == {0: "plain", 1: "plain"} and plain[0][2][0] == {0: "fp32_delta", 1: "fp32_delta"}
+    assert trace(0) == plain
+
+
+# --- values that are not what they claim ----------------------------------------------------------------
+
+def test_step_before_attach_warns_once(caplog):
+    monitor = Monitor(MonitorConfig(interval=1))
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        monitor.step(loss=1.0)
+        monitor.step(loss=1.0)
+    lines = [r.getMessage() for r in caplog.records if "before attach" in r.getMessage()]
+    assert len(lines) == 1 and "monitor.attach(model)" in lines[0]
+    assert monitor.snapshot()["flashwatch_loss"] == 1.0  # the loss is still tracked
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_negative_grad_norm_is_warned_about_and_reported_as_not_measured(caplog, as_tensor):
+    """A norm is never negative: training goes on, one warning names the value, the gradient norm
+    reads NaN (not measured) and raises no non_finite alert; later valid values are read as usual."""
+    monitor = Monitor(MonitorConfig(interval=1))
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        for _ in range(2):
+            monitor.step(loss=1.0, grad_norm=torch.tensor(-2.5) if as_tensor else -2.5)
+    lines = [r.getMessage() for r in caplog.records if "negative" in r.getMessage()]
+    assert len(lines) == 1 and "-2.5" in lines[0]
+    assert math.isnan(monitor.snapshot()["flashwatch_grad_norm"])
+    assert monitor.alert_counts["non_finite"] == 0
+    monitor.step(loss=1.0, grad_norm=0.75)
+    assert monitor.snapshot()["flashwatch_grad_norm"] == 0.75
+
+
+# --- one line per episode ---------------------------------------------------------------------------
+
+def test_a_flapping_head_gives_one_alert_line_per_episode_in_the_log_console_and_alerts_log(tmp_path, caplog):
+    """The provoked demo's flap, in shape: head 0 of layer 0 goes above the bound, dips below the
+    clearing level and comes back, four times; one episode, so one line everywhere."""
+    from flashwatch.exporters import ConsoleExporter, JsonlExporter
+
+    flap = [12, 12, 5, 5, 9.5, 5, 11, 9.5, 9.5] + [5] * 8 + [11, 11, 11, 9.5] + [5] * 7 + [9.5, 5, 5, 11] + [5] * 3
+    keep = Keep()
+    run = Run(MonitorConfig(interval=1, max_logit_bound=10.0), attach=False,
+              exporters=[keep, JsonlExporter(tmp_path), ConsoleExporter("log", log_alerts=True)])
+    with caplog.at_level(logging.INFO, logger="flashwatch"):
+        with run.monitor:
+            run.monitor.attach(run.model)
+            for t, value in enumerate(flap):
+                run.loss(t).backward()
+                run.opt.step()
+                run.opt.zero_grad()
+                for layer in run.monitor.layers:
+                    layer.stats.max_logit.zero_()
+                run.monitor.layers[0].stats.max_logit[0] = value
+                run.monitor.step(loss=1.0)
+    assert [(a.step, a.rule, a.layer, a.head) for a in run.monitor.alerts] == [(0, "max_logit", 0, 0)]
+    assert [(s, new) for s, new in keep.records if new] == [(0, [("max_logit", 0, 0)])]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("alert [max_logit]" in m for m in messages) == 1  # the Monitor's log line
+    assert sum("max_logit" in m for m in messages if "alert [" not in m and "cleared" not in m) == 1  # the console's
+    assert not any("alert cleared" in m for m in messages)  # the episode was still open at the end
+    lines = (tmp_path / "alerts.log").read_text().splitlines()
+    assert len(lines) == 1 and "max_logit" in lines[0]
+
+
+def test_step_after_detach_is_not_called_before_attach(caplog):
+    run = Run(MonitorConfig(interval=1))
+    run.train(1)
+    run.monitor.detach()
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        run.monitor.step(loss=1.0)
+    assert not any("before attach" in r.getMessage() for r in caplog.records)
