@@ -275,6 +275,39 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def readme_paragraph(result: dict, configuration: str) -> str:
+    """The README's account of a test result, every number taken from ``result`` (a test holds the
+    README equal to this text): runs, outcomes, each rule's and baseline's early detections, false
+    alarms, and the verdict."""
+    table = result["table"]
+    any_row = next(iter(table.values()))
+    n_b, n_s = any_row["blowups"], any_row["survivors"]
+    key = f"lead_ge_{MIN_LEAD}"
+
+    def count(name: str) -> str:
+        row = table[name]
+        fa = f" (false alarm{'s' if row['false_alarms'] != 1 else ''} in {row['false_alarms']} of {n_s})" \
+            if row["false_alarms"] else ""
+        return f"`{name}` {row[key]}{fa}"
+
+    rules = sorted((r for r in RULES if r != "chain"), key=lambda r: (-table[r][key], r))
+    verdicts = {table[r]["verdict"] for r in RULES}
+    passed = [r for r in RULES if table[r]["verdict"] == "pass"]
+    if passed:
+        verdict = f"passed: {', '.join(f'`{r}`' for r in passed)} (now critical)."
+    elif verdicts == {"fail"}:
+        verdict = "no rule passed, so every alert stays a warning."
+    else:
+        undecided = [r for r in RULES if table[r]["verdict"] == "undecided"]
+        verdict = (f"no rule has passed: {', '.join(f'`{r}`' for r in undecided)} cannot be judged with "
+                   f"{n_s} survivor{'s' if n_s != 1 else ''} (the test needs {MIN_GROUP}), the others failed; "
+                   "every alert stays a warning.")
+    return (f"{configuration}: {n_b + n_s} runs, {n_b} blew up and {n_s} survived. Runs with an alert at least "
+            f"{MIN_LEAD:,} steps before the blow-up, of {n_b}: " + ", ".join(count(r) for r in rules)
+            + f"; baselines: " + ", ".join(count(b) for b in ("qk_clip_100", "zclip_2.5", "zclip_calibrated"))
+            + f". Verdict: {verdict}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m research.early_warning", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
