@@ -109,10 +109,12 @@ class LayerChain:
         self.grad_calls = 0
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
+        self._projected = None  # (x, x . v, x Omega) of the current call (see _project)
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
         self.u, self.v = u.to(self.device, torch.float32), v.to(self.device, torch.float32)
+        self._projected = None
 
     def _check(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """x as (B, N, C) float32 matching t's (B, ., N, .)."""
@@ -121,24 +123,36 @@ class LayerChain:
                              f"{tuple(t.shape)} (expected (B, N, {self.width}))")
         return x.float()
 
+    def _project(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x . v_h (B, H, N), x Omega (B, N, r)) for one call's projection input x (B, N, C), made once
+        per call: the rows hook and the query's gradient hook of a call share the same x."""
+        if self._projected is None or self._projected[0] is not x:
+            xf = self._check(x, t)
+            self._projected = (x, torch.matmul(xf, self.v.T).transpose(1, 2), xf @ self.omega)
+        return self._projected[1], self._projected[2]
+
+    def _along_u(self, t: torch.Tensor) -> torch.Tensor:
+        """t (B, H, N, D) . u_h -> (B, H, N), in float32 (no (B, H, N, D) product formed)."""
+        return torch.matmul(t.float(), self.u[None, :, :, None])[..., 0]
+
     @torch.no_grad()
     def add_rows(self, x: torch.Tensor, e_rows: torch.Tensor, pk: torch.Tensor, scale: float) -> None:
-        """One call's rows: e_rows (B, H, N), pk (B, H, N, D), x (B, N, C)."""
-        x = self._check(x, pk)
-        dq_err = (-scale) * e_rows.float()[..., None] * pk.float()  # (B, H, N, D)
-        du = torch.einsum("bhnd,hd->bhn", dq_err, self.u)
-        xv = torch.einsum("bnc,hc->bhn", x, self.v)
-        self.push -= (du * xv).sum(dim=(0, 2)).double()  # -u^T dG v
-        self.sketch += torch.einsum("bhnd,bnr->hdr", dq_err, x @ self.omega)
+        """One call's rows: e_rows (B, H, N), pk (B, H, N, D), x (B, N, C).
+
+        dQ_err = c[..., None] * pk with c = -scale * e_rows, so u^T dG v = sum_rows c (pk . u)(x . v)
+        and the sketch dG Omega = sum_rows c pk^T (x Omega), both without forming dQ_err."""
+        xv, xo = self._project(x, pk)
+        c = (-scale) * e_rows.float()  # (B, H, N)
+        self.push -= (c * self._along_u(pk) * xv).sum(dim=(0, 2)).double()  # -u^T dG v
+        weighted = c[..., None] * xo[:, None]  # (B, H, N, r)
+        self.sketch += torch.matmul(pk.float().transpose(-1, -2), weighted).sum(0)  # (H, D, r)
         self.rows_calls += 1
 
     @torch.no_grad()
     def add_query_grad(self, x: torch.Tensor, dq: torch.Tensor) -> None:
         """The true gradient's push from one call's dQ (B, H, N, D) and its projection input x."""
-        x = self._check(x, dq)
-        du = torch.einsum("bhnd,hd->bhn", dq.float(), self.u)
-        xv = torch.einsum("bnc,hc->bhn", x, self.v)
-        self.push_true -= (du * xv).sum(dim=(0, 2)).double()
+        xv, _ = self._project(x, dq)
+        self.push_true -= (self._along_u(dq) * xv).sum(dim=(0, 2)).double()
         self.grad_calls += 1
 
     @property
@@ -191,6 +205,7 @@ class LayerChain:
         self.sketch = torch.zeros_like(self.sketch)
         self.rows_calls = self.grad_calls = 0
         self._seen = None
+        self._projected = None
         self.pending_hooks.clear()
         return out
 
