@@ -5,8 +5,10 @@ Files (in ``run_dir``):
 - ``metrics.jsonl`` (:data:`METRICS_FILE`): one record per line, strict JSON (RFC 8259):
   an ``open`` record when monitoring starts (the layout), one ``step`` record per monitored
   step (every metric of ``flashwatch.metrics.METRICS`` and the step's alerts), and a ``close``
-  record when the run ends cleanly. Every line is written whole and flushed at once (and
-  ``os.fsync``-ed with ``fsync=True``), so a crash loses at most the line being written.
+  record when the run ends cleanly. Every line is written whole and unbuffered (and
+  ``os.fsync``-ed with ``fsync=True``), so a crash loses at most the line being written; a
+  failed write (a full disk) is cut back to the last whole line, so no record is ever glued
+  to another.
   A resumed run appends to the same file: its ``open`` record marks the resumption, and steps
   written after the checkpoint appear again (readers keep the last record of each step).
 - ``alerts.log`` (:data:`ALERTS_FILE`): one human-readable line per alert raised, e.g.
@@ -299,9 +301,9 @@ def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step"
         kinds: record kinds to yield (``"open"``, ``"step"``, ``"close"``); ``None`` for all.
             By default only ``step`` records.
         strict: raise on a line in the middle of the file that is not a JSON record (by
-            default it is skipped with a warning: a crashed run that was resumed leaves its
-            half-written line there). A truncated last line is always skipped: it is the line
-            a crash interrupted.
+            default it is skipped with a warning; the exporter removes a line a crash cut off
+            before it writes on, so only a file damaged otherwise has one). A truncated last
+            line is always skipped: it is the line a crash interrupted.
 
     Non-finite numbers come back as floats (``nan``, ``inf``). Steps written twice (a resumed
     run repeats the steps after its checkpoint) are yielded as written; keep the last one.
@@ -340,6 +342,100 @@ def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step"
 
 # -- exporter -----------------------------------------------------------------------------
 
+class _AppendFile:
+    """One append-only file of whole lines: a failed write is cut back to the last whole line.
+
+    The file is unbuffered (every ``write`` goes to the kernel at once), so nothing of a failed
+    line waits in a buffer to be glued to the next one. ``end`` is the size of the file at its
+    last whole line; a write that fails (a full disk) truncates the file back to it.
+    """
+
+    def __init__(self, path: Path, fsync: bool) -> None:
+        self.path = path
+        self.fsync = fsync
+        self._f = _open_raw(path)
+        try:
+            self.end = self._cut_partial_line()
+            st = os.fstat(self._f.fileno())
+        except BaseException:
+            self._f.close()
+            raise
+        self._inode = (st.st_dev, st.st_ino)
+        self._damaged = False  # a failed write could not be cut back: start the next line afresh
+
+    def _cut_partial_line(self) -> int:
+        """Truncate a last line without its newline (a crash while writing it); the new size."""
+        size = os.fstat(self._f.fileno()).st_size
+        if size == 0:
+            return 0
+        tail_start = max(0, size - 65536)
+        while True:
+            self._f.seek(tail_start)
+            tail = self._f.read(size - tail_start)
+            if tail.endswith(b"\n"):
+                return size
+            cut = tail.rfind(b"\n")
+            if cut >= 0 or tail_start == 0:
+                keep = tail_start + cut + 1  # 0 when the file holds no whole line
+                log.warning("%s: removing its last %d bytes, a line cut off by a crash while it was "
+                            "written", self.path, size - keep)
+                os.ftruncate(self._f.fileno(), keep)
+                return keep
+            tail_start = max(0, tail_start - 65536)
+
+    def vanished(self) -> bool:
+        """True when ``path`` no longer names this file (deleted, or its folder deleted or moved)."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != self._inode
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` (whole lines); on failure, cut the file back to its last whole line.
+
+        Raises:
+            OSError: the write failed (the message names the file and says what was kept).
+        """
+        if self._damaged:
+            data = b"\n" + data
+        view = memoryview(data)
+        try:
+            while view:
+                n = self._f.write(view)
+                view = view[n or 0:]
+            if self.fsync:
+                os.fsync(self._f.fileno())
+        except OSError as exc:
+            repaired = self._repair()
+            kept = ("the partial line was removed; the file ends with its last whole record" if repaired
+                    else "the partial line could not be removed; readers skip it")
+            raise OSError(exc.errno, f"flashwatch could not write {self.path}: {exc.strerror or exc} "
+                                     f"({kept})") from exc
+        self.end += len(data)
+        self._damaged = False
+
+    def _repair(self) -> bool:
+        try:
+            os.ftruncate(self._f.fileno(), self.end)
+            return True
+        except OSError:
+            self._damaged = True
+            try:
+                self.end = os.fstat(self._f.fileno()).st_size
+            except OSError:
+                pass
+            return False
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _open_raw(path: Path):
+    """The file object ``_AppendFile`` writes through: unbuffered, append-only, readable."""
+    return open(path, "a+b", buffering=0)
+
+
 class JsonlExporter(Exporter):
     """Write every monitored step to ``run_dir/metrics.jsonl`` and every alert to ``run_dir/alerts.log``.
 
@@ -350,6 +446,17 @@ class JsonlExporter(Exporter):
             crash; costs a disk round trip per monitored step).
         metrics_file: file name of the step records inside ``run_dir``.
         alerts_file: file name of the alert log inside ``run_dir``; ``None`` writes none.
+
+    What is never lost or glued together:
+
+    - A write that fails (a full disk) raises ``OSError`` naming the file, after cutting the
+      file back to its last whole record: the file never holds half a record. The Monitor
+      counts the failure (``monitor.errors``), logs the first one at WARNING and goes on;
+      this exporter counts its own in ``errors``. Later steps are written once the disk has room.
+    - A line a crash cut off is removed when the file is opened again (a resumed run).
+    - A run folder deleted (or moved) while the run writes is noticed at the next monitored
+      step: the folder and files are created again, a new ``open`` record starts them, a
+      WARNING names the path (``recreated`` counts these), and writing goes on there.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -374,45 +481,65 @@ class JsonlExporter(Exporter):
         self.alerts_path = None if alerts_file is None else self.run_dir / alerts_file
         self.fsync = fsync
         self.layout: Layout | None = None
-        self._f = None
-        self._alerts_f = None
+        self.errors = 0  # writes that failed (each raised to the caller)
+        self.recreated = 0  # times the run folder or a file vanished and was created again
+        self._f: _AppendFile | None = None
+        self._alerts_f: _AppendFile | None = None
+
+    def holds_run(self) -> bool:
+        """True when ``run_dir`` already has a non-empty metrics file (a run wrote there)."""
+        try:
+            return self.path.stat().st_size > 0
+        except OSError:
+            return False
 
     def open(self, layout: Layout) -> None:
         if self._f is not None:
             return
         self.layout = layout
+        self._open_files()
+        self._write(self._f, self._open_record())
+
+    def _open_record(self) -> dict:
+        return {"kind": "open", "schema": SCHEMA_VERSION, "time": time.time(),
+                "flashwatch_version": __version__,
+                "layout": [{"name": n, "heads": h} for n, h in self.layout.layers]}
+
+    def _open_files(self) -> None:
+        f = af = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._f = self._open_append(self.path)
+            f = _AppendFile(self.path, self.fsync)
             if self.alerts_path is not None:
-                self._alerts_f = self._open_append(self.alerts_path)
+                af = _AppendFile(self.alerts_path, self.fsync)
         except OSError as exc:
-            for handle in (self._f, self._alerts_f):
+            for handle in (f, af):
                 if handle is not None:
                     handle.close()
-            self._f = self._alerts_f = None
             raise OSError(exc.errno, f"flashwatch cannot write its run files in {self.run_dir}: "
                                      f"{exc.strerror or exc}. Pass a writable run_dir") from exc
-        self._write(self._f, {
-            "kind": "open", "schema": SCHEMA_VERSION, "time": time.time(),
-            "flashwatch_version": __version__,
-            "layout": [{"name": n, "heads": h} for n, h in layout.layers],
-        })
+        self._f, self._alerts_f = f, af
 
-    @staticmethod
-    def _open_append(path: Path):
-        f = open(path, "a+b")
-        # A crash may have left a half line; end it so the next record starts on its own line.
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-        return f
+    def _check_files(self) -> None:
+        """Create the run folder and files again if they vanished (deleted while the run writes)."""
+        if not (self._f.vanished() or (self._alerts_f is not None and self._alerts_f.vanished())):
+            return
+        self.recreated += 1
+        log.warning("flashwatch: %s vanished while the run was writing to it (run folder deleted or "
+                    "moved?); creating it again and writing on there (the records written before are "
+                    "wherever the old file went)", self.path)
+        for handle in (self._f, self._alerts_f):
+            if handle is not None:
+                handle.close()
+        self._f = self._alerts_f = None
+        self._open_files()
+        self._write(self._f, self._open_record())
 
     def export(self, record: StepRecord) -> None:
         if self._f is None:
             raise RuntimeError("JsonlExporter.export() before open(): the Monitor opens its "
                                "exporters at attach; call open(layout) first when used alone")
+        self._check_files()
         self._write(self._f, {
             "kind": "step", "schema": SCHEMA_VERSION, "step": int(record.step),
             "time": float(record.time),
@@ -423,27 +550,30 @@ class JsonlExporter(Exporter):
         if self._alerts_f is not None and record.new_alerts:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.time))
             lines = "".join(f"{stamp} {format_alert(alert_to_dict(a))}\n" for a in record.new_alerts)
-            self._flush(self._alerts_f, lines.encode())
+            self._append(self._alerts_f, lines.encode())
 
     def close(self) -> None:
-        f, af = self._f, self._alerts_f
-        self._f = self._alerts_f = None
+        if self._f is None:
+            return
         try:
-            if f is not None:
-                self._write(f, {"kind": "close", "schema": SCHEMA_VERSION, "time": time.time()})
+            self._check_files()
+            self._write(self._f, {"kind": "close", "schema": SCHEMA_VERSION, "time": time.time()})
         finally:
+            f, af = self._f, self._alerts_f
+            self._f = self._alerts_f = None
             for handle in (f, af):
                 if handle is not None:
                     handle.close()
 
-    def _write(self, f, record: dict) -> None:
-        self._flush(f, (_dumps(record) + "\n").encode())
+    def _write(self, f: _AppendFile, record: dict) -> None:
+        self._append(f, (_dumps(record) + "\n").encode())
 
-    def _flush(self, f, data: bytes) -> None:
-        f.write(data)  # one write per line: a crash cuts at most this line
-        f.flush()
-        if self.fsync:
-            os.fsync(f.fileno())
+    def _append(self, f: _AppendFile, data: bytes) -> None:
+        try:
+            f.write(data)  # one write per line: a crash cuts at most this line
+        except OSError:
+            self.errors += 1
+            raise
 
 
 def format_alert(alert: Mapping[str, Any]) -> str:
