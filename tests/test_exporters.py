@@ -96,8 +96,8 @@ def test_prometheus_shows_the_latest_step_and_non_finite_values(prom):
     assert logits[("0", "1")] == math.inf
 
 
-def test_prometheus_before_the_first_step_serves_an_empty_page(prom):
-    assert scrape(prom.url) == {}
+def test_prometheus_before_the_first_step_serves_only_its_build_info(prom):
+    assert set(scrape(prom.url)) == {"flashwatch_build_info"}
 
 
 def test_prometheus_uses_its_own_registry():
