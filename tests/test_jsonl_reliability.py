@@ -12,7 +12,7 @@ import pytest
 
 from flashwatch.detectors import Alert
 from flashwatch.exporters import FanOut
-from flashwatch.exporters import jsonl as jsonl_module
+from flashwatch.exporters import appendfile
 from flashwatch.exporters.jsonl import ALERTS_FILE, METRICS_FILE, JsonlExporter, encode_metrics, read_jsonl
 from flashwatch.exporters.testing import synthetic_layout, synthetic_record, synthetic_snapshot
 
@@ -35,7 +35,7 @@ class FillingDisk(io.FileIO):
 
 @pytest.fixture
 def filling_disk(monkeypatch):
-    monkeypatch.setattr(jsonl_module, "_open_raw", lambda path: FillingDisk(path, "a+"))
+    monkeypatch.setattr(appendfile, "open_raw", lambda path: FillingDisk(path, "a+"))
     FillingDisk.full = False
     yield FillingDisk
     FillingDisk.full = False

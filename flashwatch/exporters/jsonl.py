@@ -14,7 +14,7 @@ Files (in ``run_dir``):
 - ``alerts.log`` (:data:`ALERTS_FILE`): one human-readable line per alert raised, e.g.
   ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.71 threshold=4.5: ...``.
 
-Step record (``kind == "step"``; :data:`SCHEMA` is the JSON Schema of every record)::
+Step record (``kind == "step"``; :data:`SCHEMA`, from ``jsonl_schema``, is the JSON Schema of every record)::
 
     {"kind": "step", "schema": 1, "step": 120, "time": 1764480001.2,
      "metrics": {
@@ -48,166 +48,16 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .. import __version__
-from ..metrics import METRICS, MetricSpec, present
+from ..metrics import present
+from .appendfile import AppendFile
 from .base import Exporter, Layout, StepRecord, alert_to_dict
+from .jsonl_schema import (_INT_LABELS, _NONFINITE, ALERT_SCHEMA, CLOSE_SCHEMA, OPEN_SCHEMA, SCHEMA, SCHEMA_VERSION,
+                           STEP_SCHEMA, validate_record)
 
 log = logging.getLogger("flashwatch.exporters.jsonl")
 
 METRICS_FILE = "metrics.jsonl"
 ALERTS_FILE = "alerts.log"
-SCHEMA_VERSION = 1
-
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-# -- schema -------------------------------------------------------------------------------
-
-_NUMBER = {"anyOf": [{"type": "number"}, {"enum": list(_NONFINITE)}]}
-_NUMBER_OR_NULL = {"anyOf": [{"type": "number"}, {"enum": list(_NONFINITE)}, {"type": "null"}]}
-_INT_LABELS = ("layer", "head")
-
-
-def _metric_schema(spec: MetricSpec) -> dict:
-    if not spec.labels:
-        return dict(_NUMBER, description=spec.help)
-    if spec.per_head:
-        return {"description": spec.help + " Values as [layer][head].",
-                "type": "array", "items": {"type": "array", "items": _NUMBER_OR_NULL}}
-    props = {lab: {"type": "integer"} if lab in _INT_LABELS else {"type": "string"}
-             for lab in spec.labels}
-    props["value"] = _NUMBER
-    return {"description": spec.help + " One object per label set.",
-            "type": "array",
-            "items": {"type": "object", "required": [*spec.labels, "value"],
-                      "properties": props, "additionalProperties": False}}
-
-
-ALERT_SCHEMA: dict = {
-    "type": "object",
-    "required": ["rule", "step", "layer", "head", "value", "threshold", "severity", "message"],
-    "properties": {
-        "rule": {"type": "string"},
-        "step": {"type": "integer", "minimum": 0},
-        "layer": {"type": "integer", "minimum": -1},
-        "head": {"type": "integer", "minimum": -1},
-        "value": _NUMBER,
-        "threshold": _NUMBER,
-        "severity": {"enum": ["warning", "critical"]},
-        "message": {"type": "string"},
-    },
-}
-
-STEP_SCHEMA: dict = {
-    "type": "object",
-    "required": ["kind", "schema", "step", "time", "metrics", "new_alerts", "active_alerts"],
-    "properties": {
-        "kind": {"const": "step"},
-        "schema": {"const": SCHEMA_VERSION},
-        "step": {"type": "integer", "minimum": 0},
-        "time": {"type": "number", "description": "unix seconds"},
-        "metrics": {"type": "object",
-                    "required": [m.name for m in METRICS],
-                    "properties": {m.name: _metric_schema(m) for m in METRICS},
-                    "additionalProperties": False},
-        "new_alerts": {"type": "array", "items": ALERT_SCHEMA},
-        "active_alerts": {"type": "array", "items": ALERT_SCHEMA},
-    },
-    "additionalProperties": False,
-}
-
-OPEN_SCHEMA: dict = {
-    "type": "object",
-    "required": ["kind", "schema", "time", "flashwatch_version", "layout"],
-    "properties": {
-        "kind": {"const": "open"},
-        "schema": {"const": SCHEMA_VERSION},
-        "time": {"type": "number"},
-        "flashwatch_version": {"type": "string"},
-        "layout": {"type": "array", "items": {
-            "type": "object", "required": ["name", "heads"],
-            "properties": {"name": {"type": "string"}, "heads": {"type": "integer", "minimum": 1}},
-            "additionalProperties": False}},
-    },
-    "additionalProperties": False,
-}
-
-CLOSE_SCHEMA: dict = {
-    "type": "object",
-    "required": ["kind", "schema", "time"],
-    "properties": {"kind": {"const": "close"}, "schema": {"const": SCHEMA_VERSION},
-                   "time": {"type": "number"}},
-    "additionalProperties": False,
-}
-
-#: JSON Schema (draft 2020-12) of one line of ``metrics.jsonl``.
-SCHEMA: dict = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "https://flashwatch.invalid/schemas/metrics-jsonl-1.json",
-    "title": "flashwatch metrics.jsonl record",
-    "oneOf": [OPEN_SCHEMA, STEP_SCHEMA, CLOSE_SCHEMA],
-}
-
-
-def validate_record(record: Any, schema: Mapping = SCHEMA) -> None:
-    """Check ``record`` against ``schema`` (the subset of JSON Schema that :data:`SCHEMA` uses).
-
-    Raises:
-        ValueError: naming the first field that does not match and what was expected.
-    """
-    err = _check(record, schema, "$")
-    if err:
-        raise ValueError(f"flashwatch JSONL record does not match its schema: {err}")
-
-
-_TYPES = {
-    "object": lambda x: isinstance(x, dict),
-    "array": lambda x: isinstance(x, list),
-    "string": lambda x: isinstance(x, str),
-    "integer": lambda x: isinstance(x, int) and not isinstance(x, bool),
-    "number": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
-    "null": lambda x: x is None,
-    "boolean": lambda x: isinstance(x, bool),
-}
-
-
-def _check(x: Any, s: Mapping, where: str) -> str | None:
-    if "anyOf" in s or "oneOf" in s:
-        options = s.get("anyOf") or s["oneOf"]
-        errors = [_check(x, o, where) for o in options]
-        ok = sum(e is None for e in errors)
-        if ok == 0 or ("oneOf" in s and ok > 1):
-            if "oneOf" in s and isinstance(x, dict) and "kind" in x:
-                # Records: report against the schema of their own kind, not every option.
-                for o in options:
-                    if o.get("properties", {}).get("kind", {}).get("const") == x["kind"]:
-                        return _check(x, o, where)
-            return f"{where}: {x!r:.80} matches none of the accepted forms ({'; '.join(filter(None, errors))})"
-    if "const" in s and x != s["const"]:
-        return f"{where}: expected {s['const']!r}, got {x!r:.80}"
-    if "enum" in s and x not in s["enum"]:
-        return f"{where}: expected one of {s['enum']}, got {x!r:.80}"
-    if "type" in s and not _TYPES[s["type"]](x):
-        return f"{where}: expected {s['type']}, got {type(x).__name__} {x!r:.80}"
-    if "minimum" in s and isinstance(x, (int, float)) and x < s["minimum"]:
-        return f"{where}: must be >= {s['minimum']}, got {x!r}"
-    if isinstance(x, dict):
-        for key in s.get("required", ()):
-            if key not in x:
-                return f"{where}: missing required field {key!r}"
-        props = s.get("properties", {})
-        for key, value in x.items():
-            if key in props:
-                err = _check(value, props[key], f"{where}.{key}")
-                if err:
-                    return err
-            elif s.get("additionalProperties", True) is False:
-                return f"{where}: unexpected field {key!r} (accepted: {', '.join(props)})"
-    if isinstance(x, list) and "items" in s:
-        for i, item in enumerate(x):
-            err = _check(item, s["items"], f"{where}[{i}]")
-            if err:
-                return err
-    return None
-
 
 # -- encoding -----------------------------------------------------------------------------
 
@@ -342,100 +192,6 @@ def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step"
 
 # -- exporter -----------------------------------------------------------------------------
 
-class _AppendFile:
-    """One append-only file of whole lines: a failed write is cut back to the last whole line.
-
-    The file is unbuffered (every ``write`` goes to the kernel at once), so nothing of a failed
-    line waits in a buffer to be glued to the next one. ``end`` is the size of the file at its
-    last whole line; a write that fails (a full disk) truncates the file back to it.
-    """
-
-    def __init__(self, path: Path, fsync: bool) -> None:
-        self.path = path
-        self.fsync = fsync
-        self._f = _open_raw(path)
-        try:
-            self.end = self._cut_partial_line()
-            st = os.fstat(self._f.fileno())
-        except BaseException:
-            self._f.close()
-            raise
-        self._inode = (st.st_dev, st.st_ino)
-        self._damaged = False  # a failed write could not be cut back: start the next line afresh
-
-    def _cut_partial_line(self) -> int:
-        """Truncate a last line without its newline (a crash while writing it); the new size."""
-        size = os.fstat(self._f.fileno()).st_size
-        if size == 0:
-            return 0
-        tail_start = max(0, size - 65536)
-        while True:
-            self._f.seek(tail_start)
-            tail = self._f.read(size - tail_start)
-            if tail.endswith(b"\n"):
-                return size
-            cut = tail.rfind(b"\n")
-            if cut >= 0 or tail_start == 0:
-                keep = tail_start + cut + 1  # 0 when the file holds no whole line
-                log.warning("%s: removing its last %d bytes, a line cut off by a crash while it was "
-                            "written", self.path, size - keep)
-                os.ftruncate(self._f.fileno(), keep)
-                return keep
-            tail_start = max(0, tail_start - 65536)
-
-    def vanished(self) -> bool:
-        """True when ``path`` no longer names this file (deleted, or its folder deleted or moved)."""
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return True
-        return (st.st_dev, st.st_ino) != self._inode
-
-    def write(self, data: bytes) -> None:
-        """Append ``data`` (whole lines); on failure, cut the file back to its last whole line.
-
-        Raises:
-            OSError: the write failed (the message names the file and says what was kept).
-        """
-        if self._damaged:
-            data = b"\n" + data
-        view = memoryview(data)
-        try:
-            while view:
-                n = self._f.write(view)
-                view = view[n or 0:]
-            if self.fsync:
-                os.fsync(self._f.fileno())
-        except OSError as exc:
-            repaired = self._repair()
-            kept = ("the partial line was removed; the file ends with its last whole record" if repaired
-                    else "the partial line could not be removed; readers skip it")
-            raise OSError(exc.errno, f"flashwatch could not write {self.path}: {exc.strerror or exc} "
-                                     f"({kept})") from exc
-        self.end += len(data)
-        self._damaged = False
-
-    def _repair(self) -> bool:
-        try:
-            os.ftruncate(self._f.fileno(), self.end)
-            return True
-        except OSError:
-            self._damaged = True
-            try:
-                self.end = os.fstat(self._f.fileno()).st_size
-            except OSError:
-                pass
-            return False
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def _open_raw(path: Path):
-    """The file object ``_AppendFile`` writes through: unbuffered, append-only, readable."""
-    return open(path, "a+b", buffering=0)
-
-
 class JsonlExporter(Exporter):
     """Write every monitored step to ``run_dir/metrics.jsonl`` and every alert to ``run_dir/alerts.log``.
 
@@ -483,8 +239,8 @@ class JsonlExporter(Exporter):
         self.layout: Layout | None = None
         self.errors = 0  # writes that failed (each raised to the caller)
         self.recreated = 0  # times the run folder or a file vanished and was created again
-        self._f: _AppendFile | None = None
-        self._alerts_f: _AppendFile | None = None
+        self._f: AppendFile | None = None
+        self._alerts_f: AppendFile | None = None
 
     def holds_run(self) -> bool:
         """True when ``run_dir`` already has a non-empty metrics file (a run wrote there)."""
@@ -509,9 +265,9 @@ class JsonlExporter(Exporter):
         f = af = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            f = _AppendFile(self.path, self.fsync)
+            f = AppendFile(self.path, self.fsync)
             if self.alerts_path is not None:
-                af = _AppendFile(self.alerts_path, self.fsync)
+                af = AppendFile(self.alerts_path, self.fsync)
         except OSError as exc:
             for handle in (f, af):
                 if handle is not None:
@@ -565,10 +321,10 @@ class JsonlExporter(Exporter):
                 if handle is not None:
                     handle.close()
 
-    def _write(self, f: _AppendFile, record: dict) -> None:
+    def _write(self, f: AppendFile, record: dict) -> None:
         self._append(f, (_dumps(record) + "\n").encode())
 
-    def _append(self, f: _AppendFile, data: bytes) -> None:
+    def _append(self, f: AppendFile, data: bytes) -> None:
         try:
             f.write(data)  # one write per line: a crash cuts at most this line
         except OSError:
@@ -592,4 +348,5 @@ def _fmt(v: Any) -> str:
 
 
 __all__ = ["JsonlExporter", "read_jsonl", "validate_record", "encode_metrics", "format_alert",
-           "SCHEMA", "STEP_SCHEMA", "ALERT_SCHEMA", "METRICS_FILE", "ALERTS_FILE"]
+           "SCHEMA", "STEP_SCHEMA", "OPEN_SCHEMA", "CLOSE_SCHEMA", "ALERT_SCHEMA", "SCHEMA_VERSION",
+           "METRICS_FILE", "ALERTS_FILE"]
