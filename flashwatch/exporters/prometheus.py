@@ -115,7 +115,8 @@ class PrometheusExporter(Exporter):
         push_interval_s: least seconds between pushes from ``export()`` (0: every monitored
             step). The last state is always pushed at ``close()``.
         push_timeout_s: timeout of one push (on the background thread).
-        push_close_timeout_s: longest ``close()`` waits for the last push.
+        push_close_timeout_s: longest ``close()`` waits for the last push (2 s; a gateway that
+            answers at all answers in milliseconds).
         push_handler: a prometheus-client push handler, e.g. for authentication:
             ``flashwatch.exporters.pushgateway.basic_auth(user, password)``.
         registry: a ``prometheus_client.CollectorRegistry`` to add flashwatch's metrics to
@@ -144,7 +145,7 @@ class PrometheusExporter(Exporter):
         run_id: str | None = None,
         push_interval_s: float = 0.0,
         push_timeout_s: float = 5.0,
-        push_close_timeout_s: float = 5.0,
+        push_close_timeout_s: float = 2.0,
         push_handler: Callable | None = None,
         const_labels: Mapping[str, Any] | None = None,
         registry: CollectorRegistry | None = None,

@@ -90,7 +90,7 @@ class Pusher:
 
     def __init__(self, url: str, *, job: str, grouping_key: Mapping[str, str] | None = None,
                  timeout_s: float = 5.0, handler: Callable | None = None, max_queue: int = 4,
-                 close_timeout_s: float = 5.0) -> None:
+                 close_timeout_s: float = 2.0) -> None:
         self.url = check_gateway_url(url)
         self.job = job
         self.grouping_key = dict(grouping_key or {})
