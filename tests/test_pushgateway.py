@@ -173,3 +173,24 @@ def test_build_info_and_the_last_steps_timestamp():
     (stamp,) = families(exporter.render().decode())["flashwatch_last_step_timestamp_seconds"].samples
     assert stamp.value == 1764480001.25 and stamp.labels == {"rank": "0"}
     exporter.close()
+
+
+def test_pushed_families_are_built_on_the_push_thread(gateway, monkeypatch):
+    from flashwatch.exporters import prometheus_families
+
+    built_on = []
+    original = prometheus_families.build_families
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prometheus_families, "build_families", recording)
+    url, received = gateway
+    exporter = PrometheusExporter(port=None, pushgateway=url)
+    exporter.open(LAYOUT)
+    for step in range(3):
+        exporter.export(synthetic_record(LAYOUT, step=step))
+    exporter.close()
+    assert received and built_on
+    assert set(built_on) == {"flashwatch-pushgateway"}  # never on the training thread

@@ -4,7 +4,7 @@ a push asks for them (``flashwatch.exporters.prometheus`` re-exports the public 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
@@ -36,8 +36,13 @@ class _SnapshotCollector:
             self._version += 1
 
     def frozen(self) -> "_FrozenCollector":
-        """The families of the current state, for a push made later on another thread."""
-        return _FrozenCollector(tuple(self.collect()))
+        """The current state, for a push made later on another thread: its families are built
+        there, at the push, not on the training thread that queues it."""
+        with self._lock:
+            snapshot, step_time = self._snapshot, self._step_time
+        labels = self._labels
+        return _FrozenCollector(lambda: build_families(snapshot or {}, created=self._created, rules=self._rules,
+                                                       cache=labels) + service_families(step_time, labels.const))
 
     @property
     def has_data(self) -> bool:
@@ -58,13 +63,13 @@ class _SnapshotCollector:
 
 
 class _FrozenCollector:
-    """Fixed metric families (what a queued push sends)."""
+    """One state's metric families, built when ``collect()`` is called (by a push, on its thread)."""
 
-    def __init__(self, families: tuple[Metric, ...]) -> None:
-        self._families = families
+    def __init__(self, build: Callable[[], tuple[Metric, ...]]) -> None:
+        self._build = build
 
     def collect(self) -> Iterable[Metric]:
-        return self._families
+        return self._build()
 
 
 def service_families(step_time: float | None, const_labels: Mapping[str, str] | None = None) -> tuple[Metric, ...]:
