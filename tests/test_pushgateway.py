@@ -194,3 +194,14 @@ def test_pushed_families_are_built_on_the_push_thread(gateway, monkeypatch):
     exporter.close()
     assert received and built_on
     assert set(built_on) == {"flashwatch-pushgateway"}  # never on the training thread
+
+
+def test_an_exporter_reopened_for_a_second_fit_pushes_again(gateway):
+    url, received = gateway
+    exporter = PrometheusExporter(port=None, pushgateway=url)
+    for step in (1, 2):  # the Lightning callback reopens its exporters on a later fit
+        exporter.open(LAYOUT)
+        exporter.export(synthetic_record(LAYOUT, step=step))
+        exporter.close()
+    assert families(received[-1][2])["flashwatch_step"].samples[0].value == 2
+    assert exporter.pushed == len(received) >= 2 and exporter.push_failed == 0

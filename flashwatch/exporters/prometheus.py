@@ -180,6 +180,7 @@ class PrometheusExporter(Exporter):
         self.push_close_timeout_s = float(push_close_timeout_s)
         self.push_handler = push_handler
         self._pusher: Pusher | None = None
+        self._push_totals = {"pushed": 0, "failed": 0, "dropped": 0}  # of pushers already closed
 
         self._own_registry = registry is None
         self.registry = CollectorRegistry(auto_describe=False) if registry is None else registry
@@ -263,7 +264,11 @@ class PrometheusExporter(Exporter):
         try:
             if self.pushgateway is not None and (self._pusher is not None or self._collector.has_data):
                 # the last state, pushed last; close() waits at most push_close_timeout_s
-                self._pusher_now().close(self._collector.frozen() if self._collector.has_data else None)
+                pusher = self._pusher_now()
+                pusher.close(self._collector.frozen() if self._collector.has_data else None)
+                self._pusher = None  # a later open() (another fit) pushes through a new one
+                for what in self._push_totals:
+                    self._push_totals[what] += getattr(pusher, what)
         finally:
             self._stop()
             if not self._own_registry:
@@ -300,7 +305,7 @@ class PrometheusExporter(Exporter):
         return self._pushes("pushed")
 
     def _pushes(self, what: str) -> int:
-        return 0 if self._pusher is None else getattr(self._pusher, what)
+        return self._push_totals[what] + (0 if self._pusher is None else getattr(self._pusher, what))
 
     def push(self) -> None:
         """Push the current metrics to the Pushgateway now, on this thread (no-op without one).
