@@ -123,7 +123,15 @@ def dashboard() -> dict:
                (0, 0, 12, 8), custom=ts_custom, options={"legend": {"showLegend": False}}),
         _panel(ids, "timeseries", "Gradient norm (before clipping)", BY_NAME["flashwatch_grad_norm"].help,
                [_target(f"flashwatch_grad_norm{{{SEL}}}", "{{instance}}")], BY_NAME["flashwatch_grad_norm"].unit,
-               (12, 0, 6, 8), custom=ts_custom, options={"legend": {"showLegend": False}}),
+               (12, 0, 6, 5), custom=ts_custom, options={"legend": {"showLegend": False}}),
+        _panel(ids, "stat", "Since the last monitored step",
+               "Age of the last monitored step (flashwatch_last_step_timestamp_seconds) by Prometheus's "
+               f"clock; red past {build_alerts.STALL_MIN} minutes, where FlashwatchStoppedReporting fires.",
+               [_target(f"time() - flashwatch_last_step_timestamp_seconds{{{SEL}}}", "{{instance}}",
+                        instant=True)],
+               "s", (12, 5, 6, 3), thresholds=_red_above(build_alerts.STALL_MIN * 60),
+               options={"colorMode": "value", "graphMode": "none", "textMode": "value_and_name",
+                        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}),
         _panel(ids, "bargauge", "Alerts raised in the time range, by rule",
                BY_NAME["flashwatch_alerts_total"].help + " Counted over the dashboard's time range; the "
                "colour is the rule's severity (orange: warning, red: critical).",

@@ -68,6 +68,10 @@ class FlashWatchCallback(Callback):
         run_dir: folder of ``metrics.jsonl`` and ``alerts.log``; default
             ``<trainer.log_dir or default_root_dir>/flashwatch``.
         jsonl: write the JSONL and alert log (default True).
+        append: add this run to a ``run_dir`` that already holds one; by default such a folder
+            is refused at fit start (``FileExistsError``), so two runs never mix in one
+            ``metrics.jsonl``. A run resumed with ``trainer.fit(..., ckpt_path=...)`` appends
+            to its own folder either way.
         console: ``"auto"`` (a live panel on a terminal without a progress bar, a printed panel
             every 30 s beside one, plain log lines without a terminal), ``"live"``, ``"print"``,
             ``"log"``, or None for no console output.
@@ -85,7 +89,8 @@ class FlashWatchCallback(Callback):
             and config fields given.
         flashwatch.exporters.PortInUseError: at fit start, when ``host:port`` is taken; the
             run stops before its first step.
-        OSError: at fit start, when ``run_dir`` cannot be written.
+        OSError: at fit start, when ``run_dir`` cannot be written; ``FileExistsError`` when it
+            holds a run already and neither ``append=True`` nor ``ckpt_path=`` says to add to it.
 
     Alerts never raise: they are logged once each (``flashwatch`` logger), exported, and
     counted. Rules listed in ``MonitorConfig.stop_on`` stop the run gracefully through
@@ -121,6 +126,7 @@ class FlashWatchCallback(Callback):
         host: str = "127.0.0.1",
         run_dir: str | os.PathLike | None = None,
         jsonl: bool = True,
+        append: bool = False,
         console: str | None = "auto",
         exporters: Sequence[Exporter] = (),
         log_summaries: bool = True,
@@ -136,7 +142,7 @@ class FlashWatchCallback(Callback):
                 config = MonitorConfig(**config_fields)
             except TypeError as exc:  # an unknown keyword
                 raise ValueError(f"FlashWatchCallback: {exc}; accepted keywords: port, host, run_dir, "
-                                 f"jsonl, console, exporters, log_summaries, per_rank_endpoints and the "
+                                 f"jsonl, append, console, exporters, log_summaries, per_rank_endpoints and the "
                                  f"fields of MonitorConfig") from None
         elif not isinstance(config, MonitorConfig):
             raise ValueError(f"config must be a flashwatch.MonitorConfig or None, got {type(config).__name__}")
@@ -147,6 +153,8 @@ class FlashWatchCallback(Callback):
             raise ValueError(f"console must be one of {', '.join(_CONSOLE_MODES)} or None, got {console!r}")
         if not isinstance(jsonl, bool):
             raise ValueError(f"jsonl must be True or False, got {jsonl!r}")
+        if not isinstance(append, bool):
+            raise ValueError(f"append must be True or False, got {append!r}")
         if not isinstance(per_rank_endpoints, bool):
             raise ValueError(f"per_rank_endpoints must be True or False, got {per_rank_endpoints!r}")
         for e in exporters:
@@ -157,6 +165,7 @@ class FlashWatchCallback(Callback):
         self.host = host
         self.run_dir = None if run_dir is None else os.fspath(run_dir)
         self.jsonl = jsonl
+        self.append = append
         self.console = console
         self.extra_exporters = list(exporters)
         self.log_summaries = bool(log_summaries)
@@ -283,7 +292,12 @@ class FlashWatchCallback(Callback):
             run_dir = self.run_dir
             if run_dir is None:
                 run_dir = os.path.join(trainer.log_dir or trainer.default_root_dir, "flashwatch")
-            out.append(JsonlExporter(run_dir))
+            exporter = JsonlExporter(run_dir)
+            if not self.append and trainer.ckpt_path is None and exporter.holds_run():
+                raise FileExistsError(
+                    f"flashwatch: {exporter.path} already holds a run; pass another run_dir, or append=True "
+                    f"to add this run to it (a run resumed with trainer.fit(..., ckpt_path=...) appends by itself)")
+            out.append(exporter)
         if self.console is not None:
             mode = self.console
             if mode == "auto":

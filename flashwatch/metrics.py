@@ -1,6 +1,7 @@
 """The one table of flashwatch's metrics: names, kinds, labels, units and meanings.
 
-Everything that shows a number reads this table: the Prometheus exporter, the JSONL writer's
+Everything that shows a number reads this table (``METRICS``, a step's metrics; ``SERVICE_METRICS``,
+the two the Prometheus exporter adds; ``ALL_METRICS``, both): the Prometheus exporter, the JSONL writer's
 schema, the README's metric table (``python -m flashwatch.metrics`` prints it), the Grafana
 dashboard and the Prometheus alert rules. ``tests/test_metric_table.py`` holds them together.
 The values a ``rule`` or ``variant`` label takes are the vocabulary's (``LABEL_VALUES``, from
@@ -91,7 +92,20 @@ METRICS: tuple[MetricSpec, ...] = (
                "1 while an alert of this rule holds for this layer and head."),
 )
 
-BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+#: Metrics the Prometheus exporter serves beside a step's (not part of ``Monitor.snapshot()`` nor of
+#: the JSONL records): which flashwatch serves, and when the last monitored step came (a run that
+#: hangs keeps its endpoint answering; this timestamp is what stops).
+SERVICE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("flashwatch_build_info", "gauge", ("version",), "none",
+               "Always 1; the version label is the flashwatch version serving these metrics (Prometheus only)."),
+    MetricSpec("flashwatch_last_step_timestamp_seconds", "gauge", (), "dateTimeAsIso",
+               "Unix time in seconds when the last monitored step was recorded (Prometheus only)."),
+)
+
+#: Every metric name flashwatch exports: the step's metrics, then the service metrics.
+ALL_METRICS: tuple[MetricSpec, ...] = METRICS + SERVICE_METRICS
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in ALL_METRICS}
 
 
 def present(snapshot: Mapping[str, Any]) -> Iterator[tuple[MetricSpec, Any]]:
@@ -114,9 +128,9 @@ def exported_names(spec: MetricSpec) -> tuple[str, ...]:
 
 
 def markdown_table() -> str:
-    """The README's metric table, generated from ``METRICS``."""
+    """The metric table of docs/SIGNALS.md, generated from ``ALL_METRICS``."""
     rows = ["| name | kind | labels | meaning |", "|---|---|---|---|"]
-    for m in METRICS:
+    for m in ALL_METRICS:
         rows.append(f"| `{m.name}` | {m.kind} | {', '.join(m.labels)} | {m.help} |")
     return "\n".join(rows)
 

@@ -186,8 +186,9 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
 STOPPED_REPORTING = RuleSpec(
     "stopped_reporting", "warning",
     "A run's endpoint still answers, but no new monitored step came for a long while.",
-    "flashwatch_step did not change for longer than dashboards/alerts.yml allows while Prometheus "
-    "still scrapes the run's endpoint: the training loop is hung (a collective waiting for a rank "
+    "The last monitored step (flashwatch_last_step_timestamp_seconds) is older than "
+    "dashboards/alerts.yml allows while Prometheus still scrapes the run's endpoint: the training "
+    "loop is hung (a collective waiting for a rank "
     "that died, a stalled data loader), paused longer than usual (a long evaluation or checkpoint), "
     "or stopped calling monitor.step(). A process that exited is not this rule's: its target is "
     "down (up == 0, Prometheus's own target-down alerts), and a finished run looks the same as a "
@@ -195,8 +196,8 @@ STOPPED_REPORTING = RuleSpec(
     "job ends).",
     "Look at the training process: its stack (py-spy dump), GPU utilisation, the logs of every "
     "rank. If it is hung, stop it and resume from the last checkpoint. If long pauses are normal "
-    "for the run, raise the rule's `for:` in dashboards/alerts.yml.",
-    scope="run", signal="flashwatch_step", decided_by="prometheus")
+    "for the run, raise the age in the rule's expression (dashboards/alerts.yml).",
+    scope="run", signal="flashwatch_last_step_timestamp_seconds", decided_by="prometheus")
 
 RULES: tuple[str, ...] = tuple(r.name for r in RULE_SPECS)  # the Monitor's rules, in detector order
 SEVERITY: dict[str, str] = {r.name: r.severity for r in RULE_SPECS}

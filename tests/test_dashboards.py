@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flashwatch.metrics import METRICS, exported_names
+from flashwatch.metrics import ALL_METRICS, METRICS, exported_names
 from flashwatch.vocabulary import (ALERT_SPECS, RULE_SPECS, RULES, SEVERITY, STOPPED_REPORTING, VARIANT_CODE,
                                    markdown_table)
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
-KNOWN = {n for m in METRICS for n in exported_names(m)}
+KNOWN = {n for m in ALL_METRICS for n in exported_names(m)}
 METRIC_TOKEN = re.compile(r"\b(flashwatch_[a-z0-9_]+)")
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
@@ -165,9 +165,12 @@ def test_alert_rules_fire_on_the_monitors_decisions(rules):
             if spec.signal:
                 assert f"`{spec.signal}{{" in description and "| query" in description, r["alert"]
     stopped = rules[-1]
-    assert "changes(flashwatch_step[" in stopped["expr"] and "up == 1" in stopped["expr"]
-    assert "{{ $value" in stopped["annotations"]["description"]  # the last step
-    assert re.fullmatch(r"\d+m", stopped["for"]) and int(stopped["for"][:-1]) >= 10
+    # the age of the last monitored step, while Prometheus still reaches the endpoint
+    age = re.fullmatch(r"time\(\) - flashwatch_last_step_timestamp_seconds > (\d+) and on\(job, instance\) up == 1",
+                       stopped["expr"])
+    assert age and int(age.group(1)) >= 600, stopped["expr"]
+    assert "{{ $value | humanizeDuration }}" in stopped["annotations"]["description"]  # the age
+    assert "`flashwatch_step{" in stopped["annotations"]["description"]  # and the last step
 
 
 def test_runbook_has_a_section_per_alert_with_the_tables_text():

@@ -96,8 +96,8 @@ def test_prometheus_shows_the_latest_step_and_non_finite_values(prom):
     assert logits[("0", "1")] == math.inf
 
 
-def test_prometheus_before_the_first_step_serves_an_empty_page(prom):
-    assert scrape(prom.url) == {}
+def test_prometheus_before_the_first_step_serves_only_its_build_info(prom):
+    assert set(scrape(prom.url)) == {"flashwatch_build_info"}
 
 
 def test_prometheus_uses_its_own_registry():
@@ -150,7 +150,16 @@ def test_prometheus_binds_loopback_by_default(prom):
     ({"port": "9400"}, r"port must be an int"),
     ({"port": True}, r"port must be an int"),
     ({"host": ""}, r"host must be a non-empty address"),
-    ({"pushgateway": ""}, r"pushgateway must be an address"),
+    ({"pushgateway": ""}, r"pushgateway must be an http\(s\) address"),
+    ({"pushgateway": "ftp://gw:9091"}, r"scheme 'ftp' is not http or https"),
+    ({"pushgateway": "http://"}, r"names no host"),
+    ({"pushgateway": "http://gw:99999"}, r"not a valid address"),
+    ({"pushgateway": "gw 9091"}, r"names no host"),
+    ({"pushgateway": 9091}, r"pushgateway must be an http\(s\) address"),
+    ({"pushgateway": "http://gw:9091", "push_handler": "basic"}, r"push_handler must be"),
+    ({"push_timeout_s": True}, r"push_timeout_s must be a number of seconds > 0"),
+    ({"run_id": ""}, r"run_id must be a non-empty string"),
+    ({"registry": {}}, r"registry must be a prometheus_client.CollectorRegistry"),
     ({"push_interval_s": -1}, r"push_interval_s must be a number >= 0"),
     ({"job": ""}, r"job must be a non-empty string"),
 ])
@@ -256,34 +265,6 @@ def test_jsonl_schema_rejects_what_it_does_not_describe(tmp_path):
     with pytest.raises(ValueError, match=r"flashwatch_delta_drift_z\[0\]\[1\]"):
         validate_record(bad)
     assert SCHEMA["$schema"].startswith("https://json-schema.org/")
-
-
-def test_jsonl_truncated_last_line_is_skipped_and_resume_appends(tmp_path, caplog):
-    exporter = JsonlExporter(tmp_path)
-    exporter.open(LAYOUT)
-    for s in (0, 10, 20):
-        exporter.export(synthetic_record(LAYOUT, step=s))
-    path = tmp_path / METRICS_FILE
-    exporter._f.flush()
-    data = path.read_bytes()
-    # a crash in the middle of writing step 20's line
-    cut = data[: data.rindex(b"\n", 0, len(data) - 1) + 1 + 40]
-    exporter._f.close()
-    exporter._f = None
-    path.write_bytes(cut)
-    assert [r["step"] for r in read_jsonl(path)] == [0, 10]
-
-    # a resumed run appends, ending the half line first
-    resumed = JsonlExporter(tmp_path)
-    resumed.open(LAYOUT)
-    resumed.export(synthetic_record(LAYOUT, step=20))
-    resumed.close()
-    with caplog.at_level(logging.WARNING, logger="flashwatch.exporters.jsonl"):
-        assert [r["step"] for r in read_jsonl(path)] == [0, 10, 20]
-    assert "not a flashwatch JSONL record" in caplog.text
-    with pytest.raises(ValueError, match=rf"{METRICS_FILE}:4: not a flashwatch JSONL record"):
-        list(read_jsonl(path, strict=True))
-    assert [r["kind"] for r in read_jsonl(path, kinds=None)] == ["open", "step", "step", "open", "step", "close"]
 
 
 def test_jsonl_fsync_and_errors(tmp_path):

@@ -268,3 +268,17 @@ def test_imports_only_pytorch_lightning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_a_run_dir_that_holds_a_run_is_refused_unless_appending(loader, tmp_path):
+    config = dict(interval=2, port=None, console=None)
+    trainer([FlashWatchCallback(run_dir=tmp_path, **config)], max_epochs=1).fit(LitGPT(), loader)
+    before = (tmp_path / METRICS_FILE).read_bytes()
+    module = LitGPT()
+    with pytest.raises(FileExistsError, match=r"metrics\.jsonl already holds a run.*append=True"):
+        trainer([FlashWatchCallback(run_dir=tmp_path, **config)], max_epochs=1).fit(module, loader)
+    assert module.batches == 0 and (tmp_path / METRICS_FILE).read_bytes() == before  # nothing mixed in
+    trainer([FlashWatchCallback(run_dir=tmp_path, append=True, **config)], max_epochs=1).fit(LitGPT(), loader)
+    assert [r["kind"] for r in read_jsonl(tmp_path, kinds=None)].count("open") == 2  # asked for: appended
+    with pytest.raises(ValueError, match="append must be True or False"):
+        FlashWatchCallback(append="yes")

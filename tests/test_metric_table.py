@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 
-from flashwatch.metrics import BY_NAME, LABEL_VALUES, METRICS, markdown_table
+from flashwatch.metrics import ALL_METRICS, BY_NAME, LABEL_VALUES, METRICS, SERVICE_METRICS, markdown_table
 from flashwatch.vocabulary import RULES, VARIANT_LABELS
 
 
 def test_names_follow_prometheus_conventions():
-    for m in METRICS:
+    for m in ALL_METRICS:
         assert re.fullmatch(r"flashwatch_[a-z0-9_]+", m.name), m.name
         assert m.kind in ("gauge", "counter"), m.name
         assert (m.kind == "counter") == m.name.endswith("_total"), m.name
@@ -19,7 +19,7 @@ def test_names_follow_prometheus_conventions():
 
 def test_markdown_table_lists_every_metric():
     table = markdown_table()
-    for m in METRICS:
+    for m in ALL_METRICS:
         assert f"`{m.name}`" in table
 
 
@@ -47,3 +47,15 @@ def test_synthetic_snapshots_use_the_label_vocabularies():
     snap = synthetic_snapshot(synthetic_layout(2, 3))
     assert {v for _, v in snap["flashwatch_kernel_variant"]} == set(VARIANT_LABELS)
     assert {r for (r,) in snap["flashwatch_alerts_total"]} == set(RULES)
+
+
+def test_service_metrics_follow_the_conventions_and_stay_out_of_a_steps_record():
+    names = [m.name for m in ALL_METRICS]
+    assert len(names) == len(set(names))
+    assert [m.name for m in SERVICE_METRICS] == ["flashwatch_build_info", "flashwatch_last_step_timestamp_seconds"]
+    info, stamp = SERVICE_METRICS
+    assert info.kind == "gauge" and info.labels == ("version",)  # the *_info convention: value 1, labels
+    assert stamp.kind == "gauge" and stamp.name.endswith("_seconds") and stamp.labels == ()  # base unit
+    from flashwatch.exporters.jsonl import STEP_SCHEMA
+
+    assert not set(STEP_SCHEMA["properties"]["metrics"]["properties"]) & {m.name for m in SERVICE_METRICS}

@@ -5,14 +5,16 @@ Files (in ``run_dir``):
 - ``metrics.jsonl`` (:data:`METRICS_FILE`): one record per line, strict JSON (RFC 8259):
   an ``open`` record when monitoring starts (the layout), one ``step`` record per monitored
   step (every metric of ``flashwatch.metrics.METRICS`` and the step's alerts), and a ``close``
-  record when the run ends cleanly. Every line is written whole and flushed at once (and
-  ``os.fsync``-ed with ``fsync=True``), so a crash loses at most the line being written.
+  record when the run ends cleanly. Every line is written whole and unbuffered (and
+  ``os.fsync``-ed with ``fsync=True``), so a crash loses at most the line being written; a
+  failed write (a full disk) is cut back to the last whole line, so no record is ever glued
+  to another.
   A resumed run appends to the same file: its ``open`` record marks the resumption, and steps
   written after the checkpoint appear again (readers keep the last record of each step).
 - ``alerts.log`` (:data:`ALERTS_FILE`): one human-readable line per alert raised, e.g.
   ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.71 threshold=4.5: ...``.
 
-Step record (``kind == "step"``; :data:`SCHEMA` is the JSON Schema of every record)::
+Step record (``kind == "step"``; :data:`SCHEMA`, from ``jsonl_schema``, is the JSON Schema of every record)::
 
     {"kind": "step", "schema": 1, "step": 120, "time": 1764480001.2,
      "metrics": {
@@ -46,166 +48,16 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .. import __version__
-from ..metrics import METRICS, MetricSpec, present
+from ..metrics import present
+from .appendfile import AppendFile
 from .base import Exporter, Layout, StepRecord, alert_to_dict
+from .jsonl_schema import (_INT_LABELS, _NONFINITE, ALERT_SCHEMA, CLOSE_SCHEMA, OPEN_SCHEMA, SCHEMA, SCHEMA_VERSION,
+                           STEP_SCHEMA, validate_record)
 
 log = logging.getLogger("flashwatch.exporters.jsonl")
 
 METRICS_FILE = "metrics.jsonl"
 ALERTS_FILE = "alerts.log"
-SCHEMA_VERSION = 1
-
-_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-# -- schema -------------------------------------------------------------------------------
-
-_NUMBER = {"anyOf": [{"type": "number"}, {"enum": list(_NONFINITE)}]}
-_NUMBER_OR_NULL = {"anyOf": [{"type": "number"}, {"enum": list(_NONFINITE)}, {"type": "null"}]}
-_INT_LABELS = ("layer", "head")
-
-
-def _metric_schema(spec: MetricSpec) -> dict:
-    if not spec.labels:
-        return dict(_NUMBER, description=spec.help)
-    if spec.per_head:
-        return {"description": spec.help + " Values as [layer][head].",
-                "type": "array", "items": {"type": "array", "items": _NUMBER_OR_NULL}}
-    props = {lab: {"type": "integer"} if lab in _INT_LABELS else {"type": "string"}
-             for lab in spec.labels}
-    props["value"] = _NUMBER
-    return {"description": spec.help + " One object per label set.",
-            "type": "array",
-            "items": {"type": "object", "required": [*spec.labels, "value"],
-                      "properties": props, "additionalProperties": False}}
-
-
-ALERT_SCHEMA: dict = {
-    "type": "object",
-    "required": ["rule", "step", "layer", "head", "value", "threshold", "severity", "message"],
-    "properties": {
-        "rule": {"type": "string"},
-        "step": {"type": "integer", "minimum": 0},
-        "layer": {"type": "integer", "minimum": -1},
-        "head": {"type": "integer", "minimum": -1},
-        "value": _NUMBER,
-        "threshold": _NUMBER,
-        "severity": {"enum": ["warning", "critical"]},
-        "message": {"type": "string"},
-    },
-}
-
-STEP_SCHEMA: dict = {
-    "type": "object",
-    "required": ["kind", "schema", "step", "time", "metrics", "new_alerts", "active_alerts"],
-    "properties": {
-        "kind": {"const": "step"},
-        "schema": {"const": SCHEMA_VERSION},
-        "step": {"type": "integer", "minimum": 0},
-        "time": {"type": "number", "description": "unix seconds"},
-        "metrics": {"type": "object",
-                    "required": [m.name for m in METRICS],
-                    "properties": {m.name: _metric_schema(m) for m in METRICS},
-                    "additionalProperties": False},
-        "new_alerts": {"type": "array", "items": ALERT_SCHEMA},
-        "active_alerts": {"type": "array", "items": ALERT_SCHEMA},
-    },
-    "additionalProperties": False,
-}
-
-OPEN_SCHEMA: dict = {
-    "type": "object",
-    "required": ["kind", "schema", "time", "flashwatch_version", "layout"],
-    "properties": {
-        "kind": {"const": "open"},
-        "schema": {"const": SCHEMA_VERSION},
-        "time": {"type": "number"},
-        "flashwatch_version": {"type": "string"},
-        "layout": {"type": "array", "items": {
-            "type": "object", "required": ["name", "heads"],
-            "properties": {"name": {"type": "string"}, "heads": {"type": "integer", "minimum": 1}},
-            "additionalProperties": False}},
-    },
-    "additionalProperties": False,
-}
-
-CLOSE_SCHEMA: dict = {
-    "type": "object",
-    "required": ["kind", "schema", "time"],
-    "properties": {"kind": {"const": "close"}, "schema": {"const": SCHEMA_VERSION},
-                   "time": {"type": "number"}},
-    "additionalProperties": False,
-}
-
-#: JSON Schema (draft 2020-12) of one line of ``metrics.jsonl``.
-SCHEMA: dict = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "https://flashwatch.invalid/schemas/metrics-jsonl-1.json",
-    "title": "flashwatch metrics.jsonl record",
-    "oneOf": [OPEN_SCHEMA, STEP_SCHEMA, CLOSE_SCHEMA],
-}
-
-
-def validate_record(record: Any, schema: Mapping = SCHEMA) -> None:
-    """Check ``record`` against ``schema`` (the subset of JSON Schema that :data:`SCHEMA` uses).
-
-    Raises:
-        ValueError: naming the first field that does not match and what was expected.
-    """
-    err = _check(record, schema, "$")
-    if err:
-        raise ValueError(f"flashwatch JSONL record does not match its schema: {err}")
-
-
-_TYPES = {
-    "object": lambda x: isinstance(x, dict),
-    "array": lambda x: isinstance(x, list),
-    "string": lambda x: isinstance(x, str),
-    "integer": lambda x: isinstance(x, int) and not isinstance(x, bool),
-    "number": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
-    "null": lambda x: x is None,
-    "boolean": lambda x: isinstance(x, bool),
-}
-
-
-def _check(x: Any, s: Mapping, where: str) -> str | None:
-    if "anyOf" in s or "oneOf" in s:
-        options = s.get("anyOf") or s["oneOf"]
-        errors = [_check(x, o, where) for o in options]
-        ok = sum(e is None for e in errors)
-        if ok == 0 or ("oneOf" in s and ok > 1):
-            if "oneOf" in s and isinstance(x, dict) and "kind" in x:
-                # Records: report against the schema of their own kind, not every option.
-                for o in options:
-                    if o.get("properties", {}).get("kind", {}).get("const") == x["kind"]:
-                        return _check(x, o, where)
-            return f"{where}: {x!r:.80} matches none of the accepted forms ({'; '.join(filter(None, errors))})"
-    if "const" in s and x != s["const"]:
-        return f"{where}: expected {s['const']!r}, got {x!r:.80}"
-    if "enum" in s and x not in s["enum"]:
-        return f"{where}: expected one of {s['enum']}, got {x!r:.80}"
-    if "type" in s and not _TYPES[s["type"]](x):
-        return f"{where}: expected {s['type']}, got {type(x).__name__} {x!r:.80}"
-    if "minimum" in s and isinstance(x, (int, float)) and x < s["minimum"]:
-        return f"{where}: must be >= {s['minimum']}, got {x!r}"
-    if isinstance(x, dict):
-        for key in s.get("required", ()):
-            if key not in x:
-                return f"{where}: missing required field {key!r}"
-        props = s.get("properties", {})
-        for key, value in x.items():
-            if key in props:
-                err = _check(value, props[key], f"{where}.{key}")
-                if err:
-                    return err
-            elif s.get("additionalProperties", True) is False:
-                return f"{where}: unexpected field {key!r} (accepted: {', '.join(props)})"
-    if isinstance(x, list) and "items" in s:
-        for i, item in enumerate(x):
-            err = _check(item, s["items"], f"{where}[{i}]")
-            if err:
-                return err
-    return None
-
 
 # -- encoding -----------------------------------------------------------------------------
 
@@ -299,9 +151,9 @@ def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step"
         kinds: record kinds to yield (``"open"``, ``"step"``, ``"close"``); ``None`` for all.
             By default only ``step`` records.
         strict: raise on a line in the middle of the file that is not a JSON record (by
-            default it is skipped with a warning: a crashed run that was resumed leaves its
-            half-written line there). A truncated last line is always skipped: it is the line
-            a crash interrupted.
+            default it is skipped with a warning; the exporter removes a line a crash cut off
+            before it writes on, so only a file damaged otherwise has one). A truncated last
+            line is always skipped: it is the line a crash interrupted.
 
     Non-finite numbers come back as floats (``nan``, ``inf``). Steps written twice (a resumed
     run repeats the steps after its checkpoint) are yielded as written; keep the last one.
@@ -351,6 +203,17 @@ class JsonlExporter(Exporter):
         metrics_file: file name of the step records inside ``run_dir``.
         alerts_file: file name of the alert log inside ``run_dir``; ``None`` writes none.
 
+    What is never lost or glued together:
+
+    - A write that fails (a full disk) raises ``OSError`` naming the file, after cutting the
+      file back to its last whole record: the file never holds half a record. The Monitor
+      counts the failure (``monitor.errors``), logs the first one at WARNING and goes on;
+      this exporter counts its own in ``errors``. Later steps are written once the disk has room.
+    - A line a crash cut off is removed when the file is opened again (a resumed run).
+    - A run folder deleted (or moved) while the run writes is noticed at the next monitored
+      step: the folder and files are created again, a new ``open`` record starts them, a
+      WARNING names the path (``recreated`` counts these), and writing goes on there.
+
     Raises:
         ValueError: a bad argument (named in the message).
         OSError: at ``open()``, when the folder or files cannot be created or written.
@@ -374,45 +237,65 @@ class JsonlExporter(Exporter):
         self.alerts_path = None if alerts_file is None else self.run_dir / alerts_file
         self.fsync = fsync
         self.layout: Layout | None = None
-        self._f = None
-        self._alerts_f = None
+        self.errors = 0  # writes that failed (each raised to the caller)
+        self.recreated = 0  # times the run folder or a file vanished and was created again
+        self._f: AppendFile | None = None
+        self._alerts_f: AppendFile | None = None
+
+    def holds_run(self) -> bool:
+        """True when ``run_dir`` already has a non-empty metrics file (a run wrote there)."""
+        try:
+            return self.path.stat().st_size > 0
+        except OSError:
+            return False
 
     def open(self, layout: Layout) -> None:
         if self._f is not None:
             return
         self.layout = layout
+        self._open_files()
+        self._write(self._f, self._open_record())
+
+    def _open_record(self) -> dict:
+        return {"kind": "open", "schema": SCHEMA_VERSION, "time": time.time(),
+                "flashwatch_version": __version__,
+                "layout": [{"name": n, "heads": h} for n, h in self.layout.layers]}
+
+    def _open_files(self) -> None:
+        f = af = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._f = self._open_append(self.path)
+            f = AppendFile(self.path, self.fsync)
             if self.alerts_path is not None:
-                self._alerts_f = self._open_append(self.alerts_path)
+                af = AppendFile(self.alerts_path, self.fsync)
         except OSError as exc:
-            for handle in (self._f, self._alerts_f):
+            for handle in (f, af):
                 if handle is not None:
                     handle.close()
-            self._f = self._alerts_f = None
             raise OSError(exc.errno, f"flashwatch cannot write its run files in {self.run_dir}: "
                                      f"{exc.strerror or exc}. Pass a writable run_dir") from exc
-        self._write(self._f, {
-            "kind": "open", "schema": SCHEMA_VERSION, "time": time.time(),
-            "flashwatch_version": __version__,
-            "layout": [{"name": n, "heads": h} for n, h in layout.layers],
-        })
+        self._f, self._alerts_f = f, af
 
-    @staticmethod
-    def _open_append(path: Path):
-        f = open(path, "a+b")
-        # A crash may have left a half line; end it so the next record starts on its own line.
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-        return f
+    def _check_files(self) -> None:
+        """Create the run folder and files again if they vanished (deleted while the run writes)."""
+        if not (self._f.vanished() or (self._alerts_f is not None and self._alerts_f.vanished())):
+            return
+        self.recreated += 1
+        log.warning("flashwatch: %s vanished while the run was writing to it (run folder deleted or "
+                    "moved?); creating it again and writing on there (the records written before are "
+                    "wherever the old file went)", self.path)
+        for handle in (self._f, self._alerts_f):
+            if handle is not None:
+                handle.close()
+        self._f = self._alerts_f = None
+        self._open_files()
+        self._write(self._f, self._open_record())
 
     def export(self, record: StepRecord) -> None:
         if self._f is None:
             raise RuntimeError("JsonlExporter.export() before open(): the Monitor opens its "
                                "exporters at attach; call open(layout) first when used alone")
+        self._check_files()
         self._write(self._f, {
             "kind": "step", "schema": SCHEMA_VERSION, "step": int(record.step),
             "time": float(record.time),
@@ -423,27 +306,30 @@ class JsonlExporter(Exporter):
         if self._alerts_f is not None and record.new_alerts:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.time))
             lines = "".join(f"{stamp} {format_alert(alert_to_dict(a))}\n" for a in record.new_alerts)
-            self._flush(self._alerts_f, lines.encode())
+            self._append(self._alerts_f, lines.encode())
 
     def close(self) -> None:
-        f, af = self._f, self._alerts_f
-        self._f = self._alerts_f = None
+        if self._f is None:
+            return
         try:
-            if f is not None:
-                self._write(f, {"kind": "close", "schema": SCHEMA_VERSION, "time": time.time()})
+            self._check_files()
+            self._write(self._f, {"kind": "close", "schema": SCHEMA_VERSION, "time": time.time()})
         finally:
+            f, af = self._f, self._alerts_f
+            self._f = self._alerts_f = None
             for handle in (f, af):
                 if handle is not None:
                     handle.close()
 
-    def _write(self, f, record: dict) -> None:
-        self._flush(f, (_dumps(record) + "\n").encode())
+    def _write(self, f: AppendFile, record: dict) -> None:
+        self._append(f, (_dumps(record) + "\n").encode())
 
-    def _flush(self, f, data: bytes) -> None:
-        f.write(data)  # one write per line: a crash cuts at most this line
-        f.flush()
-        if self.fsync:
-            os.fsync(f.fileno())
+    def _append(self, f: AppendFile, data: bytes) -> None:
+        try:
+            f.write(data)  # one write per line: a crash cuts at most this line
+        except OSError:
+            self.errors += 1
+            raise
 
 
 def format_alert(alert: Mapping[str, Any]) -> str:
@@ -462,4 +348,5 @@ def _fmt(v: Any) -> str:
 
 
 __all__ = ["JsonlExporter", "read_jsonl", "validate_record", "encode_metrics", "format_alert",
-           "SCHEMA", "STEP_SCHEMA", "ALERT_SCHEMA", "METRICS_FILE", "ALERTS_FILE"]
+           "SCHEMA", "STEP_SCHEMA", "OPEN_SCHEMA", "CLOSE_SCHEMA", "ALERT_SCHEMA", "SCHEMA_VERSION",
+           "METRICS_FILE", "ALERTS_FILE"]

@@ -23,9 +23,21 @@ in the metric table, which defines what a series *is*; a constant label says whi
 serves it, as Prometheus's own ``instance`` and ``job`` target labels do.
 
 Pushgateway (batch jobs that end before a scrape): ``pushgateway="http://host:9091"`` pushes
-the same registry under ``job`` (and ``grouping_key``) at most every ``push_interval_s``
-seconds from ``export()`` and once more at ``close()``; a failing push is the exporter's
-failure (``FanOut`` logs it once and training goes on).
+the same metrics under ``job`` and a grouping key at most every ``push_interval_s`` seconds, and
+once more at ``close()``. Pushes leave the training thread: ``export()`` queues the step and a
+background thread pushes it (``flashwatch.exporters.pushgateway.Pusher``); a gateway that is
+down or never answers costs the training run nothing. The queue is bounded (oldest dropped,
+counted in ``push_dropped``), failures are counted in ``push_failed`` (the first logged at
+WARNING), and ``close()`` waits at most ``push_close_timeout_s``. The default grouping key is
+``{"run": <host>-<pid>-<start time>-<random>}``, so concurrent runs never overwrite each other's group.
+
+An application's own registry: ``PrometheusExporter(port=None, registry=app_registry)`` adds
+flashwatch's metrics to the registry the application already serves on its ``/metrics``
+(``close()`` takes them out again).
+
+Beside a step's metrics the exporter serves ``flashwatch_build_info{version}`` and
+``flashwatch_last_step_timestamp_seconds`` (``SERVICE_METRICS``): a hung run keeps its
+endpoint answering, and the timestamp is what stops (the ``FlashwatchStoppedReporting`` rule).
 
 Example::
 
@@ -44,16 +56,16 @@ import math
 import re
 import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest, push_to_gateway, start_http_server
-from prometheus_client.samples import Sample
 
-from ..metrics import METRICS, present
+from ..metrics import ALL_METRICS
 from ..vocabulary import RULES, check_port
 from .base import Exporter, Layout, StepRecord
+from .prometheus_families import _SnapshotCollector, build_families, checked_copy, service_families
+from .pushgateway import Pusher, check_gateway_url, new_run_id
 
 log = logging.getLogger("flashwatch.exporters.prometheus")
 
@@ -67,153 +79,6 @@ class PortInUseError(OSError):
     """The exporter's HTTP port is taken (another run or exporter listens on it)."""
 
 
-class _SnapshotCollector:
-    """Builds metric families from the last exported snapshot when a scrape asks for them."""
-
-    def __init__(self, created: float, rules: tuple[str, ...], const_labels: Mapping[str, str] | None = None) -> None:
-        self._lock = threading.Lock()  # the HTTP server scrapes from several threads
-        self._created = created
-        self._rules = rules
-        self._labels = _LabelCache(const_labels)
-        self._snapshot: dict | None = None
-        self._version = 0
-        self._built: tuple[Metric, ...] = ()
-        self._built_version = 0
-
-    def set(self, snapshot: dict) -> None:
-        with self._lock:
-            self._snapshot = snapshot
-            self._version += 1
-
-    @property
-    def has_data(self) -> bool:
-        return self._snapshot is not None
-
-    def collect(self) -> Iterable[Metric]:
-        with self._lock:
-            if self._built_version != self._version:
-                self._built = build_families(self._snapshot or {}, created=self._created,
-                                             rules=self._rules, cache=self._labels)
-                self._built_version = self._version
-            return self._built
-
-    def describe(self) -> Iterable[Metric]:
-        # No fixed descriptions: the registry must not call collect() at registration.
-        return ()
-
-
-def checked_copy(snapshot: Mapping[str, Any], known_keys: dict[str, Any] | None = None) -> dict:
-    """A copy of the table's metrics in ``snapshot``, checked as ``build_families`` would.
-
-    ``known_keys`` (metric name -> key set seen before) makes the check of unchanged label
-    sets a set comparison instead of a walk over every key.
-
-    Raises:
-        ValueError: as ``build_families``.
-    """
-    known_keys = known_keys if known_keys is not None else {}
-    out: dict[str, Any] = {}
-    for spec, value in present(snapshot):
-        if not spec.labels:
-            out[spec.name] = _number(spec.name, value)
-            continue
-        if not isinstance(value, Mapping):
-            raise ValueError(
-                f"snapshot[{spec.name!r}] must be a dict keyed by ({', '.join(spec.labels)}) "
-                f"tuples, got {type(value).__name__}"
-            )
-        value = dict(value)
-        keys = value.keys()
-        if known_keys.get(spec.name) != keys:
-            n = len(spec.labels)
-            for key in keys:
-                if not isinstance(key, tuple) or len(key) != n:
-                    raise ValueError(
-                        f"snapshot[{spec.name!r}] keys must be ({', '.join(spec.labels)}) "
-                        f"tuples of {n} values, got {key!r}"
-                    )
-            known_keys[spec.name] = set(keys)
-        if not {type(v) for v in value.values()} <= _PLAIN_NUMBERS:
-            value = {k: _number(spec.name, v) for k, v in value.items()}
-        out[spec.name] = value
-    return out
-
-
-_PLAIN_NUMBERS = {float, int}
-
-
-class _LabelCache:
-    """Label dicts per label-value tuple, built once and shared by every export.
-
-    Rebuilding ``{"layer": "3", "head": "7"}`` for 1,024 heads x 8 metrics on every monitored
-    step was half of the export time; the dicts are never mutated, so sharing them is safe.
-    """
-
-    def __init__(self, const_labels: Mapping[str, str] | None = None) -> None:
-        self._by_names: dict[tuple[str, ...], dict[tuple, dict[str, str]]] = {}
-        self.const = dict(const_labels or {})  # added to every label dict (e.g. {"rank": "1"})
-
-    def get(self, metric: str, names: tuple[str, ...], key: Any) -> dict[str, str]:
-        table = self._by_names.setdefault(names, {})
-        labels = table.get(key) if isinstance(key, tuple) else None
-        if labels is None:
-            if not isinstance(key, tuple) or len(key) != len(names):
-                raise ValueError(
-                    f"snapshot[{metric!r}] keys must be ({', '.join(names)}) tuples of "
-                    f"{len(names)} values, got {key!r}"
-                )
-            labels = table[key] = {**{n: str(k) for n, k in zip(names, key)}, **self.const}
-        return labels
-
-
-def build_families(snapshot: Mapping[str, Any], *, created: float = 0.0,
-                   rules: Iterable[str] = (), cache: _LabelCache | None = None,
-                   const_labels: Mapping[str, str] | None = None) -> tuple[Metric, ...]:
-    """Metric families of a ``Monitor.snapshot()``, in the order of the metric table.
-
-    Metrics missing from the snapshot are left out (Prometheus marks their series stale);
-    names not in the table are ignored. ``flashwatch_alerts_total`` gets a 0 for every rule
-    of ``rules`` that has not fired, so that ``increase()`` sees a rule's first alert.
-    ``const_labels`` (or the ``cache``'s) are added to every sample.
-
-    Raises:
-        ValueError: a value is not a number, or a labelled metric is not a dict keyed by
-            tuples of as many label values as the table gives it.
-    """
-    cache = cache if cache is not None else _LabelCache(const_labels)
-    const_names = tuple(cache.const)
-    families = []
-    for spec, value in present(snapshot):
-        counter = spec.kind == "counter"
-        fam = (CounterMetricFamily if counter else GaugeMetricFamily)(spec.name, spec.help,
-                                                                       labels=spec.labels + const_names)
-        if not spec.labels:
-            items: Iterable[tuple[Any, Any]] = [((), value)]
-        elif isinstance(value, Mapping):
-            items = value.items()
-            if spec.name == "flashwatch_alerts_total":
-                items = list(items) + [((r,), 0.0) for r in rules if (r,) not in value]
-        else:
-            raise ValueError(
-                f"snapshot[{spec.name!r}] must be a dict keyed by ({', '.join(spec.labels)}) "
-                f"tuples, got {type(value).__name__}"
-            )
-        # Samples are built directly (not with add_metric) so label dicts can be shared.
-        samples = fam.samples
-        if counter:
-            for key, v in items:
-                labels = cache.get(spec.name, spec.labels, key)
-                samples.append(Sample(fam.name + "_total", labels, _number(spec.name, v), None))
-                samples.append(Sample(fam.name + "_created", labels, created, None))
-        else:
-            name = fam.name
-            for key, v in items:
-                samples.append(Sample(name, cache.get(spec.name, spec.labels, key),
-                                      _number(spec.name, v), None))
-        families.append(fam)
-    return tuple(families)
-
-
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
@@ -222,7 +87,7 @@ def _check_const_labels(const_labels: Mapping[str, Any] | None) -> dict[str, str
         return {}
     if not isinstance(const_labels, Mapping):
         raise ValueError(f"const_labels must be a dict of label name -> value, got {type(const_labels).__name__}")
-    taken = {label for spec in METRICS for label in spec.labels}
+    taken = {label for spec in ALL_METRICS for label in spec.labels}
     out = {}
     for name, value in const_labels.items():
         if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
@@ -232,13 +97,6 @@ def _check_const_labels(const_labels: Mapping[str, Any] | None) -> dict[str, str
                              "choose another name")
         out[name] = str(value)
     return out
-
-
-def _number(name: str, value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"snapshot[{name!r}] values must be numbers, got {value!r}") from None
 
 
 class PrometheusExporter(Exporter):
@@ -251,16 +109,25 @@ class PrometheusExporter(Exporter):
             can read the metrics unless you ask for it (``"0.0.0.0"`` or an interface address).
         pushgateway: Pushgateway address (``"http://host:9091"``) for batch jobs, or ``None``.
         job: the Pushgateway ``job`` label.
-        grouping_key: further Pushgateway grouping labels (e.g. ``{"run": "exp-17"}``).
+        grouping_key: further Pushgateway grouping labels; default ``{"run": run_id}``.
+        run_id: the run's id in the default grouping key; default ``<host>-<pid>-<start time>-<random>``,
+            unique across concurrent runs (set it to replace a run's group when it restarts).
         push_interval_s: least seconds between pushes from ``export()`` (0: every monitored
             step). The last state is always pushed at ``close()``.
-        push_timeout_s: timeout of one push.
+        push_timeout_s: timeout of one push (on the background thread).
+        push_close_timeout_s: longest ``close()`` waits for the last push (2 s; a gateway that
+            answers at all answers in milliseconds).
+        push_handler: a prometheus-client push handler, e.g. for authentication:
+            ``flashwatch.exporters.pushgateway.basic_auth(user, password)``.
+        registry: a ``prometheus_client.CollectorRegistry`` to add flashwatch's metrics to
+            (an application's own ``/metrics``); default a registry of flashwatch's own.
         const_labels: labels added to every series, e.g. ``{"rank": "1"}`` for one endpoint
             per rank; names must be valid Prometheus label names and none of the metric
             table's labels (``layer``, ``head``, ``variant``, ``rule``).
 
     Raises:
-        ValueError: a bad port, host, push setting or constant label (the message names it).
+        ValueError: a bad port, host, Pushgateway address, push setting, registry or constant
+            label (the message names it).
         PortInUseError: at ``open()``/``start()``, when ``host:port`` is already taken.
         OSError: at ``open()``/``start()``, when the address cannot be bound otherwise.
     """
@@ -275,32 +142,48 @@ class PrometheusExporter(Exporter):
         pushgateway: str | None = None,
         job: str = "flashwatch",
         grouping_key: Mapping[str, str] | None = None,
+        run_id: str | None = None,
         push_interval_s: float = 0.0,
         push_timeout_s: float = 5.0,
+        push_close_timeout_s: float = 2.0,
+        push_handler: Callable | None = None,
         const_labels: Mapping[str, Any] | None = None,
+        registry: CollectorRegistry | None = None,
     ):
         check_port(port)
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty address string such as '127.0.0.1', got {host!r}")
-        if pushgateway is not None and (not isinstance(pushgateway, str) or not pushgateway):
-            raise ValueError(f"pushgateway must be an address like 'http://localhost:9091' or None, "
-                             f"got {pushgateway!r}")
+        if pushgateway is not None:
+            check_gateway_url(pushgateway)
         if not isinstance(job, str) or not job:
             raise ValueError(f"job must be a non-empty string, got {job!r}")
         if not (isinstance(push_interval_s, (int, float)) and push_interval_s >= 0):
             raise ValueError(f"push_interval_s must be a number >= 0, got {push_interval_s!r}")
-        if not (isinstance(push_timeout_s, (int, float)) and push_timeout_s > 0):
-            raise ValueError(f"push_timeout_s must be a number > 0, got {push_timeout_s!r}")
+        for name, value in (("push_timeout_s", push_timeout_s), ("push_close_timeout_s", push_close_timeout_s)):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if push_handler is not None and not callable(push_handler):
+            raise ValueError(f"push_handler must be a prometheus-client push handler (a callable), got {push_handler!r}")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise ValueError(f"run_id must be a non-empty string, got {run_id!r}")
+        if registry is not None and not callable(getattr(registry, "register", None)):
+            raise ValueError(f"registry must be a prometheus_client.CollectorRegistry, got {type(registry).__name__}")
         self.const_labels = _check_const_labels(const_labels)
         self.requested_port = port
         self.host = host
         self.pushgateway = pushgateway
         self.job = job
-        self.grouping_key = dict(grouping_key or {})
+        self.run_id = run_id or new_run_id()
+        self.grouping_key = dict(grouping_key) if grouping_key is not None else {"run": self.run_id}
         self.push_interval_s = float(push_interval_s)
         self.push_timeout_s = float(push_timeout_s)
+        self.push_close_timeout_s = float(push_close_timeout_s)
+        self.push_handler = push_handler
+        self._pusher: Pusher | None = None
+        self._push_totals = {"pushed": 0, "failed": 0, "dropped": 0}  # of pushers already closed
 
-        self.registry = CollectorRegistry(auto_describe=False)
+        self._own_registry = registry is None
+        self.registry = CollectorRegistry(auto_describe=False) if registry is None else registry
         self._collector = _SnapshotCollector(created=time.time(), rules=known_rules(),
                                              const_labels=self.const_labels)
         self.registry.register(self._collector)
@@ -370,28 +253,73 @@ class PrometheusExporter(Exporter):
         self.start()
 
     def export(self, record: StepRecord) -> None:
-        self._collector.set(checked_copy(record.snapshot, self._known_keys))
+        self._collector.set(checked_copy(record.snapshot, self._known_keys), float(record.time))
         if self.pushgateway is not None:
             now = time.monotonic()
             if now - self._last_push >= self.push_interval_s:
                 self._last_push = now
-                self.push()
+                self._push_later()
 
     def close(self) -> None:
         try:
-            if self.pushgateway is not None and self._collector.has_data:
-                self.push()
+            if self.pushgateway is not None and (self._pusher is not None or self._collector.has_data):
+                # the last state, pushed last; close() waits at most push_close_timeout_s
+                pusher = self._pusher_now()
+                pusher.close(self._collector.frozen() if self._collector.has_data else None)
+                self._pusher = None  # a later open() (another fit) pushes through a new one
+                for what in self._push_totals:
+                    self._push_totals[what] += getattr(pusher, what)
         finally:
             self._stop()
+            if not self._own_registry:
+                try:
+                    self.registry.unregister(self._collector)
+                except KeyError:  # closed twice
+                    pass
 
-    # -- helpers ------------------------------------------------------------------------
+    # -- Pushgateway --------------------------------------------------------------------
+
+    def _pusher_now(self) -> Pusher:
+        if self._pusher is None:
+            self._pusher = Pusher(self.pushgateway, job=self.job, grouping_key=self.grouping_key,
+                                  timeout_s=self.push_timeout_s, handler=self.push_handler,
+                                  close_timeout_s=self.push_close_timeout_s)
+        return self._pusher
+
+    def _push_later(self) -> None:
+        self._pusher_now().submit(self._collector.frozen())
+
+    @property
+    def push_dropped(self) -> int:
+        """Pushes dropped: the queue was full (a slow gateway), or left at ``close()``."""
+        return self._pushes("dropped")
+
+    @property
+    def push_failed(self) -> int:
+        """Pushes that failed (gateway down, refused, timed out)."""
+        return self._pushes("failed")
+
+    @property
+    def pushed(self) -> int:
+        """Pushes the gateway accepted."""
+        return self._pushes("pushed")
+
+    def _pushes(self, what: str) -> int:
+        return self._push_totals[what] + (0 if self._pusher is None else getattr(self._pusher, what))
 
     def push(self) -> None:
-        """Push the current metrics to the Pushgateway now (no-op without one)."""
+        """Push the current metrics to the Pushgateway now, on this thread (no-op without one).
+
+        Raises:
+            OSError and what prometheus-client raises: the push failed.
+        """
         if self.pushgateway is None:
             return
-        push_to_gateway(self.pushgateway, job=self.job, registry=self.registry,
-                        grouping_key=self.grouping_key or None, timeout=self.push_timeout_s)
+        push_to_gateway(self.pushgateway, job=self.job, registry=self._collector.frozen(),
+                        grouping_key=self.grouping_key or None, timeout=self.push_timeout_s,
+                        **({"handler": self.push_handler} if self.push_handler else {}))
+
+    # -- helpers ------------------------------------------------------------------------
 
     def render(self) -> bytes:
         """The text a scrape of ``/metrics`` returns now (Prometheus text format 0.0.4)."""
@@ -402,4 +330,5 @@ class PrometheusExporter(Exporter):
         return f"PrometheusExporter({where})"
 
 
-__all__ = ["PrometheusExporter", "PortInUseError", "build_families", "checked_copy", "known_rules"]
+__all__ = ["PrometheusExporter", "PortInUseError", "build_families", "checked_copy", "service_families",
+           "known_rules"]

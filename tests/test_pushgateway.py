@@ -1,0 +1,207 @@
+"""The Prometheus exporter beside the training run: pushes off the training thread, one group per
+run, checked addresses, authentication; an application's own registry; build info and the last
+step's timestamp."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import socket
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from flashwatch import __version__
+from flashwatch.exporters.prometheus import PrometheusExporter
+from flashwatch.exporters.pushgateway import basic_auth
+from flashwatch.exporters.testing import synthetic_layout, synthetic_record
+
+LAYOUT = synthetic_layout(num_layers=2, num_heads=3)
+
+
+@pytest.fixture
+def silent_gateway():
+    """A TCP server that accepts every connection and never answers (a hung Pushgateway)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    accepted, stop = [], threading.Event()
+
+    def accept():
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", accepted
+    stop.set()
+    thread.join(5)
+    for conn in accepted:
+        conn.close()
+    server.close()
+
+
+@pytest.fixture
+def gateway():
+    """A Pushgateway stand-in that records (path, headers, body) of every push."""
+    received = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, dict(self.headers), body.decode()))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}", received
+    server.shutdown()
+    server.server_close()
+
+
+def families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_a_gateway_that_never_answers_does_not_stall_the_training_thread(silent_gateway, caplog):
+    url, accepted = silent_gateway
+    exporter = PrometheusExporter(port=None, pushgateway=url, push_timeout_s=30, push_close_timeout_s=0.5)
+    exporter.open(LAYOUT)
+    records = [synthetic_record(LAYOUT, step=s) for s in range(20)]
+    start = time.monotonic()
+    for record in records:
+        exporter.export(record)  # every step pushes (push_interval_s=0)
+    exporting = time.monotonic() - start
+    start = time.monotonic()
+    exporter.close()
+    closing = time.monotonic() - start
+    assert exporting < 1.0, f"20 exports took {exporting:.2f} s with a silent gateway"
+    assert closing < 2.0, f"close() took {closing:.2f} s (bounded at 0.5 s)"
+    deadline = time.monotonic() + 5
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert accepted, "no push reached the gateway"
+    # the first push hangs; the others wait in the bounded queue, the oldest dropped and counted
+    assert exporter.pushed == 0 and exporter.push_dropped >= 20 - 4 - 1
+    assert "did not take the last push" in caplog.text
+
+
+def test_pushes_and_failures_are_counted(gateway):
+    url, received = gateway
+    exporter = PrometheusExporter(port=None, pushgateway=url)
+    exporter.open(LAYOUT)
+    exporter.export(synthetic_record(LAYOUT, step=1))
+    exporter.close()
+    assert exporter.pushed >= 1 and exporter.push_failed == 0
+    assert families(received[-1][2])["flashwatch_step"].samples[0].value == 1  # the last state, last
+
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, not listening: connection refused
+    try:
+        down = PrometheusExporter(port=None, pushgateway=f"http://127.0.0.1:{refused.getsockname()[1]}")
+        down.open(LAYOUT)
+        down.export(synthetic_record(LAYOUT, step=1))  # never raises into training
+        down.close()
+    finally:
+        refused.close()
+    assert down.push_failed >= 1 and down.pushed == 0
+
+
+def test_concurrent_runs_push_to_groups_of_their_own(gateway):
+    url, received = gateway
+    runs = [PrometheusExporter(port=None, pushgateway=url) for _ in range(2)]
+    assert runs[0].run_id != runs[1].run_id
+    for i, exporter in enumerate(runs):
+        exporter.open(LAYOUT)
+        exporter.export(synthetic_record(LAYOUT, step=10 + i))
+    for exporter in runs:
+        exporter.close()
+    paths = {path for path, _, _ in received}
+    assert paths == {f"/metrics/job/flashwatch/run/{e.run_id}" for e in runs}
+    named = PrometheusExporter(port=None, pushgateway=url, run_id="exp-17")
+    assert named.grouping_key == {"run": "exp-17"}
+
+
+def test_push_handler_authenticates(gateway):
+    url, received = gateway
+    exporter = PrometheusExporter(port=None, pushgateway=url, push_handler=basic_auth("trainer", "s3cret"))
+    exporter.open(LAYOUT)
+    exporter.export(synthetic_record(LAYOUT, step=3))
+    exporter.close()
+    assert received and all(h.get("Authorization") == "Basic " + base64.b64encode(b"trainer:s3cret").decode()
+                            for _, h, _ in received)
+
+
+def test_joins_an_applications_own_registry_and_leaves_it_at_close():
+    app = CollectorRegistry()
+    requests = Counter("app_requests", "Requests served.", registry=app)
+    requests.inc()
+    exporter = PrometheusExporter(port=None, registry=app)
+    assert exporter.registry is app
+    exporter.open(LAYOUT)
+    exporter.export(synthetic_record(LAYOUT, step=7))
+    served = families(generate_latest(app).decode())
+    assert "app_requests" in served and served["flashwatch_step"].samples[0].value == 7
+    assert "flashwatch_max_logit" in served
+    exporter.close()
+    after = families(generate_latest(app).decode())
+    assert "app_requests" in after and not any(name.startswith("flashwatch_") for name in after)
+
+
+def test_build_info_and_the_last_steps_timestamp():
+    exporter = PrometheusExporter(port=None, const_labels={"rank": "0"})
+    exporter.open(LAYOUT)
+    before = families(exporter.render().decode())
+    (info,) = before["flashwatch_build_info"].samples
+    assert info.labels == {"version": __version__, "rank": "0"} and info.value == 1
+    assert "flashwatch_last_step_timestamp_seconds" not in before  # no step yet: no time to show
+    record = synthetic_record(LAYOUT, step=4)
+    record.time = 1764480001.25
+    exporter.export(record)
+    (stamp,) = families(exporter.render().decode())["flashwatch_last_step_timestamp_seconds"].samples
+    assert stamp.value == 1764480001.25 and stamp.labels == {"rank": "0"}
+    exporter.close()
+
+
+def test_pushed_families_are_built_on_the_push_thread(gateway, monkeypatch):
+    from flashwatch.exporters import prometheus_families
+
+    built_on = []
+    original = prometheus_families.build_families
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prometheus_families, "build_families", recording)
+    url, received = gateway
+    exporter = PrometheusExporter(port=None, pushgateway=url)
+    exporter.open(LAYOUT)
+    for step in range(3):
+        exporter.export(synthetic_record(LAYOUT, step=step))
+    exporter.close()
+    assert received and built_on
+    assert set(built_on) == {"flashwatch-pushgateway"}  # never on the training thread
+
+
+def test_an_exporter_reopened_for_a_second_fit_pushes_again(gateway):
+    url, received = gateway
+    exporter = PrometheusExporter(port=None, pushgateway=url)
+    for step in (1, 2):  # the Lightning callback reopens its exporters on a later fit
+        exporter.open(LAYOUT)
+        exporter.export(synthetic_record(LAYOUT, step=step))
+        exporter.close()
+    assert families(received[-1][2])["flashwatch_step"].samples[0].value == 2
+    assert exporter.pushed == len(received) >= 2 and exporter.push_failed == 0
