@@ -275,6 +275,24 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def runs_markdown(result: dict) -> str:
+    """One line per test run: seed, blow-up step, the confirmation (median of the last losses against
+    the best before), steps run."""
+    lines = ["| seed | blow-up step | confirmed (median of last 200 losses / best before) | steps run |",
+             "|---|---|---|---|"]
+    rows = sorted(result["runs"].values(), key=lambda v: v["seed"])
+    for v in rows:
+        o = v["outcome"]
+        if o["survivor"]:
+            lines.append(f"| {v['seed']} | - (survived) | | {o['last_step'] + 1:,} |")
+        else:
+            lines.append(f"| {v['seed']} | {o['blowup']:,} | {o['tail_median_loss']:.3f} / "
+                         f"{o['best_median_before']:.3f} | {o['last_step'] + 1:,} |")
+    for d in result.get("excluded_unconfirmed", []):
+        lines.append(f"| {d} | not confirmed (left out) | | |")
+    return "\n".join(lines)
+
+
 def readme_paragraph(result: dict, configuration: str) -> str:
     """The README's account of a test result, every number taken from ``result`` (a test holds the
     README equal to this text): runs, outcomes, each rule's and baseline's early detections, false
@@ -335,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     text = markdown(result)
     if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+        Path(args.markdown).write_text(text + "\n\n" + runs_markdown(result) + "\n")
     print(text)
     return 0
 

@@ -1,0 +1,31 @@
+"""Every number the README and docs/EXPERIMENTS.md state about the early-warning test comes from the
+result file in results/ (research.stated_numbers makes the blocks; these tests hold them equal)."""
+import json
+from pathlib import Path
+
+from research import stated_numbers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_stated_early_warning_numbers_are_the_recorded_ones():
+    assert stated_numbers.differences() == []
+
+
+def test_the_readme_paragraph_follows_the_result_file(tmp_path, monkeypatch):
+    """A changed count in the result file changes the paragraph: the check can fail."""
+    result = json.loads(stated_numbers.TEST_1.read_text())
+    result["table"]["repeated_max_bf16_trend"]["lead_ge_1000"] = 19
+    changed = tmp_path / "test.json"
+    changed.write_text(json.dumps(result))
+    monkeypatch.setattr(stated_numbers, "TEST_1", changed)
+    assert "`repeated_max_bf16_trend` 19" in stated_numbers.readme_block()
+    assert stated_numbers.differences()
+
+
+def test_the_result_file_records_the_frozen_thresholds_it_used():
+    result = json.loads(stated_numbers.TEST_1.read_text())
+    frozen = json.loads((ROOT / "research/preregistration/early-warning-thresholds.json").read_text())
+    assert result["thresholds_commit"] == frozen["commit"]
+    assert {k: v["threshold"] for k, v in result["table"].items() if k in frozen["thresholds"]} == \
+        {k: v for k, v in frozen["thresholds"].items() if k in result["table"]}
