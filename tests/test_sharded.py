@@ -1,0 +1,115 @@
+"""Sharded training on the CPU (gloo, 2 processes): FSDP2, FSDP1 and tensor parallelism give the
+per-head values of an unsharded run of the same model on the same global batch.
+
+Cases (tests/sharded_workers.py): FSDP2 on nanoGPT (fused q/k/v rows: the query rows all on rank
+0, rank 1 holds none), FSDP2 on a Llama-style model with 3 heads of 16 (the shard boundary cuts
+head 1 in half), FSDP1 ``use_orig_params=True`` with the model as one unit (the boundary falls
+mid-row in layer 0's query rows), tensor parallelism (torchtitan's layout: colwise q/k/v,
+rowwise output projection; 2 of 4 heads per rank). Each runs 3 monitored SGD steps.
+
+Tolerances, and why:
+- W^Q spectral norms and max logits: relative 1e-5. The sharded power iteration sums partial
+  products across ranks and FSDP averages gradients in another order than one process does, so
+  the weights and vectors differ in float32 rounding (observed ~1e-7).
+- repeated-max counts: exact.
+- delta error: only at step 0, where every attention input is bitwise the unsharded run's; from
+  step 1 on the weights differ in rounding and a delta error, itself a rounding residue, is a
+  different sample. Under data parallelism (FSDP) each rank's backward carries the gradient of
+  its local mean loss, twice the unsharded run's per row with 2 ranks, so the summed delta error
+  is 2x the unsharded one (exactly: a power-of-two scale).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from distributed_workers import _free_ports, _run_ranks, _same
+from sharded_workers import CASES, close, per_head, worker
+
+from flashwatch.sharded import query_blocks, _matvec, _rmatvec
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+STABLE = ("flashwatch_wq_spectral_norm", "flashwatch_max_logit")
+COUNTS = ("flashwatch_repeated_max_ratio", "flashwatch_repeated_max_ratio_bf16")
+DELTA = ("flashwatch_delta_error", "flashwatch_delta_error_cumulative")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded")
+    _run_ranks(worker, (_free_ports(), str(out), CASES), timeout=240)
+    return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_run_equals_unsharded_run(ranks, case):
+    r0, r1 = ranks
+    a, b, whole = r0[case], r1[case], r0["unsharded"][case]
+    expected = {"tp": "tensor_parallel"}.get(case, "fsdp")
+    assert a["kinds"] == b["kinds"] == [expected, expected] and whole["kinds"] == ["whole", "whole"]
+    assert a["errors"] == b["errors"] == 0
+    for t, (x, y, ref) in enumerate(zip(a["records"], b["records"], whole["records"])):
+        _same(x["snapshot"], y["snapshot"], f"{case} step {t}: the ranks' snapshots")  # one view, bitwise
+        mine, theirs = per_head(x["snapshot"]), per_head(ref["snapshot"])
+        assert mine.keys() == theirs.keys()
+        for name in STABLE + COUNTS:
+            assert mine[name].keys() == theirs[name].keys(), (case, name)  # global (layer, head) indices
+            for key, v in theirs[name].items():
+                assert math.isfinite(v)
+                rtol = 0.0 if name in COUNTS else 1e-5
+                assert close(mine[name][key], v, rtol), (case, t, name, key, mine[name][key], v)
+        if t == 0 and case != "tp":
+            for name in DELTA:
+                for key, v in theirs[name].items():
+                    assert v != 0 and close(mine[name][key], 2 * v, 1e-6), (case, name, key, mine[name][key], v)
+    # the power-iteration state: every head's vectors, identical on both ranks (FSDP: replicated)
+    if case != "tp":
+        _same(a["state"]["layers"], b["state"]["layers"], f"{case} state")
+        for mine, ref in zip(a["state"]["layers"], whole["state"]["layers"]):
+            assert mine["power"]["v"].shape == ref["power"]["v"].shape
+            assert torch.allclose(mine["power"]["sigma"], ref["power"]["sigma"], rtol=1e-5)
+    # exact norms on request: FSDP assembles the weights on every rank; tensor parallelism gives
+    # each rank its own heads, under their global indices
+    exact = {**a["exact"], **b["exact"]}
+    assert exact.keys() == whole["exact"].keys()
+    for key, v in whole["exact"].items():
+        assert close(exact[key], v, 1e-5), (case, key)
+    if case == "tp":
+        assert sorted(a["exact"]) == [(layer, head) for layer in (0, 1) for head in (0, 1)]
+    else:
+        assert a["exact"] == b["exact"]
+
+
+def _dense(blocks, shape):
+    h, d, c = shape
+    w = torch.zeros(h, d, c)
+    for h0, h1, c0, c1, blk in blocks:
+        w[h0:h1, :, c0:c1] += blk
+    return w
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "columns"])
+def test_query_blocks_cover_every_element_once(transposed):
+    """Any split of the parameter's elements into contiguous ranges: the blocks add up to W^Q, and
+    the partial products to W v and W^T y (float64 reference)."""
+    h, d, c = 3, 5, 7
+    g = torch.Generator().manual_seed(0)
+    rows, cols = (c, 3 * h * d) if transposed else (3 * h * d, c)  # a fused q/k/v projection
+    param = torch.randn(rows, cols, generator=g)
+    wq = (param[:, : h * d].t() if transposed else param[: h * d]).reshape(h, d, c)
+    flat = param.reshape(-1)
+    for cuts in ([0, flat.numel()], [0, 1, 40, 41, 60, flat.numel()], [0, 17, 18, 150, flat.numel()],
+                 [0, 0, 100, 100, flat.numel()]):
+        pieces = [query_blocks(flat[s:e], s, (rows, cols), transposed, (h, d, c)) for s, e in zip(cuts, cuts[1:])]
+        assert all(len(p) <= 3 for p in pieces)
+        assert torch.equal(sum(_dense(p, (h, d, c)) for p in pieces), wq)
+        v = torch.randn(h, c, 2, generator=g)
+        y = sum(_matvec(p, v, d) for p in pieces)
+        assert torch.allclose(y.double(), wq.double() @ v.double(), atol=1e-5)
+        z = sum(_rmatvec(p, y, c) for p in pieces)
+        assert torch.allclose(z.double(), wq.double().transpose(1, 2) @ y.double(), atol=1e-5)
