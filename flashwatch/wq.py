@@ -208,9 +208,13 @@ class WqNorms:
         return dict(sorted(out.items()))
 
     def state_of(self, layer: AttentionLayer) -> dict | None:
+        """The layer's vectors as plain CPU tensors, every head's. Under tensor parallelism this
+        gathers the ranks' heads (one all-reduce over the tensor-parallel group): call it on every
+        rank of that group (``Monitor.state_dict()`` and ``detach()`` do)."""
         for group in self.groups:
             if layer in group.layers:
-                return group.state_of(group.layers.index(layer))
+                state = group.state_of(group.layers.index(layer))
+                return _all_heads(layer, state) if layer.placement_kind == "tensor_parallel" else state
         if layer in self.sharded:
             state = self.sharded.power_of(layer).state_dict()
             return {"v": state["v"], "sigma": state["sigma"]}
@@ -221,7 +225,7 @@ class WqNorms:
     def load(self, powers: list[dict | None]) -> None:
         """Per-layer saved vectors in layer order (None where a run saved none)."""
         for group in self.groups:
-            mine = [powers[layer.index] for layer in group.layers]
+            mine = [_own_heads(layer, powers[layer.index]) for layer in group.layers]
             if all(p is not None for p in mine):
                 group.load(mine)
         for m in self.sharded.members:
@@ -231,6 +235,26 @@ class WqNorms:
 
 def _raise(kind: str, exc: BaseException) -> None:
     raise exc
+
+
+def _all_heads(layer: AttentionLayer, state: dict) -> dict:
+    """A tensor-parallel layer's state with every rank's heads (zeros elsewhere, summed over the group)."""
+    from .sharded import _all_reduce
+
+    off, n, h = layer.head_offset, layer.num_heads, layer.total_heads
+    v = state["v"].new_zeros((h, *state["v"].shape[1:]))
+    sigma = state["sigma"].new_zeros(h)
+    v[off: off + n], sigma[off: off + n] = state["v"], state["sigma"]
+    v, sigma = _all_reduce([v, sigma], layer.placement.group)
+    return {"v": v.cpu().clone(), "sigma": sigma.cpu().clone()}
+
+
+def _own_heads(layer: AttentionLayer, state: dict | None) -> dict | None:
+    """This rank's heads of a saved state that holds every head (tensor parallelism)."""
+    if state is None or layer.num_heads == layer.total_heads or state["v"].shape[0] != layer.total_heads:
+        return state
+    off, n = layer.head_offset, layer.num_heads
+    return {"v": state["v"][off: off + n], "sigma": state["sigma"][off: off + n]}
 
 
 def _groups(layers: list[AttentionLayer], block: int) -> list[_Group]:

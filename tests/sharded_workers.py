@@ -91,8 +91,11 @@ def batches(rank: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def train(model: nn.Module, monitor: Monitor, data, *, clip: bool = True) -> list[dict]:
-    """STEPS optimizer steps, all monitored; each step's snapshot and W^Q estimates."""
+def train(model: nn.Module, monitor: Monitor, data, *, clip: bool = True, resume_at: int | None = None) -> dict:
+    """STEPS optimizer steps, all monitored; each step's snapshot and W^Q estimates.
+
+    ``resume_at``: after that step, the Monitor is replaced by a new one loaded from rank 0's
+    ``state_dict()`` (as a checkpoint written by rank 0 and read by every rank would)."""
     monitor.attach(model)
     kinds = [layer.placement_kind for layer in monitor.layers]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)  # large steps: W^Q moves, the iteration must follow
@@ -105,13 +108,22 @@ def train(model: nn.Module, monitor: Monitor, data, *, clip: bool = True) -> lis
         opt.zero_grad()
         monitor.step(loss=loss.detach(), grad_norm=grad_norm)
         records.append({"snapshot": monitor.snapshot(), "wq": monitor.wq_spectral_norms()})
+        if resume_at == len(records) - 1:
+            import torch.distributed as dist
+
+            saved = [monitor.state_dict()]
+            dist.broadcast_object_list(saved, src=0)
+            monitor.detach()
+            monitor = Monitor(monitor.config)
+            monitor.load_state_dict(saved[0])
+            monitor.attach(model)
     state = monitor.state_dict()
     exact = monitor.wq_spectral_norms(exact=True)
     monitor.detach()
     return {"records": records, "state": state, "exact": exact, "kinds": kinds, "errors": monitor.errors}
 
 
-def run_case(case: str, rank: int | None) -> dict:
+def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
     """One scenario on this rank (rank None: the unsharded run of the same scenario)."""
     config = MonitorConfig(interval=1, warmup=1, window=2)
     tp = case == "tp"
@@ -143,7 +155,7 @@ def run_case(case: str, rank: int | None) -> dict:
         for block in model.h:
             parallelize_module(block.attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
                                                   "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
-    return train(model, Monitor(config), data, clip=not tp)
+    return train(model, Monitor(config), data, clip=not tp, resume_at=resume_at)
 
 
 CASES = ("fsdp2_nanogpt", "fsdp2_llama", "fsdp1", "tp")
@@ -157,6 +169,7 @@ def worker(rank: int, port: int, out: str, cases: tuple[str, ...]) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         result = {case: run_case(case, rank) for case in cases}
+        result["resumed"] = {case: run_case(case, rank, resume_at=0) for case in cases}
         if rank == 0:
             result["unsharded"] = {case: run_case(case, None) for case in cases}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
