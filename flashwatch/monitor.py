@@ -116,7 +116,7 @@ class Monitor:
         errors: failures inside monitoring (each kind logged once); training never stops for them.
         rank, world_size: this process's rank in the group the statistics are combined over,
             and its size (0 and 1 without one), as of ``attach``.
-        sharding: why W^Q norms are skipped (a sharded model, e.g. FSDP), or None.
+        sharding: why the model counts as sharded (FSDP, FSDP2, tensor parallelism, ...), or None.
 
     Raises:
         TypeError: config is not a MonitorConfig.
@@ -162,9 +162,11 @@ class Monitor:
         """Declare that the model's weights are sharded across ranks (call before ``attach``).
 
         For an adapter that knows the strategy (the Lightning callback under FSDP); without it,
-        ``attach`` recognises FSDP, FSDP2 and DeepSpeed ZeRO-3 models itself. With a reason
-        given, W^Q norms are skipped (NaN) and each rank's ``grad_norm`` is taken as the norm
-        of its own shard: ranks combine them as sqrt(sum of squares). None: not declared.
+        ``attach`` recognises FSDP, FSDP2, tensor-parallel and DeepSpeed ZeRO-3 models itself.
+        With a reason given, the layers are found by structure and each layer's W^Q is read
+        where this rank holds it (``flashwatch.sharded``), and each rank's plain-tensor
+        ``grad_norm`` is taken as the norm of its own shard: ranks combine them as sqrt(sum of
+        squares) (a DTensor norm is already global). None: not declared.
         """
         if sharding is not None and not isinstance(sharding, str):
             raise TypeError(f"sharding must be a reason (str) or None, got {type(sharding).__name__}")
@@ -185,9 +187,13 @@ class Monitor:
             the attached layers (also ``monitor.layers``).
 
         Under ``torch.distributed`` (see ``process_group``) this is where the group is picked
-        up; every rank must attach the same model. A sharded model (FSDP, FSDP2, DeepSpeed
-        ZeRO-3; ``flashwatch.distributed.sharding_of``) is attached by module structure and its
-        W^Q norms are skipped, with one warning saying why.
+        up; every rank must attach the same model. A sharded model (FSDP, FSDP2, tensor
+        parallelism, DeepSpeed ZeRO-3; ``flashwatch.distributed.sharding_of``) is attached by
+        module structure; FSDP-sharded W^Q norms come from power iteration on the shards (its
+        collectives run on every monitored step, in ``step()``, and in ``state_dict()`` under
+        tensor parallelism: every rank calls them alike), tensor-parallel heads from the rank
+        that holds them under their global indices; layouts not supported read NaN, with one
+        warning saying why (``flashwatch.sharded``).
 
         Raises:
             RuntimeError: already attached (``detach()`` first).

@@ -160,8 +160,10 @@ def placement_of(model: nn.Module, module: nn.Module, family: Any, shape: tuple[
     if getattr(param, "_fsdp_flattened", False):
         entry = _fsdp1_entry(model, param)
         if entry is None:
-            return QueryPlacement("unsupported", "FSDP (FullyShardedDataParallel) without use_orig_params=True: "
-                                  "the query weight is not reachable as a parameter", shape)
+            return QueryPlacement("unsupported", "FSDP (FullyShardedDataParallel): the FSDP unit holding the query "
+                                  "weight is not inside the attached model (wrap the transformer blocks, e.g. "
+                                  "auto_wrap_policy={Block}, or attach the FSDP wrapper itself) or use_orig_params "
+                                  "is False", shape)
         fsdp, index = entry
         flat = fsdp._handle.flat_param
         rows, cols = (int(x) for x in flat._shapes[index]) if len(flat._shapes[index]) == 2 else (0, 0)
@@ -181,7 +183,18 @@ def placement_of(model: nn.Module, module: nn.Module, family: Any, shape: tuple[
         return QueryPlacement("fsdp", "FSDP (use_orig_params=True): W^Q by power iteration on the shards", shape,
                               group=fsdp.process_group, locate=locate, transposed=transposed,
                               param_shape=(rows, cols))
+    if not isinstance(param, nn.Parameter) and _fsdp1_flat_only(model):
+        return QueryPlacement("unsupported", "FSDP (FullyShardedDataParallel) with use_orig_params=False: the query "
+                              "weight exists only inside FSDP's flat parameter (pass use_orig_params=True)", shape)
     return QueryPlacement("whole", "the whole weight on this rank", shape)
+
+
+def _fsdp1_flat_only(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except Exception:  # pragma: no cover
+        return False
+    return any(isinstance(m, FSDP) and not getattr(m, "_use_orig_params", True) for m in model.modules())
 
 
 def _dtensor_placement(model, module, family, shape, param, transposed) -> QueryPlacement:

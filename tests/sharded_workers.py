@@ -127,7 +127,7 @@ def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
     """One scenario on this rank (rank None: the unsharded run of the same scenario)."""
     config = MonitorConfig(interval=1, warmup=1, window=2)
     tp = case == "tp"
-    if case == "fsdp1":
+    if case.startswith("fsdp1"):
         model = nanogpt(FSDP1_BLOCK_SIZE)
     elif case == "fsdp2_nanogpt":
         model = nanogpt()
@@ -136,10 +136,10 @@ def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
     data = batches(None if (rank is None or tp) else rank)  # tensor-parallel ranks share one batch
     if rank is None:
         return train(model, Monitor(config, process_group=None), data, clip=not tp)
-    if case == "fsdp1":
+    if case.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        model = FSDP(model, use_orig_params=True, device_id=torch.device("cpu"))
+        model = FSDP(model, use_orig_params=case == "fsdp1", device_id=torch.device("cpu"))
     elif case.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
@@ -159,6 +159,7 @@ def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
 
 
 CASES = ("fsdp2_nanogpt", "fsdp2_llama", "fsdp1", "tp")
+UNSUPPORTED = "fsdp1_flat_params"  # FSDP1 with use_orig_params=False: W^Q only inside the flat parameter
 
 
 def worker(rank: int, port: int, out: str, cases: tuple[str, ...]) -> None:
@@ -170,6 +171,7 @@ def worker(rank: int, port: int, out: str, cases: tuple[str, ...]) -> None:
     try:
         result = {case: run_case(case, rank) for case in cases}
         result["resumed"] = {case: run_case(case, rank, resume_at=0) for case in cases}
+        result[UNSUPPORTED] = run_case(UNSUPPORTED, rank)
         if rank == 0:
             result["unsharded"] = {case: run_case(case, None) for case in cases}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))

@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 from distributed_workers import _free_ports, _run_ranks, _same
-from sharded_workers import CASES, close, per_head, worker
+from sharded_workers import CASES, UNSUPPORTED, close, per_head, worker
 
 from flashwatch.sharded import query_blocks, _matvec, _rmatvec
 
@@ -98,6 +98,19 @@ def test_sharded_monitor_resumes_exactly(ranks, case):
         for t, (x, y) in enumerate(zip(whole, resumed)):
             _same(x["snapshot"], y["snapshot"], f"{case} step {t}")
         _same(r[case]["state"], r["resumed"][case]["state"], f"{case} state")
+
+
+def test_unsupported_layout_reads_nan_and_measures_the_rest(ranks):
+    """FSDP1 with use_orig_params=False: W^Q is NaN (no non-finite alert, no error), the attention
+    statistics are still combined and equal on both ranks."""
+    a, b = (r[UNSUPPORTED] for r in ranks)
+    assert a["kinds"] == b["kinds"] == ["unsupported", "unsupported"] and a["errors"] == b["errors"] == 0
+    for x, y in zip(a["records"], b["records"]):
+        _same(x["snapshot"], y["snapshot"], "snapshots")
+        assert all(math.isnan(v) for v in x["snapshot"]["flashwatch_wq_spectral_norm"].values())
+        assert all(math.isfinite(v) for v in x["snapshot"]["flashwatch_max_logit"].values())
+        assert x["snapshot"]["flashwatch_alerts_total"][("non_finite",)] == 0
+    assert all(p["power"] is None for p in a["state"]["layers"])
 
 
 def _dense(blocks, shape):
