@@ -66,7 +66,7 @@ class QueryPlacement:
             are split (``"tensor_parallel"``); None otherwise.
         locate: ``"fsdp"``: ``locate(module) -> (values (n,), start)``: this rank's elements of
             the parameter, row-major, from element ``start`` on; ``"tensor_parallel"``:
-            ``locate(module) -> (local heads, D, C)``.
+            ``locate(module) -> (local heads, D, C)``; ``"whole"``: ``locate(module) -> (H, D, C)``.
         transposed: W^Q's rows are the parameter's columns (Hugging Face GPT-2's Conv1D).
         param_shape: the parameter's global (rows, columns).
     """
@@ -99,7 +99,7 @@ class QueryWeight:
 
     def __call__(self, module: nn.Module) -> torch.Tensor:
         p = self.placement
-        if p.kind == "tensor_parallel":
+        if p.kind in ("tensor_parallel", "whole"):
             return p.locate(module)
         _, d, c = p.shape
         return torch.zeros((), device=self.device).expand(p.local_heads, d, c)
@@ -186,7 +186,10 @@ def placement_of(model: nn.Module, module: nn.Module, family: Any, shape: tuple[
     if not isinstance(param, nn.Parameter) and _fsdp1_flat_only(model):
         return QueryPlacement("unsupported", "FSDP (FullyShardedDataParallel) with use_orig_params=False: the query "
                               "weight exists only inside FSDP's flat parameter (pass use_orig_params=True)", shape)
-    return QueryPlacement("whole", "the whole weight on this rank", shape)
+    if hasattr(param, "ds_id"):
+        return QueryPlacement("unsupported", "DeepSpeed ZeRO-3 partitions the weights", shape)
+    return QueryPlacement("whole", "the whole weight on this rank", shape,
+                          locate=lambda m: family.query_weight(m, h, d, c))
 
 
 def _fsdp1_flat_only(model: nn.Module) -> bool:

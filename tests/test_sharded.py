@@ -141,3 +141,25 @@ def test_query_blocks_cover_every_element_once(transposed):
         assert torch.allclose(y.double(), wq.double() @ v.double(), atol=1e-5)
         z = sum(_rmatvec(p, y, c) for p in pieces)
         assert torch.allclose(z.double(), wq.double().transpose(1, 2) @ y.double(), atol=1e-5)
+
+
+def test_sharding_declared_over_whole_weights_measures_them():
+    """An adapter may declare sharding (Lightning's FSDPStrategy) while a rank holds a layer's W^Q
+    whole: that layer is measured from its weight, never from the structural placeholder (zeros)."""
+    from flashwatch import Monitor, MonitorConfig
+    from flashwatch.signals import spectral_norm_exact
+    from sharded_workers import batches, nanogpt
+
+    model = nanogpt()
+    monitor = Monitor(MonitorConfig(interval=1), process_group=None)
+    monitor.set_sharding("declared by the adapter")
+    monitor.attach(model)
+    assert [layer.placement_kind for layer in monitor.layers] == ["whole", "whole"]
+    x, y = batches(0)[0]
+    model(x, y)[1].backward()
+    monitor.step()
+    sigma = monitor.snapshot()["flashwatch_wq_spectral_norm"]
+    for i, block in enumerate(model.transformer.h):
+        true = spectral_norm_exact(block.attn.c_attn.weight[:64].view(4, 16, 64))
+        assert all(close(sigma[(i, h)], float(true[h]), 1e-5) for h in range(4)), (i, sigma)
+    monitor.detach()
