@@ -118,15 +118,21 @@ def train(model: nn.Module, monitor: Monitor, data, *, clip: bool = True, resume
             monitor.load_state_dict(saved[0])
             monitor.attach(model)
     state = monitor.state_dict()
+    decisions = {"alerts": [(a.rule, a.step, a.layer, a.head) for a in monitor.alerts],
+                 "switches": [(w["step"], w["layer"], w["to"]) for w in monitor.switches], "variants": monitor.variants}
     exact = monitor.wq_spectral_norms(exact=True)
     monitor.detach()
-    return {"records": records, "state": state, "exact": exact, "kinds": kinds, "errors": monitor.errors}
+    return {"records": records, "state": state, "exact": exact, "kinds": kinds, "errors": monitor.errors,
+            "decisions": decisions}
 
 
 def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
     """One scenario on this rank (rank None: the unsharded run of the same scenario)."""
     config = MonitorConfig(interval=1, warmup=1, window=2)
-    tp = case == "tp"
+    if case == AUTO_FIX:  # every head alerts at step 0: rank 1's heads too, under their global indices
+        config = MonitorConfig(interval=1, warmup=1, window=2, max_logit_bound=-1e3, auto_fix="fp32_delta",
+                               auto_fix_on={"max_logit"})
+    tp = case in ("tp", AUTO_FIX)
     if case.startswith("fsdp1"):
         model = nanogpt(FSDP1_BLOCK_SIZE)
     elif case == "fsdp2_nanogpt":
@@ -160,6 +166,7 @@ def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
 
 CASES = ("fsdp2_nanogpt", "fsdp2_llama", "fsdp1", "tp")
 UNSUPPORTED = "fsdp1_flat_params"  # FSDP1 with use_orig_params=False: W^Q only inside the flat parameter
+AUTO_FIX = "tp_auto_fix"  # tensor parallel with alerts on every head and auto_fix
 
 
 def worker(rank: int, port: int, out: str, cases: tuple[str, ...]) -> None:
@@ -172,8 +179,9 @@ def worker(rank: int, port: int, out: str, cases: tuple[str, ...]) -> None:
         result = {case: run_case(case, rank) for case in cases}
         result["resumed"] = {case: run_case(case, rank, resume_at=0) for case in cases}
         result[UNSUPPORTED] = run_case(UNSUPPORTED, rank)
+        result[AUTO_FIX] = run_case(AUTO_FIX, rank)
         if rank == 0:
-            result["unsharded"] = {case: run_case(case, None) for case in cases}
+            result["unsharded"] = {case: run_case(case, None) for case in (*cases, AUTO_FIX)}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

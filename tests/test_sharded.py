@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 from distributed_workers import _free_ports, _run_ranks, _same
-from sharded_workers import CASES, UNSUPPORTED, close, per_head, worker
+from sharded_workers import AUTO_FIX, CASES, UNSUPPORTED, close, per_head, worker
 
 from flashwatch.sharded import query_blocks, _matvec, _rmatvec
 
@@ -111,6 +111,20 @@ def test_unsupported_layout_reads_nan_and_measures_the_rest(ranks):
         assert all(math.isfinite(v) for v in x["snapshot"]["flashwatch_max_logit"].values())
         assert x["snapshot"]["flashwatch_alerts_total"][("non_finite",)] == 0
     assert all(p["power"] is None for p in a["state"]["layers"])
+
+
+def test_tensor_parallel_ranks_decide_alike_under_global_head_indices(ranks):
+    """Tensor parallelism with an alert on every head at step 0 and auto_fix: both ranks raise the
+    unsharded run's alerts (heads 2 and 3 measured by rank 1 only) and switch the same layers."""
+    r0, r1 = ranks
+    a, b, whole = r0[AUTO_FIX], r1[AUTO_FIX], r0["unsharded"][AUTO_FIX]
+    assert a["errors"] == b["errors"] == 0
+    assert a["decisions"] == b["decisions"] == whole["decisions"]
+    assert sorted((layer, head) for _, step, layer, head in a["decisions"]["alerts"] if step == 0) == \
+        [(layer, head) for layer in (0, 1) for head in range(4)]
+    assert [(step, layer) for step, layer, _ in a["decisions"]["switches"]] == [(0, 0), (0, 1)]
+    for x, y in zip(a["records"], b["records"]):
+        _same(x["snapshot"], y["snapshot"], "tensor-parallel snapshots with auto_fix")
 
 
 def _dense(blocks, shape):
