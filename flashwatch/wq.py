@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .attach import AttentionLayer
 from .chain import top_pair
-from .sharded import ShardedPowerIteration
+from .sharded_power import ShardedPowerIteration
 from .signals import PowerIteration
 
 log = logging.getLogger("flashwatch")
@@ -239,13 +239,13 @@ def _raise(kind: str, exc: BaseException) -> None:
 
 def _all_heads(layer: AttentionLayer, state: dict) -> dict:
     """A tensor-parallel layer's state with every rank's heads (zeros elsewhere, summed over the group)."""
-    from .sharded import _all_reduce
+    from .sharded_power import all_reduce_sum
 
     off, n, h = layer.head_offset, layer.num_heads, layer.total_heads
     v = state["v"].new_zeros((h, *state["v"].shape[1:]))
     sigma = state["sigma"].new_zeros(h)
     v[off: off + n], sigma[off: off + n] = state["v"], state["sigma"]
-    v, sigma = _all_reduce([v, sigma], layer.placement.group)
+    v, sigma = all_reduce_sum([v, sigma], layer.placement.group)
     return {"v": v.cpu().clone(), "sigma": sigma.cpu().clone()}
 
 

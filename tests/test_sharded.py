@@ -28,7 +28,7 @@ import torch
 from distributed_workers import _free_ports, _run_ranks, _same
 from sharded_workers import AUTO_FIX, CASES, UNSUPPORTED, close, per_head, worker
 
-from flashwatch.sharded import query_blocks, _matvec, _rmatvec
+from flashwatch.sharded_power import _matvec, _rmatvec, query_blocks
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
