@@ -43,7 +43,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import time
 from typing import Any, Mapping, Sequence
