@@ -7,6 +7,7 @@ Without Lightning, so that the spawned processes import only torch and flashwatc
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import math
 import os
 
@@ -68,6 +69,25 @@ class LlamaStyleLM(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class HFGPT2(nn.Module):
+    """Hugging Face GPT-2 (``Conv1D`` c_attn of (C, 3C): FSDP2's dim-0 shard splits W^Q's input
+    columns, so every head is split across the ranks) with the ``model(x, y) -> (_, loss)`` call."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=256,
+                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg._attn_implementation = "sdpa"
+        self.lm = transformers.GPT2LMHeadModel(cfg)
+
+    def forward(self, idx, targets):
+        return None, self.lm(input_ids=idx, labels=targets).loss
 
 
 def nanogpt(block_size: int = 32) -> GPT:
@@ -137,6 +157,8 @@ def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
         model = nanogpt(FSDP1_BLOCK_SIZE)
     elif case == "fsdp2_nanogpt":
         model = nanogpt()
+    elif case == "fsdp2_hf_gpt2":
+        model = HFGPT2()
     else:
         model = LlamaStyleLM(width=64, heads=4) if tp else LlamaStyleLM()
     data = batches(None if (rank is None or tp) else rank)  # tensor-parallel ranks share one batch
@@ -149,7 +171,8 @@ def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
     elif case.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
-        blocks = model.transformer.h if case == "fsdp2_nanogpt" else model.h
+        blocks = {"fsdp2_nanogpt": lambda: model.transformer.h, "fsdp2_hf_gpt2": lambda: model.lm.transformer.h}.get(
+            case, lambda: model.h)()
         for block in blocks:
             fully_shard(block)
         fully_shard(model)
@@ -164,7 +187,8 @@ def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
     return train(model, Monitor(config), data, clip=not tp, resume_at=resume_at)
 
 
-CASES = ("fsdp2_nanogpt", "fsdp2_llama", "fsdp1", "tp")
+CASES = ("fsdp2_nanogpt", "fsdp2_llama", "fsdp1", "tp") + \
+    (("fsdp2_hf_gpt2",) if importlib.util.find_spec("transformers") is not None else ())
 UNSUPPORTED = "fsdp1_flat_params"  # FSDP1 with use_orig_params=False: W^Q only inside the flat parameter
 AUTO_FIX = "tp_auto_fix"  # tensor parallel with alerts on every head and auto_fix
 

@@ -5,7 +5,9 @@ Cases (tests/sharded_workers.py): FSDP2 on nanoGPT (fused q/k/v rows: the query 
 0, rank 1 holds none), FSDP2 on a Llama-style model with 3 heads of 16 (the shard boundary cuts
 head 1 in half), FSDP1 ``use_orig_params=True`` with the model as one unit (the boundary falls
 mid-row in layer 0's query rows), tensor parallelism (torchtitan's layout: colwise q/k/v,
-rowwise output projection; 2 of 4 heads per rank). Each runs 3 monitored SGD steps.
+rowwise output projection; 2 of 4 heads per rank), and where transformers is installed FSDP2 on
+Hugging Face GPT-2 (its Conv1D weight is (C, 3C): the shard splits every head's input columns).
+Each runs 3 monitored SGD steps.
 
 Tolerances, and why:
 - W^Q spectral norms and max logits: relative 1e-5. The sharded power iteration sums partial
