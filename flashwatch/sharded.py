@@ -133,7 +133,18 @@ def _fsdp1_entry(model: nn.Module, param: torch.Tensor) -> tuple[Any, int] | Non
 
 
 def placement_of(model: nn.Module, module: nn.Module, family: Any, shape: tuple[int, int, int]) -> QueryPlacement:
-    """How this rank holds ``module``'s W^Q (``family``: a ``flashwatch.families.Family``)."""
+    """How this rank holds ``module``'s W^Q (``family``: a ``flashwatch.families.Family``).
+
+    Never raises: a layout that cannot be read (a torch without the DTensor helpers used here,
+    an FSDP internal that moved) is ``"unsupported"``, with the error as its reason."""
+    try:
+        return _placement(model, module, family, shape)
+    except Exception as exc:  # monitoring never stops a run from starting over W^Q
+        return QueryPlacement("unsupported", f"the query weight's layout could not be read ({type(exc).__name__}: "
+                              f"{exc})", shape)
+
+
+def _placement(model: nn.Module, module: nn.Module, family: Any, shape: tuple[int, int, int]) -> QueryPlacement:
     h, d, c = shape
     param, transposed = family.query_param(module)
     dtensor = _dtensor_type()

@@ -179,3 +179,25 @@ def test_sharding_declared_over_whole_weights_measures_them():
         true = spectral_norm_exact(block.attn.c_attn.weight[:64].view(4, 16, 64))
         assert all(close(sigma[(i, h)], float(true[h]), 1e-5) for h in range(4)), (i, sigma)
     monitor.detach()
+
+
+def test_a_layout_that_cannot_be_read_is_unsupported_not_an_attach_failure(monkeypatch):
+    import flashwatch.sharded as sharded
+    from sharded_workers import nanogpt
+
+    from flashwatch import Monitor, MonitorConfig
+
+    def broken(*args):
+        raise AttributeError("an FSDP internal moved")
+
+    monkeypatch.setattr(sharded, "_placement", broken)
+    model = nanogpt()
+    monitor = Monitor(MonitorConfig(interval=1), process_group=None)
+    monitor.set_sharding("declared")
+    monitor.attach(model)
+    assert [layer.placement_kind for layer in monitor.layers] == ["unsupported", "unsupported"]
+    assert "an FSDP internal moved" in monitor.layers[0].placement.reason
+    monitor.step()
+    assert all(math.isnan(v) for v in monitor.snapshot()["flashwatch_wq_spectral_norm"].values())
+    assert monitor.errors == 0 and monitor.alert_counts["non_finite"] == 0
+    monitor.detach()
