@@ -42,3 +42,13 @@ def test_sharded_check_cpu_half_passes(tmp_path):
     assert set(result["cases"]) == {"fsdp1", "tp"} and all(c["passed"] for c in result["cases"].values())
     assert all(c["sharded"]["monitored_ms"] > 0 and c["unsharded_wq_iteration_ms"] > 0
                for c in result["cases"].values())
+
+
+@pytest.mark.timeout(300)
+def test_sharded_lightning_check_cpu_half_passes():
+    """The Lightning check with ModelParallelStrategy (FSDPStrategy itself needs GPUs)."""
+    proc = _torchrun("benchmarks/sharded_lightning_check.py", "--strategy", "model_parallel", "--device", "cpu",
+                     "--steps", "3")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "placements ['fsdp', 'fsdp'], ranks identical True, errors 0/0" in proc.stdout
+    assert "RESULT: PASS" in proc.stdout
