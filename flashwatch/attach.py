@@ -45,6 +45,11 @@ class AttentionLayer:
         chain: the layer's W^Q-error accumulators (``flashwatch.chain.LayerChain``), None where
             that chain is not defined (rotary queries, explicitly named modules, sharded weights).
         chain_input: the module's input at the current monitored call (the projection input X).
+        placement: how this rank holds W^Q in a sharded model (``flashwatch.sharded.QueryPlacement``,
+            from the query-weight function's ``placement``), None for a whole weight.
+        head_offset: the global index of this rank's first head (tensor parallelism: ``num_heads``
+            are this rank's heads, ``total_heads`` the layer's); 0 otherwise.
+        total_heads: the layer's heads over all ranks (``num_heads`` unless tensor parallel).
     """
 
     index: int
@@ -60,6 +65,23 @@ class AttentionLayer:
     low_precision: bool | None = None
     chain: Any = field(default=None, repr=False)
     chain_input: Any = field(default=None, repr=False)
+    placement: Any = field(default=None, repr=False)
+    head_offset: int = 0
+    total_heads: int = 0
+
+    def __post_init__(self):
+        if self.placement is None:
+            self.placement = getattr(self.query_weight_fn, "placement", None)
+        if self.placement is not None and self.placement.kind == "tensor_parallel":
+            self.head_offset = self.placement.head_offset
+            self.total_heads = self.placement.shape[0]
+        if not self.total_heads:
+            self.total_heads = self.num_heads
+
+    @property
+    def placement_kind(self) -> str:
+        """``"whole"``, ``"fsdp"``, ``"tensor_parallel"`` or ``"unsupported"`` (``flashwatch.sharded``)."""
+        return "whole" if self.placement is None else self.placement.kind
 
     def query_weight(self) -> torch.Tensor:
         """W^Q per head, (H, D, C), detached (a view of the parameter where the layout allows)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -45,12 +45,16 @@ class Decisions:
     def active(self) -> list[Alert]:
         return [a for d in self.detectors for a in d.active]
 
-    def judge(self, t: int, signals: StepSignals, sharded: bool, reporting: bool) -> list[Alert]:
-        """Run the detectors on monitored step ``t``; record, count and log the alerts that start."""
+    def judge(self, t: int, signals: StepSignals, unmeasured: Any, reporting: bool) -> list[Alert]:
+        """Run the detectors on monitored step ``t``; record, count and log the alerts that start.
+
+        ``unmeasured``: True (every layer) or the indices of the layers whose W^Q is not measured:
+        their NaN norms are no non-finite values."""
         judged = signals
-        if sharded:  # skipped W^Q norms are no non-finite values
-            judged = dataclasses.replace(signals, layers=[dataclasses.replace(ls, wq_sigma=torch.zeros_like(ls.wq_sigma))
-                                                          for ls in signals.layers])
+        if unmeasured:
+            judged = dataclasses.replace(signals, layers=[
+                dataclasses.replace(ls, wq_sigma=torch.zeros_like(ls.wq_sigma)) if unmeasured is True or i in unmeasured
+                else ls for i, ls in enumerate(signals.layers)])
         new: list[Alert] = []
         for det in self.detectors:
             try:

@@ -23,10 +23,14 @@ How (docs/DISTRIBUTED.md is the user's guide):
   differ between ranks (every rank then adopts the highest: a switch made anywhere is made
   everywhere); W^Q norms that differ between replicas (they should not under DDP).
 
-Sharded models (FSDP, FSDP2 / DTensor, DeepSpeed ZeRO-3): a rank holds a shard of W^Q between
-steps, so the W^Q spectral norms are skipped, with one warning (``sharding_of``), and the
-attention layers are found by module structure alone (``structural_attention``), without
-reading a weight; the attention statistics, loss and gradient norm are reduced as above.
+Sharded models (FSDP, FSDP2 / DTensor, tensor parallelism, DeepSpeed ZeRO-3; ``sharding_of``):
+the attention layers are found by module structure alone (``structural_attention``), without
+reading a weight, and each layer's ``placement`` says how this rank holds W^Q
+(``flashwatch.sharded``): FSDP shards are measured by power iteration on the shards,
+tensor-parallel heads by the rank that holds them. The attention statistics, loss and gradient
+norm are reduced as above. Under tensor parallelism (``heads=`` with local head ranges) each
+rank packs its own heads into their global columns (zeros in the SUM part and -inf in the MAX
+part elsewhere), so the one SUM all-reduce hands every rank every head under its global index.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ __all__ = ["AUTO", "SLOT_BYTES_LIMIT", "Reducer", "Reduced", "resolve_process_gr
 
 AUTO = "auto"  # Monitor(process_group="auto"): the default group when torch.distributed is initialized
 SLOT_BYTES_LIMIT = 256 * 2**10  # above this many bytes of MAX slots, two collectives instead of one
-_SUM_TAIL = ("loss_sum", "grad_norm_sq_sum", "loss_n", "grad_norm_n", "failed")
+_SUM_TAIL = ("loss_sum", "grad_norm_sq_sum", "loss_n", "grad_norm_n", "grad_norm_global", "failed")
 _SPREAD_RTOL = 1e-6  # W^Q norms of replicas differing more than this are reported
 
 
@@ -142,16 +146,18 @@ def structural_attention(model: nn.Module) -> dict[str, Any]:
     """``{module name: query_weight_fn}`` for ``attach(model, attention=...)`` on a sharded model.
 
     Modules are found as ``find_attention`` finds them (module order, children of an
-    attention module skipped), by structure alone; each function returns a placeholder of
-    W^Q's shape (a zero-stride view of one zero: no memory, no weight read), since a rank
-    does not hold W^Q whole between steps. The Monitor skips the W^Q norms of such a model.
+    attention module skipped), by structure alone. Each function is a
+    ``flashwatch.sharded.QueryWeight`` carrying the layer's ``placement`` (how this rank holds
+    W^Q: FSDP shards, tensor-parallel heads, ...); it returns a placeholder of the local heads'
+    shape (a zero-stride view of one zero: no memory, no weight read), or under tensor
+    parallelism the local heads' weight.
     """
     from .attach import known_attention
+    from .sharded import QueryWeight, placement_of
 
     found: dict[str, Any] = {}
-    for name, module, _family, shape in known_attention(model):
-        device = _device_of(module)
-        found[name] = lambda m, shape=shape, device=device: torch.zeros((), device=device).expand(*shape)
+    for name, module, family, shape in known_attention(model):
+        found[name] = QueryWeight(placement_of(model, module, family, shape), _device_of(module))
     return found
 
 
@@ -185,26 +191,36 @@ class Reducer:
 
     Args:
         group, rank, world_size: from ``resolve_process_group``.
-        heads: heads per attached layer, in layer order.
+        heads: heads per attached layer, in layer order (all ranks' heads under tensor parallelism).
+        local: per layer, ``(head_offset, local_heads)``: the heads this rank measured (tensor
+            parallelism); None: every rank measures every head. ``pack`` then takes this rank's
+            heads only and files them under their global columns.
         n_fields: rows of ``AttentionStats.packed()``.
         max_rows: the rows combined with max (``AttentionStats.max_rows()``).
         grad_norm: ``"max"`` when every rank passes the same global gradient norm (DDP: the
             gradients are all-reduced before the optimizer step; the max of equal values is
             that value), ``"l2"`` when each rank passes the norm of its own shard (FSDP):
-            sqrt of the sum of squares.
+            sqrt of the sum of squares. A DTensor norm (``clip_grad_norm_`` on DTensor
+            gradients: already the global norm) is taken as it is (max) in either mode.
         slot_bytes_limit: largest MAX-slot block (bytes) for the one-collective scheme.
 
     Layout of the local vector (float64): the SUM part, ``sum rows x heads`` then
-    ``loss_sum, grad_norm^2, loss_n, grad_norm_n, failed``; then the MAX part,
+    ``loss_sum, grad_norm^2, loss_n, grad_norm_n, grad_norm_global, failed``; then the MAX part,
     ``max rows x heads, sigma (heads), grad_norm, variant codes (layers), step``.
     """
 
     def __init__(self, group: Any, rank: int, world_size: int, heads: Sequence[int], *, n_fields: int,
-                 max_rows: Sequence[int], grad_norm: str = "max", slot_bytes_limit: int = SLOT_BYTES_LIMIT):
+                 max_rows: Sequence[int], grad_norm: str = "max", slot_bytes_limit: int = SLOT_BYTES_LIMIT,
+                 local: Sequence[tuple[int, int]] | None = None):
         if grad_norm not in ("max", "l2"):
             raise ValueError(f"grad_norm must be 'max' or 'l2', got {grad_norm!r}")
         self.group, self.rank, self.world_size = group, rank, world_size
         self.heads = list(heads)
+        self.local = None if local is None else [(int(o), int(n)) for o, n in local]
+        if self.local is not None and (len(self.local) != len(self.heads) or any(
+                o < 0 or n < 0 or o + n > h for (o, n), h in zip(self.local, self.heads))):
+            raise ValueError(f"local head ranges {self.local} do not fit the layers' heads {self.heads}")
+        self.local_heads = sum(n for _, n in self.local) if self.local is not None else sum(self.heads)
         self.num_heads, self.num_layers = sum(self.heads), len(self.heads)
         self.n_fields = n_fields
         self.max_rows = sorted(max_rows)
@@ -250,16 +266,20 @@ class Reducer:
         ``grad_norm`` floats, one-element tensors or None.
         """
         dev, f64 = stats.device, torch.float64
-        if stats.shape != (self.n_fields, self.num_heads) or sigma.shape != (self.num_heads,):
+        if stats.shape != (self.n_fields, self.local_heads) or sigma.shape != (self.local_heads,):
             raise ValueError(f"statistics of shape {tuple(stats.shape)} / {tuple(sigma.shape)} do not match the "
-                             f"layout ({self.n_fields}, {self.num_heads}) the Reducer was built for")
+                             f"layout ({self.n_fields}, {self.local_heads}) the Reducer was built for")
+        if self.local is not None:
+            stats, sigma = self._global_columns(stats.to(f64), sigma.to(device=dev, dtype=f64))
         if len(variant_codes) != self.num_layers:
             raise ValueError(f"{len(variant_codes)} variant codes for {self.num_layers} layers")
 
         # what the host knows (Python numbers, counts, variants, step) in one small copy, pinned
         # and asynchronous on CUDA so that packing adds no synchronisation of its own
+        global_norm = callable(getattr(grad_norm, "full_tensor", None))  # a DTensor norm: the global one
         host = [0.0 if loss is None else math.nan, -math.inf if grad_norm is None else math.nan,
-                float(loss is not None), float(grad_norm is not None), 0.0, *map(float, variant_codes), float(step)]
+                float(loss is not None), float(grad_norm is not None), float(global_norm), 0.0,
+                *map(float, variant_codes), float(step)]
         for i, v in ((0, loss), (1, grad_norm)):
             if v is not None and not isinstance(v, torch.Tensor):
                 host[i] = float(v)
@@ -281,11 +301,26 @@ class Reducer:
         # rows picked one by one (views): indexing a CUDA tensor with a list of rows would copy
         # the list to the device synchronously, a host sync on every monitored step
         local = torch.cat([
-            *(s[i] for i in self.sum_rows), loss_t, gn_sq, h[2:5],                          # SUM part
-            *(s[i] for i in self.max_rows), sigma.to(device=dev, dtype=f64), gn_t, h[5:],  # MAX part
+            *(s[i] for i in self.sum_rows), loss_t, gn_sq, h[2:6],                          # SUM part
+            *(s[i] for i in self.max_rows), sigma.to(device=dev, dtype=f64), gn_t, h[6:],  # MAX part
         ])
         self.last_local = local
         return local
+
+    def _global_columns(self, stats: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's heads (n_fields, local heads) in their global columns (n_fields, heads): zeros
+        elsewhere in the summed rows, -inf in the max-combined rows and the W^Q norms (slices
+        only: no host synchronisation)."""
+        full = torch.zeros(self.n_fields, self.num_heads, dtype=stats.dtype, device=stats.device)
+        for i in self.max_rows:
+            full[i].fill_(-math.inf)
+        sig = torch.full((self.num_heads,), -math.inf, dtype=sigma.dtype, device=sigma.device)
+        src = dst = 0
+        for (offset, n), h in zip(self.local, self.heads):
+            full[:, dst + offset: dst + offset + n] = stats[:, src: src + n]
+            sig[dst + offset: dst + offset + n] = sigma[src: src + n]
+            src, dst = src + n, dst + h
+        return full, sig
 
     def failed_local(self, device: torch.device) -> torch.Tensor:
         """The vector of a rank that could not measure the step: zeros, -inf maxima, and 1 in ``failed``."""
@@ -362,7 +397,7 @@ class Reducer:
         self.last_host = host
         h, nsum, nmax = self.num_heads, len(self.sum_rows), len(self.max_rows)
         head = host[: self.sum_size]
-        loss_sum, gn_sq, loss_n, gn_n, failed = head[nsum * h:].tolist()
+        loss_sum, gn_sq, loss_n, gn_n, gn_global, failed = head[nsum * h:].tolist()
         mx, mn = self._max_min(host)
         stats = torch.empty(self.n_fields, h, dtype=torch.float64)
         stats[self.sum_rows] = head[: nsum * h].view(nsum, h)
@@ -374,7 +409,8 @@ class Reducer:
         variants = [int(v) if math.isfinite(v) else 0 for v in mx[codes].tolist()]
         variants_min = [int(v) if math.isfinite(v) else 0 for v in mn[codes].tolist()]
         steps = (int(mn[-1]) if math.isfinite(mn[-1]) else -1, int(mx[-1]) if math.isfinite(mx[-1]) else -1)
-        grad_norm = (math.sqrt(gn_sq) if self.grad_norm == "l2" else gn_max) if gn_n > 0 else math.nan
+        l2 = self.grad_norm == "l2" and gn_global < gn_n  # some rank passed its shard's norm
+        grad_norm = (math.sqrt(gn_sq) if l2 else gn_max) if gn_n > 0 else math.nan
         return Reduced(stats=stats, sigma=sigma, sigma_min=sigma_min,
                        loss=loss_sum / loss_n if loss_n > 0 else math.nan, loss_given=loss_n > 0,
                        grad_norm=grad_norm, grad_norm_given=gn_n > 0, variants=variants, variants_min=variants_min,
@@ -386,7 +422,7 @@ class Reducer:
         h, nsum, nmax = self.num_heads, len(self.sum_rows), len(self.max_rows)
         stats = torch.empty(self.n_fields, h, dtype=torch.float64)
         stats[self.sum_rows] = local[: nsum * h].view(nsum, h)
-        loss_sum, gn_sq, loss_n, gn_n, failed = local[nsum * h: self.sum_size].tolist()
+        loss_sum, gn_sq, loss_n, gn_n, _, failed = local[nsum * h: self.sum_size].tolist()
         mx = local[self.sum_size:]
         stats[self.max_rows] = mx[: nmax * h].view(nmax, h)
         o = nmax * h

@@ -7,7 +7,10 @@ The one place that knows architectures. Each family answers two questions about 
   a sharded weight has the wrong shape, or none, between steps); None if the module is not of
   this family;
 - ``query_weight(module, H, D, C)``: W^Q as an (H, D, C) tensor, a view of the parameter where
-  the layout allows (head h owns D rows of the query projection).
+  the layout allows (head h owns D rows of the query projection);
+- ``query_param(module)``: ``(parameter, transposed)``: W^Q's H*D rows are the first H*D rows of
+  the parameter (``transposed`` False) or of its transpose (True); a sharded model's W^Q is
+  read from the parameter's local shard through this (``flashwatch.sharded``).
 
 Families:
 
@@ -101,12 +104,16 @@ class Family:
     shape: Callable[[nn.Module], Shape | None]
     query_weight: Callable[[nn.Module, int, int, int], torch.Tensor]
     rotary: bool
+    query_param: Callable[[nn.Module], tuple[torch.Tensor, bool]]
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("nanogpt", _nanogpt_shape, _nanogpt_weight, rotary=False),
-    Family("hf_gpt2", _hf_gpt2_shape, _hf_gpt2_weight, rotary=False),
-    Family("hf_llama", _hf_llama_shape, _hf_llama_weight, rotary=True),
+    Family("nanogpt", _nanogpt_shape, _nanogpt_weight, rotary=False,
+           query_param=lambda m: (m.c_attn.weight, False)),
+    Family("hf_gpt2", _hf_gpt2_shape, _hf_gpt2_weight, rotary=False,
+           query_param=lambda m: (m.c_attn.weight, True)),  # Conv1D weight (C, 3C): W^Q rows are its columns
+    Family("hf_llama", _hf_llama_shape, _hf_llama_weight, rotary=True,
+           query_param=lambda m: (m.q_proj.weight, False)),
 )
 
 

@@ -4,10 +4,11 @@ A thin adapter: every decision lives in ``flashwatch.Monitor``; this module only
 the right Lightning hooks and wires up the exporters. It imports ``pytorch_lightning`` only
 (mixing in ``lightning.pytorch`` would make the Trainer reject the callback).
 
-Multi-process strategies (DDP, ``ddp_spawn``, FSDP; docs/DISTRIBUTED.md): every rank runs the
-callback and its Monitor; the Monitor combines the ranks' statistics, loss and gradient norm
-on monitored steps over the process group Lightning initialized, so every rank decides and
-switches identically. Rank 0 exports (Prometheus, JSONL, console, trainer loggers) and logs
+Multi-process strategies (DDP, ``ddp_spawn``, ``FSDPStrategy``, ``ModelParallelStrategy`` with
+FSDP2 and/or tensor parallelism; docs/DISTRIBUTED.md): every rank runs the callback and its
+Monitor; the Monitor combines the ranks' statistics, loss and gradient norm on monitored steps
+over the process group Lightning initialized, so every rank decides and switches identically.
+Under the sharded strategies the W^Q norms come from the shards (``flashwatch.sharded``). Rank 0 exports (Prometheus, JSONL, console, trainer loggers) and logs
 alerts; ``per_rank_endpoints=True`` gives every rank its own ``/metrics`` endpoint.
 """
 

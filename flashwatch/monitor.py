@@ -116,7 +116,7 @@ class Monitor:
         errors: failures inside monitoring (each kind logged once); training never stops for them.
         rank, world_size: this process's rank in the group the statistics are combined over,
             and its size (0 and 1 without one), as of ``attach``.
-        sharding: why W^Q norms are skipped (a sharded model, e.g. FSDP), or None.
+        sharding: why the model counts as sharded (FSDP, FSDP2, tensor parallelism, ...), or None.
 
     Raises:
         TypeError: config is not a MonitorConfig.
@@ -166,9 +166,11 @@ class Monitor:
         """Declare that the model's weights are sharded across ranks (call before ``attach``).
 
         For an adapter that knows the strategy (the Lightning callback under FSDP); without it,
-        ``attach`` recognises FSDP, FSDP2 and DeepSpeed ZeRO-3 models itself. With a reason
-        given, W^Q norms are skipped (NaN) and each rank's ``grad_norm`` is taken as the norm
-        of its own shard: ranks combine them as sqrt(sum of squares). None: not declared.
+        ``attach`` recognises FSDP, FSDP2, tensor-parallel and DeepSpeed ZeRO-3 models itself.
+        With a reason given, the layers are found by structure and each layer's W^Q is read
+        where this rank holds it (``flashwatch.sharded``), and each rank's plain-tensor
+        ``grad_norm`` is taken as the norm of its own shard: ranks combine them as sqrt(sum of
+        squares) (a DTensor norm is already global). None: not declared.
         """
         if sharding is not None and not isinstance(sharding, str):
             raise TypeError(f"sharding must be a reason (str) or None, got {type(sharding).__name__}")
@@ -189,9 +191,13 @@ class Monitor:
             the attached layers (also ``monitor.layers``).
 
         Under ``torch.distributed`` (see ``process_group``) this is where the group is picked
-        up; every rank must attach the same model. A sharded model (FSDP, FSDP2, DeepSpeed
-        ZeRO-3; ``flashwatch.distributed.sharding_of``) is attached by module structure and its
-        W^Q norms are skipped, with one warning saying why.
+        up; every rank must attach the same model. A sharded model (FSDP, FSDP2, tensor
+        parallelism, DeepSpeed ZeRO-3; ``flashwatch.distributed.sharding_of``) is attached by
+        module structure; FSDP-sharded W^Q norms come from power iteration on the shards (its
+        collectives run on every monitored step, in ``step()``, and in ``state_dict()`` under
+        tensor parallelism: every rank calls them alike), tensor-parallel heads from the rank
+        that holds them under their global indices; layouts not supported read NaN, with one
+        warning saying why (``flashwatch.sharded``).
 
         Raises:
             RuntimeError: already attached (``detach()`` first).
@@ -221,30 +227,32 @@ class Monitor:
             layer.chain = Chains.make(family, heads, w, sharded=sharding is not None)
             layers.append(layer)
         self.sharding = sharding
-        wq = WqNorms(layers, self.config.power_block, skip=sharding)
+        wq = WqNorms(layers, self.config.power_block, model=model, on_error=self._error)
         chains = Chains(layers, self._error)
         chains.start(wq)
         if group is None:
             self._reducer, self.rank, self.world_size = None, 0, 1
         else:
-            reducer = Reducer(*group, [layer.num_heads for layer in layers], n_fields=len(FIELDS),
-                              max_rows=layers[0].stats.max_rows(), grad_norm="l2" if sharding else "max")
+            split = any(layer.num_heads != layer.total_heads for layer in layers)  # tensor parallel: own heads
+            reducer = Reducer(*group, [layer.total_heads for layer in layers], n_fields=len(FIELDS),
+                              max_rows=layers[0].stats.max_rows(), grad_norm="l2" if sharding else "max",
+                              local=[(layer.head_offset, layer.num_heads) for layer in layers] if split else None)
             reducer.check_layout()  # one small collective at attach; raises alike on every rank
             self._reducer, self.rank, self.world_size = reducer, group[1], group[2]
         router = Router(layers, beta=self.config.beta, eps=self.config.eps, on_error=self._error)
         router.monitoring = self._monitoring
         self.layers, self._wq, self._chains, self._router = layers, wq, chains, router
-        self._signals = SignalBuilder([layer.num_heads for layer in layers], self.config.window)
+        self._signals = SignalBuilder([layer.total_heads for layer in layers], self.config.window)
         self._collector = Collector(layers, self._reducer, self.config.async_transfer, self._error,
                                     self._check_combined)
         router.install()
         self._ever_attached = True
         try:
-            self._fan.open(Layout(layers=[(layer.name, layer.num_heads) for layer in layers]))
+            self._fan.open(Layout(layers=[(layer.name, layer.total_heads) for layer in layers]))
             state, self._pending_state = self._pending_state, None
             resumed, self._detached_state = self._detached_state, None
             if state is None and resumed is not None and [(s["name"], s["num_heads"]) for s in resumed["layers"]] \
-                    == [(layer.name, layer.num_heads) for layer in layers]:
+                    == [(layer.name, layer.total_heads) for layer in layers]:
                 state = resumed  # the same layers again (e.g. a second fit): carry on where detach() left off
             if state is not None:
                 due = self._due_alerts, self._stops_due  # a step() after detach() may have acted on them already
@@ -266,11 +274,7 @@ class Monitor:
                      "monitored steps (%s); every rank must call monitor.step() once per optimizer step",
                      self.world_size, self._reducer.describe())
         if sharding is not None:
-            log.warning("flashwatch: W^Q spectral norms are skipped: %s, so no rank holds a layer's W^Q whole "
-                        "between steps (gathering it would cost an all-gather of every query weight per "
-                        "monitored step); flashwatch_wq_spectral_norm and the W^Q-error metrics are NaN and the "
-                        "wq_growth and wq_outlier rules are off. Attention statistics, loss and gradient norm are "
-                        "monitored as usual.", sharding)
+            self._wq.log_placements(sharding)
         no_chain = [f"{l.index}={l.name} ({l.family})" for l in self.layers if l.chain is None]
         if no_chain and sharding is None:
             log.info("flashwatch: the W^Q-error metrics (flashwatch_wq_error_*) are NaN for layers %s: they need a "
@@ -530,10 +534,8 @@ class Monitor:
         t = pending.step
         ran = pending.variants or [layer.variant for layer in self.layers]
         readings = []
-        per_layer = got.per_layer([layer.num_heads for layer in self.layers])
+        per_layer = got.per_layer([layer.total_heads for layer in self.layers])
         for layer, variant, (fields, sigma) in zip(self.layers, ran, per_layer):
-            if self.sharding is not None:
-                sigma = torch.full_like(sigma, math.nan)  # skipped: NaN, as the metric shows
             self._warn_unseen(t, layer, fields["rows"])
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
@@ -541,7 +543,7 @@ class Monitor:
             layer.calls = 0
         signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=grad_norm,
                                       readings=readings, loss_given=got.loss_given, grad_norm_given=grad_norm_given)
-        new = self._decisions.judge(t, signals, self.sharding is not None, self._reporting)
+        new = self._decisions.judge(t, signals, self._wq.unmeasured if self._wq else set(), self._reporting)
         self._last = host_record(signals)
         self._decisions.auto_fix(t, self.global_step + 1, self.layers, new, self._reporting, defer=defer)
         self._fan.export(StepRecord(step=t, time=time.time(), snapshot=self.snapshot(), new_alerts=list(new),
@@ -638,7 +640,7 @@ class Monitor:
             "global_step": self.global_step,
             "monitored_steps": self.monitored_steps,
             "config": self.config.to_dict(),
-            "layers": [{"name": layer.name, "num_heads": layer.num_heads, "mode": layer.mode,
+            "layers": [{"name": layer.name, "num_heads": layer.total_heads, "mode": layer.mode,
                         "variant": layer.variant, "power": self._wq.state_of(layer), "signals": sig,
                         "chain": layer.chain.state_dict() if layer.chain is not None else None}
                        for layer, sig in zip(self.layers, signals)],
@@ -664,7 +666,7 @@ class Monitor:
             self._pending_state = state
             return
         saved = [(s["name"], s["num_heads"]) for s in state["layers"]]
-        mine = [(layer.name, layer.num_heads) for layer in self.layers]
+        mine = [(layer.name, layer.total_heads) for layer in self.layers]
         if saved != mine:
             raise ValueError(f"the saved Monitor state has layers {saved}, this model {mine}: resume needs the same "
                              "model and MonitorConfig.layers")

@@ -1,0 +1,48 @@
+"""Lightning ``ckpt_path=`` resume at an epoch boundary: every per-head value of every monitored step
+equals the uninterrupted run's, including the W^Q spectral norms and their power-iteration state.
+
+Variants beyond tests/test_lightning.py's: the checkpoint of ``ModelCheckpoint(every_n_epochs=1)``
+(no ``last.ckpt``), an interval that does not divide the epoch (the first monitored step after the
+resume is not the first step of the epoch), two power iterations per step with an exact restart
+every other monitored step, BF16 autocast and gradient clipping.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pytorch_lightning.callbacks import ModelCheckpoint
+from test_lightning import LitGPT, _assert_same, loader, trainer  # noqa: F401  (loader: a fixture)
+
+from flashwatch.exporters.jsonl import read_jsonl
+from flashwatch.lightning import FlashWatchCallback
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.mark.parametrize("config, fit", [
+    (dict(interval=5), {}),
+    (dict(interval=2, power_iters=2, power_exact_every=2), dict(precision="bf16-mixed", gradient_clip_val=0.5)),
+], ids=["interval5", "exact_every_bf16_clip"])
+def test_resume_at_epoch_boundary_equals_uninterrupted_run(loader, tmp_path, config, fit):  # noqa: F811
+    config = dict(port=None, console=None, warmup=2, **config)
+    whole = FlashWatchCallback(run_dir=tmp_path / "whole", **config)
+    trainer([whole], max_epochs=4, **fit).fit(LitGPT(), loader)
+
+    first = FlashWatchCallback(run_dir=tmp_path / "parts", **config)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_epochs=1, save_top_k=-1)
+    trainer([first, ckpt], max_epochs=2, enable_checkpointing=True, **fit).fit(LitGPT(), loader)
+    path = sorted((tmp_path / "ckpt").glob("epoch=1-*.ckpt"))[0]
+    resumed = FlashWatchCallback(run_dir=tmp_path / "parts", **config)
+    trainer([resumed], max_epochs=4, **fit).fit(LitGPT(), loader, ckpt_path=str(path))
+
+    assert resumed.monitor.global_step == whole.monitor.global_step == 24
+    whole_steps = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "whole")}
+    parts_steps = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "parts")}
+    assert sorted(parts_steps) == sorted(whole_steps) == list(range(0, 24, config["interval"]))
+    for step, metrics in whole_steps.items():
+        per_head = [k for k, v in metrics.items() if isinstance(v, list) and k != "flashwatch_kernel_variant"]
+        assert "flashwatch_wq_spectral_norm" in per_head
+        for name in per_head:
+            assert parts_steps[step][name] == metrics[name], (step, name)
+    _assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
+    assert whole.monitor.wq_spectral_norms() == resumed.monitor.wq_spectral_norms()
