@@ -50,7 +50,7 @@ import torch
 from flashwatch.kernels.formats import FORMATS, get_format, round_to_format, unit_gap
 from flashwatch.kernels.reference import row_top2, scores
 
-__all__ = ["format_attention", "format_forward", "FORMAT_VARIANTS"]
+__all__ = ["format_attention", "format_forward", "install_format_sdpa", "FORMAT_VARIANTS"]
 
 FORMAT_VARIANTS = ("plain", "fixed", "fp32_delta", "rounded_sum")
 
@@ -148,3 +148,27 @@ def format_attention(q, k, v, *, fmt: str = "fp8_e4m3", variant: str = "plain", 
         raise ValueError(f"q, k, v must have one shape (B, H, N, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     return _FormatAttention.apply(q, k, v, fmt, variant, bool(causal), sm_scale, float(beta), float(eps))
+
+
+def install_format_sdpa(fmt: str, variant: str = "plain"):
+    """Replace ``F.scaled_dot_product_attention`` by ``format_attention`` for self-attention calls
+    without mask or dropout (others go to torch's); returns an undo function. Install it before
+    a Monitor attaches, so that observe mode measures it as the model's attention."""
+    import torch.nn.functional as F
+
+    _check(torch.empty(1, 1, 1, 1), fmt, variant, 2.0)
+    original = F.scaled_dot_product_attention
+
+    def format_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or dropout_p or enable_gqa or not (query.shape == key.shape == value.shape):
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        return format_attention(query, key, value, fmt=fmt, variant=variant, causal=bool(is_causal), sm_scale=scale)
+
+    F.scaled_dot_product_attention = format_sdpa
+
+    def undo():
+        if F.scaled_dot_product_attention is format_sdpa:
+            F.scaled_dot_product_attention = original
+
+    return undo

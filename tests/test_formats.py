@@ -165,3 +165,35 @@ def test_bad_inputs_are_clear_errors():
         round_to_format(torch.ones(2), "fp6")
     with pytest.raises(TypeError, match="floating-point"):
         round_to_format(torch.ones(2, dtype=torch.int64), "fp8_e4m3")
+
+
+# ---- the monitor's count at the format's grid (AttentionStats.repeated_max_rows_format) ----------------
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_e5m2"])
+def test_format_count_is_the_rows_where_p_bar_rounds_to_one_twice(fmt):
+    """Against a brute force on the rounded P_bar itself: rows with two or more entries that round to 1."""
+    from flashwatch.kernels import AttentionStats
+    from flashwatch.kernels import reference
+
+    g = torch.Generator().manual_seed(3)
+    B, H, N, D = 2, 3, 96, 64
+    q = (torch.randn(B, H, N, D, generator=g) * 0.3).to(torch.bfloat16)  # small scores: many near-ties
+    k, v = (torch.randn(B, H, N, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    k[:, :, 5] = k[:, :, 2]
+    stats = AttentionStats(H, "cpu", format=fmt)
+    q.requires_grad_(True)
+    reference.flash_attention(q, k, v, stats=stats).backward(torch.ones(B, H, N, D, dtype=torch.bfloat16))
+    s = reference.scores(q.detach(), k, True, 1 / 8)
+    p_bar = torch.exp(s - s.amax(-1, keepdim=True))
+    ones = (round_to_format(p_bar, fmt) == 1.0).sum(-1)
+    want = (ones >= 2).sum(dim=(0, 2))
+    assert stats.repeated_max_rows_format.tolist() == want.tolist()
+    assert 0 < want.sum() < B * H * N  # the test sees both kinds of rows
+
+
+def test_stats_format_is_checked():
+    from flashwatch.kernels import AttentionStats
+
+    assert AttentionStats(2).format == "bf16" and "format='bf16'" in repr(AttentionStats(2))
+    with pytest.raises(ValueError, match="unknown number format 'fp4'"):
+        AttentionStats(2, format="fp4")

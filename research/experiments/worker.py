@@ -212,6 +212,10 @@ def run(spec: dict) -> int:
                          attn_dtype=torch.bfloat16 if arm["precision"] == "bf16_attention" else None).to(dev)
         if arm["attention"] == "paper":
             undo.append(install_paper_sdpa())
+        if arm["attention"] == "format":
+            from research.format_attention import install_format_sdpa
+
+            undo.append(install_format_sdpa(arm["format"], arm["format_variant"]))
         if arm.get("inject"):
             undo.append(install_injection(float(arm["inject"])))
         config = MonitorConfig(**{**arm.get("monitor", {}), "interval": int(recipe["interval"]),
