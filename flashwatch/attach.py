@@ -45,6 +45,7 @@ class AttentionLayer:
         chain: the layer's W^Q-error accumulators (``flashwatch.chain.LayerChain``), None where
             that chain is not defined (rotary queries, explicitly named modules, sharded weights).
         chain_input: the module's input at the current monitored call (the projection input X).
+        format: the number format of the layer's P_bar V product (``MonitorConfig.format``).
     """
 
     index: int
@@ -60,6 +61,7 @@ class AttentionLayer:
     low_precision: bool | None = None
     chain: Any = field(default=None, repr=False)
     chain_input: Any = field(default=None, repr=False)
+    format: str = "bf16"
 
     def query_weight(self) -> torch.Tensor:
         """W^Q per head, (H, D, C), detached (a view of the parameter where the layout allows)."""
@@ -71,7 +73,7 @@ class AttentionLayer:
         from flashwatch.kernels import AttentionStats
 
         if self.stats is None or self.stats.device != device:
-            self.stats = AttentionStats(self.num_heads, device)
+            self.stats = AttentionStats(self.num_heads, device, format=self.format)
         return self.stats
 
 

@@ -48,6 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
+# absolute, as kernels.checks: a checkout's root on sys.path may import this folder as `kernels`
+from flashwatch.vocabulary import FORMATS as VOCABULARY_FORMATS
+
 __all__ = ["FORMATS", "Format", "get_format", "round_to_format", "round_to_grid", "mx_block_scale",
            "unit_threshold", "unit_gap", "E2M1_VALUES", "MX_BLOCK"]
 
@@ -94,7 +97,9 @@ _FORMATS = (
     Format("fp8_e5m2", 2, -14, 57344.0, torch.float8_e5m2, None, 1.0 / 8.0, 8.0),
     Format("mxfp4", 1, 0, 6.0, None, MX_BLOCK, 0.25, 20.0),
 )
-FORMATS = tuple(f.name for f in _FORMATS)
+FORMATS = VOCABULARY_FORMATS
+if tuple(f.name for f in _FORMATS) != FORMATS:  # one list of names: flashwatch.vocabulary's
+    raise ImportError(f"kernels.formats defines {[f.name for f in _FORMATS]}, the vocabulary {FORMATS}")
 _BY_NAME = {f.name: f for f in _FORMATS}
 
 

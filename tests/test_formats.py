@@ -197,3 +197,31 @@ def test_stats_format_is_checked():
     assert AttentionStats(2).format == "bf16" and "format='bf16'" in repr(AttentionStats(2))
     with pytest.raises(ValueError, match="unknown number format 'fp4'"):
         AttentionStats(2, format="fp4")
+
+
+def test_the_monitor_reports_the_format_count():
+    """MonitorConfig.format reaches every layer's statistics; the metric is the count over rows."""
+    from flashwatch import Monitor, MonitorConfig
+    from research.experiments.model import ExperimentGPT
+
+    with pytest.raises(ValueError, match="MonitorConfig.format must be one of 'bf16', 'fp8_e4m3'"):
+        MonitorConfig(format="fp8")
+    torch.manual_seed(0)
+    model = ExperimentGPT(n_layer=1, n_head=1, n_embd=64, block_size=32)
+    ratios = {}
+    for fmt in ("bf16", "mxfp4"):
+        torch.manual_seed(0)
+        m = Monitor(MonitorConfig(interval=1, mode="own_kernel", format=fmt))
+        m.attach(model)
+        assert m.layers[0].stats.format == fmt
+        x = torch.randint(0, 64, (2, 32))
+        loss = model(x, x)
+        loss.backward()
+        m.step(loss=loss.detach())
+        snap = m.snapshot()
+        ratios[fmt] = snap["flashwatch_repeated_max_ratio_format"]
+        m.detach()
+        model.zero_grad()
+    # MXFP4's grid ties every key within 0.13 of the max: at least as many rows as BF16's 0.002
+    assert all(ratios["mxfp4"][key] >= ratios["bf16"][key] for key in ratios["bf16"])
+    assert any(ratios["mxfp4"][key] > 0 for key in ratios["mxfp4"])
