@@ -33,6 +33,18 @@ and cuDNN backends, on the CPU the math backend and the CPU flash backend. Each 
 in the JSON says where its backward takes delta from (``delta_source``). A kernel that fails to
 run (a backend missing on this machine) is recorded with its error and the lab goes on.
 
+Low-precision formats (``format_kernels``; ``research.format_attention``): P_bar and V rounded to
+FP8 E4M3, FP8 E5M2 and MXFP4 for the P_bar V product, FP32 accumulation, BF16 output, for the
+variants ``plain``, ``fixed`` (the fix at the format's grid), ``fp32_delta`` and ``rounded_sum``
+(divide by the row sum of the rounded P_bar); and ``plain``/``rounded_sum`` with P_bar alone
+rounded (V in BF16). For these, "delta used" is rowsum(dO * O_used) - the exact delta in
+float64, O_used the output the variant's backward takes delta from. ``formats`` in the JSON
+gathers them per format x variant (``format_table``).
+
+Inputs recorded from a real model (``research.lab_inputs``): the real-failure recipe's GPT at a
+few points of its training (``--model-size``, or ``--model-inputs`` for a file recorded on a
+GPU), measured like the synthetic sets; their ``spec`` says what they are.
+
 Rows are split into tie rows (the max of the float64 scores repeats within eps = 1e-3, as
 the Monitor's repeated-max rows are defined) and other rows. For each group:
 - z (features): for each feature d, z_d = mean of err[:, d] / its standard error over rows;
@@ -40,7 +52,9 @@ the Monitor's repeated-max rows are defined) and other rows. For each group:
 - z (pooled): the mean over rows and features divided by its standard error with rows as the
   independent units (a row's features share one normalisation, so their errors correlate and
   counting elements as independent would overstate z).
-- delta: z = mean of e / its standard error over rows.
+- delta: z = mean of e / its standard error over rows; z_heads the same with (batch, head) pairs
+  as the units (each the mean over its rows): rows of one head share K and V, and rounded V's
+  errors, which makes z over rows overstate; z_heads does not.
 Under no bias z is about N(0, 1); rows of one head share K and V, so read |z| < 3 as noise.
 z grows like sqrt(rows) under a fixed bias: compare kernels at one shape, and shapes by z/sqrt(n).
 """
@@ -275,6 +289,8 @@ def kernels_for(device: torch.device, tile: int = 512) -> list[Kernel]:
                   lambda q, k, v: paper_attention(q, k, v, tile=tile), paper_delta, bf16_delta=True),
            Kernel("paper_fixed", f"the same with the paper's per-tile fix (fixed=True), tile {tile}",
                   lambda q, k, v: paper_attention(q, k, v, tile=tile, fixed=True), paper_delta, bf16_delta=True)]
+    from research.lab_formats import format_kernels
+
     ks += format_kernels()
     try:
         from torch.nn.attention import SDPBackend
@@ -291,36 +307,6 @@ def kernels_for(device: torch.device, tile: int = 512) -> list[Kernel]:
                Kernel("sdpa_flash_cpu", "torch SDPA, FLASH_ATTENTION backend on the CPU",
                       _sdpa(SDPBackend.FLASH_ATTENTION), from_output)]
     return ks
-
-
-LAB_FORMATS = ("fp8_e4m3", "fp8_e5m2", "mxfp4")
-
-
-def format_kernels(formats=LAB_FORMATS) -> list[Kernel]:
-    """P_bar and V rounded to each format for the P_bar V product, FP32 accumulation, BF16 output,
-    for the plain, fixed, fp32_delta and rounded_sum variants (``research.format_attention``); and, per format,
-    plain with P_bar alone rounded (V in BF16)."""
-    from research.format_attention import FORMAT_VARIANTS, format_forward
-
-    def run(q, k, v, fmt, variant, round_v=True):
-        f = format_forward(q, k, v, fmt=fmt, variant=variant, round_v=round_v)
-        if variant != "fp32_delta":
-            return f["out"], f["out"]
-        o32 = f["out"].to(f["o_fp32"].dtype)  # O + R, R = O_fp32 - O in BF16, as the backward uses it
-        return f["out"], o32 + (f["o_fp32"] - o32).to(q.dtype)
-
-    stored = "rowsum(dO*O) of its stored BF16 output"
-    sources = {"plain": stored, "fixed": stored, "rounded_sum": stored,
-               "fp32_delta": "rowsum(dO*(O+R)): the FP32 output kept by the forward"}
-    return [Kernel(f"{fmt}_{variant}", f"P_bar and V in {fmt} for P_bar V, FP32 accumulation, variant={variant} "
-                                       "(research.format_attention)",
-                   lambda q, k, v, fmt=fmt, variant=variant: run(q, k, v, fmt, variant), sources[variant], fmt=fmt)
-            for fmt in formats for variant in FORMAT_VARIANTS] + [
-        Kernel(f"{fmt}_{variant}_pbar_only", f"P_bar alone in {fmt} (V in BF16), FP32 accumulation, "
-                                             f"variant={variant}: the part of the bias that rounding P_bar makes",
-               lambda q, k, v, fmt=fmt, variant=variant: run(q, k, v, fmt, variant, round_v=False), sources[variant],
-               fmt=fmt)
-        for fmt in formats for variant in ("plain", "rounded_sum")]
 
 
 def _stats_delta(kernel: Kernel, q, k, v, do) -> dict:
@@ -470,6 +456,8 @@ def run_lab(device: str = "cpu", *, shape=None, seed: int = 0, quick: bool = Fal
                 z = r.get("out", {}).get("tie", {}).get("z_feat") if "out" in r else None
                 progress(f"{spec['name']:9s} {kn.name:22s} " + (r["error"] if "error" in r else f"O tie z={_fmt(z)}"))
         result["inputs"][spec["name"]] = entry
+    from research.lab_formats import format_table
+
     result["formats"] = format_table(result)
     result["seconds"] = time.perf_counter() - started
     return result
@@ -511,30 +499,6 @@ def _title(name: str, entry: dict) -> str:
     return f"{name}: {what}; tie rows {n_tie}, other rows {n_all - n_tie}"
 
 
-def format_table(result: dict) -> list[dict]:
-    """One row per low-precision format x variant: the delta its backward uses, per input set.
-
-    Each row: {"kernel", "format", "variant", <input name>: {"z_tie", "z_other", "z_all", "z_heads",
-    "mean_abs", "o_mean_abs"}}; z of delta_used - delta_exact (float64) on tie rows, other rows, all
-    rows, and on all rows with (batch, head) pairs as the units (``row_stats``).
-    """
-    rows = []
-    for kname, kinfo in result["kernels"].items():
-        if not kinfo.get("format"):
-            continue
-        row = {"kernel": kname, "format": kinfo["format"], "variant": kname[len(kinfo["format"]) + 1:]}
-        for iname, entry in result["inputs"].items():
-            r = entry["results"].get(kname, {})
-            if "delta_used" not in r:
-                continue
-            d = r["delta_used"]
-            row[iname] = {"z_tie": d["tie"]["z"], "z_other": d["other"]["z"], "z_all": d["all"]["z"],
-                          "z_heads": d["all"]["z_heads"], "mean_abs": d["all"]["mean_abs"],
-                          "o_mean_abs": r["out"]["all"]["mean_abs"]}
-        rows.append(row)
-    return rows
-
-
 def render(result: dict, console=None) -> None:
     """Print the paper example and one table per input set (rich)."""
     from rich.console import Console
@@ -568,6 +532,8 @@ def render(result: dict, console=None) -> None:
                           _fmt(d["tie"]["z"]), _fmt(d["other"]["z"]),
                           _used(r, result["kernels"][kname]["delta_source"]))
         console.print(table)
+    from research.lab_formats import format_table
+
     names = list(result["inputs"])
     table = Table(title="P_bar and V in a low-precision format: z of the delta the backward uses, all rows, with "
                         "rows / (batch, head) pairs as units (mean |delta error|)", title_justify="left")
