@@ -217,7 +217,7 @@ def dashboard() -> dict:
          "properties": [{"id": "unit", "value": BY_NAME[m].unit}]}
         for col, m in (("repeated-max", "flashwatch_repeated_max_ratio"),
                        ("repeated-max bf16", "flashwatch_repeated_max_ratio_bf16"))]
-    # the W^Q-gradient error chain and the windowed trends: one heatmap each, two per row
+    # the W^Q-gradient error chain, the windowed trends and the format's ties: one heatmap each, two per row
     chain = (("flashwatch_wq_error_push", "W^Q-error push on sigma_max (layer x head)", "RdBu"),
              ("flashwatch_wq_error_push_cumulative", "Cumulative W^Q-error push (layer x head)", "RdBu"),
              ("flashwatch_wq_error_push_share", "W^Q-error push share of the true push (layer x head)", "RdBu"),
@@ -227,7 +227,9 @@ def dashboard() -> dict:
              ("flashwatch_wq_spectral_norm_growth_rate", "W^Q norm growth rate, log per 1k steps (layer x head)",
               "Blues"),
              ("flashwatch_repeated_max_ratio_bf16_trend", "BF16 repeated-max trend per 1k steps (layer x head)",
-              "Oranges"))
+              "Oranges"),
+             ("flashwatch_repeated_max_ratio_format", "Rows with P_bar = 1 at 2+ keys in the P_bar V format "
+              "(layer x head)", "Oranges"))
     panels.extend(_heatmap(ids, metric, title, (12 * (i % 2), 54 + 10 * (i // 2), 12, 10), scheme=scheme)
                   for i, (metric, title, scheme) in enumerate(chain))
 

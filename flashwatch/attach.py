@@ -50,6 +50,7 @@ class AttentionLayer:
         head_offset: the global index of this rank's first head (tensor parallelism: ``num_heads``
             are this rank's heads, ``total_heads`` the layer's); 0 otherwise.
         total_heads: the layer's heads over all ranks (``num_heads`` unless tensor parallel).
+        format: the number format of the layer's P_bar V product (``MonitorConfig.format``).
     """
 
     index: int
@@ -65,6 +66,7 @@ class AttentionLayer:
     low_precision: bool | None = None
     chain: Any = field(default=None, repr=False)
     chain_input: Any = field(default=None, repr=False)
+    format: str = "bf16"
     placement: Any = field(default=None, repr=False)
     head_offset: int = 0
     total_heads: int = 0
@@ -93,7 +95,7 @@ class AttentionLayer:
         from flashwatch.kernels import AttentionStats
 
         if self.stats is None or self.stats.device != device:
-            self.stats = AttentionStats(self.num_heads, device)
+            self.stats = AttentionStats(self.num_heads, device, format=self.format)
         return self.stats
 
 

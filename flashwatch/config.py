@@ -19,7 +19,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .vocabulary import FIX_VARIANTS, MODES, RULES, VARIANTS
+from .vocabulary import FIX_VARIANTS, FORMATS, MODES, RULES, VARIANTS
 
 # The longest windows accepted, in monitored steps. ``window`` keeps, per attention head, the last
 # W values of five float64 series on the host (delta error, W^Q norm, and the three trends):
@@ -53,6 +53,7 @@ class MonitorConfig:
     auto_fix_on: frozenset = frozenset({"delta_drift", "repeated_max_rise"})  # rules whose alerts trigger auto_fix
     beta: float = 2.0  # the fixed variant's factor (> 1): it subtracts beta*max on repeated-max rows
     eps: float = 1e-3  # tie tolerance in logits for repeated-max rows (>= 0)
+    format: str = "bf16"  # number format of the attention's P_bar V product: "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp4" (flashwatch_repeated_max_ratio_format counts ties on its grid)
     layers: Any = None  # None (all), a regex searched in module names, or a list of module names / indices of attention layers in module order (labels then renumber from 0)
 
     # --- detectors (counts are monitored steps) --------------------------------------------
@@ -92,6 +93,7 @@ class MonitorConfig:
         _rules(self, "auto_fix_on")
         _number(self, "beta", low=1.0, low_open=True, what="a finite number > 1")
         _number(self, "eps", low=0.0, what="a finite number >= 0 (logits)")
+        _choice(self, "format", FORMATS)
         self._check_layers()
         _int(self, "warmup", 0)
         _int(self, "window", 2, high=MAX_WINDOW,

@@ -127,6 +127,7 @@ class LayerSignals:
     max_logit_growth: torch.Tensor | None = None  # d log(max logit) per 1,000 optimizer steps over the window
     wq_sigma_growth_rate: torch.Tensor | None = None  # d log(sigma) per 1,000 optimizer steps over the window
     repeated_max_bf16_trend: torch.Tensor | None = None  # d(BF16 repeated-max ratio) per 1,000 optimizer steps
+    repeated_max_ratio_format: torch.Tensor | None = None  # rows whose P_bar rounds to 1 at 2+ keys in MonitorConfig.format
 
     @property
     def delta_from_rounded_output(self) -> bool:

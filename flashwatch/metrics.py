@@ -53,6 +53,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "(FP32 scores)."),
     MetricSpec("flashwatch_repeated_max_ratio_bf16", "gauge", PER_HEAD, "percentunit",
                "The same fraction on scores rounded to BF16 (what an all-BF16 kernel sees)."),
+    MetricSpec("flashwatch_repeated_max_ratio_format", "gauge", PER_HEAD, "percentunit",
+               "Fraction of softmax rows where P_bar = exp(s - max) rounds to exactly 1 at two or more keys in the "
+               "P_bar V format of MonitorConfig.format (bf16, fp8_e4m3, fp8_e5m2, mxfp4)."),
     MetricSpec("flashwatch_max_logit", "gauge", PER_HEAD, "none",
                "Largest scaled attention score sm_scale*q.k in the head (natural-log units)."),
     MetricSpec("flashwatch_delta_error", "gauge", PER_HEAD, "none",

@@ -221,7 +221,7 @@ class Monitor:
         for i, (name, module, heads, fn, family) in enumerate(found):
             layer = AttentionLayer(index=i, name=name, module=module, num_heads=heads, query_weight_fn=fn,
                                    family=family, mode=self.config.mode,
-                                   variant=self.config.variant if own else "sdpa")
+                                   variant=self.config.variant if own else "sdpa", format=self.config.format)
             w = layer.query_weight()
             layer.ensure_stats(w.device)
             layer.chain = Chains.make(family, heads, w, sharded=sharding is not None)

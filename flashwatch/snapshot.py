@@ -19,6 +19,7 @@ __all__ = ["PER_HEAD_METRICS", "EXTRA_SIGNALS", "host_record", "snapshot", "extr
 PER_HEAD_METRICS: dict[str, str] = {
     "flashwatch_repeated_max_ratio": "repeated_max_ratio",
     "flashwatch_repeated_max_ratio_bf16": "repeated_max_ratio_bf16",
+    "flashwatch_repeated_max_ratio_format": "repeated_max_ratio_format",
     "flashwatch_max_logit": "max_logit",
     "flashwatch_delta_error": "delta_error",
     "flashwatch_delta_error_cumulative": "delta_cumulative",

@@ -111,6 +111,8 @@ class SignalBuilder:
         nan = _nan(h)
 
         def ratio(name: str) -> torch.Tensor:
+            if name not in f:  # a recording made before this count existed: not measured
+                return nan.clone()
             return torch.where(rows > 0, f[name].to(F64) / safe_rows, nan)
 
         if seen:
@@ -143,6 +145,7 @@ class SignalBuilder:
         return LayerSignals(
             layer=i, seen=seen, rows=rows,
             repeated_max_ratio=ratio("repeated_max_rows"), repeated_max_ratio_bf16=rm16,
+            repeated_max_ratio_format=ratio("repeated_max_rows_format"),
             max_logit=max_logit, delta_error=f["delta_error"].to(F64) if seen else nan.clone(),
             # a head whose delta error was never measured (no call it could measure: dropout, a mask,
             # ...) reads NaN, not a z of 0 that would look healthy

@@ -30,6 +30,7 @@ __all__ = ["RuleSpec", "RULE_SPECS", "RULES", "SEVERITIES", "SEVERITY", "SCOPES"
 # --- kernel variants and modes ------------------------------------------------------------------
 
 MODES = ("own_kernel", "observe")  # MonitorConfig.mode: run flashwatch's kernel, or measure beside the model's SDPA
+FORMATS = ("bf16", "fp8_e4m3", "fp8_e5m2", "mxfp4")  # MonitorConfig.format: the P_bar V product's number format (kernels.formats)
 VARIANTS = ("plain", "fixed", "fp32_delta")  # flashwatch.kernels' variants, in order of how much they fix
 FIX_VARIANTS = ("fixed", "fp32_delta")  # what MonitorConfig.auto_fix may switch a flagged layer to
 # The `variant` label of flashwatch_kernel_variant: "sdpa" (the model's own attention, observed),

@@ -32,7 +32,8 @@ from . import faults
 from .checks import check_options, check_qkv, fixed_offset
 from .stats import AttentionStats
 
-__all__ = ["flash_attention", "attention_statistics", "scores", "row_top2", "inject_rounding_bias", "unit_p_gap"]
+__all__ = ["flash_attention", "attention_statistics", "scores", "row_top2", "inject_rounding_bias", "unit_p_gap",
+           "format_tie_flags"]
 
 _COMPUTE = {torch.float64: torch.float64}
 _PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
@@ -113,11 +114,18 @@ def _add_max_logit(stats: AttentionStats, m1) -> None:
     stats.max_logit.copy_(torch.maximum(stats.max_logit, m1.amax(dim=(0, 2)).to(torch.float32)))
 
 
-def _add_row_counts(stats: AttentionStats, tied, tied_bf16) -> None:
+def format_tie_flags(m1: torch.Tensor, m2: torch.Tensor, gap: float) -> torch.Tensor:
+    """Rows where P_bar rounds to exactly 1 at two or more keys in a format: second >= max + gap,
+    gap = ``AttentionStats.unit_gap`` (negative). (B, H, N) bool."""
+    return m2 >= m1 + gap
+
+
+def _add_row_counts(stats: AttentionStats, tied, tied_bf16, tied_format) -> None:
     B, H, N = tied.shape
     stats.rows.add_(B * N)
     stats.repeated_max_rows.add_(tied.sum(dim=(0, 2)))
     stats.repeated_max_rows_bf16.add_(tied_bf16.sum(dim=(0, 2)))
+    stats.repeated_max_rows_format.add_(tied_format.sum(dim=(0, 2)))
 
 
 def _report_rows(stats: AttentionStats, err: torch.Tensor, p: torch.Tensor, k: torch.Tensor) -> None:
@@ -174,17 +182,19 @@ class _ReferenceAttention(torch.autograd.Function):
         out = o_fp32.to(dtype)
         residual = (o_hp - out.to(o_hp.dtype)).to(dtype) if variant == "fp32_delta" else None
         lse = shift + torch.log(row_sum)
+        tied_format = None
         if stats is not None:  # as the kernel: max logit here, rows and tie counts in the backward
             _add_max_logit(stats, m1)
+            tied_format = format_tie_flags(m1, m2, stats.unit_gap)
         ctx.save_for_backward(q, k, v, out, lse, residual, tied if stats is not None else None,
-                              tied_bf16 if stats is not None else None)
+                              tied_bf16 if stats is not None else None, tied_format)
         ctx.causal, ctx.sm_scale, ctx.stats = causal, sm_scale, stats
         return out
 
     @staticmethod
     @_no_autocast
     def backward(ctx, grad_out):
-        q, k, v, out, lse, residual, tied, tied_bf16 = ctx.saved_tensors
+        q, k, v, out, lse, residual, tied, tied_bf16, tied_format = ctx.saved_tensors
         dtype = q.dtype
         H, Hkv = q.shape[1], k.shape[1]
         s = scores(q, k, ctx.causal, ctx.sm_scale)
@@ -206,7 +216,7 @@ class _ReferenceAttention(torch.autograd.Function):
             dv = dv.view(B, Hkv, H // Hkv, N, D).sum(2)
         if ctx.stats is not None:
             err = delta_used - (p * dp).sum(-1)  # delta_used - delta_hp
-            _add_row_counts(ctx.stats, tied, tied_bf16)
+            _add_row_counts(ctx.stats, tied, tied_bf16, tied_format)
             _add_delta_stats(ctx.stats, err, tied)
             _report_rows(ctx.stats, err, p, k)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
@@ -254,7 +264,7 @@ def _statistics(q, k, v, out, grad_out, stats, causal, sm_scale, eps):
     m1, m2 = row_top2(s)
     tied, tied_bf16 = tie_flags(m1, m2, eps)
     _add_max_logit(stats, m1)
-    _add_row_counts(stats, tied, tied_bf16)
+    _add_row_counts(stats, tied, tied_bf16, format_tie_flags(m1, m2, stats.unit_gap))
     cd = s.dtype
     # P through the log-sum-exp, exactly as the own-kernel backward recomputes it
     lse = m1 + torch.log(torch.exp(s - m1.unsqueeze(-1)).sum(-1))

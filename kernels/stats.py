@@ -15,6 +15,12 @@ Definitions (all sums run over batch and rows, per query head):
 - ``repeated_max_rows``: rows whose maximum score m is reached within ``eps`` by at least two
   keys, i.e. the second largest score s_(2) >= m - eps (exact over the whole row).
 - ``repeated_max_rows_bf16``: the same on scores rounded to BF16 (round-to-nearest-even).
+- ``repeated_max_rows_format``: rows where P_bar = exp(s - m) rounds to exactly 1 at two or
+  more keys in the number format of the P_bar V product (``format``: ``bf16``, ``fp8_e4m3``,
+  ``fp8_e5m2``, ``mxfp4``; ``kernels.formats``), i.e. s_(2) >= m + ln(t) with t the smallest
+  value that rounds to 1 there (s_(2) >= m - 0.0020 for BF16, m - 0.032 for FP8 E4M3, m - 0.065
+  for FP8 E5M2, m - 0.134 for MXFP4, exact for ties within one 32-key block): the rows whose
+  P_bar V adds V values exactly, the ties of the paper's mechanism at that precision.
 - ``max_logit``: the largest scaled score sm_scale * q.k (-inf until a row was seen).
 - ``delta_error``: sum of (delta_used - delta_hp), where delta_used = rowsum(dO * O) is the
   delta the backward actually uses and delta_hp = rowsum(P * dP) = dO . (P V) is the delta of
@@ -34,9 +40,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .formats import get_format, unit_gap
+
 RowsHook = Callable[[torch.Tensor, torch.Tensor], object]
 
-COUNT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16")
+COUNT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format")
 SUM_FIELDS = ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied")
 MAX_FIELDS = ("max_logit",)
 FIELDS = COUNT_FIELDS + MAX_FIELDS + SUM_FIELDS
@@ -48,6 +56,8 @@ class AttentionStats:
     Args:
         num_heads: number of query heads H of the layer (statistics are per query head).
         device: where the tensors live; must be the device of the attention inputs.
+        format: the number format of the P_bar V product, for ``repeated_max_rows_format``: one
+            of ``kernels.formats.FORMATS`` (default ``"bf16"``).
 
     Attributes: one tensor of shape (num_heads,) per field of ``FIELDS``: int64 counts,
     float32 ``max_logit`` (starts at -inf) and float32 delta-error sums; and ``rows_hook``.
@@ -79,11 +89,14 @@ class AttentionStats:
         print(stats.as_dict())  # host copy: do this on monitored steps only
     """
 
-    def __init__(self, num_heads: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_heads: int, device: torch.device | str = "cpu", format: str = "bf16"):
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
         self.device = torch.device(device)
+        self.format = get_format(format).name
+        # P_bar = exp(s - m) rounds to 1 in the format iff s - m >= unit_gap (a negative number)
+        self.unit_gap = unit_gap(self.format)
         # Two buffers, every field a view of one row: reset() and packed() are a few kernel
         # launches however many fields there are (they run once per layer per monitored step).
         self._counts = torch.zeros(len(COUNT_FIELDS), num_heads, dtype=torch.int64, device=self.device)
@@ -144,4 +157,4 @@ class AttentionStats:
             raise ValueError(f"stats lives on {self.device} but q is on {device}; they must match")
 
     def __repr__(self) -> str:
-        return f"AttentionStats(num_heads={self.num_heads}, device={self.device})"
+        return f"AttentionStats(num_heads={self.num_heads}, device={self.device}, format={self.format!r})"

@@ -115,7 +115,8 @@ def _row_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty((B, H, N, D), dtype=torch.float32, device=q.device))
 
 
-def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg, rows=None):
+def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg, rows=None,
+               gap=0.0):
     # writes delta (B, H, N) as well as dq: launch it before _launch_dkdv, which reads delta.
     # rows: None, or the (delta_error_rows, pk) buffers to fill (statistics on)
     B, H, N, D = q.shape
@@ -123,7 +124,7 @@ def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, 
     _attn_bwd_dq_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
         q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st, *(rows or (delta, delta)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
-        H, H // k.shape[1], N, sm_scale, eps, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        H, H // k.shape[1], N, sm_scale, eps, float(gap), HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, STATS=stats_on, ROWS=rows is not None, FP32_DELTA=r is not None,
         IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
@@ -146,18 +147,18 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     def bench_dq(cfg, with_stats=False, with_rows=False):
         # scratch outputs; with statistics, scratch sums and rows too (tuning never adds into stats)
         sq, sdelta = torch.empty_like(dq), torch.empty_like(delta)
-        sst = (torch.zeros(H, dtype=torch.int64, device=q.device),) * 2 + (torch.zeros(H, device=q.device),) * 4
+        sst = (torch.zeros(H, dtype=torch.int64, device=q.device),) * 3 + (torch.zeros(H, device=q.device),) * 4
         srowmax = rowmax if rowmax is not None else sdelta
         srows = _row_outputs(q) if with_rows else None
-        return lambda: _launch_dq(q, k, v, o, r, do, lse, sdelta, sq, srowmax, sst if with_stats else (sdelta,) * 6,
+        return lambda: _launch_dq(q, k, v, o, r, do, lse, sdelta, sq, srowmax, sst if with_stats else (sdelta,) * 7,
                                   causal, sm_scale, eps, with_stats, cfg, srows)
 
     if stats is not None:
-        st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.delta_error, stats.delta_error_abs,
-              stats.delta_error_sq, stats.delta_error_tied)
+        st = (stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.repeated_max_rows_format,
+              stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied)
         stats.rows.add_(B * N)
     else:
-        st = (delta,) * 6
+        st = (delta,) * 7
     hook = stats.rows_hook if stats is not None else None  # looked up now, when the backward runs
     rows = _row_outputs(q) if hook is not None else None
     if rows is not None:
@@ -167,7 +168,7 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     else:
         dq_cfg = tuning.choose("dq", q, causal, bench_dq)
     _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
-               stats is not None, dq_cfg, rows)
+               stats is not None, dq_cfg, rows, stats.unit_gap if stats is not None else 0.0)
     _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
     if hook is not None:
         hook(*rows)
@@ -212,11 +213,13 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     hook = stats.rows_hook
     rows = _row_outputs(q) if hook is not None else None
     _attn_stats_kernel[(triton.cdiv(N, c["BLOCK_M"]), B * H)](
-        q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16, stats.max_logit,
+        q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16,
+        stats.repeated_max_rows_format, stats.max_logit,
         stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied,
         *(rows or (stats.delta_error, stats.delta_error)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(grad_out),
-        H, G, N, float(sm_scale), float(eps), HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        H, G, N, float(sm_scale), float(eps), float(stats.unit_gap), HEAD_DIM=D, BLOCK_M=c["BLOCK_M"],
+        BLOCK_N=c["BLOCK_N"],
         CAUSAL=causal, ROWS=rows is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     stats.rows.add_(B * N)

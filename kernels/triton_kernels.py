@@ -17,8 +17,9 @@ Changes:
   * backward, dQ kernel (it sees whole rows): the repeated-max test "at least two scores
     >= m - eps" is a count against the stored row max, exact however the row is tiled; the
     BF16 test counts scores whose BF16 rounding is >= bf16(m) - eps through one FP32 threshold
-    per row (``_bf16_lower_bound``); both counts are 0/1 indicators summed on the tensor
-    cores (``_count_into``). delta_hp = rowsum(P * dP) accumulates beside dS at one
+    per row (``_bf16_lower_bound``); the format test counts scores >= m + gap, where P_bar rounds
+    to exactly 1 in the statistics' format (``AttentionStats.unit_gap``); the counts are 0/1
+    indicators summed on the tensor cores (``_count_into``). delta_hp = rowsum(P * dP) accumulates beside dS at one
     multiply-add per score; e = delta_used - delta_hp is summed per head (signed, absolute,
     squared, tied rows). No output-sized buffer is kept for any of it. This compilation of the
     dQ kernel needs about twice the registers of the plain one and has its own block shape
@@ -269,11 +270,13 @@ def _keys_end(start_m, N, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _add_tie_counts(ST_REP, ST_REP_B, h, tied, tied_b):
+def _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f):
     """Add a block of rows' repeated-max flags ((BLOCK_M,) bool, False on rows >= N; tied: on
-    FP32 scores, tied_b: on BF16-rounded scores) into the per-head counts of query head h."""
+    FP32 scores, tied_b: on BF16-rounded scores, tied_f: P_bar rounds to 1 at two or more keys
+    in the statistics' format) into the per-head counts of query head h."""
     tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
     tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
+    tl.atomic_add(ST_REP_F + h, tl.sum(tied_f.to(tl.int64), 0))
 
 
 @triton.jit
@@ -516,7 +519,8 @@ def _bf16_lower_bound(t, EXACT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base, skn, svn, offs_m, offs_d,
+def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
+                  offs_m, offs_d,
                   lo, hi, N, sm_scale, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, STATS: tl.constexpr,
                   ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
@@ -537,6 +541,7 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, 
             # computed, so the raw scores need not stay live across the second matrix product
             n32 = _count_into(qk >= t32[:, None], n32, UPCAST)
             nb16 = _count_into(qk >= tb16[:, None], nb16, UPCAST)
+            nfmt = _count_into(qk >= tfmt[:, None], nfmt, UPCAST)  # P_bar rounds to 1 in the format
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
@@ -544,14 +549,14 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, 
             pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
-    return dq, dhp, n32, nb16, pk
+    return dq, dhp, n32, nb16, nfmt, pk
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
-                        ERR_ROWS, PK,
+def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ,
+                        ST_ETIED, ERR_ROWS, PK,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-                        H, G, N, sm_scale, eps,
+                        H, G, N, sm_scale, eps, gap,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
@@ -583,6 +588,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     # counts of near-max scores, FP32 and BF16 tests; every column holds the row's count
     n32 = tl.zeros([BLOCK_M, 16], tl.float32)
     nb16 = tl.zeros([BLOCK_M, 16], tl.float32)
+    nfmt = tl.zeros([BLOCK_M, 16], tl.float32)
     pk = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # sum_j P_ij k_j (ROWS only)
     if STATS:
         s1 = _load_row_values(ROWMAX + row_base, offs_m, N, True)
@@ -590,16 +596,20 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         t32 = _raw_threshold(s1 - eps, sm_scale)
         tb16 = _raw_threshold(_bf16_lower_bound(_cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32) - eps,
                                                 EXACT_BF16), sm_scale)
+        tfmt = _raw_threshold(s1 + gap, sm_scale)  # gap < 0: exp(s - s1) rounds to 1 in the format
     else:
         t32 = lse
         tb16 = lse
+        tfmt = lse
     qk_scale = sm_scale * 1.4426950408889634
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
-    dq, dhp, n32, nb16, pk = _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base,
+    dq, dhp, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt,
+                                                 k_base, v_base,
                                            skn, svn, offs_m, offs_d, 0, split, N, sm_scale, qk_scale,
                                            BLOCK_N, False, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
-    dq, dhp, n32, nb16, pk = _bwd_dq_inner(dq, dhp, n32, nb16, pk, q, do, lse, delta, t32, tb16, k_base, v_base,
+    dq, dhp, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt,
+                                                 k_base, v_base,
                                            skn, svn, offs_m, offs_d, split, hi, N, sm_scale, qk_scale,
                                            BLOCK_N, True, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     dq_base = DQ + bh.to(tl.int64) * N * HEAD_DIM  # dQ: contiguous (B, H, N, D)
@@ -607,8 +617,9 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     if STATS:
         tied = (tl.max(n32, 1) >= 2.0) & row_ok
         tied_b = (tl.max(nb16, 1) >= 2.0) & row_ok
+        tied_f = (tl.max(nfmt, 1) >= 2.0) & row_ok
         err = tl.where(row_ok, delta - dhp, 0.0)
-        _add_tie_counts(ST_REP, ST_REP_B, h, tied, tied_b)
+        _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f)
         _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
         if ROWS:
             tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
@@ -646,9 +657,9 @@ def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, 
 
 
 @triton.jit
-def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS, PK,
-                       sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-                       H, G, N, sm_scale, eps,
+def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS,
+                       PK, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
+                       H, G, N, sm_scale, eps, gap,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                        EXACT_BF16: tl.constexpr):
@@ -686,9 +697,10 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_MAXL, ST_E, ST_EABS,
     s1b = _cast(s1, tl.bfloat16, EXACT_BF16).to(tl.float32)
     s2b = _cast(s2, tl.bfloat16, EXACT_BF16).to(tl.float32)
     tied_b = (s2b >= s1b - eps) & row_ok
+    tied_f = (s2 >= s1 + gap) & row_ok  # gap < 0: P_bar rounds to 1 at two keys in the format
     delta_used = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     err = tl.where(row_ok, delta_used - d_i / l_i, 0.0)
-    _add_tie_counts(ST_REP, ST_REP_B, h, tied, tied_b)
+    _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f)
     tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
     _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
     if ROWS:

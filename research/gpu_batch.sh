@@ -26,6 +26,9 @@
 #   bash research/gpu_batch.sh split-controls  # fp32 and fp32_delta at the seed-split lr, seeds 200-203
 #   bash research/gpu_batch.sh split2-test     # the second protocol's test runs, lr 1.75e-3 (SPLIT_SEEDS=300-323)
 #   bash research/gpu_batch.sh split2-controls # its fp32_delta controls, seeds 300-303
+#   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
+#                                              # one GPU), one piece per call like split-*: the first call
+#                                              # starts with a 20-step CUDA smoke of its arms
 #
 # What comes back under $OUT (at most 8 files): the results JSONs, the logs, and runs.tgz (every run
 # folder: steps.csv, signals.jsonl.gz, run.json, worker.log). Run folders are written outside $OUT
@@ -63,6 +66,27 @@ split-cal|split-test|split-controls|split2-test|split2-controls)
   for block in $(ls -d "$SPLIT_RUNS/$tag"/*/*/seed* 2>/dev/null | sed 's#.*/seed\([0-9]*\)[0-9]$#\1#' | sort -u); do
     (cd "$SPLIT_RUNS/$tag" && tar czf "$OUT/seed-split-$tag-runs-${block}x.tgz" --exclude=checkpoint.pt */*/seed${block}?)
   done
+  ls -la "$OUT"
+  exit 0
+  ;;
+fp8)
+  # the real-failure recipe with P_bar V emulated in FP8 E4M3 (research/format_attention.py), 3 seeds x
+  # (BF16 SDPA, fp8 plain, fp8 fp32_delta, fp8 rounded_sum); each call trains every unfinished run for
+  # FP8_SECONDS (default 420) and checkpoints it under $FP8_RUNS (keep the device machine warm between
+  # calls); the same command again continues them. 1,000 steps past a confirmed blow-up confirm it.
+  FP8_RUNS=${FP8_RUNS:-/tmp/fw-fp8}
+  if [ ! -d "$FP8_RUNS/runs" ]; then
+    fw fp8-failure --tiny --seeds 0 --arms sdpa_observe,fp8_plain,fp8_fp32_delta,fp8_rounded_sum,fp8_fixed \
+       --max-steps 20 --parallel 5 --budget 120 --out "$FP8_RUNS/smoke" --json "$OUT/fp8-smoke.json" \
+       > "$OUT/fp8-smoke.log" 2>&1 || { tail -40 "$OUT/fp8-smoke.log"; echo "CUDA smoke failed"; exit 1; }
+    tail -8 "$OUT/fp8-smoke.log"
+  fi
+  S=${FP8_SECONDS:-420}
+  fw fp8-failure --seeds 0-2 --parallel ${FP8_PARALLEL:-12} --devices 0 --resumable --after-blowup 1000 \
+     --max-seconds $S --budget $(( S + 60 )) --out "$FP8_RUNS/runs" --json "$FP8_RUNS/fp8-failure.json" 2>&1 \
+     | tee "$OUT/fp8-failure.log" | grep -v "^  \|Warning"
+  cp "$FP8_RUNS/fp8-failure.json" "$OUT/"
+  tar czf "$OUT/fp8-failure-runs.tgz" --exclude=checkpoint.pt -C "$FP8_RUNS" runs
   ls -la "$OUT"
   exit 0
   ;;
@@ -119,6 +143,6 @@ split-cal|split-test|split-controls|split2-test|split2-controls)
   wait
   tail -5 "$OUT/real-failure-fp32.log"
   ;;
-*) echo "usage: bash research/gpu_batch.sh 1|2|3|4|5|6|split-cal|split-test|split-controls|split2-test|split2-controls"; exit 2 ;;
+*) echo "usage: bash research/gpu_batch.sh 1|2|3|4|5|6|split-cal|split-test|split-controls|split2-test|split2-controls|fp8"; exit 2 ;;
 esac
 tar czf "$OUT/runs.tgz" -C "$RUNS" --exclude=smoke . && ls -la "$OUT"

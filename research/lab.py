@@ -33,6 +33,18 @@ and cuDNN backends, on the CPU the math backend and the CPU flash backend. Each 
 in the JSON says where its backward takes delta from (``delta_source``). A kernel that fails to
 run (a backend missing on this machine) is recorded with its error and the lab goes on.
 
+Low-precision formats (``format_kernels``; ``research.format_attention``): P_bar and V rounded to
+FP8 E4M3, FP8 E5M2 and MXFP4 for the P_bar V product, FP32 accumulation, BF16 output, for the
+variants ``plain``, ``fixed`` (the fix at the format's grid), ``fp32_delta`` and ``rounded_sum``
+(divide by the row sum of the rounded P_bar); and ``plain``/``rounded_sum`` with P_bar alone
+rounded (V in BF16). For these, "delta used" is rowsum(dO * O_used) - the exact delta in
+float64, O_used the output the variant's backward takes delta from. ``formats`` in the JSON
+gathers them per format x variant (``format_table``).
+
+Inputs recorded from a real model (``research.lab_inputs``): the real-failure recipe's GPT at a
+few points of its training (``--model-size``, or ``--model-inputs`` for a file recorded on a
+GPU), measured like the synthetic sets; their ``spec`` says what they are.
+
 Rows are split into tie rows (the max of the float64 scores repeats within eps = 1e-3, as
 the Monitor's repeated-max rows are defined) and other rows. For each group:
 - z (features): for each feature d, z_d = mean of err[:, d] / its standard error over rows;
@@ -40,7 +52,9 @@ the Monitor's repeated-max rows are defined) and other rows. For each group:
 - z (pooled): the mean over rows and features divided by its standard error with rows as the
   independent units (a row's features share one normalisation, so their errors correlate and
   counting elements as independent would overstate z).
-- delta: z = mean of e / its standard error over rows.
+- delta: z = mean of e / its standard error over rows; z_heads the same with (batch, head) pairs
+  as the units (each the mean over its rows): rows of one head share K and V, and rounded V's
+  errors, which makes z over rows overstate; z_heads does not.
 Under no bias z is about N(0, 1); rows of one head share K and V, so read |z| < 3 as noise.
 z grows like sqrt(rows) under a fixed bias: compare kernels at one shape, and shapes by z/sqrt(n).
 """
@@ -209,14 +223,24 @@ def bias_stats(err: torch.Tensor, rows: torch.Tensor) -> dict:
 
 
 def row_stats(e: torch.Tensor, rows: torch.Tensor) -> dict:
-    """Signed bias of a per-row error ``e`` (B, H, N) on ``rows``: {"n", "mean", "mean_abs", "z"}."""
+    """Signed bias of a per-row error ``e`` (B, H, N) on ``rows``: {"n", "mean", "mean_abs", "z", "z_heads"}.
+
+    ``z`` takes rows as the independent units; ``z_heads`` takes the (batch, head) pairs, each
+    contributing the mean error of its selected rows: rows of one head share K and V, and where V
+    itself is rounded (the low-precision formats) they share its rounding errors too, which
+    makes ``z`` overstate; ``z_heads`` does not (None with fewer than 2 pairs)."""
     x = e[rows].to(torch.float64).cpu()
     n = x.shape[0]
-    out = {"n": n, "mean": None, "mean_abs": None, "z": None}
+    out = {"n": n, "mean": None, "mean_abs": None, "z": None, "z_heads": None}
     if n:
         out["mean"], out["mean_abs"] = _num(x.mean()), _num(x.abs().mean())
     if n >= 2:
         out["z"] = _num(_z(x.mean(), x.std(), n))
+    counts = rows.sum(-1).to(torch.float64).cpu()
+    sums = torch.where(rows, e, torch.zeros_like(e)).sum(-1).to(torch.float64).cpu()
+    means = sums[counts > 0] / counts[counts > 0]
+    if means.numel() >= 2:
+        out["z_heads"] = _num(_z(means.mean(), means.std(), means.numel()))
     return out
 
 
@@ -236,6 +260,7 @@ class Kernel:
     delta_source: str           # where its backward takes delta from
     variant: str | None = None  # flashwatch variant: also read delta_used from AttentionStats
     bf16_delta: bool = False    # its backward computes delta in BF16 arithmetic (the paper's)
+    fmt: str | None = None      # P_bar V operand format (research.format_attention): run returns (O, O_used)
 
 
 def _sdpa(backend):
@@ -264,6 +289,9 @@ def kernels_for(device: torch.device, tile: int = 512) -> list[Kernel]:
                   lambda q, k, v: paper_attention(q, k, v, tile=tile), paper_delta, bf16_delta=True),
            Kernel("paper_fixed", f"the same with the paper's per-tile fix (fixed=True), tile {tile}",
                   lambda q, k, v: paper_attention(q, k, v, tile=tile, fixed=True), paper_delta, bf16_delta=True)]
+    from research.lab_formats import format_kernels
+
+    ks += format_kernels()
     try:
         from torch.nn.attention import SDPBackend
     except ImportError:  # torch < 2.3
@@ -304,6 +332,7 @@ def _measure(kernel: Kernel, q, k, v, exact, tie, grads, with_backward: bool) ->
     t0 = time.perf_counter()
     with torch.no_grad():
         out = kernel.run(q, k, v)
+    out, o_used = out if isinstance(out, tuple) else (out, None)
     if out.device.type == "cuda":
         torch.cuda.synchronize()
     res = {"seconds_forward": time.perf_counter() - t0, "dtype": str(out.dtype).replace("torch.", "")}
@@ -315,6 +344,9 @@ def _measure(kernel: Kernel, q, k, v, exact, tie, grads, with_backward: bool) ->
     if kernel.bf16_delta:  # as the paper's backward: product and row sum in BF16
         d16 = (do * out.to(do.dtype)).sum(-1).to(torch.float64)
         res["delta_bf16"] = _split(row_stats, d16 - delta_exact, tie)
+    if o_used is not None:  # the delta its backward uses
+        u64 = o_used.to(torch.float64)
+        res["delta_used"] = _split(row_stats, (do.to(torch.float64) * u64).sum(-1) - delta_exact, tie)
     if kernel.variant is not None and with_backward:
         res["delta_used_stats"] = _stats_delta(kernel, q, k, v, do)
     return res
@@ -350,8 +382,22 @@ def _device_info(device: torch.device) -> dict:
     return info
 
 
+def _input_sets(inputs, model_inputs, shape, seed, dev):
+    """(spec dict, (q, k, v, dO, zero-mean dO)) per input set: synthetic, then recorded."""
+    for spec in inputs:
+        q, k, v, do = make_inputs(spec, shape, seed, dev)
+        do0 = make_inputs(spec, shape, seed, dev, do_mean=0.0)[3]
+        yield {**asdict(spec), "source": "synthetic"}, (q, k, v, do, do0)
+    for rec in model_inputs:
+        # the zero-mean control: N(0, 1) noise of the recorded dO's spread, seeded
+        g = torch.Generator().manual_seed(seed)
+        do0 = (torch.randn(rec.do.shape, generator=g) * rec.do.float().std()).to(torch.bfloat16)
+        yield rec.describe(), tuple(t.to(dev) for t in (rec.q, rec.k, rec.v, rec.do, do0))
+
+
 def run_lab(device: str = "cpu", *, shape=None, seed: int = 0, quick: bool = False, tile: int = 512,
-            with_backward: bool = True, inputs=INPUTS, progress: Callable[[str], None] | None = None) -> dict:
+            with_backward: bool = True, inputs=INPUTS, model_inputs=(),
+            progress: Callable[[str], None] | None = None) -> dict:
     """Measure every kernel on every input set; returns a JSON-ready dict (see the module docstring).
 
     Args:
@@ -362,6 +408,8 @@ def run_lab(device: str = "cpu", *, shape=None, seed: int = 0, quick: bool = Fal
         tile: the paper emulation's tile size.
         with_backward: also run each flashwatch variant's backward for its AttentionStats delta.
         inputs: the InputSpecs to run.
+        model_inputs: ``research.lab_inputs.RecordedInputs`` (a real model's attention calls) to run
+            after them, with their own shapes and dO.
         progress: called with one line per kernel and input set.
     """
     dev = torch.device(device)
@@ -391,15 +439,13 @@ def run_lab(device: str = "cpu", *, shape=None, seed: int = 0, quick: bool = Fal
         "kernels": {},
     }
     kernels = kernels_for(dev, tile)
-    result["kernels"] = {kn.name: {"description": kn.description, "delta_source": kn.delta_source}
+    result["kernels"] = {kn.name: {"description": kn.description, "delta_source": kn.delta_source, "format": kn.fmt}
                          for kn in kernels}
-    for spec in inputs:
-        q, k, v, do = make_inputs(spec, shape, seed, dev)
-        do0 = make_inputs(spec, shape, seed, dev, do_mean=0.0)[3]
+    for spec, (q, k, v, do, do0) in _input_sets(inputs, model_inputs, shape, seed, dev):
         exact, tie = exact_attention(q, k, v)
         grads = {name: (g, (g.to(torch.float64) * exact).sum(-1))
                  for name, g in (("delta", do), ("delta_zero_mean_do", do0))}
-        entry = {"spec": asdict(spec), "rows": int(tie.numel()), "tie_rows": int(tie.sum()), "results": {}}
+        entry = {"spec": spec, "rows": int(tie.numel()), "tie_rows": int(tie.sum()), "results": {}}
         for kn in kernels:
             try:
                 entry["results"][kn.name] = _measure(kn, q, k, v, exact, tie, grads, with_backward)
@@ -408,8 +454,11 @@ def run_lab(device: str = "cpu", *, shape=None, seed: int = 0, quick: bool = Fal
             if progress:
                 r = entry["results"][kn.name]
                 z = r.get("out", {}).get("tie", {}).get("z_feat") if "out" in r else None
-                progress(f"{spec.name:9s} {kn.name:22s} " + (r["error"] if "error" in r else f"O tie z={_fmt(z)}"))
-        result["inputs"][spec.name] = entry
+                progress(f"{spec['name']:9s} {kn.name:22s} " + (r["error"] if "error" in r else f"O tie z={_fmt(z)}"))
+        result["inputs"][spec["name"]] = entry
+    from research.lab_formats import format_table
+
+    result["formats"] = format_table(result)
     result["seconds"] = time.perf_counter() - started
     return result
 
@@ -434,7 +483,20 @@ def _used(r: dict, delta_source: str) -> str:
     if "delta_bf16" in r:
         d = r["delta_bf16"]
         return f"{_fmt(d['tie']['z'])} / {_fmt(d['other']['z'])}  {d['all']['mean_abs']:.1e} (bf16)"
+    if "delta_used" in r:
+        d = r["delta_used"]
+        return f"{_fmt(d['tie']['z'])} / {_fmt(d['other']['z'])}  {d['all']['mean_abs']:.1e}"
     return "n/a (softmax autograd)" if delta_source.startswith("none") else "= delta"
+
+
+def _title(name: str, entry: dict) -> str:
+    spec = entry["spec"]
+    n_tie, n_all = entry["tie_rows"], entry["rows"]
+    what = (f"duplicated keys {spec['duplicate_keys']}, query scale {spec['query_scale']:g}"
+            if spec.get("source") == "synthetic" else
+            f"recorded: layer {spec['layer']} of the '{spec['size']}' real-failure recipe at step {spec['step']}, "
+            f"shape {'x'.join(map(str, spec['shape']))}")
+    return f"{name}: {what}; tie rows {n_tie}, other rows {n_all - n_tie}"
 
 
 def render(result: dict, console=None) -> None:
@@ -456,10 +518,7 @@ def render(result: dict, console=None) -> None:
         "|z| < 3 is noise, z grows like sqrt(rows) under a fixed bias. delta: rowsum(dO*O) from the "
         "stored output. used: the delta the backward really uses (z, mean |error|).")
     for name, entry in result["inputs"].items():
-        spec = entry["spec"]
-        n_tie, n_all = entry["tie_rows"], entry["rows"]
-        table = Table(title=f"{name}: duplicated keys {spec['duplicate_keys']}, query scale {spec['query_scale']:g}; "
-                            f"tie rows {n_tie}, other rows {n_all - n_tie}", title_justify="left")
+        table = Table(title=_title(name, entry), title_justify="left")
         table.add_column("kernel")
         for col in ("O tie z", "O other z", "O mean|err|", "delta tie z", "delta other z", "used delta"):
             table.add_column(col, justify="right")
@@ -473,6 +532,18 @@ def render(result: dict, console=None) -> None:
                           _fmt(d["tie"]["z"]), _fmt(d["other"]["z"]),
                           _used(r, result["kernels"][kname]["delta_source"]))
         console.print(table)
+    from research.lab_formats import format_table
+
+    names = list(result["inputs"])
+    table = Table(title="P_bar and V in a low-precision format: z of the delta the backward uses, all rows, with "
+                        "rows / (batch, head) pairs as units (mean |delta error|)", title_justify="left")
+    table.add_column("format x variant")
+    for name in names:
+        table.add_column(name, justify="right")
+    for row in format_table(result):
+        table.add_row(row["kernel"], *(f"{_fmt(row[n]['z_all'])} / {_fmt(row[n]['z_heads'])} ({row[n]['mean_abs']:.1e})"
+                                       if n in row else "-" for n in names))
+    console.print(table)
     console.print(f"{result['seconds']:.1f} s")
 
 
@@ -490,6 +561,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the shape (default: 8,8,1024,64 on cuda, 4,8,1024,64 on cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the input generator (default 0)")
     p.add_argument("--tile", type=int, default=512, help="tile size of the paper emulation (default 512)")
+    p.add_argument("--model-inputs", metavar="PATH",
+                   help="a real model's attention inputs recorded by python -m research.lab_inputs (default: "
+                        "record them now with --model-size)")
+    p.add_argument("--model-size", choices=("none", "quick", "cpu", "full"), default=None,
+                   help="train the real-failure recipe at this size and record its attention inputs (default: "
+                        "cpu, quick with --quick; none: synthetic inputs only)")
     return p
 
 
@@ -512,15 +589,26 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     console = Console() if sys.stdout.isatty() else Console(width=140)
+    progress = lambda line: console.print(f"[dim]{line}[/dim]")  # noqa: E731
     try:
+        from research import lab_inputs
+
+        model_size = args.model_size or ("quick" if args.quick else "cpu")
+        if args.model_inputs:
+            recorded = lab_inputs.load(args.model_inputs)
+        elif model_size != "none":
+            recorded = lab_inputs.record_model_inputs(model_size, device=device, seed=args.seed, progress=progress)
+        else:
+            recorded = []
         result = run_lab(device, shape=shape, seed=args.seed, quick=args.quick, tile=args.tile,
-                         progress=lambda line: console.print(f"[dim]{line}[/dim]"))
+                         model_inputs=recorded, progress=progress)
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     result["command"] = " ".join(
         [PROG, f"--device {device}"] + (["--quick"] if args.quick else [])
         + ([f"--shape {args.shape}"] if args.shape else []) + [f"--seed {args.seed}", f"--tile {args.tile}"]
+        + ([f"--model-inputs {args.model_inputs}"] if args.model_inputs else [f"--model-size {model_size}"])
         + ([f"--json {args.json}"] if args.json else []))
     render(result, console)
     if args.json:

@@ -46,9 +46,10 @@ def _slim_signals(run_dir: Path) -> bytes:
     return b"\n".join(out) + b"\n"
 
 
-def pack(run_dirs: list[Path], out: Path) -> None:
-    """One tar.xz of ``run_dirs``, each under its own folder name (which must be unique)."""
-    names = [d.name for d in run_dirs]
+def pack(run_dirs: list[Path], out: Path, root: Path | None = None) -> None:
+    """One tar.xz of ``run_dirs``, each under its own folder name (which must be unique), or under its
+    path relative to ``root`` when given (for archives of several scenarios and arms)."""
+    names = [str(d.relative_to(root)) if root is not None else d.name for d in run_dirs]
     if len(set(names)) != len(names):
         raise SystemExit(f"run folder names must be unique inside one archive, got {names}")
     for d in run_dirs:
@@ -56,12 +57,12 @@ def pack(run_dirs: list[Path], out: Path) -> None:
             raise SystemExit(f"{d} is not a run folder (no steps.csv)")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out, "w:xz", preset=6) as tar:
-        for d in sorted(run_dirs):
+        for name_in_archive, d in sorted(zip(names, run_dirs)):
             for name in KEPT_FILES:
                 if (d / name).exists():
-                    tar.add(d / name, arcname=f"{d.name}/{name}")
+                    tar.add(d / name, arcname=f"{name_in_archive}/{name}")
             data = _slim_signals(d)
-            info = tarfile.TarInfo(f"{d.name}/{SIGNALS_FILE}")
+            info = tarfile.TarInfo(f"{name_in_archive}/{SIGNALS_FILE}")
             info.size, info.mtime = len(data), int((d / "steps.csv").stat().st_mtime)
             tar.addfile(info, io.BytesIO(data))
 
@@ -71,7 +72,7 @@ def unpack(archive: Path, into: Path) -> list[Path]:
     into.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive, "r:xz") as tar:
         tar.extractall(into, filter="data")
-        names = sorted({Path(m.name).parts[0] for m in tar.getmembers()})
+        names = sorted({str(Path(m.name).parent) for m in tar.getmembers() if m.isfile()})
     return [into / n for n in names]
 
 
@@ -81,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pack", help="run folders -> one tar.xz")
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--root", type=Path, help="keep each run's path relative to this folder (default: its name)")
     u = sub.add_parser("unpack", help="tar.xz -> run folders")
     u.add_argument("archive", type=Path)
     u.add_argument("--into", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.cmd == "pack":
-        pack(args.runs, args.out)
+        pack(args.runs, args.out, args.root)
         print(f"{args.out}: {len(args.runs)} runs, {args.out.stat().st_size / 2**20:.1f} MiB")
     else:
         for d in unpack(args.archive, args.into):

@@ -57,22 +57,23 @@ def planted_ties(B=2, H=3, N=70, D=64, dtype=torch.bfloat16, device="cpu", eps=1
     return [t.to(device=device, dtype=dtype) for t in (q, k, v)]
 
 
-def check_statistics(q, k, v, causal=True, eps=1e-3, variant="plain"):
-    """Counts equal the reference's exactly; the max logit to FP32 rounding; the delta-error
-    sums equal their definition evaluated in float64 on the kernel's own output."""
+def check_statistics(q, k, v, causal=True, eps=1e-3, variant="plain", fmt="fp8_e4m3"):
+    """Counts equal the reference's exactly (the format count at ``fmt``); the max logit to FP32
+    rounding; the delta-error sums equal their definition evaluated in float64 on the kernel's own output."""
     H = q.shape[1]
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    stats = AttentionStats(H, q.device)
+    stats = AttentionStats(H, q.device, format=fmt)
     out = flash_attention(q, k, v, causal=causal, eps=eps, stats=stats, variant=variant)
     g = output_gradient(out)
     out.backward(g)
-    ref = AttentionStats(H, "cpu")
+    ref = AttentionStats(H, "cpu", format=fmt)
     qc, kc, vc = (t.detach().cpu().requires_grad_(True) for t in (q, k, v))
     reference.flash_attention(qc, kc, vc, causal=causal, eps=eps, stats=ref).backward(g.detach().cpu())
     qc, kc, vc = (t.detach() for t in (qc, kc, vc))
     assert stats.rows.tolist() == ref.rows.tolist()
     assert stats.repeated_max_rows.tolist() == ref.repeated_max_rows.tolist()
     assert stats.repeated_max_rows_bf16.tolist() == ref.repeated_max_rows_bf16.tolist()
+    assert stats.repeated_max_rows_format.tolist() == ref.repeated_max_rows_format.tolist()
     torch.testing.assert_close(stats.max_logit.cpu(), ref.max_logit, rtol=1e-6, atol=1e-6)
     exact, _ = attention64(q, k, v, causal)
     g64 = g.detach().cpu().double()

@@ -153,7 +153,7 @@ def test_statistics_pass_equals_own_kernel_statistics():
     out.backward(g)
     seen = AttentionStats(H, "cpu")
     reference.attention_statistics(q.detach(), k.detach(), v.detach(), out.detach(), g, seen)
-    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "max_logit"):
+    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format", "max_logit"):
         assert torch.equal(getattr(own, name), getattr(seen, name)), name
     for name in ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied"):
         torch.testing.assert_close(getattr(own, name), getattr(seen, name), rtol=1e-4, atol=1e-6)

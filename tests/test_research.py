@@ -404,3 +404,28 @@ def test_a_piece_that_fails_after_its_checkpoint_loses_no_recording(tmp_path, mo
             break
     assert json.loads((b / "run.json").read_text())["status"] == "completed"
     assert gzip.open(a / "signals.jsonl.gz").read() == gzip.open(b / "signals.jsonl.gz").read()
+
+
+@pytest.mark.parametrize("arm", ["fp8_plain", "fp8_rounded_sum"])
+def test_the_fp8_failure_arms_run_tiny_on_the_cpu(tmp_path, arm):
+    """The fp8-failure scenario's code path: the FP8 SDPA shim observed by the Monitor at the FP8 grid."""
+    import gzip
+    import json
+
+    import torch.nn.functional as F
+
+    from research.experiments import worker
+    from research.experiments.scenarios import get_scenario
+
+    sdpa = F.scaled_dot_product_attention
+    spec = make_plan([(get_scenario("fp8-failure"), [arm])], [0], tmp_path, device="cpu", tiny=True, max_steps=6,
+                     max_seconds=120)[0]
+    assert worker.run({k: getattr(spec, k) for k in spec.__dataclass_fields__}) == 0
+    assert F.scaled_dot_product_attention is sdpa  # the shim is removed after the run
+    run = json.loads((tmp_path / "fp8-failure" / arm / "seed0" / "run.json").read_text())
+    assert run["status"] == "completed" and run["monitor_config"]["format"] == "fp8_e4m3"
+    assert run["arm"]["format"] == "fp8_e4m3" and run["arm"]["attention"] == "format"
+    with gzip.open(tmp_path / "fp8-failure" / arm / "seed0" / "signals.jsonl.gz", "rt") as f:
+        first = json.loads(f.readline())
+    # E4M3's grid ties every key within 0.032 of the max: more rows than the FP32 test within eps
+    assert sum(map(sum, first["rmf"])) > sum(map(sum, first["rm"]))

@@ -67,7 +67,7 @@ def test_statistics_pass_matches_reference():
     got, want = AttentionStats(4, "cuda"), AttentionStats(4, "cpu")
     attention_statistics(q, k, v, out, g, got)
     reference.attention_statistics(q.cpu(), k.cpu(), v.cpu(), out.cpu(), g.cpu(), want)
-    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16"):
+    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format"):
         assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
     torch.testing.assert_close(got.max_logit.cpu(), want.max_logit, rtol=1e-6, atol=1e-6)
     assert ((got.delta_error.cpu() - want.delta_error).abs() <= 1e-3 * want.delta_error_abs + 1e-5).all()
@@ -167,6 +167,6 @@ def test_rows_hook_changes_no_gradient_and_no_statistic():
     torch.testing.assert_close(grads_on[0], grads_off[0], rtol=2 ** -7, atol=1e-6)
     for a, b in zip(grads_off[1:], grads_on[1:]):
         assert torch.equal(a, b)
-    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16"):
+    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format"):
         assert torch.equal(getattr(off, name), getattr(on, name)), name
     torch.testing.assert_close(off.delta_error_abs, on.delta_error_abs, rtol=1e-5, atol=1e-7)

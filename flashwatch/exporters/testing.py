@@ -34,6 +34,7 @@ def synthetic_snapshot(layout: Layout, step: int = 0, *, seed: int = 0,
     per_head = {
         "flashwatch_repeated_max_ratio": lambda: 0.02 * rng.random(),
         "flashwatch_repeated_max_ratio_bf16": lambda: 0.05 * rng.random(),
+        "flashwatch_repeated_max_ratio_format": lambda: 0.1 * rng.random(),
         "flashwatch_max_logit": lambda: 5.0 + 5.0 * rng.random(),
         "flashwatch_delta_error": lambda: rng.gauss(0.0, 1e-3),
         "flashwatch_delta_error_cumulative": lambda: rng.gauss(0.0, 1e-2),

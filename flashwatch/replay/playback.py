@@ -143,6 +143,8 @@ def _reading(rec: dict, layer: int) -> LayerReading:
     stats = {"rows": torch.full((n,), float(rec["rows"][layer]), dtype=f64),
              "repeated_max_rows": heads("rm"), "repeated_max_rows_bf16": heads("rm16"),
              "max_logit": heads("max_logit"), "delta_error": heads("e")}
+    if "rmf" in rec:  # absent in recordings made before the format count
+        stats["repeated_max_rows_format"] = heads("rmf")
     chain = {name: heads(key) for key, name in _CHAIN_KEYS.items()} if all(k in rec for k in _CHAIN_KEYS) else None
     variant = (rec.get("variant") or [None] * len(rec["e"]))[layer]
     return LayerReading(stats=stats, sigma=heads("sigma"), chain=chain, low_precision=rec["low_precision"][layer],

@@ -8,7 +8,9 @@ Files of a run folder:
   before clipping; ``time_s`` since the first step).
 - ``signals.jsonl`` (``signals.jsonl.gz`` once the run ends): one JSON line per monitored step.
   Per (layer, head): ``e`` (delta error e_t), ``C`` (C_T), ``z`` (drift z), ``zw`` (windowed z),
-  ``rm`` / ``rm16`` (repeated-max rows on FP32 / BF16-rounded scores: counts), ``max_logit``,
+  ``rm`` / ``rm16`` (repeated-max rows on FP32 / BF16-rounded scores: counts), ``rmf`` (rows
+  where P_bar rounds to 1 at two or more keys in MonitorConfig.format: counts; absent in older
+  recordings), ``max_logit``,
   ``sigma`` (W^Q spectral norm); per layer ``rows`` (softmax rows measured), ``low_precision``
   and ``variant`` (what the layer ran at that step); the step's ``loss``, ``grad_norm``, ``index``
   (monitored steps before this one), the ``alerts`` that started there, ``monitor_error`` (the
@@ -242,6 +244,7 @@ class SignalsWriter:
             f'"zw":{grid(sig["drift_window_z"], lambda x: _sig_text(x, 4))}',
             f'"rm":{counts("flashwatch_repeated_max_ratio")}',
             f'"rm16":{counts("flashwatch_repeated_max_ratio_bf16")}',
+            f'"rmf":{counts("flashwatch_repeated_max_ratio_format")}',
             f'"max_logit":{grid(snap["flashwatch_max_logit"], f32_text)}',
             f'"sigma":{grid(snap["flashwatch_wq_spectral_norm"], f32_text)}',
             # the chain's readings rounded to float32: read for analysis, not replayed by a detector

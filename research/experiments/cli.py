@@ -5,6 +5,7 @@ Commands (from the repository root)
                                                  real-numerics scenario (CUDA; skipped without it)
   python -m research.experiments real-failure    the real BF16 failure (CUDA only), six arms
   python -m research.experiments seed-split      one configuration where seeds split (CUDA only)
+  python -m research.experiments fp8-failure     the real-failure recipe with P_bar V in FP8 (CUDA only)
   python -m research.experiments list            scenarios, arms, defaults
   python -m research.experiments figures PATH    one PNG per arm from recorded runs
 
@@ -187,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "steps past a confirmed blow-up.")
     _add_run_options(p, "results/seed-split.json")
     p.set_defaults(func=_cmd_run, command_name="seed-split", scenario="seed-split")
+
+    p = sub.add_parser("fp8-failure", help="the real-failure recipe with P_bar V in FP8 E4M3 (emulated; CUDA)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="The FP8 failure. Arms marked * run by default.\n\n" + scen_doc("fp8-failure") +
+                                   "\n\nLong runs: --resumable, as seed-split.")
+    _add_run_options(p, "results/fp8-failure.json")
+    p.set_defaults(func=_cmd_run, command_name="fp8-failure", scenario="fp8-failure")
 
     p = sub.add_parser("figures", help="one PNG per (scenario, arm) from recorded runs, and an overview per scenario",
                        description="Figures from recorded runs (matplotlib; no training). PATH: a run folder, a "

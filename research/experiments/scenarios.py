@@ -23,6 +23,10 @@ Scenarios (``SCENARIOS``):
   the arms ``sdpa_observe``, ``plain``, ``fixed``, ``fp32_delta``, ``auto_fix`` (observe mode,
   switching a flagged layer to ``fp32_delta``) and ``fp32`` (FP32 control, TF32 off).
 
+- ``fp8-failure`` (CUDA): the real-failure recipe with the attention's P_bar V emulated in FP8
+  E4M3 (``research.format_attention`` as an SDPA shim, observed): ``fp8_plain``,
+  ``fp8_fp32_delta``, ``fp8_rounded_sum`` (and ``fp8_fixed``), against the BF16 SDPA arm.
+
 ``tiny`` (``--tiny``): the same arms on a model small enough for a CPU smoke run (2 layers, 2
 heads, d=64, context 64, batch 4), exercising the same code path as the full run.
 """
@@ -36,7 +40,7 @@ from flashwatch.vocabulary import INJECTED
 __all__ = ["Recipe", "Arm", "Scenario", "SCENARIOS", "TINY", "PRECISIONS", "ATTENTIONS", "EXPECTS", "get_scenario"]
 
 PRECISIONS = ("bf16", "fp32", "bf16_attention")
-ATTENTIONS = ("sdpa", "paper")
+ATTENTIONS = ("sdpa", "paper", "format")
 EXPECTS = ("failure", "healthy", "rescued")
 
 
@@ -74,8 +78,11 @@ class Arm:
         precision: ``"bf16"`` (BF16 autocast), ``"fp32"`` (no autocast, TF32 off),
             ``"bf16_attention"`` (FP32 model, attention inputs cast to BF16: the CPU scenario).
         attention: ``"sdpa"`` (the model calls torch SDPA; in own_kernel mode the Monitor routes it
-            to flashwatch's kernel) or ``"paper"`` (an SDPA shim running the paper's all-BF16
-            emulation, installed before the Monitor attaches, so observe mode measures it).
+            to flashwatch's kernel), ``"paper"`` (an SDPA shim running the paper's all-BF16
+            emulation, installed before the Monitor attaches, so observe mode measures it) or
+            ``"format"`` (an SDPA shim running ``research.format_attention``: P_bar and V in
+            ``format`` for the P_bar V product, variant ``format_variant``; observed the same way).
+        format, format_variant: the shim's number format and variant (``attention == "format"``).
         monitor: ``MonitorConfig`` fields of the arm (mode, variant, auto_fix, ...).
         inject: strength of the INJECTED rounding bias (``flashwatch.kernels.faults``; 0: none).
         lr: learning rate overriding the recipe's (None: the recipe's).
@@ -93,12 +100,24 @@ class Arm:
     lr: float | None = None
     device: str = "cuda"
     note: str = ""
+    format: str = ""
+    format_variant: str = "plain"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"Arm.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"Arm.attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.attention == "format":
+            from flashwatch.kernels.formats import FORMATS
+
+            from research.format_attention import FORMAT_VARIANTS
+
+            if self.format not in FORMATS or self.format_variant not in FORMAT_VARIANTS:
+                raise ValueError(f"arm {self.name}: attention 'format' needs format in {FORMATS} and format_variant "
+                                 f"in {FORMAT_VARIANTS}, got {self.format!r}, {self.format_variant!r}")
+        elif self.format:
+            raise ValueError(f"arm {self.name}: format={self.format!r} is only used with attention='format'")
         if self.expect not in EXPECTS:
             raise ValueError(f"Arm.expect must be one of {EXPECTS}, got {self.expect!r}")
         if self.inject and self.monitor.get("mode") != "own_kernel":
@@ -281,7 +300,38 @@ SEED_SPLIT = Scenario(
     default_arms=("sdpa_observe",),
 )
 
-SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERIC, REAL_FAILURE, SEED_SPLIT)}
+# --- FP8 failure (CUDA): the real-failure recipe with P_bar V in FP8 E4M3 ----------------------------
+
+def _fp8(variant: str) -> dict:
+    return {"attention": "format", "format": "fp8_e4m3", "format_variant": variant,
+            "monitor": {"mode": "observe", "format": "fp8_e4m3"}}
+
+
+FP8_FAILURE = Scenario(
+    name="fp8-failure", device="cuda",
+    summary="the real-failure recipe with the attention's P_bar V in FP8 E4M3 (emulated), against BF16 SDPA",
+    recipe=_REAL_FAILURE_RECIPE, tiny=TINY, max_steps=8000, max_seconds=510.0, seeds=(0, 1, 2),
+    arms=(
+        Arm("sdpa_observe", "BF16 autocast, torch SDPA (FA2), Monitor in observe mode: the BF16 reference", "failure",
+            monitor={"mode": "observe", "format": "fp8_e4m3"},
+            note="the real-failure scenario's arm of the same name (blew up at 3,100-6,100 steps at this lr)"),
+        Arm("fp8_plain", "P_bar and V in FP8 E4M3 for P_bar V, FP32 accumulation, BF16 output, delta from it",
+            "failure", **_fp8("plain"),
+            note="research.format_attention (dense emulation, as FlashAttention-3's FP8 forward) as an SDPA shim; "
+                 "the backward runs in BF16 numerics"),
+        Arm("fp8_fp32_delta", "FP8 E4M3 P_bar V; the backward's delta from the FP32 output", "healthy",
+            **_fp8("fp32_delta"),
+            note="observe mode measures rowsum(dO*O) of the stored output, not the delta this backward uses"),
+        Arm("fp8_rounded_sum", "FP8 E4M3 P_bar V divided by the row sum of the rounded P_bar", "healthy",
+            **_fp8("rounded_sum"),
+            note="the candidate fix of docs/LAB.md: the lab's FP8 rows show the FP32 row sum pulling O towards zero"),
+        Arm("fp8_fixed", "FP8 E4M3 P_bar V with the shift of the fixed variant at the FP8 grid", "healthy",
+            **_fp8("fixed"), note="not a default arm: the lab shows it flips the bias's sign at FP8"),
+    ),
+    default_arms=("sdpa_observe", "fp8_plain", "fp8_fp32_delta", "fp8_rounded_sum"),
+)
+
+SCENARIOS = {s.name: s for s in (INJECTION, REAL_NUMERIC, REAL_FAILURE, SEED_SPLIT, FP8_FAILURE)}
 
 
 def get_scenario(name: str) -> Scenario:

@@ -25,6 +25,8 @@ Set-ups done before the Monitor attaches (so it keeps them as "the model's atten
 - ``attention == "paper"``: ``torch.nn.functional.scaled_dot_product_attention`` is replaced by
   a shim that runs ``flashwatch.kernels.paper.paper_attention`` (the paper's all-BF16 tiled
   numerics, tile 512) for causal self-attention calls; observe mode then measures that kernel.
+- ``attention == "format"``: the same with ``research.format_attention`` (P_bar and V in the
+  arm's ``format`` for the P_bar V product, variant ``format_variant``).
 - ``inject > 0`` (INJECTED fault): the process-wide rounding bias of ``flashwatch.kernels.faults``
   is set to ``inject``, so every own-kernel attention call of this process carries the fault
   (the ``fixed`` variant disarms it by construction: its P_bar stay below 1).
@@ -212,6 +214,10 @@ def run(spec: dict) -> int:
                          attn_dtype=torch.bfloat16 if arm["precision"] == "bf16_attention" else None).to(dev)
         if arm["attention"] == "paper":
             undo.append(install_paper_sdpa())
+        if arm["attention"] == "format":
+            from research.format_attention import install_format_sdpa
+
+            undo.append(install_format_sdpa(arm["format"], arm["format_variant"]))
         if arm.get("inject"):
             undo.append(install_injection(float(arm["inject"])))
         config = MonitorConfig(**{**arm.get("monitor", {}), "interval": int(recipe["interval"]),
