@@ -5,17 +5,16 @@
 #
 #   bash results/analyze.sh            # PYTHON=/path/to/python to choose the interpreter
 #
-# Recordings (run folders: steps.csv, signals.jsonl.gz, run.json, worker.log):
-#   results/gpu-2026-11-30/runs-batch1.tgz   GPU batch 1: real-failure sdpa_observe and fp32 (valid),
-#                                            real-numerics paper (valid); its plain, fixed, fp32_delta
-#                                            and auto_fix runs are INVALID (dK/dV layout bug, fixed
-#                                            since) and are not analysed
-#   results/gpu-2026-11-30/runs-batch2.tgz   GPU batch 2: plain, fixed, fp32_delta, auto_fix (after the fix)
-#   results/gpu-2026-11-30/runs-batch3.tgz   GPU batch 3: real-failure seeds 2-4, all six arms
-#   results/gpu-2026-11-30/runs-batch4.tgz   GPU batch 4: real-numerics paper seeds 2-4, plain_fast 0-4, fp32_fast 0-1
-#   results/gpu-2026-11-30/runs-batch5.tgz   GPU batch 5: real-failure fp32 seeds 0-1 again, to ~4,830 steps
+# Recordings (run folders: steps.csv, signals.jsonl, run.json, worker.log; packed by research.recordings):
+#   results/gpu-2026-11-30/runs-batch1.tar.xz   GPU batch 1: real-failure sdpa_observe, real-numerics paper
+#                                            (its plain, fixed, fp32_delta and auto_fix runs were INVALID:
+#                                            dK/dV layout bug, fixed since; left out with its fp32 runs)
+#   results/gpu-2026-11-30/runs-batch2.tar.xz   GPU batch 2: plain, fixed, fp32_delta, auto_fix (after the fix)
+#   results/gpu-2026-11-30/runs-batch3.tar.xz   GPU batch 3: real-failure seeds 2-4, all six arms
+#   results/gpu-2026-11-30/runs-batch4.tar.xz   GPU batch 4: real-numerics paper seeds 2-4, plain_fast 0-4, fp32_fast 0-1
+#   results/gpu-2026-11-30/runs-batch5.tar.xz   GPU batch 5: real-failure fp32 seeds 0-1 again, to ~4,830 steps
 #                                            (they replace batch 1's fp32 runs of the same seeds, stopped at 2,280)
-#   results/gpu-2026-11-30/runs-batch6.tgz   GPU batch 6: real-failure sdpa_observe_lr1e-3 seeds
+#   results/gpu-2026-11-30/runs-batch6.tar.xz   GPU batch 6: real-failure sdpa_observe_lr1e-3 seeds
 #                                            0-4, the healthy BF16 reference, to ~4,940 steps
 #   results/injection-2026-11-30/runs.tgz    CPU injection scenario: healthy, injected (and the first
 #                                            injected_auto_fix runs, made with the old defaults)
@@ -28,12 +27,12 @@ figures() { "$PY" -m research.experiments figures "$@" --out docs/figures; }
 G=runs/gpu-2026-11-30
 I=runs/injection-2026-11-30
 mkdir -p $G/batch1 $G/batch2 $G/batch3 $G/batch4 $G/batch5 $G/batch6 $I/original $I/calibrated
-tar xzf results/gpu-2026-11-30/runs-batch1.tgz -C $G/batch1
-tar xzf results/gpu-2026-11-30/runs-batch2.tgz -C $G/batch2
-tar xzf results/gpu-2026-11-30/runs-batch3.tgz -C $G/batch3
-tar xzf results/gpu-2026-11-30/runs-batch4.tgz -C $G/batch4
-tar xzf results/gpu-2026-11-30/runs-batch5.tgz -C $G/batch5
-tar xzf results/gpu-2026-11-30/runs-batch6.tgz -C $G/batch6
+tar xJf results/gpu-2026-11-30/runs-batch1.tar.xz -C $G/batch1
+tar xJf results/gpu-2026-11-30/runs-batch2.tar.xz -C $G/batch2
+tar xJf results/gpu-2026-11-30/runs-batch3.tar.xz -C $G/batch3
+tar xJf results/gpu-2026-11-30/runs-batch4.tar.xz -C $G/batch4
+tar xJf results/gpu-2026-11-30/runs-batch5.tar.xz -C $G/batch5
+tar xJf results/gpu-2026-11-30/runs-batch6.tar.xz -C $G/batch6
 tar xzf results/injection-2026-11-30/runs.tgz -C $I/original
 tar xzf results/injection-2026-11-30/runs-auto_fix-calibrated.tgz -C $I/calibrated
 
