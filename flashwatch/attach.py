@@ -41,6 +41,8 @@ class AttentionLayer:
         variant: the kernel variant in own_kernel mode; ``"sdpa"`` while observed.
         stats: the layer's ``AttentionStats`` (device tensors; reset after every monitored step).
         calls: attention calls measured during the current monitored step.
+        coverage: CPU int64 tensor [attention calls, measured calls] of the current monitored
+            step (counted by the router, also inside compiled graphs; reset by the Monitor).
         low_precision: whether the last measured call's output was BF16/FP16 (None before any).
         chain: the layer's W^Q-error accumulators (``flashwatch.chain.LayerChain``), None where
             that chain is not defined (rotary queries, explicitly named modules, sharded weights).
@@ -57,6 +59,7 @@ class AttentionLayer:
     variant: str = "sdpa"
     stats: Any = field(default=None, repr=False)
     calls: int = 0
+    coverage: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.int64), repr=False)
     low_precision: bool | None = None
     chain: Any = field(default=None, repr=False)
     chain_input: Any = field(default=None, repr=False)

@@ -18,6 +18,18 @@ model is exactly as before). The wrapper:
 
 On unmonitored steps an observed layer costs one Python check per call.
 
+Under ``torch.compile`` the same routing is traced into the compiled graph as custom operators
+(``flashwatch.kernels.ops``): observe mode marks the model's SDPA output with
+``flashwatch::observe`` (its backward runs the statistics pass), own-kernel mode calls
+``flashwatch::attention``; each call carries its layer's statistics buffers, and whether the
+step is monitored is the Router's ``flag`` tensor, read when the operators run, so monitored
+and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls the
+statistics cannot take go to the original SDPA and are counted by ``flashwatch::unmeasured_call``.
+Under compile the W^Q-gradient error chain is not measured (its metrics read NaN).
+
+Every layer counts its attention calls on monitored steps (``AttentionLayer.coverage``:
+[calls, measured calls]), so a layer whose calls cannot be measured reads coverage 0.
+
 Cautions:
 
 - The model must call ``torch.nn.functional.scaled_dot_product_attention`` through the module
@@ -164,7 +176,7 @@ class Router:
             Monitor logs once per kind and counts); training goes on with the original SDPA.
 
     ``monitoring`` (a bool the Monitor sets between steps) says whether the current step is a
-    monitored one.
+    monitored one; ``flag`` is the same as a CPU tensor (0-d int32), which compiled graphs read.
     """
 
     def __init__(self, layers: Sequence[AttentionLayer], *, beta: float = 2.0, eps: float = 1e-3,
@@ -172,10 +184,20 @@ class Router:
         self.layers = list(layers)
         self.beta, self.eps = beta, eps
         self.on_error = on_error or (lambda kind, exc: log.warning("flashwatch %s failed", kind, exc_info=exc))
+        self.flag = torch.zeros((), dtype=torch.int32)  # read by compiled graphs at run time
         self.monitoring = False
         self._handles: list = []
         self._logged: set = set()
         self.installed = False
+
+    @property
+    def monitoring(self) -> bool:
+        return self._monitoring
+
+    @monitoring.setter
+    def monitoring(self, value: bool) -> None:
+        self._monitoring = bool(value)
+        self.flag.fill_(int(self._monitoring))
 
     # hooks ------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -207,7 +229,7 @@ class Router:
                 stack = _local.stack = []
             stack.append(getattr(_local, "current", None))
             _local.current = (self, layer)
-            if layer.chain is not None:
+            if layer.chain is not None and not _compiling():
                 # the projection's input X (B, N, C): the module's first input (nanoGPT's x,
                 # Hugging Face's hidden_states); kept on monitored steps only
                 x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
@@ -228,18 +250,12 @@ class Router:
             log.warning(message, *args)
 
     def call(self, layer: AttentionLayer, args: tuple, kwargs: dict):
+        if _compiling():
+            return self._compiled_call(layer, args, kwargs)
         sdpa = original_sdpa()
         if layer.mode != "own_kernel":
             out = sdpa(*args, **kwargs)
             if self.monitoring and torch.is_grad_enabled():  # observe, monitored step
-                if _compiling():
-                    # a compiled graph replays without our hooks setting the current layer, so
-                    # what it measured would land on the wrong layer: measure nothing instead
-                    self._log_once(("compile", layer.index),
-                                   "flashwatch: layer %d (%s) runs inside torch.compile; observe mode cannot "
-                                   "attribute its attention there and does not measure it (attach to the "
-                                   "uncompiled model, or use mode='own_kernel')", layer.index, layer.name)
-                    return out
                 self._observe(layer, args, kwargs, out)
             return out
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
@@ -247,6 +263,8 @@ class Router:
         q, k, v, cast = _autocast_inputs(q, k, v) if isinstance(q, torch.Tensor) else (q, k, v, False)
         reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
         if reason is not None:
+            if self.monitoring and torch.is_grad_enabled():
+                layer.coverage[0] += 1
             self._log_once(("fallback", layer.index, reason),
                            "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls "
                            "where %s; those calls are not measured", layer.index, layer.name, reason)
@@ -258,6 +276,7 @@ class Router:
             stats = layer.ensure_stats(q.device) if monitored else None
             if monitored:
                 layer.calls += 1
+                layer.coverage += 1
                 layer.low_precision = q.dtype in (torch.bfloat16, torch.float16)
                 # the kernel's backward reports its rows through stats.rows_hook, once per call,
                 # in reverse order of the forwards: each call leaves its hook on a stack
@@ -319,12 +338,14 @@ class Router:
                 q, k, v = q.to(out.dtype), k.to(out.dtype), v.to(out.dtype)
             reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
             if reason is not None:
+                layer.coverage[0] += 1
                 self._log_once(("observe", layer.index, reason),
                                "flashwatch: layer %d (%s): calls where %s are not measured", layer.index,
                                layer.name, reason)
                 return
             stats = layer.ensure_stats(q.device)
             layer.calls += 1
+            layer.coverage += 1
             layer.low_precision = out.dtype in (torch.bfloat16, torch.float16)
             # k, v with fewer heads (grouped-query attention) are passed as they are: the
             # statistics pass maps query head h to kv head h // (H // Hkv), as SDPA's enable_gqa
@@ -349,3 +370,36 @@ class Router:
             out.register_hook(on_grad)
         except Exception as exc:
             self.on_error("observe", exc)
+
+    def _compiled_call(self, layer: AttentionLayer, args: tuple, kwargs: dict):
+        """The call as torch.compile traces it: custom operators, no Python hooks, no guard on
+        whether the step is monitored (``flag`` is read when the operators run)."""
+        from flashwatch.kernels import ops
+
+        sdpa = original_sdpa()
+        if not torch.is_grad_enabled():  # statistics are collected only where autograd records
+            return sdpa(*args, **kwargs)
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
+        stats = layer.ensure_stats(q.device) if isinstance(q, torch.Tensor) else None
+        if layer.mode == "own_kernel":
+            qc, kc, vc, cast = _autocast_inputs(q, k, v) if stats is not None else (q, k, v, False)
+            reason = unsupported_reason(qc, kc, vc, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+            if reason is None:
+                with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
+                    return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,
+                                         causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
+                                         beta=self.beta, eps=self.eps)
+            ops.unmeasured_call(self.flag, layer.coverage, layer.index, reason)
+            return sdpa(*args, **kwargs)
+        out = sdpa(*args, **kwargs)
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return out  # no backward will come: nothing to measure, nothing counted
+        # autocast casts the inputs inside SDPA: the statistics take them in the output's dtype
+        # (cast when the statistics pass runs, on monitored steps only)
+        reason = unsupported_reason(q.to(out.dtype), k.to(out.dtype), v.to(out.dtype), attn_mask, dropout_p,
+                                    enable_gqa, layer.num_heads) if stats is not None else "query is not a tensor"
+        if reason is not None:
+            ops.unmeasured_call(self.flag, layer.coverage, layer.index, reason)
+            return out
+        return ops.observe(out, q, k, v, flag=self.flag, stats=stats, coverage=layer.coverage,
+                           causal=bool(is_causal), sm_scale=scale, eps=self.eps)
