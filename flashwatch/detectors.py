@@ -118,6 +118,7 @@ class LayerSignals:
     max_logit_growth: torch.Tensor | None = None  # d log(max logit) per 1,000 optimizer steps over the window
     wq_sigma_growth_rate: torch.Tensor | None = None  # d log(sigma) per 1,000 optimizer steps over the window
     repeated_max_bf16_trend: torch.Tensor | None = None  # d(BF16 repeated-max ratio) per 1,000 optimizer steps
+    coverage: float = math.nan  # measured attention calls / attention calls at this step (NaN: no call)
 
     @property
     def delta_from_rounded_output(self) -> bool:
@@ -524,6 +525,28 @@ class LossSpikeDetector(Detector):
         self.last = state.get("last")
 
 
+class CoverageDetector(Detector):
+    """``attention_coverage``: a layer called attention at a monitored step and none of its calls
+    was measured (coverage 0). Key (layer, -1); clears at the first monitored step that measures
+    one of the layer's calls; a step without any call (coverage NaN) changes nothing."""
+
+    rule = "attention_coverage"
+
+    def update(self, signals: StepSignals) -> list[Alert]:
+        out = self._begin()
+        for ls in signals.layers:
+            if math.isnan(ls.coverage):
+                continue
+            blind = ls.coverage == 0.0
+            alert = self._judge((ls.layer, -1), blind, blind, lambda ls=ls: self._alert(
+                signals.step, ls.layer, -1, ls.coverage, 0.0,
+                f"layer {ls.layer}: none of its attention calls at step {signals.step} was measured (coverage 0); "
+                "its signals are blind, not healthy (the flashwatch log names the reason)"))
+            if alert:
+                out.append(alert)
+        return out
+
+
 def build_detectors(config: Any) -> list[Detector]:
     """One detector per rule of ``RULES``, in that order, configured from a ``MonitorConfig``."""
     c = config
@@ -536,4 +559,5 @@ def build_detectors(config: Any) -> list[Detector]:
         MaxLogitDetector(c.max_logit_bound, 0, c.clear_ratio),
         NonFiniteDetector(c.clear_ratio),
         LossSpikeDetector(c.loss_spike_rtol, c.loss_spike_atol, c.loss_spike_window, c.clear_ratio),
+        CoverageDetector(c.clear_ratio),
     ]

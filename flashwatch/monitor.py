@@ -369,6 +369,7 @@ class Monitor:
         new = self._drain()  # an earlier monitored step whose values were still on their way (CUDA)
         if self._monitoring:
             pending = None
+            coverage = [tuple(layer.coverage.tolist()) for layer in self.layers]  # CPU counters: no sync
             try:
                 pending = self._collect(t, loss, grad_norm)
             except Exception as exc:  # monitoring never stops training
@@ -378,6 +379,7 @@ class Monitor:
                 self._reset_stats()
             if pending is not None:
                 pending.variants = ran
+                pending.coverage = coverage
                 if pending.event is None:
                     new.extend(self._decide_safely(pending))
                 else:
@@ -467,6 +469,7 @@ class Monitor:
         for layer in self.layers:
             if layer.stats is not None:
                 layer.stats.reset()
+            layer.coverage.zero_()
 
     # --- the monitored step: host half -------------------------------------------------------------
     def _decide(self, pending: Pending) -> list[Alert]:
@@ -476,15 +479,16 @@ class Monitor:
             return []
         t = pending.step
         ran = pending.variants or [layer.variant for layer in self.layers]
+        coverage = getattr(pending, "coverage", None) or [None] * len(self.layers)
         readings = []
         per_layer = got.per_layer([layer.num_heads for layer in self.layers])
-        for layer, variant, (fields, sigma) in zip(self.layers, ran, per_layer):
+        for layer, variant, calls, (fields, sigma) in zip(self.layers, ran, coverage, per_layer):
             if self.sharding is not None:
                 sigma = torch.full_like(sigma, math.nan)  # skipped: NaN, as the metric shows
             self._warn_unseen(t, layer, fields["rows"])
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
-                                         low_precision=layer.low_precision, variant=variant))
+                                         low_precision=layer.low_precision, variant=variant, calls=calls))
             layer.calls = 0
         signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=got.grad_norm,
                                       readings=readings, loss_given=got.loss_given, grad_norm_given=got.grad_norm_given)

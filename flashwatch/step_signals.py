@@ -10,7 +10,9 @@ Raw readings of one layer (``LayerReading``), every tensor (H,) float64 on the h
 - ``sigma``: the W^Q spectral norm per head;
 - ``chain``: the W^Q-gradient error readings by field name (``flashwatch.chain.FIELDS``), or
   None where they were not measured;
-- ``low_precision`` and ``variant``: what the layer ran at that step.
+- ``low_precision`` and ``variant``: what the layer ran at that step;
+- ``calls``: (attention calls, measured calls) of the layer at that step, or None where not
+  counted; the layer's coverage is their ratio (NaN without a call).
 
 Host state kept across steps (``SignalBuilder``; ``state_dict`` for an exact resume): per
 layer the drift sums (``DriftTracker``), the last W+1 spectral norms (``SigmaHistory``), the
@@ -44,6 +46,14 @@ class LayerReading:
     chain: dict[str, torch.Tensor] | None = None
     low_precision: bool | None = None
     variant: str | None = None
+    calls: tuple[int, int] | None = None
+
+
+def _coverage(calls: tuple[int, int] | None) -> float:
+    """Measured calls / attention calls; NaN without a call (nothing to cover)."""
+    if calls is None or not calls[0]:
+        return math.nan
+    return calls[1] / calls[0]
 
 
 def _nan(h: int) -> torch.Tensor:
@@ -141,7 +151,7 @@ class SignalBuilder:
             "repeated_max_ratio_bf16": rm16,
         })
         return LayerSignals(
-            layer=i, seen=seen, rows=rows,
+            layer=i, seen=seen, rows=rows, coverage=_coverage(r.calls),
             repeated_max_ratio=ratio("repeated_max_rows"), repeated_max_ratio_bf16=rm16,
             max_logit=max_logit, delta_error=f["delta_error"].to(F64) if seen else nan.clone(),
             # a head whose delta error was never measured (no call it could measure: dropout, a mask,

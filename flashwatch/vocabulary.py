@@ -45,9 +45,10 @@ INJECTED = "INJECTED"  # every output of a run with an injected fault says so wi
 # --- alert rules ----------------------------------------------------------------------------------
 
 SEVERITIES = ("warning", "critical")
-# What an alert is about: one head (labels layer, head >= 0), the whole run (layer = head = -1),
-# or either (non_finite: the loss or gradient norm, or one head's statistics).
-SCOPES = ("head", "run", "head or run")
+# What an alert is about: one head (labels layer, head >= 0), one layer (layer >= 0, head = -1),
+# the whole run (layer = head = -1), or either of head and run (non_finite: the loss or gradient
+# norm, or one head's statistics).
+SCOPES = ("head", "layer", "run", "head or run")
 RUNBOOK = "docs/ALERTS.md"  # the runbook: one section per alert, anchored by its rule name
 
 
@@ -181,6 +182,19 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "spike that recovers may be one bad batch.",
         scope="run", signal="flashwatch_loss",
         settings=("loss_spike_rtol", "loss_spike_atol", "loss_spike_window")),
+    RuleSpec(
+        "attention_coverage", "warning",
+        "None of a layer's attention calls at a monitored step could be measured.",
+        "The layer ran attention at the monitored step, but flashwatch measured none of its calls "
+        "(flashwatch_attention_coverage is 0): every call used something the statistics cannot take "
+        "(attention dropout, an attention mask, query and key lengths that differ, a head dimension "
+        "or dtype outside the kernel's), so the layer's signals are blind, not healthy: its drift z "
+        "and delta error read NaN and its rules cannot fire. The flashwatch log names the reason "
+        "once per layer.",
+        "Make the monitored calls measurable: turn attention dropout off (Hugging Face: "
+        "attn_pdrop=0.0), or leave the layer out with MonitorConfig.layers. Until then, do not "
+        "read the layer's silence as health.",
+        scope="layer", signal="flashwatch_attention_coverage"),
 )
 
 STOPPED_REPORTING = RuleSpec(
