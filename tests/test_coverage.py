@@ -1,0 +1,70 @@
+"""flashwatch_attention_coverage and the attention_coverage rule: a layer whose attention calls
+could not be measured reads coverage 0 and raises a warning, never a healthy-looking silence.
+
+Fail before: no coverage metric and no rule existed; a model with attention dropout (Hugging
+Face GPT-2's default) showed nothing but per-layer log lines.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.tinygpt import GPT, GPTConfig
+
+
+def _train(dropout: float, steps: int = 2, compiled: bool = False, mode: str = "observe"):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=dropout))
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    alerts = []
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 16))
+        _, loss = run(x, x)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        alerts += monitor.step(loss=loss.detach())
+    monitor.close()
+    return monitor, alerts
+
+
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_measured_layers_read_full_coverage(mode):
+    monitor, alerts = _train(0.0, mode=mode)
+    assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 1.0, (1,): 1.0}
+    assert not [a for a in alerts if a.rule == "attention_coverage"]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attention_dropout_reads_coverage_zero_and_warns(compiled):
+    if compiled:
+        torch._dynamo.reset()
+    monitor, alerts = _train(0.1, compiled=compiled)
+    snap = monitor.snapshot()
+    assert snap["flashwatch_attention_coverage"] == {(0,): 0.0, (1,): 0.0}
+    fired = [a for a in alerts if a.rule == "attention_coverage"]
+    assert [(a.layer, a.head, a.step, a.severity) for a in fired] == [(0, -1, 0, "warning"), (1, -1, 0, "warning")]
+    assert {(a.layer, a.head) for a in monitor.active_alerts} >= {(0, -1), (1, -1)}  # holds while blind
+    # not measured is NaN, never a healthy 0
+    assert all(math.isnan(v) for v in snap["flashwatch_delta_drift_z"].values())
+
+
+def test_coverage_alert_clears_once_a_call_is_measured():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, dropout=0.1))
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    monitor.attach(model)
+    x = torch.randint(0, 256, (2, 16))
+    model(x, x)[1].backward()
+    assert [a.rule for a in monitor.step()] == ["attention_coverage"]
+    model.eval()  # tinygpt passes dropout_p=0 outside training
+    with torch.enable_grad():
+        model(x, x)[1].backward()
+    monitor.step()
+    assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 1.0}
+    assert not monitor.active_alerts
