@@ -63,7 +63,17 @@ log = logging.getLogger("flashwatch")
 
 __all__ = ["Router", "original_sdpa", "unsupported_reason"]
 
-_local = threading.local()  # .current: (Router, AttentionLayer) | None; .stack: saved outer values
+class _Local(threading.local):
+    """Per thread: ``current`` (Router, AttentionLayer) | None, and ``stack``, the saved outer values.
+    Both exist from the start in every thread, so code compiled by torch.compile reads them
+    without a guard on whether they were created yet (which would recompile at the second call)."""
+
+    def __init__(self):
+        self.current = None
+        self.stack: list = []
+
+
+_local = _Local()
 _install_lock = threading.Lock()
 _original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
 _import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
@@ -75,7 +85,7 @@ _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 def _sdpa_dispatch(*args, **kwargs):
     """Stand-in for ``torch.nn.functional.scaled_dot_product_attention`` while flashwatch is attached."""
-    current = getattr(_local, "current", None)
+    current = _local.current
     if current is None:
         return original_sdpa()(*args, **kwargs)
     router, layer = current
@@ -224,10 +234,7 @@ class Router:
 
     def _enter_hook(self, layer: AttentionLayer):
         def enter(module, args, kwargs):
-            stack = getattr(_local, "stack", None)
-            if stack is None:
-                stack = _local.stack = []
-            stack.append(getattr(_local, "current", None))
+            _local.stack.append(_local.current)
             _local.current = (self, layer)
             if layer.chain is not None and not _compiling():
                 # the projection's input X (B, N, C): the module's first input (nanoGPT's x,
@@ -240,8 +247,7 @@ class Router:
 
     @staticmethod
     def _exit_hook(module, args, output):
-        stack = getattr(_local, "stack", None)
-        _local.current = stack.pop() if stack else None
+        _local.current = _local.stack.pop() if _local.stack else None
 
     # the call -----------------------------------------------------------------------------------
     def _log_once(self, key: tuple, message: str, *args) -> None:

@@ -127,3 +127,25 @@ def test_flipping_the_monitored_flag_recompiles_nothing():
     assert [s["monitored"] for s in seen] == [True, False, False, True, False, False]
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(1 for s in seen if s["stats"][0]["rows"][0] > 0) == 2
+
+
+def test_a_fresh_thread_compiles_once():
+    """The router's per-thread state exists from the start: a first compiled step in a new
+    thread (a data-parallel worker, a Lightning thread) adds no guard on its creation."""
+    import threading
+
+    result = {}
+
+    def work():
+        try:
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                result["seen"] = _run("observe", "aot_eager", steps=3, interval=2)
+        except BaseException as exc:  # reported below, in the test's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [s["stats"][2]["rows"][0] for s in result["seen"]] == [32.0, 0.0, 32.0]
