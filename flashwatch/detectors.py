@@ -118,7 +118,8 @@ class LayerSignals:
     max_logit_growth: torch.Tensor | None = None  # d log(max logit) per 1,000 optimizer steps over the window
     wq_sigma_growth_rate: torch.Tensor | None = None  # d log(sigma) per 1,000 optimizer steps over the window
     repeated_max_bf16_trend: torch.Tensor | None = None  # d(BF16 repeated-max ratio) per 1,000 optimizer steps
-    coverage: float = math.nan  # measured attention calls / attention calls at this step (NaN: no call)
+    coverage: float = math.nan  # attention calls measured in full / attention calls at this step (NaN: no call)
+    delta_measured: bool = True  # whether this step's delta error was measured (False: NaN, not a failure)
 
     @property
     def delta_from_rounded_output(self) -> bool:
@@ -456,6 +457,8 @@ class NonFiniteDetector(Detector):
                 continue
             fields = {"delta_error": ls.delta_error.tolist(), "max_logit": ls.max_logit.tolist(),
                       "wq_spectral_norm": ls.wq_sigma.tolist()}
+            if not ls.delta_measured:  # NaN there means "not measured" (attention dropout), not divergence
+                fields["delta_error"] = [0.0] * len(fields["delta_error"])
             for h in range(len(fields["delta_error"])):
                 names = [n for n, vals in fields.items() if not math.isfinite(vals[h])]
                 value = fields[names[0]][h] if names else 0.0

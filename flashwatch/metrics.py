@@ -85,8 +85,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Slope of the BF16 repeated-max ratio per 1,000 optimizer steps over the last window of monitored "
                "steps."),
     MetricSpec("flashwatch_attention_coverage", "gauge", ("layer",), "percentunit",
-               "Fraction of the layer's attention calls at the last monitored step whose statistics were measured "
-               "(0: none was, e.g. every call had dropout or a mask flashwatch cannot take; NaN: no call)."),
+               "Fraction of the layer's attention calls at the last monitored step measured in full, delta error "
+               "included (calls with attention dropout: repeated maxima and max logit only; with a mask: nothing); "
+               "NaN: no call."),
     MetricSpec("flashwatch_kernel_variant", "gauge", ("layer", "variant"), "none",
                "1 for the attention variant a layer runs now, 0 for the others."),
     MetricSpec("flashwatch_alerts_total", "counter", ("rule",), "none", "Alerts raised, by rule."),

@@ -157,6 +157,16 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int
     return None
 
 
+_UNMEASURED = {False: "those calls are not measured",
+               True: "their repeated maxima and max logit are measured, their delta error is not"}
+
+
+def _scores_only(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int) -> bool:
+    """Whether attention dropout is all that keeps a call from being measured in full: its
+    scores (repeated maxima, max logit) are still measured, its delta error is not."""
+    return bool(dropout_p) and unsupported_reason(q, k, v, attn_mask, 0.0, enable_gqa, num_heads) is None
+
+
 def _compiling() -> bool:
     """True while torch.compile traces (the Python of an attention call then runs once, at trace time)."""
     compiler = getattr(torch, "compiler", None)
@@ -269,12 +279,17 @@ class Router:
         q, k, v, cast = _autocast_inputs(q, k, v) if isinstance(q, torch.Tensor) else (q, k, v, False)
         reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
         if reason is not None:
-            if self.monitoring and torch.is_grad_enabled():
+            monitored = self.monitoring and torch.is_grad_enabled()
+            partial = _scores_only(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+            if monitored:
                 layer.coverage[0] += 1
             self._log_once(("fallback", layer.index, reason),
                            "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls "
-                           "where %s; those calls are not measured", layer.index, layer.name, reason)
-            return sdpa(*args, **kwargs)
+                           "where %s; %s", layer.index, layer.name, reason, _UNMEASURED[partial])
+            out = sdpa(*args, **kwargs)
+            if monitored and partial:
+                self._measure_scores(layer, q, k, v, out, is_causal, scale)
+            return out
         try:
             from flashwatch.kernels import flash_attention
 
@@ -334,6 +349,25 @@ class Router:
                 stack.pop()(e_rows, pk)
         return on_rows
 
+    def _measure_scores(self, layer: AttentionLayer, q, k, v, out, causal, scale) -> None:
+        """What a call with attention dropout still shows: rows, repeated maxima and the max logit
+        (functions of the scores alone). Its delta error is not measured: the statistics pass
+        runs with a zero output gradient, which adds exactly 0 to the delta-error sums, and the
+        call is not counted as measured (``coverage``), so the layer's drift reads NaN."""
+        try:
+            from flashwatch.kernels import attention_statistics
+
+            stats = layer.ensure_stats(q.device)
+            stats.rows_hook = None
+            dtype = out.dtype
+            layer.low_precision = dtype in (torch.bfloat16, torch.float16)
+            with torch.autocast(q.device.type, enabled=False):
+                attention_statistics(q.detach().to(dtype), k.detach().to(dtype), v.detach().to(dtype), out.detach(),
+                                     torch.zeros_like(out, dtype=dtype), stats, causal=bool(causal), sm_scale=scale,
+                                     eps=self.eps)
+        except Exception as exc:
+            self.on_error("observe", exc)
+
     def _observe(self, layer: AttentionLayer, args: tuple, kwargs: dict, out) -> None:
         try:
             q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
@@ -345,9 +379,12 @@ class Router:
             reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
             if reason is not None:
                 layer.coverage[0] += 1
+                partial = _scores_only(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
                 self._log_once(("observe", layer.index, reason),
-                               "flashwatch: layer %d (%s): calls where %s are not measured", layer.index,
-                               layer.name, reason)
+                               "flashwatch: layer %d (%s): calls where %s: %s", layer.index, layer.name, reason,
+                               _UNMEASURED[partial])
+                if partial:
+                    self._measure_scores(layer, q, k, v, out, is_causal, scale)
                 return
             stats = layer.ensure_stats(q.device)
             layer.calls += 1
@@ -395,8 +432,9 @@ class Router:
                     return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,
                                          causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
                                          beta=self.beta, eps=self.eps)
-            ops.unmeasured_call(self.flag, layer.coverage, layer.index, reason)
-            return sdpa(*args, **kwargs)
+            out = sdpa(*args, **kwargs)
+            self._unmeasured(layer, qc, kc, vc, out, attn_mask, dropout_p, is_causal, scale, enable_gqa, reason)
+            return out
         out = sdpa(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             return out  # no backward will come: nothing to measure, nothing counted
@@ -405,7 +443,20 @@ class Router:
         reason = unsupported_reason(q.to(out.dtype), k.to(out.dtype), v.to(out.dtype), attn_mask, dropout_p,
                                     enable_gqa, layer.num_heads) if stats is not None else "query is not a tensor"
         if reason is not None:
-            ops.unmeasured_call(self.flag, layer.coverage, layer.index, reason)
+            self._unmeasured(layer, q, k, v, out, attn_mask, dropout_p, is_causal, scale, enable_gqa, reason)
             return out
         return ops.observe(out, q, k, v, flag=self.flag, stats=stats, coverage=layer.coverage,
                            causal=bool(is_causal), sm_scale=scale, eps=self.eps)
+
+    def _unmeasured(self, layer, q, k, v, out, attn_mask, dropout_p, is_causal, scale, enable_gqa, reason) -> None:
+        """A compiled call the statistics cannot take in full: counted; a call with dropout
+        still has its scores measured (``_measure_scores``)."""
+        from flashwatch.kernels import ops
+
+        message = f"{reason}: {_UNMEASURED[False]}"
+        if isinstance(out, torch.Tensor) and _scores_only(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads):
+            ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),
+                                 coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
+                                 layer=layer.index, reason=f"{reason}: {_UNMEASURED[True]}")
+            return
+        ops.unmeasured_call(self.flag, layer.coverage, layer.index, message)

@@ -123,7 +123,10 @@ class SignalBuilder:
         def ratio(name: str) -> torch.Tensor:
             return torch.where(rows > 0, f[name].to(F64) / safe_rows, nan)
 
-        if seen:
+        # calls counted and none measured in full (attention dropout: scores measured, delta error
+        # not): the delta error is not measured at this step
+        delta_seen = seen and (r.calls is None or r.calls[1] > 0)
+        if delta_seen:
             state.drift.update(f["delta_error"].to(F64))
         drift_measured = state.drift.count > 0  # heads with at least one measured delta error
         sigma = r.sigma.to(F64)
@@ -151,9 +154,9 @@ class SignalBuilder:
             "repeated_max_ratio_bf16": rm16,
         })
         return LayerSignals(
-            layer=i, seen=seen, rows=rows, coverage=_coverage(r.calls),
+            layer=i, seen=seen, rows=rows, coverage=_coverage(r.calls), delta_measured=delta_seen,
             repeated_max_ratio=ratio("repeated_max_rows"), repeated_max_ratio_bf16=rm16,
-            max_logit=max_logit, delta_error=f["delta_error"].to(F64) if seen else nan.clone(),
+            max_logit=max_logit, delta_error=f["delta_error"].to(F64) if delta_seen else nan.clone(),
             # a head whose delta error was never measured (no call it could measure: dropout, a mask,
             # ...) reads NaN, not a z of 0 that would look healthy
             delta_cumulative=torch.where(drift_measured, state.drift.cumulative, nan),

@@ -184,13 +184,14 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         settings=("loss_spike_rtol", "loss_spike_atol", "loss_spike_window")),
     RuleSpec(
         "attention_coverage", "warning",
-        "None of a layer's attention calls at a monitored step could be measured.",
-        "The layer ran attention at the monitored step, but flashwatch measured none of its calls "
-        "(flashwatch_attention_coverage is 0): every call used something the statistics cannot take "
-        "(attention dropout, an attention mask, query and key lengths that differ, a head dimension "
-        "or dtype outside the kernel's), so the layer's signals are blind, not healthy: its drift z "
-        "and delta error read NaN and its rules cannot fire. The flashwatch log names the reason "
-        "once per layer.",
+        "None of a layer's attention calls at a monitored step could be measured in full.",
+        "The layer ran attention at the monitored step, but flashwatch measured none of its calls in "
+        "full (flashwatch_attention_coverage is 0): every call used something the statistics cannot "
+        "take. With attention dropout the repeated maxima and max logit are still measured, the delta "
+        "error is not; with an attention mask, query and key lengths that differ, or a head dimension "
+        "or dtype outside the kernel's, nothing is. The layer's delta error and drift z read NaN and "
+        "the delta_drift rule cannot fire on it: blind, not healthy. The flashwatch log names the "
+        "reason once per layer.",
         "Make the monitored calls measurable: turn attention dropout off (Hugging Face: "
         "attn_pdrop=0.0), or leave the layer out with MonitorConfig.layers. Until then, do not "
         "read the layer's silence as health.",

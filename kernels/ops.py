@@ -16,6 +16,8 @@ Operators (namespace ``flashwatch``):
   ``out``: marks the output of the model's own attention; its backward passes the gradient
   through unchanged and runs ``observe_statistics`` (``attention_statistics`` on the saved
   inputs, output and output gradient).
+- ``score_statistics(q, k, v, out, flag, counts, values, coverage, ...)``: a call with attention
+  dropout: rows, repeated maxima and max logit only (its delta error is not measured).
 - ``unmeasured_call(flag, coverage, layer, reason)``: counts an attention call the statistics
   cannot take (logged once per layer and reason).
 
@@ -42,7 +44,7 @@ from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats
 
 log = logging.getLogger("flashwatch")
 
-__all__ = ["attention", "observe", "unmeasured_call", "stats_buffers"]
+__all__ = ["attention", "observe", "score_statistics", "unmeasured_call", "stats_buffers"]
 
 _logged: set = set()
 
@@ -273,6 +275,47 @@ def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     counts, values = stats_buffers(stats)
     return _observe(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, bool(causal), scale,
                     float(eps))
+
+
+# --- calls measured in part -----------------------------------------------------------------------
+
+@torch.library.custom_op("flashwatch::score_statistics", mutates_args=("counts", "values", "coverage"))
+def _score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, flag: torch.Tensor,
+                      counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
+                      sm_scale: float, eps: float, layer: int, reason: str) -> None:
+    if not _on(flag):
+        return
+    from . import attention_statistics
+
+    coverage[0] += 1  # an attention call, not measured in full
+    _log_once((layer, reason), "flashwatch: layer %d: attention calls where %s", layer, reason)
+    dtype = out.dtype
+    try:
+        with _NoAutocast(q.device):
+            # a zero output gradient adds exactly 0 to the delta-error sums: rows, repeated
+            # maxima and the max logit only
+            attention_statistics(q.to(dtype), k.to(dtype), v.to(dtype), out, torch.zeros_like(out),
+                                 _view(counts, values), causal=causal, sm_scale=sm_scale, eps=eps)
+    except Exception:
+        _log_once(("score_statistics",), "flashwatch: a statistics pass failed; training goes on unchanged",
+                  exc_info=True)
+
+
+@_score_statistics.register_fake
+def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason):
+    return None
+
+
+def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, flag: torch.Tensor,
+                     stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float],
+                     eps: float, layer: int, reason: str) -> None:
+    """For a call whose delta error cannot be measured (attention dropout): add its rows,
+    repeated maxima and max logit into ``stats`` when ``flag`` is set; counted as a call, not
+    as a measured one; ``reason`` logged once per layer."""
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    counts, values = stats_buffers(stats)
+    _score_statistics(q.detach(), k.detach(), v.detach(), out.detach(), flag, counts, values, coverage, bool(causal),
+                      scale, float(eps), int(layer), str(reason))
 
 
 # --- calls that are not measured -----------------------------------------------------------------

@@ -16,7 +16,7 @@ from flashwatch import Monitor, MonitorConfig
 from flashwatch.tinygpt import GPT, GPTConfig
 
 
-def _train(dropout: float, steps: int = 2, compiled: bool = False, mode: str = "observe"):
+def _train(dropout: float, steps: int = 1, compiled: bool = False, mode: str = "observe"):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=dropout))
     monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
@@ -41,17 +41,23 @@ def test_measured_layers_read_full_coverage(mode):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_attention_dropout_reads_coverage_zero_and_warns(compiled):
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_attention_dropout_measures_scores_not_delta_error_and_warns(mode, compiled):
     if compiled:
         torch._dynamo.reset()
-    monitor, alerts = _train(0.1, compiled=compiled)
+    monitor, alerts = _train(0.1, compiled=compiled, mode=mode)
     snap = monitor.snapshot()
     assert snap["flashwatch_attention_coverage"] == {(0,): 0.0, (1,): 0.0}
     fired = [a for a in alerts if a.rule == "attention_coverage"]
     assert [(a.layer, a.head, a.step, a.severity) for a in fired] == [(0, -1, 0, "warning"), (1, -1, 0, "warning")]
+    assert not [a for a in alerts if a.rule == "non_finite"]
     assert {(a.layer, a.head) for a in monitor.active_alerts} >= {(0, -1), (1, -1)}  # holds while blind
-    # not measured is NaN, never a healthy 0
+    # the scores are measured (repeated maxima, max logit); the delta error is not: NaN, never a healthy 0
     assert all(math.isnan(v) for v in snap["flashwatch_delta_drift_z"].values())
+    assert all(math.isnan(v) for v in snap["flashwatch_delta_error"].values())
+    assert all(math.isfinite(v) and v > 0 for v in snap["flashwatch_max_logit"].values())
+    assert all(0.0 <= v <= 1.0 for v in snap["flashwatch_repeated_max_ratio"].values())
+    assert monitor.signals()["rows"] == {(layer, head): 32.0 for layer in range(2) for head in range(2)}
 
 
 def test_coverage_alert_clears_once_a_call_is_measured():
