@@ -74,3 +74,41 @@ def test_coverage_alert_clears_once_a_call_is_measured():
     monitor.step()
     assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 1.0}
     assert not monitor.active_alerts
+
+
+def test_coverage_reaches_jsonl_console_and_report(tmp_path):
+    from flashwatch.exporters.jsonl import JsonlExporter, read_jsonl, validate_record
+    from flashwatch.report.load import load_run
+    from flashwatch.report.page import to_html
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1))
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False), exporters=[JsonlExporter(tmp_path)])
+    monitor.attach(model)
+    for _ in range(2):
+        x = torch.randint(0, 256, (2, 16))
+        model(x, x)[1].backward()
+        monitor.step()
+    monitor.close()
+    records = [r for r in read_jsonl(tmp_path) if r["kind"] == "step"]
+    for r in records:
+        validate_record(r)
+        assert r["metrics"]["flashwatch_attention_coverage"] == [{"layer": 0, "value": 0.0},
+                                                                 {"layer": 1, "value": 0.0}]
+    run = load_run(tmp_path)
+    assert run.coverage == {0: [0.0, 0.0], 1: [0.0, 0.0]}
+    page = to_html(run)
+    assert "<h2>Attention coverage</h2>" in page and "2 of 2" in page
+
+
+def test_console_names_layers_below_full_coverage():
+    from flashwatch.exporters.base import StepRecord
+    from flashwatch.exporters.console import ConsoleExporter
+    from flashwatch.exporters.testing import synthetic_layout, synthetic_snapshot
+
+    snap = synthetic_snapshot(synthetic_layout(2, 2), step=5)
+    console = ConsoleExporter("log")
+    record = StepRecord(step=5, time=0.0, snapshot=snap, new_alerts=[], active_alerts=[])
+    assert "attention coverage" not in console.summary_line(record)
+    snap["flashwatch_attention_coverage"] = {(0,): 1.0, (1,): 0.5}
+    assert "attention coverage L1 50%" in console.summary_line(record)
