@@ -63,9 +63,9 @@ log = logging.getLogger("flashwatch")
 
 __all__ = ["Router", "original_sdpa", "unsupported_reason"]
 
-class _Local(threading.local):
-    """Per thread: ``current`` (Router, AttentionLayer) | None, and ``stack``, the saved outer values.
-    Both exist from the start in every thread, so code compiled by torch.compile reads them
+class _Current:
+    """The layer whose forward is running: ``current`` (Router, AttentionLayer) | None, and
+    ``stack``, the saved outer values. Both exist from the start, so compiled code reads them
     without a guard on whether they were created yet (which would recompile at the second call)."""
 
     def __init__(self):
@@ -73,7 +73,19 @@ class _Local(threading.local):
         self.stack: list = []
 
 
-_local = _Local()
+class _ThreadCurrent(_Current, threading.local):
+    """The same per thread (threads running replicas of a model each have their own)."""
+
+
+# Eager calls read the per-thread state. Code torch.compile traces reads the shared one: Dynamo
+# replays attribute writes of a plain object that a traced hook made, and reads one that a hook
+# run outside the compiled frame (the hooks of the compiled top-level module) made.
+_local = _ThreadCurrent()
+_shared = _Current()
+
+
+def _state() -> _Current:
+    return _shared if _compiling() else _local
 _install_lock = threading.Lock()
 _original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
 _import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
@@ -85,7 +97,7 @@ _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 def _sdpa_dispatch(*args, **kwargs):
     """Stand-in for ``torch.nn.functional.scaled_dot_product_attention`` while flashwatch is attached."""
-    current = _local.current
+    current = _state().current
     if current is None:
         return original_sdpa()(*args, **kwargs)
     router, layer = current
@@ -157,14 +169,44 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int
     return None
 
 
-_UNMEASURED = {False: "those calls are not measured",
-               True: "their repeated maxima and max logit are measured, their delta error is not"}
+def statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, num_heads: int
+                     ) -> tuple[str | None, str | None]:
+    """How the statistics can measure this SDPA call: (route, reason). Python checks only.
+
+    Routes: ``"plain"`` (``flashwatch.kernels.attention_statistics``: the Triton pass on CUDA),
+    ``"masked"`` (an attn_mask, or query and key lengths that differ without ``is_causal``:
+    ``flashwatch.kernels.masked``, dense, padding rows left out), ``"scores"`` (attention dropout:
+    rows, repeated maxima and max logit measured, the delta error not) and None (not measured).
+    ``reason`` says what the call has that the plain pass does not take (None for ``"plain"``).
+    """
+    from flashwatch.kernels import DTYPES
+    from flashwatch.kernels.masked import mask_reason
+
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None, "query, key and value are not all tensors"
+    reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads)
+    if reason is None:
+        return "plain", None
+    if dropout_p:
+        if unsupported_reason(q, k, v, attn_mask, 0.0, enable_gqa, num_heads) is None:
+            return "scores", reason
+        return None, reason
+    if attn_mask is None and q.dim() == 4 and k.dim() == 4 and q.shape[2] == k.shape[2]:
+        return None, reason  # not a mask or a length the dense pass could take
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] \
+            or k.shape[-1] != q.shape[-1]:
+        return None, reason
+    if q.shape[1] != num_heads or (q.shape[1] != k.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1])):
+        return None, reason
+    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return None, reason
+    why = mask_reason(attn_mask, q, k, bool(is_causal))
+    return ("masked", reason) if why is None else (None, why)
 
 
-def _scores_only(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int) -> bool:
-    """Whether attention dropout is all that keeps a call from being measured in full: its
-    scores (repeated maxima, max logit) are still measured, its delta error is not."""
-    return bool(dropout_p) and unsupported_reason(q, k, v, attn_mask, 0.0, enable_gqa, num_heads) is None
+_MEASURED = {None: "those calls are not measured",
+             "scores": "their repeated maxima and max logit are measured, their delta error is not",
+             "masked": "they are measured by the dense statistics pass, padding rows left out"}
 
 
 def _compiling() -> bool:
@@ -244,8 +286,9 @@ class Router:
 
     def _enter_hook(self, layer: AttentionLayer):
         def enter(module, args, kwargs):
-            _local.stack.append(_local.current)
-            _local.current = (self, layer)
+            for state in (_shared,) if _compiling() else (_local, _shared):
+                state.stack.append(state.current)
+                state.current = (self, layer)
             if layer.chain is not None and not _compiling():
                 # the projection's input X (B, N, C): the module's first input (nanoGPT's x,
                 # Hugging Face's hidden_states); kept on monitored steps only
@@ -257,7 +300,8 @@ class Router:
 
     @staticmethod
     def _exit_hook(module, args, output):
-        _local.current = _local.stack.pop() if _local.stack else None
+        for state in (_shared,) if _compiling() else (_local, _shared):
+            state.current = state.stack.pop() if state.stack else None
 
     # the call -----------------------------------------------------------------------------------
     def _log_once(self, key: tuple, message: str, *args) -> None:
@@ -279,16 +323,13 @@ class Router:
         q, k, v, cast = _autocast_inputs(q, k, v) if isinstance(q, torch.Tensor) else (q, k, v, False)
         reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
         if reason is not None:
-            monitored = self.monitoring and torch.is_grad_enabled()
-            partial = _scores_only(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
-            if monitored:
-                layer.coverage[0] += 1
             self._log_once(("fallback", layer.index, reason),
                            "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls "
-                           "where %s; %s", layer.index, layer.name, reason, _UNMEASURED[partial])
+                           "where %s; they are measured beside it where observe mode can", layer.index, layer.name,
+                           reason)
             out = sdpa(*args, **kwargs)
-            if monitored and partial:
-                self._measure_scores(layer, q, k, v, out, is_causal, scale)
+            if self.monitoring and torch.is_grad_enabled():
+                self._observe(layer, args, kwargs, out)
             return out
         try:
             from flashwatch.kernels import flash_attention
@@ -376,14 +417,14 @@ class Router:
             if isinstance(q, torch.Tensor) and q.dtype != out.dtype:
                 # autocast cast the inputs inside SDPA: measure what the kernel computed with
                 q, k, v = q.to(out.dtype), k.to(out.dtype), v.to(out.dtype)
-            reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
-            if reason is not None:
-                layer.coverage[0] += 1
-                partial = _scores_only(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+            route, reason = statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layer.num_heads)
+            if route != "plain":
                 self._log_once(("observe", layer.index, reason),
                                "flashwatch: layer %d (%s): calls where %s: %s", layer.index, layer.name, reason,
-                               _UNMEASURED[partial])
-                if partial:
+                               _MEASURED[route])
+            if route is None or route == "scores":
+                layer.coverage[0] += 1
+                if route == "scores":
                     self._measure_scores(layer, q, k, v, out, is_causal, scale)
                 return
             stats = layer.ensure_stats(q.device)
@@ -394,16 +435,23 @@ class Router:
             # statistics pass maps query head h to kv head h // (H // Hkv), as SDPA's enable_gqa
             saved = (q.detach(), k.detach(), v.detach(), out.detach())
             causal, eps, on_error = bool(is_causal), self.eps, self.on_error
+            mask_route = route == "masked"
             rows_hook = self._chain_hooks(layer, args[0] if args else kwargs.get("query"), q.shape[-1], scale)
 
             def on_grad(grad_out):
                 try:
-                    from flashwatch.kernels import attention_statistics
+                    from flashwatch.kernels import attention_statistics, masked
 
                     stats.rows_hook = rows_hook
                     with torch.autocast(grad_out.device.type, enabled=False):
-                        attention_statistics(*saved, grad_out.to(saved[3].dtype), stats, causal=causal,
-                                             sm_scale=scale, eps=eps)
+                        if mask_route:
+                            masked.attention_statistics(*saved, grad_out.to(saved[3].dtype), stats,
+                                                        attn_mask=attn_mask, causal=causal,
+                                                        sm_scale=scale if scale is not None else saved[0].shape[-1] ** -0.5,
+                                                        eps=eps)
+                        else:
+                            attention_statistics(*saved, grad_out.to(saved[3].dtype), stats, causal=causal,
+                                                 sm_scale=scale, eps=eps)
                 except Exception as exc:  # a failing statistics pass never breaks the backward
                     on_error("observe_stats", exc)
                 finally:
@@ -432,31 +480,34 @@ class Router:
                     return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,
                                          causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
                                          beta=self.beta, eps=self.eps)
-            out = sdpa(*args, **kwargs)
-            self._unmeasured(layer, qc, kc, vc, out, attn_mask, dropout_p, is_causal, scale, enable_gqa, reason)
-            return out
-        out = sdpa(*args, **kwargs)
-        if not isinstance(out, torch.Tensor) or not out.requires_grad:
-            return out  # no backward will come: nothing to measure, nothing counted
-        # autocast casts the inputs inside SDPA: the statistics take them in the output's dtype
-        # (cast when the statistics pass runs, on monitored steps only)
-        reason = unsupported_reason(q.to(out.dtype), k.to(out.dtype), v.to(out.dtype), attn_mask, dropout_p,
-                                    enable_gqa, layer.num_heads) if stats is not None else "query is not a tensor"
-        if reason is not None:
-            self._unmeasured(layer, q, k, v, out, attn_mask, dropout_p, is_causal, scale, enable_gqa, reason)
-            return out
-        return ops.observe(out, q, k, v, flag=self.flag, stats=stats, coverage=layer.coverage,
-                           causal=bool(is_causal), sm_scale=scale, eps=self.eps)
+            return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal,
+                                          scale, enable_gqa)
+        return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                      enable_gqa)
 
-    def _unmeasured(self, layer, q, k, v, out, attn_mask, dropout_p, is_causal, scale, enable_gqa, reason) -> None:
-        """A compiled call the statistics cannot take in full: counted; a call with dropout
-        still has its scores measured (``_measure_scores``)."""
+    def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        """The model's own SDPA output, marked for the statistics (``flashwatch::observe``), or the
+        call counted as not measured in full."""
         from flashwatch.kernels import ops
 
-        message = f"{reason}: {_UNMEASURED[False]}"
-        if isinstance(out, torch.Tensor) and _scores_only(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads):
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return out  # no backward will come: nothing to measure, nothing counted
+        if not isinstance(q, torch.Tensor):
+            route, reason = None, "query is not a tensor"
+        else:
+            # autocast casts the inputs inside SDPA: the statistics take them in the output's dtype
+            # (cast when the statistics pass runs, on monitored steps only)
+            route, reason = statistics_route(q.to(out.dtype), k.to(out.dtype), v.to(out.dtype), attn_mask,
+                                             dropout_p, is_causal, enable_gqa, layer.num_heads)
+        if route in ("plain", "masked"):
+            return ops.observe(out, q, k, v, flag=self.flag, stats=layer.ensure_stats(q.device),
+                               coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
+                               attn_mask=attn_mask if route == "masked" else None, masked=route == "masked")
+        message = f"{reason}: {_MEASURED[route]}"
+        if route == "scores":
             ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),
                                  coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
-                                 layer=layer.index, reason=f"{reason}: {_UNMEASURED[True]}")
-            return
-        ops.unmeasured_call(self.flag, layer.coverage, layer.index, message)
+                                 layer=layer.index, reason=message)
+        else:
+            ops.unmeasured_call(self.flag, layer.coverage, layer.index, message)
+        return out

@@ -216,30 +216,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.
 
 @torch.library.custom_op("flashwatch::observe", mutates_args=())
 def _observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor,
-             counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
-             sm_scale: float, eps: float) -> torch.Tensor:
+             counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, attn_mask: Optional[torch.Tensor],
+             causal: bool, sm_scale: float, eps: float, masked: bool) -> torch.Tensor:
     return out.clone()  # an operator's output may not alias its input
 
 
 @_observe.register_fake
-def _observe_fake(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps):
+def _observe_fake(out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked):
     return torch.empty_like(out)
 
 
 @torch.library.custom_op("flashwatch::observe_statistics", mutates_args=("counts", "values", "coverage"))
 def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         grad_out: torch.Tensor, flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor,
-                        coverage: torch.Tensor, causal: bool, sm_scale: float, eps: float) -> None:
+                        coverage: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool, sm_scale: float,
+                        eps: float, masked: bool) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
+    from . import masked as masked_pass
 
     coverage.add_(1)  # one attention call, measured here
     dtype = out.dtype  # autocast cast the inputs inside the model's SDPA: measure what it computed with
     try:
         with _NoAutocast(q.device):
-            attention_statistics(q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype),
-                                 _view(counts, values), causal=causal, sm_scale=sm_scale, eps=eps)
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), _view(counts, values))
+            if masked:
+                masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
+            else:
+                attention_statistics(*args, causal=causal, sm_scale=sm_scale, eps=eps)
     except Exception:  # a failing statistics pass never breaks the backward
         coverage[1] -= 1
         _log_once(("observe_statistics",), "flashwatch: the statistics pass of an observed attention call failed; "
@@ -247,20 +252,21 @@ def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 
 
 @_observe_statistics.register_fake
-def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, causal, sm_scale, eps):
+def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
+                             eps, masked):
     return None
 
 
 def _observe_setup(ctx, inputs, output):
-    out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps = inputs
-    ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage)
-    ctx.causal, ctx.sm_scale, ctx.eps = causal, sm_scale, eps
+    out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked = inputs
+    ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask)
+    ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked = causal, sm_scale, eps, masked
 
 
 def _observe_grad(ctx, grad_out):
-    _observe_statistics(*ctx.saved_tensors[:4], grad_out, *ctx.saved_tensors[4:], ctx.causal, ctx.sm_scale,
-                        ctx.eps)
-    return (grad_out,) + (None,) * 10
+    saved = ctx.saved_tensors
+    _observe_statistics(*saved[:4], grad_out, *saved[4:], ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked)
+    return (grad_out,) + (None,) * 12
 
 
 _observe.register_autograd(_observe_grad, setup_context=_observe_setup)
@@ -268,13 +274,15 @@ _observe.register_autograd(_observe_grad, setup_context=_observe_setup)
 
 def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
             stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float] = None,
-            eps: float = 1e-3) -> torch.Tensor:
+            eps: float = 1e-3, attn_mask: Optional[torch.Tensor] = None, masked: bool = False) -> torch.Tensor:
     """Mark ``out``, the output of the model's own attention of ``q, k, v``: returns a copy of it
-    whose backward adds the statistics of that call into ``stats`` when ``flag`` is set."""
+    whose backward adds the statistics of that call into ``stats`` when ``flag`` is set (with
+    ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``)."""
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
-    return _observe(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, bool(causal), scale,
-                    float(eps))
+    mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
+    return _observe(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask, bool(causal),
+                    scale, float(eps), bool(masked))
 
 
 # --- calls measured in part -----------------------------------------------------------------------
