@@ -74,6 +74,7 @@ def _run(mode: str, backend: str | None, steps: int = 4, interval: int = 2, dtyp
                      "coverage": [layer.coverage.tolist() for layer in monitor.layers]})
         model.zero_grad(set_to_none=True)
         monitor.step()
+    monitor.detach()
     monitor.close()
     return seen
 

@@ -39,6 +39,7 @@ def _run(mode: str, compile_mode: str | None, steps: int = 4):
                      "coverage": [layer.coverage.tolist() for layer in monitor.layers]})
         model.zero_grad(set_to_none=True)
         monitor.step(loss=loss.detach())
+    monitor.detach()
     monitor.close()
     return seen
 

@@ -29,6 +29,7 @@ def _train(dropout: float, steps: int = 1, compiled: bool = False, mode: str = "
         loss.backward()
         model.zero_grad(set_to_none=True)
         alerts += monitor.step(loss=loss.detach())
+    monitor.detach()
     monitor.close()
     return monitor, alerts
 
@@ -74,6 +75,7 @@ def test_coverage_alert_clears_once_a_call_is_measured():
     monitor.step()
     assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 1.0}
     assert not monitor.active_alerts
+    monitor.detach()
 
 
 def test_coverage_reaches_jsonl_console_and_report(tmp_path):
@@ -89,6 +91,7 @@ def test_coverage_reaches_jsonl_console_and_report(tmp_path):
         x = torch.randint(0, 256, (2, 16))
         model(x, x)[1].backward()
         monitor.step()
+    monitor.detach()
     monitor.close()
     records = [r for r in read_jsonl(tmp_path) if r["kind"] == "step"]
     for r in records:
