@@ -86,8 +86,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "steps."),
     MetricSpec("flashwatch_attention_coverage", "gauge", ("layer",), "percentunit",
                "Fraction of the layer's attention calls at the last monitored step measured in full, delta error "
-               "included (calls with attention dropout: repeated maxima and max logit only; with a mask: nothing); "
-               "NaN: no call."),
+               "included (calls with attention dropout: repeated maxima and max logit only); NaN: no call."),
     MetricSpec("flashwatch_kernel_variant", "gauge", ("layer", "variant"), "none",
                "1 for the attention variant a layer runs now, 0 for the others."),
     MetricSpec("flashwatch_alerts_total", "counter", ("rule",), "none", "Alerts raised, by rule."),
