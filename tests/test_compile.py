@@ -150,3 +150,18 @@ def test_a_fresh_thread_compiles_once():
     assert "error" not in result, result.get("error")
     assert counters["stats"]["unique_graphs"] == 1
     assert [s["stats"][2]["rows"][0] for s in result["seen"]] == [32.0, 0.0, 32.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_triton_path_under_the_interpreter(mode, interpret_dispatch):
+    """The operators' Triton path (the launchers of triton_attn, as on CUDA), run by Triton's CPU
+    interpreter: the compiled step reports exactly the eager step's statistics."""
+    eager = _run(mode, None, steps=2, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = _run(mode, "aot_eager", steps=2, dtype=torch.bfloat16)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert compiled[0]["stats"][0]["rows"] == [32.0, 32.0]
+    for e, c in zip(eager, compiled):
+        assert c["stats"] == e["stats"] and c["coverage"] == e["coverage"]
