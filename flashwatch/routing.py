@@ -2,19 +2,23 @@
 
 ``Router``: makes the model's ``torch.nn.functional.scaled_dot_product_attention`` calls
 inside attached modules go where the Monitor wants. A forward pre-hook / forward hook pair
-on each attached module sets and clears a thread-local "current layer"; one dispatching
+on each attached module sets and clears the "current layer" (per thread; compiled code reads a
+shared copy); one dispatching
 wrapper replaces ``torch.nn.functional.scaled_dot_product_attention`` (installed once for
 all routers, the original kept; ``Router.remove`` restores it and removes the hooks, so the
 model is exactly as before). The wrapper:
 
 - outside attached layers: the original SDPA, untouched;
 - ``own_kernel`` layers: ``flashwatch.kernels.flash_attention`` with the layer's variant,
-  and ``stats`` only on monitored steps; calls using what the kernel does not support (an
-  attn_mask, dropout, head dims outside (16, 32, 64, 128), query and key lengths that
-  differ, ...) fall back to the original SDPA, and the reason is logged once per layer;
+  and ``stats`` only on monitored steps; calls the kernel does not take (``unsupported_reason``:
+  an attn_mask, dropout, head dims outside (16, 32, 64, 128), query and key lengths that
+  differ, ...) run the original SDPA, are measured beside it as in observe mode where the
+  statistics can, and the reason is logged once per layer;
 - ``observe`` layers: the original SDPA; on monitored steps only, q, k, v and the output
   are kept (detached; SDPA keeps them for its backward anyway) and a hook on the output
-  gets dO and runs ``flashwatch.kernels.attention_statistics`` beside the model's kernel.
+  gets dO and runs the statistics pass beside the model's kernel, the one
+  ``statistics_route`` picks (the plain pass; the dense pass of ``flashwatch.kernels.masked``
+  for masks and unequal lengths; scores only for attention dropout).
 
 On unmonitored steps an observed layer costs one Python check per call.
 
@@ -23,12 +27,13 @@ Under ``torch.compile`` the same routing is traced into the compiled graph as cu
 ``flashwatch::observe`` (its backward runs the statistics pass), own-kernel mode calls
 ``flashwatch::attention``; each call carries its layer's statistics buffers, and whether the
 step is monitored is the Router's ``flag`` tensor, read when the operators run, so monitored
-and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls the
-statistics cannot take go to the original SDPA and are counted by ``flashwatch::unmeasured_call``.
-Under compile the W^Q-gradient error chain is not measured (its metrics read NaN).
+and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls
+measured in part or not at all are counted by ``flashwatch::score_statistics`` and
+``flashwatch::unmeasured_call``. Under compile the W^Q-gradient error chain is not measured
+(its metrics read NaN).
 
 Every layer counts its attention calls on monitored steps (``AttentionLayer.coverage``:
-[calls, measured calls]), so a layer whose calls cannot be measured reads coverage 0.
+[calls, calls measured in full]), so a layer whose calls cannot be measured reads coverage 0.
 
 Cautions:
 
@@ -58,10 +63,11 @@ import torch
 import torch.nn.functional as F
 
 from .attach import AttentionLayer
+from .call_support import MEASURED, statistics_route, unsupported_reason
 
 log = logging.getLogger("flashwatch")
 
-__all__ = ["Router", "original_sdpa", "unsupported_reason"]
+__all__ = ["Router", "original_sdpa", "unsupported_reason", "statistics_route"]
 
 class _Current:
     """The layer whose forward is running: ``current`` (Router, AttentionLayer) | None, and
@@ -140,73 +146,6 @@ def _bind(args: tuple, kwargs: dict) -> list:
         if name in kwargs:
             vals[i] = kwargs[name]
     return vals
-
-
-def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int) -> str | None:
-    """Why flashwatch's kernel cannot take this SDPA call (None if it can). Python checks only."""
-    from flashwatch.kernels import DTYPES, HEAD_DIMS
-
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return "query, key and value are not all tensors"
-    if attn_mask is not None:
-        return "an attn_mask is given (padding or a custom mask; the kernel takes causal or full attention only)"
-    if dropout_p:
-        return f"attention dropout is on (dropout_p={dropout_p})"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"inputs are not (B, heads, N, D) (q has shape {tuple(q.shape)})"
-    if k.shape != v.shape or k.shape[0] != q.shape[0]:
-        return f"key/value shapes {tuple(k.shape)}, {tuple(v.shape)} do not match the query {tuple(q.shape)}"
-    if q.shape[2] != k.shape[2]:
-        return f"query and key lengths differ ({q.shape[2]} vs {k.shape[2]}: a KV cache or cross attention)"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head dim {q.shape[-1]} is not one of {HEAD_DIMS}"
-    if q.shape[1] != k.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
-        return f"{q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa"
-    if q.shape[1] != num_heads:
-        return f"the call has {q.shape[1]} query heads, the layer was attached with {num_heads}"
-    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (accepted: one of {DTYPES})"
-    return None
-
-
-def statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, num_heads: int
-                     ) -> tuple[str | None, str | None]:
-    """How the statistics can measure this SDPA call: (route, reason). Python checks only.
-
-    Routes: ``"plain"`` (``flashwatch.kernels.attention_statistics``: the Triton pass on CUDA),
-    ``"masked"`` (an attn_mask, or query and key lengths that differ without ``is_causal``:
-    ``flashwatch.kernels.masked``, dense, padding rows left out), ``"scores"`` (attention dropout:
-    rows, repeated maxima and max logit measured, the delta error not) and None (not measured).
-    ``reason`` says what the call has that the plain pass does not take (None for ``"plain"``).
-    """
-    from flashwatch.kernels import DTYPES
-    from flashwatch.kernels.masked import mask_reason
-
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return None, "query, key and value are not all tensors"
-    reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads)
-    if reason is None:
-        return "plain", None
-    if dropout_p:
-        if unsupported_reason(q, k, v, attn_mask, 0.0, enable_gqa, num_heads) is None:
-            return "scores", reason
-        return None, reason
-    if attn_mask is None and q.dim() == 4 and k.dim() == 4 and q.shape[2] == k.shape[2]:
-        return None, reason  # not a mask or a length the dense pass could take
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] \
-            or k.shape[-1] != q.shape[-1]:
-        return None, reason
-    if q.shape[1] != num_heads or (q.shape[1] != k.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1])):
-        return None, reason
-    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
-        return None, reason
-    why = mask_reason(attn_mask, q, k, bool(is_causal))
-    return ("masked", reason) if why is None else (None, why)
-
-
-_MEASURED = {None: "those calls are not measured",
-             "scores": "their repeated maxima and max logit are measured, their delta error is not",
-             "masked": "they are measured by the dense statistics pass, padding rows left out"}
 
 
 def _compiling() -> bool:
@@ -421,7 +360,7 @@ class Router:
             if route != "plain":
                 self._log_once(("observe", layer.index, reason),
                                "flashwatch: layer %d (%s): calls where %s: %s", layer.index, layer.name, reason,
-                               _MEASURED[route])
+                               MEASURED[route])
             if route is None or route == "scores":
                 layer.coverage[0] += 1
                 if route == "scores":
@@ -503,7 +442,7 @@ class Router:
             return ops.observe(out, q, k, v, flag=self.flag, stats=layer.ensure_stats(q.device),
                                coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
                                attn_mask=attn_mask if route == "masked" else None, masked=route == "masked")
-        message = f"{reason}: {_MEASURED[route]}"
+        message = f"{reason}: {MEASURED[route]}"
         if route == "scores":
             ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),
                                  coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
