@@ -119,7 +119,7 @@ def _run_arm(name: str, args) -> dict:
         monitor.attach(model)
     run = model
     if compile_mode:
-        run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode)
+        run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode, backend=args.backend)
     total = args.warmup + args.steps
     if dev == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)]
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
                    help="also run the compiled arms under these torch.compile modes (default, "
                         "max-autotune-no-cudagraphs, reduce-overhead)")
     p.add_argument("--only-compiled", action="store_true", help="skip the four eager arms")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled arms")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --tiny for a smoke test)")
