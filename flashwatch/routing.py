@@ -270,6 +270,7 @@ class Router:
             if self.monitoring and torch.is_grad_enabled():
                 self._observe(layer, args, kwargs, out)
             return out
+        counted = False
         try:
             from flashwatch.kernels import flash_attention
 
@@ -278,6 +279,7 @@ class Router:
             if monitored:
                 layer.calls += 1
                 layer.coverage += 1
+                counted = True
                 layer.low_precision = q.dtype in (torch.bfloat16, torch.float16)
                 # the kernel's backward reports its rows through stats.rows_hook, once per call,
                 # in reverse order of the forwards: each call leaves its hook on a stack
@@ -291,6 +293,8 @@ class Router:
                                        beta=self.beta, eps=self.eps, stats=stats)
         except Exception as exc:  # never break training: fall back to the model's own attention
             self.on_error("own_kernel", exc)
+            if counted:
+                layer.coverage[1] -= 1  # counted as measured above: it was not
             return sdpa(*args, **kwargs)
 
     def _chain_hooks(self, layer: AttentionLayer, query: Any, head_dim: int, scale: Any):

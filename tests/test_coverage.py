@@ -118,3 +118,15 @@ def test_console_names_layers_below_full_coverage():
     assert "attention coverage" not in console.summary_line(record)
     snap["flashwatch_attention_coverage"] = {(0,): 1.0, (1,): 0.5}
     assert "attention coverage L1 50%" in console.summary_line(record)
+
+
+def test_a_failing_own_kernel_call_is_not_counted_as_measured(monkeypatch):
+    from flashwatch import kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failure")
+
+    monkeypatch.setattr(kernels, "flash_attention", broken)
+    monitor, _ = _train(0.0, mode="own_kernel")
+    assert monitor.errors >= 1  # logged and counted; training went on with torch SDPA
+    assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 0.0, (1,): 0.0}
