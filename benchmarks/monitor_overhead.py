@@ -171,19 +171,26 @@ def main(argv=None) -> int:
                         "max-autotune-no-cudagraphs, reduce-overhead)")
     p.add_argument("--only-compiled", action="store_true", help="skip the four eager arms")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled arms")
+    p.add_argument("--arms", default="sdpa,sdpa+observe,own_kernel,own_kernel+monitor",
+                   help="the compiled arms to run, comma-separated (a run under the 10-minute limit of one call)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --tiny for a smoke test)")
         return 2
     names = [] if args.only_compiled else ["sdpa", "sdpa+observe", "flashwatch", "flashwatch+own_kernel"]
     pairs = [] if args.only_compiled else [("sdpa+observe", "sdpa"), ("flashwatch+own_kernel", "flashwatch")]
+    chosen = [a for a in args.arms.split(",") if a]
+    unknown = set(chosen) - {"sdpa", "sdpa+observe", "own_kernel", "own_kernel+monitor"}
+    if unknown:
+        p.error(f"--arms: unknown {sorted(unknown)}; choose from sdpa, sdpa+observe, own_kernel, own_kernel+monitor")
     for mode in args.compile:
-        names += [f"{arm}@{mode}" for arm in ("sdpa", "sdpa+observe", "own_kernel", "own_kernel+monitor")]
-        pairs += [(f"sdpa+observe@{mode}", f"sdpa@{mode}"), (f"own_kernel@{mode}", f"sdpa@{mode}"),
-                  (f"own_kernel+monitor@{mode}", f"sdpa@{mode}")]
+        names += [f"{arm}@{mode}" for arm in chosen]
+        pairs += [(f"{arm}@{mode}", f"sdpa@{mode}") for arm in chosen if arm != "sdpa"]
     arms = [run_arm(name, args) for name in names]
     by = {a["arm"]: a for a in arms}
     for monitored, base in pairs:
+        if monitored not in by or base not in by:
+            continue
         a, b = by[monitored], by[base]
         if "error" in a or "error" in b:
             continue
