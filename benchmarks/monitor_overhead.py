@@ -7,6 +7,19 @@ Four arms on the same model, data and optimizer, one after another in one proces
 - ``flashwatch``: attention through flashwatch's plain kernel, no monitor (own-kernel baseline);
 - ``flashwatch+own_kernel``: ``Monitor(MonitorConfig(mode="own_kernel", interval=10))``.
 
+With ``--compile MODE [MODE ...]`` (torch.compile modes: ``default``,
+``max-autotune-no-cudagraphs``, ``reduce-overhead``), four compiled arms per mode follow,
+named ``<arm>@<mode>``:
+
+- ``sdpa@MODE``: the compiled model, no monitor (the compiled baseline);
+- ``sdpa+observe@MODE``: compiled, observe mode at ``interval``;
+- ``own_kernel@MODE``: compiled, own-kernel mode whose only monitored step is step 0 (in the
+  warm-up): flashwatch's kernel against ``sdpa@MODE``;
+- ``own_kernel+monitor@MODE``: compiled, own-kernel mode at ``interval``.
+
+An arm that fails (a compile error) is reported with its error and the others still run.
+Compiled arms also report the recompilations and graph breaks Dynamo counted.
+
 Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--steps`` timed
 steps (CUDA events around every step, read once at the end, so timing adds no host sync).
 Reported: mean step time, mean monitored / unmonitored step, and the overheads the Monitor
@@ -14,6 +27,7 @@ issue targets: mean step <= 1% above its baseline, monitored step <= 15% above a
 unmonitored one.
 
     python benchmarks/monitor_overhead.py --json monitor_overhead.json
+    python benchmarks/monitor_overhead.py --compile default max-autotune-no-cudagraphs --json compiled.json
 """
 
 from __future__ import annotations
@@ -61,6 +75,25 @@ class _HostEvent:
 
 
 def run_arm(name: str, args) -> dict:
+    """One arm; a compiled arm that raises is reported with its error instead of stopping the run."""
+    if "@" not in name:
+        return _run_arm(name, args)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        result = _run_arm(name, args)
+    except Exception as exc:  # noqa: BLE001 - a benchmark reports what failed and goes on
+        return {"arm": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    result["arm"] = name
+    result["graph_breaks"] = sum(counters["graph_break"].values())
+    result["unique_graphs"] = counters["stats"]["unique_graphs"]
+    return result
+
+
+def _run_arm(name: str, args) -> dict:
+    name, _, compile_mode = name.partition("@")
     torch.manual_seed(0)
     dev = args.device
     if args.tiny:  # a CPU smoke test of this script
@@ -78,10 +111,15 @@ def run_arm(name: str, args) -> dict:
         monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval))
     elif name == "flashwatch":
         route = flashwatch_attention()
-    elif name == "flashwatch+own_kernel":
+    elif name == "flashwatch+own_kernel" or name == "own_kernel+monitor":
         monitor = Monitor(MonitorConfig(mode="own_kernel", interval=args.interval))
+    elif name == "own_kernel":  # flashwatch's kernel; step 0 (warm-up) is its only monitored step
+        monitor = Monitor(MonitorConfig(mode="own_kernel", interval=10**9))
     if monitor is not None:
         monitor.attach(model)
+    run = model
+    if compile_mode:
+        run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode, backend=args.backend)
     total = args.warmup + args.steps
     if dev == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)]
@@ -94,7 +132,7 @@ def run_arm(name: str, args) -> dict:
             is_monitored = monitor is not None and monitor.monitoring
             events[step][0].record()
             with torch.autocast(dev, dtype=torch.bfloat16):
-                _, loss = model(xb[:, :-1], xb[:, 1:])
+                _, loss = run(xb[:, :-1], xb[:, 1:])
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -128,27 +166,52 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model: a smoke test of this script on the CPU")
+    p.add_argument("--compile", nargs="*", default=[], metavar="MODE",
+                   help="also run the compiled arms under these torch.compile modes (default, "
+                        "max-autotune-no-cudagraphs, reduce-overhead)")
+    p.add_argument("--only-compiled", action="store_true", help="skip the four eager arms")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled arms")
+    p.add_argument("--arms", default="sdpa,sdpa+observe,own_kernel,own_kernel+monitor",
+                   help="the compiled arms to run, comma-separated (a run under the 10-minute limit of one call)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --tiny for a smoke test)")
         return 2
-    arms = [run_arm(name, args) for name in ("sdpa", "sdpa+observe", "flashwatch", "flashwatch+own_kernel")]
+    names = [] if args.only_compiled else ["sdpa", "sdpa+observe", "flashwatch", "flashwatch+own_kernel"]
+    pairs = [] if args.only_compiled else [("sdpa+observe", "sdpa"), ("flashwatch+own_kernel", "flashwatch")]
+    chosen = [a for a in args.arms.split(",") if a]
+    unknown = set(chosen) - {"sdpa", "sdpa+observe", "own_kernel", "own_kernel+monitor"}
+    if unknown:
+        p.error(f"--arms: unknown {sorted(unknown)}; choose from sdpa, sdpa+observe, own_kernel, own_kernel+monitor")
+    for mode in args.compile:
+        names += [f"{arm}@{mode}" for arm in chosen]
+        pairs += [(f"{arm}@{mode}", f"sdpa@{mode}") for arm in chosen if arm != "sdpa"]
+    arms = [run_arm(name, args) for name in names]
     by = {a["arm"]: a for a in arms}
-    for monitored, base in (("sdpa+observe", "sdpa"), ("flashwatch+own_kernel", "flashwatch")):
-        a = by[monitored]
-        a["mean_overhead_vs_baseline"] = a["mean_ms"] / by[base]["mean_ms"] - 1.0
-        a["monitored_vs_unmonitored"] = a["monitored_ms"] / a["unmonitored_ms"] - 1.0
+    for monitored, base in pairs:
+        if monitored not in by or base not in by:
+            continue
+        a, b = by[monitored], by[base]
+        if "error" in a or "error" in b:
+            continue
+        a["mean_overhead_vs_baseline"] = a["mean_ms"] / b["mean_ms"] - 1.0
+        if a["monitored_ms"] and a["unmonitored_ms"] and a["monitored_steps"] < a["steps"]:
+            a["monitored_vs_unmonitored"] = a["monitored_ms"] / a["unmonitored_ms"] - 1.0
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{'tiny GPT' if args.tiny else 'GPT-2 small'}, batch {args.batch} x {args.seq}, bf16, {device_name}, "
           f"torch {torch.__version__}")
-    print(f"{'arm':24s} {'mean ms':>8s} {'median':>8s} {'monitored':>10s} {'unmonitored':>12s} "
+    print(f"{'arm':28s} {'mean ms':>8s} {'median':>8s} {'monitored':>10s} {'unmonitored':>12s} "
           f"{'vs baseline':>12s} {'mon vs unmon':>13s}")
     for a in arms:
+        if "error" in a:
+            print(f"{a['arm']:28s} failed: {a['error']}")
+            continue
         over = a.get("mean_overhead_vs_baseline")
         rel = a.get("monitored_vs_unmonitored")
-        print(f"{a['arm']:24s} {a['mean_ms']:8.2f} {a['median_ms']:8.2f} "
+        print(f"{a['arm']:28s} {a['mean_ms']:8.2f} {a['median_ms']:8.2f} "
               f"{a['monitored_ms'] or float('nan'):10.2f} {a['unmonitored_ms'] or float('nan'):12.2f} "
-              f"{'' if over is None else f'{100 * over:+.2f}%':>12s} {'' if rel is None else f'{100 * rel:+.1f}%':>13s}")
+              f"{'' if over is None else f'{100 * over:+.2f}%':>12s} {'' if rel is None else f'{100 * rel:+.1f}%':>13s}"
+              + (f"  graphs {a['unique_graphs']}, graph breaks {a['graph_breaks']}" if "unique_graphs" in a else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device_name, "torch": torch.__version__,

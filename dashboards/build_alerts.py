@@ -72,8 +72,9 @@ def _now(spec: RuleSpec) -> str:
     """Template text ``; <signal> is <value> now``, the signal read back with a query (empty if none)."""
     if spec.signal is None:
         return ""
-    matchers = ["job=%q", "instance=%q"] + (["layer=%q", "head=%q"] if spec.scope == "head" else [])
-    args = "$labels.job $labels.instance" + (" $labels.layer $labels.head" if spec.scope == "head" else "")
+    labels = {"head": ["layer", "head"], "layer": ["layer"]}.get(spec.scope, [])
+    matchers = ["job=%q", "instance=%q"] + [f"{label}=%q" for label in labels]
+    args = "$labels.job $labels.instance" + "".join(f" $labels.{label}" for label in labels)
     fmt = "humanizePercentage" if BY_NAME[spec.signal].unit == "percentunit" else 'printf "%.4g"'
     selector = f"{spec.signal}{{{', '.join(matchers)}}}"
     return (f"{{{{ with printf `{selector}` {args} | query }}}}"
@@ -87,6 +88,7 @@ def _description(spec: RuleSpec) -> str:
         return (f"{_RUN}: no new monitored step for {{{{ $value | humanizeDuration }}}}{last_step}, "
                 "while its endpoint still answers.")
     where = {"head": f"{_RUN} {_HEAD}",
+             "layer": f"{_RUN} layer {{{{ $labels.layer }}}}",
              "run": _RUN,
              "head or run": f'{_RUN} {{{{ if eq $labels.layer "-1" }}}}(loss or gradient norm)'
                             f"{{{{ else }}}}{_HEAD}{{{{ end }}}}"}[spec.scope]

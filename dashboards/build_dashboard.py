@@ -232,6 +232,15 @@ def dashboard() -> dict:
               "(layer x head)", "Oranges"))
     panels.extend(_heatmap(ids, metric, title, (12 * (i % 2), 54 + 10 * (i // 2), 12, 10), scheme=scheme)
                   for i, (metric, title, scheme) in enumerate(chain))
+    coverage = BY_NAME["flashwatch_attention_coverage"]
+    panels.append(_panel(ids, "timeseries", "Attention coverage per layer",
+                         coverage.help + " Below 1, part of the layer's attention is not measured; at 0 its "
+                         "signals are blind (the attention_coverage alert).",
+                         [_target(f'flashwatch_attention_coverage{{{SEL}, layer=~"$layer"}}',
+                                  "{{instance}} layer {{layer}}")],
+                         coverage.unit, (0, 54 + 10 * ((len(chain) + 1) // 2), 24, 8),
+                         custom=ts_custom, thresholds=[{"color": "red", "value": None},
+                                                       {"color": "green", "value": 1e-9}]))
 
     def var(name: str, query: str) -> dict:
         return {"name": name, "label": name.capitalize(), "type": "query", "datasource": DS,

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .families import Family, describe, match
+from .families import FAMILIES, Family, describe, match, nanogpt_width
 
 QueryWeightFn = Callable[[nn.Module], torch.Tensor]  # module -> (H, D, C)
 
@@ -41,6 +41,8 @@ class AttentionLayer:
         variant: the kernel variant in own_kernel mode; ``"sdpa"`` while observed.
         stats: the layer's ``AttentionStats`` (device tensors; reset after every monitored step).
         calls: attention calls measured during the current monitored step.
+        coverage: CPU int64 tensor [attention calls, measured calls] of the current monitored
+            step (counted by the router, also inside compiled graphs; reset by the Monitor).
         low_precision: whether the last measured call's output was BF16/FP16 (None before any).
         chain: the layer's W^Q-error accumulators (``flashwatch.chain.LayerChain``), None where
             that chain is not defined (rotary queries, explicitly named modules, sharded weights).
@@ -63,6 +65,7 @@ class AttentionLayer:
     variant: str = "sdpa"
     stats: Any = field(default=None, repr=False)
     calls: int = 0
+    coverage: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.int64), repr=False)
     low_precision: bool | None = None
     chain: Any = field(default=None, repr=False)
     chain_input: Any = field(default=None, repr=False)
@@ -149,7 +152,7 @@ def find_attention(model: nn.Module, attention: Mapping[str, QueryWeightFn] | No
             heads = _check_weight(name, fn(modules[name]))
             found.append((name, modules[name], heads, fn, "explicit"))
         return found
-    for name, module, family, shape in known_attention(model):
+    for name, module, family, shape in known_attention(model, heads_from_call=True):
         fn = _family_weight_fn(family, shape)
         _check_weight(name, fn(module), shape[0])
         found.append((name, module, shape[0], fn, family.name))
@@ -158,28 +161,113 @@ def find_attention(model: nn.Module, attention: Mapping[str, QueryWeightFn] | No
     return found
 
 
-def known_attention(model: nn.Module) -> list[tuple[str, nn.Module, Family, tuple[int, int, int]]]:
+def known_attention(model: nn.Module, heads_from_call: bool = False
+                    ) -> list[tuple[str, nn.Module, Family, tuple[int, int, int]]]:
     """Modules of a known family in module order, by structure alone (no weight is read):
-    (name, module, family, (H, D, C)). Children of an attention module are skipped."""
+    (name, module, family, (H, D, C)). Children of an attention module are skipped.
+
+    ``heads_from_call``: a module of nanoGPT's layout that names no head count gets it from one
+    call of its forward on a (1, 2, C) zero input without gradients: the head dimension of the
+    query it passes to ``torch.nn.functional.scaled_dot_product_attention`` (a module whose
+    forward takes other arguments, or makes no such call, is not recognised)."""
     out = []
     skip_prefix: str | None = None
     for name, module in model.named_modules():
         if skip_prefix is not None and name.startswith(skip_prefix):
             continue  # children of an attention module are not attention modules themselves
         hit = match(module)
+        if hit is None and heads_from_call:
+            hit = _match_from_call(module)
         if hit is not None:
             out.append((name, module, *hit))
             skip_prefix = name + "."
     return out
 
 
+def _match_from_call(module: nn.Module) -> tuple[Family, tuple[int, int, int]] | None:
+    """nanoGPT's family and shape for a module of its layout that names no head count, the head
+    count read from the query of one call of its forward (see ``known_attention``)."""
+    import torch.nn.functional as F
+
+    c = nanogpt_width(module)
+    weight = module.c_attn.weight if c is not None else None
+    if weight is None or weight.is_meta:
+        return None
+    heads: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def record(q, *args, **kwargs):
+        heads.append(q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else -1)
+        return sdpa(q, *args, **kwargs)
+
+    F.scaled_dot_product_attention = record
+    try:
+        with torch.no_grad():
+            module(torch.zeros(1, 2, c, device=weight.device, dtype=weight.dtype))
+    except Exception:  # a forward that needs more than x: not recognised (the error says how to name it)
+        return None
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    if len(set(heads)) != 1 or heads[0] < 1 or c % heads[0]:
+        return None
+    family = next(f for f in FAMILIES if f.name == "nanogpt")
+    return family, (heads[0], c // heads[0], c)
+
+
+_QUERY_NAMES = ("q_proj", "query", "wq", "q", "to_q", "q_lin")  # a query projection on its own
+_FUSED_NAMES = ("c_attn", "qkv", "in_proj", "qkv_proj", "Wqkv", "wqkv", "to_qkv", "query_key_value")
+
+
+def _looks_like_attention(name: str, module: nn.Module) -> bool:
+    """A module whose name or class mentions attention, or that holds a query projection."""
+    if not list(module.children()):
+        return False  # a projection itself, not the attention module
+    words = (type(module).__name__ + " " + name.rsplit(".", 1)[-1]).lower()
+    return ("attn" in words or "attention" in words or "mha" in words
+            or any(n in _QUERY_NAMES + _FUSED_NAMES for n, _ in module.named_children()))
+
+
+def _query_expression(module: nn.Module) -> str | None:
+    """How a module's W^Q as (H, D, C) would be read, from its child projections (H left as H)."""
+    children = dict(module.named_children())
+    for name in _QUERY_NAMES:
+        child = children.get(name)
+        if isinstance(child, nn.Linear):
+            c = child.in_features
+            return f"m.{name}.weight.view(H, {child.out_features} // H, {c})"
+    for name in _FUSED_NAMES:
+        child = children.get(name)
+        if isinstance(child, nn.Linear) and child.out_features % 3 == 0:
+            c = child.in_features
+            return f"m.{name}.weight[:{child.out_features // 3}].view(H, {child.out_features // 3} // H, {c})"
+    return None
+
+
 def _not_found_message(modules: dict) -> str:
-    attention_like = [n for n, m in modules.items() if n and "attn" in type(m).__name__.lower() + n.split(".")[-1]]
-    seen = ", ".join(attention_like[:6]) if attention_like else "none whose name or class mentions attention"
-    example = attention_like[0] if attention_like else "blocks.0.attn"
+    """What was found, and the ``attention=`` argument to write, with the model's own module names."""
+    candidates = [(n, m) for n, m in modules.items() if n and _looks_like_attention(n, m)]
+    # the outermost candidates only: an attention module's children are not attention modules
+    outer = [(n, m) for n, m in candidates if not any(n.startswith(o + ".") for o, _ in candidates)]
+    if not outer:
+        names = [n for n in modules if n][:12]
+        return (f"no attention layer found: flashwatch recognises {describe()}, and no module's name or class "
+                f"mentions attention (some module names: {names}). Name the attention modules with "
+                "attach(model, attention={'<module name>': lambda m: <its query weight as (heads, head_dim, "
+                "model_dim)>, ...}), one entry per attention module (docs/GUIDE.md, 'Which models are found')")
+    shown = []
+    for n, m in outer[:6]:
+        linears = ", ".join(f"{c}: Linear({l.in_features}, {l.out_features})" for c, l in m.named_children()
+                            if isinstance(l, nn.Linear))
+        shown.append(f"{n} ({type(m).__name__}{'; ' + linears if linears else ''})")
+    more = f" and {len(outer) - 6} more" if len(outer) > 6 else ""
+    expression = _query_expression(outer[0][1]) or "m.<query projection>.weight.view(H, D, C)"
+    entries = ", ".join(f"{n!r}: query_weight" for n, _ in outer[:3]) + (", ..." if len(outer) > 3 else "")
     return (f"no attention layer found: flashwatch recognises {describe()}. Modules that look like attention: "
-            f"{seen}. Name yours with attach(model, attention={{{example!r}: lambda m: "
-            "m.<query projection>.weight.view(H, D, C), ...}}), one entry per attention module")
+            f"{'; '.join(shown)}{more}. Name them with attach(model, attention=...), H being the number of "
+            "query heads:\n"
+            f"    query_weight = lambda m: {expression}\n"
+            f"    monitor.attach(model, attention={{{entries}}})\n"
+            "one entry per attention module (docs/GUIDE.md, 'Which models are found')")
 
 
 def select_layers(found: Sequence[tuple], layers: Any) -> list[tuple]:

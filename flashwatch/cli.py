@@ -28,6 +28,11 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        import pytorch_lightning  # noqa: F401 - the demo trains with it
+    except ImportError:
+        print('flashwatch demo needs Lightning: pip install "flashwatch[lightning]"', file=sys.stderr)
+        return 2
     from .demo import main as demo_main  # imports torch and Lightning: only when the command runs
 
     return demo_main(args)

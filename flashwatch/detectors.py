@@ -128,6 +128,8 @@ class LayerSignals:
     wq_sigma_growth_rate: torch.Tensor | None = None  # d log(sigma) per 1,000 optimizer steps over the window
     repeated_max_bf16_trend: torch.Tensor | None = None  # d(BF16 repeated-max ratio) per 1,000 optimizer steps
     repeated_max_ratio_format: torch.Tensor | None = None  # rows whose P_bar rounds to 1 at 2+ keys in MonitorConfig.format
+    coverage: float = math.nan  # attention calls measured in full / attention calls at this step (NaN: no call)
+    delta_measured: bool = True  # whether this step's delta error was measured (False: NaN, not a failure)
 
     @property
     def delta_from_rounded_output(self) -> bool:
@@ -495,6 +497,8 @@ class NonFiniteDetector(Detector):
                 continue
             fields = {"delta_error": ls.delta_error.tolist(), "max_logit": ls.max_logit.tolist(),
                       "wq_spectral_norm": ls.wq_sigma.tolist()}
+            if not ls.delta_measured:  # NaN there means "not measured" (attention dropout), not divergence
+                fields["delta_error"] = [0.0] * len(fields["delta_error"])
             for h in range(len(fields["delta_error"])):
                 names = [n for n, vals in fields.items() if not math.isfinite(vals[h])]
                 value = fields[names[0]][h] if names else 0.0
@@ -564,6 +568,28 @@ class LossSpikeDetector(Detector):
         self.last = state.get("last")
 
 
+class CoverageDetector(Detector):
+    """``attention_coverage``: a layer called attention at a monitored step and none of its calls
+    was measured (coverage 0). Key (layer, -1); clears at the first monitored step that measures
+    one of the layer's calls; a step without any call (coverage NaN) changes nothing."""
+
+    rule = "attention_coverage"
+
+    def update(self, signals: StepSignals) -> list[Alert]:
+        out = self._begin(signals)
+        for ls in signals.layers:
+            if math.isnan(ls.coverage):
+                continue
+            blind = ls.coverage == 0.0
+            alert = self._judge((ls.layer, -1), blind, blind, lambda ls=ls: self._alert(
+                signals.step, ls.layer, -1, ls.coverage, 0.0,
+                f"layer {ls.layer}: none of its attention calls at step {signals.step} was measured (coverage 0); "
+                "its signals are blind, not healthy (the flashwatch log names the reason)"))
+            if alert:
+                out.append(alert)
+        return out
+
+
 def build_detectors(config: Any) -> list[Detector]:
     """One detector per rule of ``RULES``, in that order, configured from a ``MonitorConfig``."""
     c = config
@@ -576,4 +602,5 @@ def build_detectors(config: Any) -> list[Detector]:
         MaxLogitDetector(c.max_logit_bound, 0, **ep),
         NonFiniteDetector(**ep),
         LossSpikeDetector(c.loss_spike_rtol, c.loss_spike_atol, c.loss_spike_window, **ep),
+        CoverageDetector(**ep),
     ]

@@ -15,7 +15,9 @@ The one place that knows architectures. Each family answers two questions about 
 Families:
 
 - ``nanogpt``: an ``nn.Linear`` ``c_attn`` of out_features 3*C and the head count as an int
-  ``n_head`` (nanoGPT) or ``h``; W^Q = c_attn.weight[:C].view(H, D, C).
+  ``n_head`` (nanoGPT) or ``h``; W^Q = c_attn.weight[:C].view(H, D, C). A module of this
+  layout that names no head count is recognised by ``flashwatch.attach.find_attention`` from
+  its attention call (``nanogpt_width``).
 - ``hf_gpt2``: Hugging Face GPT-2 (``GPT2Attention``): ``c_attn`` is a ``Conv1D`` whose weight
   is (C, 3C) (x @ weight + bias), so W^Q = weight[:, :C].T.
 - ``hf_llama``: Llama-style (``q_proj`` Linear of (H*D, C) beside ``k_proj``/``o_proj``; Llama,
@@ -36,7 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["Family", "FAMILIES", "match"]
+__all__ = ["Family", "FAMILIES", "match", "nanogpt_width"]
 
 Shape = tuple[int, int, int]  # (heads H, head dim D, model dim C)
 
@@ -56,6 +58,17 @@ def _nanogpt_shape(module: nn.Module) -> Shape | None:
     if c_attn.out_features != 3 * c or heads < 1 or c % heads:
         return None
     return heads, c // heads, c
+
+
+def nanogpt_width(module: nn.Module) -> int | None:
+    """C for a module of nanoGPT's layout (a ``c_attn`` Linear of C inputs and 3*C outputs) that
+    does not name its head count; None otherwise. The head count then comes from a call."""
+    c_attn = getattr(module, "c_attn", None)
+    if not isinstance(c_attn, nn.Linear) or c_attn.out_features != 3 * c_attn.in_features:
+        return None
+    if _nanogpt_shape(module) is not None:
+        return None
+    return c_attn.in_features
 
 
 def _nanogpt_weight(module: nn.Module, h: int, d: int, c: int) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """FlashWatchCallback: flashwatch's Monitor in a PyTorch Lightning ``Trainer``.
 
 A thin adapter: every decision lives in ``flashwatch.Monitor``; this module only calls it at
-the right Lightning hooks and wires up the exporters. It imports ``pytorch_lightning`` only
-(mixing in ``lightning.pytorch`` would make the Trainer reject the callback).
+the right Lightning hooks and wires up the exporters. It works with both Lightning packages,
+``lightning`` (``lightning.pytorch``) and ``pytorch_lightning``: the callback is a Callback of
+every one installed, so a Trainer from either accepts it (``pip install "flashwatch[lightning]"``
+installs ``lightning``). Nothing else in flashwatch imports Lightning.
 
 Multi-process strategies (DDP, ``ddp_spawn``, ``FSDPStrategy``, ``ModelParallelStrategy`` with
 FSDP2 and/or tensor parallelism; docs/DISTRIBUTED.md): every rank runs the callback and its
@@ -19,9 +21,7 @@ import math
 import os
 from typing import Any, Sequence
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback
 
 from .config import MonitorConfig
 from .exporters.base import Exporter
@@ -33,10 +33,35 @@ log = logging.getLogger("flashwatch")
 
 __all__ = ["FlashWatchCallback"]
 
+
+def _callback_bases() -> tuple[type, ...]:
+    """The ``Callback`` class of every Lightning package installed (a Trainer accepts only its own)."""
+    bases = []
+    try:
+        from lightning.pytorch.callbacks import Callback as LightningCallback
+
+        bases.append(LightningCallback)
+    except ImportError:
+        pass
+    try:
+        from pytorch_lightning.callbacks import Callback as PLCallback
+
+        if PLCallback not in bases:
+            bases.append(PLCallback)
+    except ImportError:
+        pass
+    if not bases:
+        raise ImportError("flashwatch.lightning needs Lightning: pip install \"flashwatch[lightning]\" (or install "
+                          "lightning or pytorch-lightning); the Monitor itself needs neither")
+    return tuple(bases)
+
+
+_CallbackBases = _callback_bases()
+
 _CONSOLE_MODES = ("auto", "live", "print", "log")
 
 
-class FlashWatchCallback(Callback):
+class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
     """Monitor a Lightning training run for BF16 flash-attention instability.
 
     Attaches a :class:`flashwatch.Monitor` to the LightningModule at fit start, feeds it once
@@ -99,7 +124,7 @@ class FlashWatchCallback(Callback):
 
     Example::
 
-        from pytorch_lightning import Trainer
+        from lightning.pytorch import Trainer    # or: from pytorch_lightning import Trainer
         from flashwatch.lightning import FlashWatchCallback
 
         watch = FlashWatchCallback(interval=10, port=9400, auto_fix="fp32_delta")
@@ -107,7 +132,9 @@ class FlashWatchCallback(Callback):
         trainer.fit(model, datamodule)          # http://127.0.0.1:9400/metrics while it runs
         print(watch.monitor.alerts)
 
-    Logged metrics (through ``trainer.loggers``, values of the last monitored step):
+    Logged metrics (through ``trainer.loggers``, values of the last monitored step; the finite
+    ones are also in ``trainer.callback_metrics`` after every monitored step, as 0-d tensors, so
+    ``EarlyStopping(monitor="flashwatch/max_logit")`` and ``ModelCheckpoint`` can use them):
 
     - ``flashwatch/max_abs_drift_z``: largest |drift z| over all heads (dimensionless, a z-score).
     - ``flashwatch/max_repeated_max_ratio``: largest repeated-max row fraction, FP32 scores (fraction, 0-1).
@@ -207,7 +234,7 @@ class FlashWatchCallback(Callback):
 
     # -- fit start / end ----------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_start(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         if not self._exporters_added:
             # Created once: a later fit re-opens the same exporters (same port, same JSONL).
             # Only rank 0 exports: other ranks would fight over the port and the files
@@ -229,7 +256,7 @@ class FlashWatchCallback(Callback):
             self._finish()
             raise
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         # After restore_training_state: global_step is the resumed one.
         self._seen_global_step = trainer.global_step
         self._reset_step()
@@ -238,13 +265,13 @@ class FlashWatchCallback(Callback):
                         "without flashwatch state in its checkpoint?); flashwatch's step label follows its own "
                         "count", self.monitor.global_step, trainer.global_step)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_end(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         self._finish()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: "Trainer", pl_module: "LightningModule", exception: BaseException) -> None:
         self._finish()
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def teardown(self, trainer: "Trainer", pl_module: "LightningModule", stage: str) -> None:
         if stage == "fit":
             self._finish()
 
@@ -256,7 +283,7 @@ class FlashWatchCallback(Callback):
         except Exception:  # never let cleanup hide the run's own error
             log.warning("flashwatch: detach failed", exc_info=True)
 
-    def _setup_distributed(self, trainer: pl.Trainer) -> None:
+    def _setup_distributed(self, trainer: "Trainer") -> None:
         """Tell the Monitor what the strategy knows: sharded weights (FSDP) and their gradient norms."""
         # DDP: every rank's gradients are the all-reduced ones, so each rank's norm is the global
         # norm; a sharded strategy leaves each rank its shard's gradients: sqrt(sum of squares)
@@ -269,7 +296,7 @@ class FlashWatchCallback(Callback):
                             "rank's Monitor sees only its own statistics", trainer.world_size,
                             type(trainer.strategy).__name__)
 
-    def _make_prometheus(self, trainer: pl.Trainer) -> Exporter:
+    def _make_prometheus(self, trainer: "Trainer") -> Exporter:
         from .exporters.prometheus import PrometheusExporter
 
         if self.per_rank_endpoints and trainer.world_size > 1:
@@ -282,7 +309,7 @@ class FlashWatchCallback(Callback):
             self.prometheus = PrometheusExporter(port=self.port_requested, host=self.host)
         return self.prometheus
 
-    def _make_exporters(self, trainer: pl.Trainer) -> list[Exporter]:
+    def _make_exporters(self, trainer: "Trainer") -> list[Exporter]:
         from .exporters.console import ConsoleExporter
         from .exporters.jsonl import JsonlExporter
 
@@ -315,7 +342,7 @@ class FlashWatchCallback(Callback):
     def _reset_step(self) -> None:
         self._loss_sum, self._loss_batches, self._grad_norm = None, 0, None
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+    def on_before_optimizer_step(self, trainer: "Trainer", pl_module: "LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
         # Called after the (unscaled) gradients are final and before Lightning clips them.
         if not self.monitor.monitoring or self._grad_norm is not None:
@@ -329,7 +356,7 @@ class FlashWatchCallback(Callback):
             device = norms[0].device
             self._grad_norm = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in norms]), 2)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+    def on_train_batch_end(self, trainer: "Trainer", pl_module: "LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if self.monitor.monitoring:
             loss = _loss_of(outputs)
@@ -353,10 +380,31 @@ class FlashWatchCallback(Callback):
             trainer.should_stop = True  # every rank: the alert was decided on the same data everywhere
             if trainer.is_global_zero:
                 log.error("%s; stopping the run (MonitorConfig.stop_on)", exc)
+        self._publish(trainer)
         if self.log_summaries:
             self._log_summaries(trainer)
 
-    def _step_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    def _summaries(self) -> dict[str, float] | None:
+        """``flashwatch/<name>`` -> value of the last monitored step; None before one."""
+        snap = self.monitor.snapshot()
+        if math.isnan(snap.get("flashwatch_step", math.nan)):
+            return None
+        return {f"flashwatch/{k}": v for k, v in scalar_summary(snap).items()}
+
+    def _publish(self, trainer: "Trainer") -> None:
+        """The finite summaries into ``trainer.callback_metrics`` (what EarlyStopping and
+        ModelCheckpoint read); a value not measured (NaN) is left out, never shown as a number."""
+        metrics = self._summaries()
+        callback_metrics = getattr(trainer, "callback_metrics", None)
+        if metrics is None or not isinstance(callback_metrics, dict):
+            return
+        for name, value in metrics.items():
+            if math.isfinite(value):
+                callback_metrics[name] = torch.tensor(float(value))
+            else:
+                callback_metrics.pop(name, None)
+
+    def _step_loss(self, trainer: "Trainer", pl_module: "LightningModule") -> Any:
         if self._loss_sum is None:
             return None
         if pl_module.automatic_optimization:
@@ -366,16 +414,15 @@ class FlashWatchCallback(Callback):
             return self._loss_sum
         return self._loss_sum / self._loss_batches
 
-    def _log_summaries(self, trainer: pl.Trainer) -> None:
+    def _log_summaries(self, trainer: "Trainer") -> None:
         if not trainer.loggers:
             return
         connector = getattr(trainer, "_logger_connector", None)
         if connector is not None and not connector.should_update_logs:
             return
-        snap = self.monitor.snapshot()
-        if math.isnan(snap.get("flashwatch_step", math.nan)):
+        metrics = self._summaries()
+        if metrics is None:
             return  # no monitored step yet
-        metrics = {f"flashwatch/{k}": v for k, v in scalar_summary(snap).items()}
         # the step Lightning logs its own metrics of this batch under
         step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", trainer.global_step)
         for logger in trainer.loggers:

@@ -13,7 +13,7 @@ Labels never include the step. ``layer`` and ``head`` are integers counted from 
 ``Monitor.snapshot()`` returns a dict keyed by these names: a float for a metric without
 labels, and for a labelled metric a dict keyed by the tuple of its label values in the
 order of ``labels`` (``(layer, head)`` for per-head metrics, ``(layer, variant)`` for the
-kernel variant, ``(rule,)`` for the alert counter, ``(rule, layer, head)`` for active alerts;
+kernel variant, ``(layer,)`` for the attention coverage, ``(rule,)`` for the alert counter, ``(rule, layer, head)`` for active alerts;
 ``layer``/``head`` are ints, ``-1`` where an alert concerns no single layer or head).
 """
 
@@ -88,6 +88,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("flashwatch_repeated_max_ratio_bf16_trend", "gauge", PER_HEAD, "none",
                "Slope of the BF16 repeated-max ratio per 1,000 optimizer steps over the last window of monitored "
                "steps."),
+    MetricSpec("flashwatch_attention_coverage", "gauge", ("layer",), "percentunit",
+               "Fraction of the layer's attention calls at the last monitored step measured in full, delta error "
+               "included (calls with attention dropout: repeated maxima and max logit only); NaN: no call."),
     MetricSpec("flashwatch_kernel_variant", "gauge", ("layer", "variant"), "none",
                "1 for the attention variant a layer runs now, 0 for the others."),
     MetricSpec("flashwatch_alerts_total", "counter", ("rule",), "none", "Alerts raised, by rule."),

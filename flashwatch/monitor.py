@@ -406,6 +406,7 @@ class Monitor:
         decided = self._drain()  # an earlier monitored step whose values were still on their way (CUDA)
         if self._monitoring:
             pending = None
+            coverage = [tuple(layer.coverage.tolist()) for layer in self.layers]  # CPU counters: no sync
             try:
                 pending = self._collect(t, loss, grad_norm)
             except Exception as exc:  # monitoring never stops training
@@ -415,6 +416,7 @@ class Monitor:
                 self._reset_stats()
             if pending is not None:
                 pending.variants = ran
+                pending.coverage = coverage
                 if pending.event is None:
                     decided.extend(self._decide_safely(pending))
                 else:
@@ -515,6 +517,7 @@ class Monitor:
         for layer in self.layers:
             if layer.stats is not None:
                 layer.stats.reset()
+            layer.coverage.zero_()
 
     # --- the monitored step: host half -------------------------------------------------------------
     def _decide(self, pending: Pending, defer: bool = False) -> list[Alert]:
@@ -533,13 +536,14 @@ class Monitor:
             grad_norm, grad_norm_given = math.nan, False
         t = pending.step
         ran = pending.variants or [layer.variant for layer in self.layers]
+        coverage = getattr(pending, "coverage", None) or [None] * len(self.layers)
         readings = []
         per_layer = got.per_layer([layer.total_heads for layer in self.layers])
-        for layer, variant, (fields, sigma) in zip(self.layers, ran, per_layer):
+        for layer, variant, calls, (fields, sigma) in zip(self.layers, ran, coverage, per_layer):
             self._warn_unseen(t, layer, fields["rows"])
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
-                                         low_precision=layer.low_precision, variant=variant))
+                                         low_precision=layer.low_precision, variant=variant, calls=calls))
             layer.calls = 0
         signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=grad_norm,
                                       readings=readings, loss_given=got.loss_given, grad_norm_given=grad_norm_given)

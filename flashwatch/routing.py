@@ -2,21 +2,38 @@
 
 ``Router``: makes the model's ``torch.nn.functional.scaled_dot_product_attention`` calls
 inside attached modules go where the Monitor wants. A forward pre-hook / forward hook pair
-on each attached module sets and clears a thread-local "current layer"; one dispatching
+on each attached module sets and clears the "current layer" (per thread; compiled code reads a
+shared copy); one dispatching
 wrapper replaces ``torch.nn.functional.scaled_dot_product_attention`` (installed once for
 all routers, the original kept; ``Router.remove`` restores it and removes the hooks, so the
 model is exactly as before). The wrapper:
 
 - outside attached layers: the original SDPA, untouched;
 - ``own_kernel`` layers: ``flashwatch.kernels.flash_attention`` with the layer's variant,
-  and ``stats`` only on monitored steps; calls using what the kernel does not support (an
-  attn_mask, dropout, head dims outside (16, 32, 64, 128), query and key lengths that
-  differ, ...) fall back to the original SDPA, and the reason is logged once per layer;
+  and ``stats`` only on monitored steps; calls the kernel does not take (``unsupported_reason``:
+  an attn_mask, dropout, head dims outside (16, 32, 64, 128), query and key lengths that
+  differ, ...) run the original SDPA, are measured beside it as in observe mode where the
+  statistics can, and the reason is logged once per layer;
 - ``observe`` layers: the original SDPA; on monitored steps only, q, k, v and the output
   are kept (detached; SDPA keeps them for its backward anyway) and a hook on the output
-  gets dO and runs ``flashwatch.kernels.attention_statistics`` beside the model's kernel.
+  gets dO and runs the statistics pass beside the model's kernel, the one
+  ``statistics_route`` picks (the plain pass; the dense pass of ``flashwatch.kernels.masked``
+  for masks and unequal lengths; scores only for attention dropout).
 
 On unmonitored steps an observed layer costs one Python check per call.
+
+Under ``torch.compile`` the same routing is traced into the compiled graph as custom operators
+(``flashwatch.kernels.ops``): observe mode marks the model's SDPA output with
+``flashwatch::observe`` (its backward runs the statistics pass), own-kernel mode calls
+``flashwatch::attention``; each call carries its layer's statistics buffers, and whether the
+step is monitored is the Router's ``flag`` tensor, read when the operators run, so monitored
+and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls
+measured in part or not at all are counted by ``flashwatch::score_statistics`` and
+``flashwatch::unmeasured_call``. Under compile the W^Q-gradient error chain is not measured
+(its metrics read NaN).
+
+Every layer counts its attention calls on monitored steps (``AttentionLayer.coverage``:
+[calls, calls measured in full]), so a layer whose calls cannot be measured reads coverage 0.
 
 Cautions:
 
@@ -46,12 +63,35 @@ import torch
 import torch.nn.functional as F
 
 from .attach import AttentionLayer
+from .call_support import MEASURED, statistics_route, unsupported_reason
 
 log = logging.getLogger("flashwatch")
 
-__all__ = ["Router", "original_sdpa", "unsupported_reason"]
+__all__ = ["Router", "original_sdpa", "unsupported_reason", "statistics_route"]
 
-_local = threading.local()  # .current: (Router, AttentionLayer) | None; .stack: saved outer values
+class _Current:
+    """The layer whose forward is running: ``current`` (Router, AttentionLayer) | None, and
+    ``stack``, the saved outer values. Both exist from the start, so compiled code reads them
+    without a guard on whether they were created yet (which would recompile at the second call)."""
+
+    def __init__(self):
+        self.current = None
+        self.stack: list = []
+
+
+class _ThreadCurrent(_Current, threading.local):
+    """The same per thread (threads running replicas of a model each have their own)."""
+
+
+# Eager calls read the per-thread state. Code torch.compile traces reads the shared one: Dynamo
+# replays attribute writes of a plain object that a traced hook made, and reads one that a hook
+# run outside the compiled frame (the hooks of the compiled top-level module) made.
+_local = _ThreadCurrent()
+_shared = _Current()
+
+
+def _state() -> _Current:
+    return _shared if _compiling() else _local
 _install_lock = threading.Lock()
 _original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
 _import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
@@ -63,7 +103,7 @@ _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 def _sdpa_dispatch(*args, **kwargs):
     """Stand-in for ``torch.nn.functional.scaled_dot_product_attention`` while flashwatch is attached."""
-    current = getattr(_local, "current", None)
+    current = _state().current
     if current is None:
         return original_sdpa()(*args, **kwargs)
     router, layer = current
@@ -108,33 +148,6 @@ def _bind(args: tuple, kwargs: dict) -> list:
     return vals
 
 
-def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int) -> str | None:
-    """Why flashwatch's kernel cannot take this SDPA call (None if it can). Python checks only."""
-    from flashwatch.kernels import DTYPES, HEAD_DIMS
-
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        return "query, key and value are not all tensors"
-    if attn_mask is not None:
-        return "an attn_mask is given (padding or a custom mask; the kernel takes causal or full attention only)"
-    if dropout_p:
-        return f"attention dropout is on (dropout_p={dropout_p})"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"inputs are not (B, heads, N, D) (q has shape {tuple(q.shape)})"
-    if k.shape != v.shape or k.shape[0] != q.shape[0]:
-        return f"key/value shapes {tuple(k.shape)}, {tuple(v.shape)} do not match the query {tuple(q.shape)}"
-    if q.shape[2] != k.shape[2]:
-        return f"query and key lengths differ ({q.shape[2]} vs {k.shape[2]}: a KV cache or cross attention)"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head dim {q.shape[-1]} is not one of {HEAD_DIMS}"
-    if q.shape[1] != k.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
-        return f"{q.shape[1]} query heads and {k.shape[1]} key heads without enable_gqa"
-    if q.shape[1] != num_heads:
-        return f"the call has {q.shape[1]} query heads, the layer was attached with {num_heads}"
-    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (accepted: one of {DTYPES})"
-    return None
-
-
 def _compiling() -> bool:
     """True while torch.compile traces (the Python of an attention call then runs once, at trace time)."""
     compiler = getattr(torch, "compiler", None)
@@ -164,7 +177,7 @@ class Router:
             Monitor logs once per kind and counts); training goes on with the original SDPA.
 
     ``monitoring`` (a bool the Monitor sets between steps) says whether the current step is a
-    monitored one.
+    monitored one; ``flag`` is the same as a CPU tensor (0-d int32), which compiled graphs read.
     """
 
     def __init__(self, layers: Sequence[AttentionLayer], *, beta: float = 2.0, eps: float = 1e-3,
@@ -172,10 +185,20 @@ class Router:
         self.layers = list(layers)
         self.beta, self.eps = beta, eps
         self.on_error = on_error or (lambda kind, exc: log.warning("flashwatch %s failed", kind, exc_info=exc))
+        self.flag = torch.zeros((), dtype=torch.int32)  # read by compiled graphs at run time
         self.monitoring = False
         self._handles: list = []
         self._logged: set = set()
         self.installed = False
+
+    @property
+    def monitoring(self) -> bool:
+        return self._monitoring
+
+    @monitoring.setter
+    def monitoring(self, value: bool) -> None:
+        self._monitoring = bool(value)
+        self.flag.fill_(int(self._monitoring))
 
     # hooks ------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -202,12 +225,10 @@ class Router:
 
     def _enter_hook(self, layer: AttentionLayer):
         def enter(module, args, kwargs):
-            stack = getattr(_local, "stack", None)
-            if stack is None:
-                stack = _local.stack = []
-            stack.append(getattr(_local, "current", None))
-            _local.current = (self, layer)
-            if layer.chain is not None:
+            for state in (_shared,) if _compiling() else (_local, _shared):
+                state.stack.append(state.current)
+                state.current = (self, layer)
+            if layer.chain is not None and not _compiling():
                 # the projection's input X (B, N, C): the module's first input (nanoGPT's x,
                 # Hugging Face's hidden_states); kept on monitored steps only
                 x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
@@ -218,8 +239,8 @@ class Router:
 
     @staticmethod
     def _exit_hook(module, args, output):
-        stack = getattr(_local, "stack", None)
-        _local.current = stack.pop() if stack else None
+        for state in (_shared,) if _compiling() else (_local, _shared):
+            state.current = state.stack.pop() if state.stack else None
 
     # the call -----------------------------------------------------------------------------------
     def _log_once(self, key: tuple, message: str, *args) -> None:
@@ -228,18 +249,12 @@ class Router:
             log.warning(message, *args)
 
     def call(self, layer: AttentionLayer, args: tuple, kwargs: dict):
+        if _compiling():
+            return self._compiled_call(layer, args, kwargs)
         sdpa = original_sdpa()
         if layer.mode != "own_kernel":
             out = sdpa(*args, **kwargs)
             if self.monitoring and torch.is_grad_enabled():  # observe, monitored step
-                if _compiling():
-                    # a compiled graph replays without our hooks setting the current layer, so
-                    # what it measured would land on the wrong layer: measure nothing instead
-                    self._log_once(("compile", layer.index),
-                                   "flashwatch: layer %d (%s) runs inside torch.compile; observe mode cannot "
-                                   "attribute its attention there and does not measure it (attach to the "
-                                   "uncompiled model, or use mode='own_kernel')", layer.index, layer.name)
-                    return out
                 self._observe(layer, args, kwargs, out)
             return out
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
@@ -249,8 +264,13 @@ class Router:
         if reason is not None:
             self._log_once(("fallback", layer.index, reason),
                            "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls "
-                           "where %s; those calls are not measured", layer.index, layer.name, reason)
-            return sdpa(*args, **kwargs)
+                           "where %s; they are measured beside it where observe mode can", layer.index, layer.name,
+                           reason)
+            out = sdpa(*args, **kwargs)
+            if self.monitoring and torch.is_grad_enabled():
+                self._observe(layer, args, kwargs, out)
+            return out
+        counted = False
         try:
             from flashwatch.kernels import flash_attention
 
@@ -258,6 +278,8 @@ class Router:
             stats = layer.ensure_stats(q.device) if monitored else None
             if monitored:
                 layer.calls += 1
+                layer.coverage += 1
+                counted = True
                 layer.low_precision = q.dtype in (torch.bfloat16, torch.float16)
                 # the kernel's backward reports its rows through stats.rows_hook, once per call,
                 # in reverse order of the forwards: each call leaves its hook on a stack
@@ -271,6 +293,8 @@ class Router:
                                        beta=self.beta, eps=self.eps, stats=stats)
         except Exception as exc:  # never break training: fall back to the model's own attention
             self.on_error("own_kernel", exc)
+            if counted:
+                layer.coverage[1] -= 1  # counted as measured above: it was not
             return sdpa(*args, **kwargs)
 
     def _chain_hooks(self, layer: AttentionLayer, query: Any, head_dim: int, scale: Any):
@@ -309,6 +333,25 @@ class Router:
                 stack.pop()(e_rows, pk)
         return on_rows
 
+    def _measure_scores(self, layer: AttentionLayer, q, k, v, out, causal, scale) -> None:
+        """What a call with attention dropout still shows: rows, repeated maxima and the max logit
+        (functions of the scores alone). Its delta error is not measured: the statistics pass
+        runs with a zero output gradient, which adds exactly 0 to the delta-error sums, and the
+        call is not counted as measured (``coverage``), so the layer's drift reads NaN."""
+        try:
+            from flashwatch.kernels import attention_statistics
+
+            stats = layer.ensure_stats(q.device)
+            stats.rows_hook = None
+            dtype = out.dtype
+            layer.low_precision = dtype in (torch.bfloat16, torch.float16)
+            with torch.autocast(q.device.type, enabled=False):
+                attention_statistics(q.detach().to(dtype), k.detach().to(dtype), v.detach().to(dtype), out.detach(),
+                                     torch.zeros_like(out, dtype=dtype), stats, causal=bool(causal), sm_scale=scale,
+                                     eps=self.eps)
+        except Exception as exc:
+            self.on_error("observe", exc)
+
     def _observe(self, layer: AttentionLayer, args: tuple, kwargs: dict, out) -> None:
         try:
             q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
@@ -317,29 +360,41 @@ class Router:
             if isinstance(q, torch.Tensor) and q.dtype != out.dtype:
                 # autocast cast the inputs inside SDPA: measure what the kernel computed with
                 q, k, v = q.to(out.dtype), k.to(out.dtype), v.to(out.dtype)
-            reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
-            if reason is not None:
+            route, reason = statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layer.num_heads)
+            if route != "plain":
                 self._log_once(("observe", layer.index, reason),
-                               "flashwatch: layer %d (%s): calls where %s are not measured", layer.index,
-                               layer.name, reason)
+                               "flashwatch: layer %d (%s): calls where %s: %s", layer.index, layer.name, reason,
+                               MEASURED[route])
+            if route is None or route == "scores":
+                layer.coverage[0] += 1
+                if route == "scores":
+                    self._measure_scores(layer, q, k, v, out, is_causal, scale)
                 return
             stats = layer.ensure_stats(q.device)
             layer.calls += 1
+            layer.coverage += 1
             layer.low_precision = out.dtype in (torch.bfloat16, torch.float16)
             # k, v with fewer heads (grouped-query attention) are passed as they are: the
             # statistics pass maps query head h to kv head h // (H // Hkv), as SDPA's enable_gqa
             saved = (q.detach(), k.detach(), v.detach(), out.detach())
             causal, eps, on_error = bool(is_causal), self.eps, self.on_error
+            mask_route = route == "masked"
             rows_hook = self._chain_hooks(layer, args[0] if args else kwargs.get("query"), q.shape[-1], scale)
 
             def on_grad(grad_out):
                 try:
-                    from flashwatch.kernels import attention_statistics
+                    from flashwatch.kernels import attention_statistics, masked
 
                     stats.rows_hook = rows_hook
                     with torch.autocast(grad_out.device.type, enabled=False):
-                        attention_statistics(*saved, grad_out.to(saved[3].dtype), stats, causal=causal,
-                                             sm_scale=scale, eps=eps)
+                        if mask_route:
+                            masked.attention_statistics(*saved, grad_out.to(saved[3].dtype), stats,
+                                                        attn_mask=attn_mask, causal=causal,
+                                                        sm_scale=scale if scale is not None else saved[0].shape[-1] ** -0.5,
+                                                        eps=eps)
+                        else:
+                            attention_statistics(*saved, grad_out.to(saved[3].dtype), stats, causal=causal,
+                                                 sm_scale=scale, eps=eps)
                 except Exception as exc:  # a failing statistics pass never breaks the backward
                     on_error("observe_stats", exc)
                 finally:
@@ -349,3 +404,53 @@ class Router:
             out.register_hook(on_grad)
         except Exception as exc:
             self.on_error("observe", exc)
+
+    def _compiled_call(self, layer: AttentionLayer, args: tuple, kwargs: dict):
+        """The call as torch.compile traces it: custom operators, no Python hooks, no guard on
+        whether the step is monitored (``flag`` is read when the operators run)."""
+        from flashwatch.kernels import ops
+
+        sdpa = original_sdpa()
+        if not torch.is_grad_enabled():  # statistics are collected only where autograd records
+            return sdpa(*args, **kwargs)
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
+        stats = layer.ensure_stats(q.device) if isinstance(q, torch.Tensor) else None
+        if layer.mode == "own_kernel":
+            qc, kc, vc, cast = _autocast_inputs(q, k, v) if stats is not None else (q, k, v, False)
+            reason = unsupported_reason(qc, kc, vc, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+            if reason is None:
+                with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
+                    return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,
+                                         causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
+                                         beta=self.beta, eps=self.eps)
+            return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal,
+                                          scale, enable_gqa)
+        return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                      enable_gqa)
+
+    def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        """The model's own SDPA output, marked for the statistics (``flashwatch::observe``), or the
+        call counted as not measured in full."""
+        from flashwatch.kernels import ops
+
+        if not isinstance(out, torch.Tensor) or not out.requires_grad:
+            return out  # no backward will come: nothing to measure, nothing counted
+        if not isinstance(q, torch.Tensor):
+            route, reason = None, "query is not a tensor"
+        else:
+            # autocast casts the inputs inside SDPA: the statistics take them in the output's dtype
+            # (cast when the statistics pass runs, on monitored steps only)
+            route, reason = statistics_route(q.to(out.dtype), k.to(out.dtype), v.to(out.dtype), attn_mask,
+                                             dropout_p, is_causal, enable_gqa, layer.num_heads)
+        if route in ("plain", "masked"):
+            return ops.observe(out, q, k, v, flag=self.flag, stats=layer.ensure_stats(q.device),
+                               coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
+                               attn_mask=attn_mask if route == "masked" else None, masked=route == "masked")
+        message = f"{reason}: {MEASURED[route]}"
+        if route == "scores":
+            ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),
+                                 coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
+                                 layer=layer.index, reason=message)
+        else:
+            ops.unmeasured_call(self.flag, layer.coverage, layer.index, message)
+        return out

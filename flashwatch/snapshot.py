@@ -1,7 +1,7 @@
 """A monitored step's signals as plain data, and the metric-keyed snapshot built from it.
 
 ``host_record(step_signals)`` keeps the last monitored step as plain Python data (it goes into
-``Monitor.state_dict()``); ``snapshot(...)`` turns it into the dict keyed by the metric names
+``Monitor.state_dict()``); ``snapshot(...)`` turns it (and each layer's attention coverage) into the dict keyed by the metric names
 of ``flashwatch.metrics.METRICS`` that every exporter reads.
 """
 
@@ -56,7 +56,8 @@ def host_record(s: StepSignals) -> dict:
         heads = len(ls.rows)
         for a in attrs:
             per_head[a].append(_values(getattr(ls, a), heads))
-    return {"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "per_head": per_head}
+    return {"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "per_head": per_head,
+            "coverage": [float(ls.coverage) for ls in s.layers]}
 
 
 def _per_head(record: dict | None, attr: str) -> dict:
@@ -78,6 +79,9 @@ def snapshot(record: dict | None, variants: dict[int, str], variant_labels: Iter
         snap["flashwatch_grad_norm"] = float(record["grad_norm"])
         for metric, attr in PER_HEAD_METRICS.items():
             snap[metric] = _per_head(record, attr)
+        # a record saved before coverage was counted: NaN per layer
+        coverage = record.get("coverage") or [math.nan] * len(record["per_head"]["rows"])
+        snap["flashwatch_attention_coverage"] = {(layer,): float(v) for layer, v in enumerate(coverage)}
     labels = tuple(variant_labels)
     snap["flashwatch_kernel_variant"] = {(layer, v): float(v == current) for layer, current in variants.items()
                                          for v in labels}

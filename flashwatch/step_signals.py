@@ -10,7 +10,9 @@ Raw readings of one layer (``LayerReading``), every tensor (H,) float64 on the h
 - ``sigma``: the W^Q spectral norm per head;
 - ``chain``: the W^Q-gradient error readings by field name (``flashwatch.chain.FIELDS``), or
   None where they were not measured;
-- ``low_precision`` and ``variant``: what the layer ran at that step.
+- ``low_precision`` and ``variant``: what the layer ran at that step;
+- ``calls``: (attention calls, measured calls) of the layer at that step, or None where not
+  counted; the layer's coverage is their ratio (NaN without a call).
 
 Host state kept across steps (``SignalBuilder``; ``state_dict`` for an exact resume): per
 layer the drift sums (``DriftTracker``), the last W+1 spectral norms (``SigmaHistory``), the
@@ -44,6 +46,14 @@ class LayerReading:
     chain: dict[str, torch.Tensor] | None = None
     low_precision: bool | None = None
     variant: str | None = None
+    calls: tuple[int, int] | None = None
+
+
+def _coverage(calls: tuple[int, int] | None) -> float:
+    """Measured calls / attention calls; NaN without a call (nothing to cover)."""
+    if calls is None or not calls[0]:
+        return math.nan
+    return calls[1] / calls[0]
 
 
 def _nan(h: int) -> torch.Tensor:
@@ -115,7 +125,10 @@ class SignalBuilder:
                 return nan.clone()
             return torch.where(rows > 0, f[name].to(F64) / safe_rows, nan)
 
-        if seen:
+        # calls counted and none measured in full (attention dropout: scores measured, delta error
+        # not): the delta error is not measured at this step
+        delta_seen = seen and (r.calls is None or r.calls[1] > 0)
+        if delta_seen:
             state.drift.update(f["delta_error"].to(F64))
         drift_measured = state.drift.count > 0  # heads with at least one measured delta error
         sigma = r.sigma.to(F64)
@@ -143,10 +156,10 @@ class SignalBuilder:
             "repeated_max_ratio_bf16": rm16,
         })
         return LayerSignals(
-            layer=i, seen=seen, rows=rows,
+            layer=i, seen=seen, rows=rows, coverage=_coverage(r.calls), delta_measured=delta_seen,
             repeated_max_ratio=ratio("repeated_max_rows"), repeated_max_ratio_bf16=rm16,
             repeated_max_ratio_format=ratio("repeated_max_rows_format"),
-            max_logit=max_logit, delta_error=f["delta_error"].to(F64) if seen else nan.clone(),
+            max_logit=max_logit, delta_error=f["delta_error"].to(F64) if delta_seen else nan.clone(),
             # a head whose delta error was never measured (no call it could measure: dropout, a mask,
             # ...) reads NaN, not a z of 0 that would look healthy
             delta_cumulative=torch.where(drift_measured, state.drift.cumulative, nan),

@@ -46,9 +46,10 @@ INJECTED = "INJECTED"  # every output of a run with an injected fault says so wi
 # --- alert rules ----------------------------------------------------------------------------------
 
 SEVERITIES = ("warning", "critical")
-# What an alert is about: one head (labels layer, head >= 0), the whole run (layer = head = -1),
-# or either (non_finite: the loss or gradient norm, or one head's statistics).
-SCOPES = ("head", "run", "head or run")
+# What an alert is about: one head (labels layer, head >= 0), one layer (layer >= 0, head = -1),
+# the whole run (layer = head = -1), or either of head and run (non_finite: the loss or gradient
+# norm, or one head's statistics).
+SCOPES = ("head", "layer", "run", "head or run")
 RUNBOOK = "docs/ALERTS.md"  # the runbook: one section per alert, anchored by its rule name
 
 
@@ -182,6 +183,20 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "spike that recovers may be one bad batch.",
         scope="run", signal="flashwatch_loss",
         settings=("loss_spike_rtol", "loss_spike_atol", "loss_spike_window")),
+    RuleSpec(
+        "attention_coverage", "warning",
+        "None of a layer's attention calls at a monitored step could be measured in full.",
+        "The layer ran attention at the monitored step, but flashwatch measured none of its calls in "
+        "full (flashwatch_attention_coverage is 0): every call used something the statistics cannot "
+        "take. With attention dropout the repeated maxima and max logit are still measured, the delta "
+        "error is not; with causal attention over query and key lengths that differ, or a head "
+        "dimension or dtype outside the kernel's, nothing is. The layer's delta error and drift z read NaN and "
+        "the delta_drift rule cannot fire on it: blind, not healthy. The flashwatch log names the "
+        "reason once per layer.",
+        "Make the monitored calls measurable: turn attention dropout off (Hugging Face: "
+        "attn_pdrop=0.0), or leave the layer out with MonitorConfig.layers. Until then, do not "
+        "read the layer's silence as health.",
+        scope="layer", signal="flashwatch_attention_coverage"),
 )
 
 STOPPED_REPORTING = RuleSpec(

@@ -32,8 +32,8 @@ from . import faults
 from .checks import check_options, check_qkv, fixed_offset
 from .stats import AttentionStats
 
-__all__ = ["flash_attention", "attention_statistics", "scores", "row_top2", "inject_rounding_bias", "unit_p_gap",
-           "format_tie_flags"]
+__all__ = ["flash_attention", "attention_statistics", "forward", "backward", "scores", "row_top2",
+           "inject_rounding_bias", "unit_p_gap", "format_tie_flags"]
 
 _COMPUTE = {torch.float64: torch.float64}
 _PRECISION_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}
@@ -159,67 +159,80 @@ def _no_autocast(fn):
     return wrapped
 
 
+def forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
+    """The forward without autograd: (out, lse, residual or None). Adds the max logit into
+    ``stats`` (when given), as the kernel's forward does. Autocast must be off."""
+    dtype = q.dtype
+    s = scores(q, k, causal, sm_scale)  # (B, H, N, N)
+    m1, m2 = row_top2(s)
+    shift = m1
+    if variant == "fixed":
+        tied, _ = tie_flags(m1, m2, eps)
+        shift = m1 + torch.where(tied, fixed_offset(m1, beta, dtype), torch.zeros_like(m1))
+    p_bar = torch.exp(s - shift.unsqueeze(-1))
+    row_sum = p_bar.sum(-1)
+    vv = _expand_kv(v, q.shape[1]).to(s.dtype)
+    o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / row_sum.unsqueeze(-1)
+    o_hp = o_fp32  # before any injected fault: fp32_delta's delta comes from it
+    if fault_strength and variant != "fixed":
+        # the fixed variant keeps every P_bar < 1, so the injected fault never triggers there
+        unit_rows = (m2 - m1) >= unit_p_gap(dtype)  # P_bar rounds to 1 at two or more keys
+        o_fp32 = inject_rounding_bias(o_fp32, unit_rows, fault_strength, dtype)
+    out = o_fp32.to(dtype)
+    residual = (o_hp - out.to(o_hp.dtype)).to(dtype) if variant == "fp32_delta" else None
+    lse = shift + torch.log(row_sum)
+    if stats is not None:  # as the kernel: max logit here, rows and tie counts in the backward
+        _add_max_logit(stats, m1)
+    return out, lse, residual
+
+
+def backward(grad_out, q, k, v, out, lse, residual, causal, sm_scale, eps, stats):
+    """The backward without autograd: (dq, dk, dv). Adds rows, repeated-max counts and the
+    delta-error sums into ``stats`` (when given) and calls its ``rows_hook``. Autocast must be off."""
+    dtype = q.dtype
+    H, Hkv = q.shape[1], k.shape[1]
+    s = scores(q, k, causal, sm_scale)
+    cd = s.dtype
+    p = torch.exp(s - lse.unsqueeze(-1))  # (B, H, N, N), exact softmax in FP32
+    do = grad_out.to(cd)
+    vv = _expand_kv(v, H).to(cd)
+    dp = torch.matmul(do, vv.transpose(-1, -2))
+    o_used = out.to(cd) if residual is None else out.to(cd) + residual.to(cd)
+    delta_used = (do * o_used).sum(-1)
+    ds = p * (dp - delta_used.unsqueeze(-1))
+    dv = torch.matmul(_round_to(p, dtype).transpose(-1, -2), do)
+    ds_r = _round_to(ds, dtype)
+    dq = torch.matmul(ds_r, _expand_kv(k, H).to(cd)) * sm_scale
+    dk = torch.matmul(ds_r.transpose(-1, -2), q.to(cd)) * sm_scale
+    if Hkv != H:  # sum the gradients of the query heads that share a kv head
+        B, _, N, D = k.shape
+        dk = dk.view(B, Hkv, H // Hkv, N, D).sum(2)
+        dv = dv.view(B, Hkv, H // Hkv, N, D).sum(2)
+    if stats is not None:
+        m1, m2 = row_top2(s)  # the forward's scores, computed again
+        tied, tied_bf16 = tie_flags(m1, m2, eps)
+        err = delta_used - (p * dp).sum(-1)  # delta_used - delta_hp
+        _add_row_counts(stats, tied, tied_bf16, format_tie_flags(m1, m2, stats.unit_gap))
+        _add_delta_stats(stats, err, tied)
+        _report_rows(stats, err, p, k)
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
 class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
     @_no_autocast
     def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
-        dtype = q.dtype
-        s = scores(q, k, causal, sm_scale)  # (B, H, N, N)
-        m1, m2 = row_top2(s)
-        tied, tied_bf16 = tie_flags(m1, m2, eps)
-        shift = m1
-        if variant == "fixed":
-            shift = m1 + torch.where(tied, fixed_offset(m1, beta, dtype), torch.zeros_like(m1))
-        p_bar = torch.exp(s - shift.unsqueeze(-1))
-        row_sum = p_bar.sum(-1)
-        vv = _expand_kv(v, q.shape[1]).to(s.dtype)
-        o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / row_sum.unsqueeze(-1)
-        o_hp = o_fp32  # before any injected fault: fp32_delta's delta comes from it
-        if fault_strength and variant != "fixed":
-            # the fixed variant keeps every P_bar < 1, so the injected fault never triggers there
-            unit_rows = (m2 - m1) >= unit_p_gap(dtype)  # P_bar rounds to 1 at two or more keys
-            o_fp32 = inject_rounding_bias(o_fp32, unit_rows, fault_strength, dtype)
-        out = o_fp32.to(dtype)
-        residual = (o_hp - out.to(o_hp.dtype)).to(dtype) if variant == "fp32_delta" else None
-        lse = shift + torch.log(row_sum)
-        tied_format = None
-        if stats is not None:  # as the kernel: max logit here, rows and tie counts in the backward
-            _add_max_logit(stats, m1)
-            tied_format = format_tie_flags(m1, m2, stats.unit_gap)
-        ctx.save_for_backward(q, k, v, out, lse, residual, tied if stats is not None else None,
-                              tied_bf16 if stats is not None else None, tied_format)
-        ctx.causal, ctx.sm_scale, ctx.stats = causal, sm_scale, stats
+        out, lse, residual = forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength)
+        ctx.save_for_backward(q, k, v, out, lse, residual)
+        ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats = causal, sm_scale, eps, stats
         return out
 
     @staticmethod
     @_no_autocast
     def backward(ctx, grad_out):
-        q, k, v, out, lse, residual, tied, tied_bf16, tied_format = ctx.saved_tensors
-        dtype = q.dtype
-        H, Hkv = q.shape[1], k.shape[1]
-        s = scores(q, k, ctx.causal, ctx.sm_scale)
-        cd = s.dtype
-        p = torch.exp(s - lse.unsqueeze(-1))  # (B, H, N, N), exact softmax in FP32
-        do = grad_out.to(cd)
-        vv = _expand_kv(v, H).to(cd)
-        dp = torch.matmul(do, vv.transpose(-1, -2))
-        o_used = out.to(cd) if residual is None else out.to(cd) + residual.to(cd)
-        delta_used = (do * o_used).sum(-1)
-        ds = p * (dp - delta_used.unsqueeze(-1))
-        dv = torch.matmul(_round_to(p, dtype).transpose(-1, -2), do)
-        ds_r = _round_to(ds, dtype)
-        dq = torch.matmul(ds_r, _expand_kv(k, H).to(cd)) * ctx.sm_scale
-        dk = torch.matmul(ds_r.transpose(-1, -2), q.to(cd)) * ctx.sm_scale
-        if Hkv != H:  # sum the gradients of the query heads that share a kv head
-            B, _, N, D = k.shape
-            dk = dk.view(B, Hkv, H // Hkv, N, D).sum(2)
-            dv = dv.view(B, Hkv, H // Hkv, N, D).sum(2)
-        if ctx.stats is not None:
-            err = delta_used - (p * dp).sum(-1)  # delta_used - delta_hp
-            _add_row_counts(ctx.stats, tied, tied_bf16, tied_format)
-            _add_delta_stats(ctx.stats, err, tied)
-            _report_rows(ctx.stats, err, p, k)
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
+        q, k, v, out, lse, residual = ctx.saved_tensors
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, residual, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3,

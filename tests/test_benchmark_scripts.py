@@ -96,3 +96,25 @@ def test_sass_loop_counts_finds_loops_by_their_backward_branch():
         sys.path.pop(0)
     listing = "/*0010*/ FADD R1, R2, R3 ;\n/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ BRA 0x40 ;\n"
     assert sass_loop_counts.loop_counts(listing) == [{"instructions": 2, "opcodes": {"FADD": 1, "BRA": 1}}]
+
+
+@pytest.mark.slow
+def test_monitor_overhead_compiled_arms_run_on_the_cpu(tmp_path):
+    """The compiled arms of benchmarks/monitor_overhead.py (a tiny model, aot_eager): each runs,
+    compiles one graph without a graph break, and its monitored steps are timed."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import monitor_overhead
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "compiled.json"
+    assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
+                                  "--steps", "4", "--interval", "2", "--compile", "default", "--only-compiled",
+                                  "--backend", "aot_eager", "--json", str(out)]) == 0
+    arms = {a["arm"]: a for a in json.loads(out.read_text())["arms"]}
+    assert set(arms) == {"sdpa@default", "sdpa+observe@default", "own_kernel@default", "own_kernel+monitor@default"}
+    for arm in arms.values():
+        assert "error" not in arm and arm["graph_breaks"] == 0 and arm["unique_graphs"] == 1, arm
+    assert arms["sdpa+observe@default"]["monitored_steps"] == 2 and "mean_overhead_vs_baseline" in arms["own_kernel@default"]

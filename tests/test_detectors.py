@@ -40,14 +40,14 @@ def step(t, *layers, index=None, loss=None, grad_norm=None):
 
 def test_rules_and_alert_contract():
     assert RULES == ("delta_drift", "repeated_max_rise", "wq_growth", "wq_outlier", "max_logit", "non_finite",
-                     "loss_spike")
+                     "loss_spike", "attention_coverage")
     assert RULES is vocabulary.RULES  # re-exported, not copied
     detectors = build_detectors(MonitorConfig())
     assert [d.rule for d in detectors] == list(RULES)
     assert {d.rule: d.severity for d in detectors} == vocabulary.SEVERITY
     assert vocabulary.SEVERITY == {"delta_drift": "warning", "repeated_max_rise": "warning", "wq_growth": "warning",
                                    "wq_outlier": "warning", "max_logit": "warning", "non_finite": "critical",
-                                   "loss_spike": "critical"}
+                                   "loss_spike": "critical", "attention_coverage": "warning"}
     a = Alert(rule="max_logit", step=3, layer=1, head=2, value=120.0, threshold=100.0, severity="warning",
               message="m")
     assert a.to_dict() == {"rule": "max_logit", "step": 3, "layer": 1, "head": 2, "value": 120.0,

@@ -263,11 +263,12 @@ def test_bad_arguments():
         FlashWatchCallback(console="fancy")
 
 
-def test_imports_only_pytorch_lightning():
-    code = "import sys, flashwatch.lightning; print('lightning.pytorch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+def test_the_callback_is_a_callback_of_both_lightning_packages():
+    """A Trainer accepts only callbacks of its own package: the callback subclasses both
+    (tests/test_lightning_namespaces.py trains with each)."""
+    lightning = pytest.importorskip("lightning.pytorch")
+    watch = FlashWatchCallback(port=None, jsonl=False, console=None)
+    assert isinstance(watch, Callback) and isinstance(watch, lightning.Callback)
 
 
 def test_a_run_dir_that_holds_a_run_is_refused_unless_appending(loader, tmp_path):

@@ -51,7 +51,7 @@ def test_a_bad_rule_entry_is_refused():
     with pytest.raises(ValueError, match="severity must be one of"):
         v.RuleSpec("x", "info", "s.", "m.", "a.")
     with pytest.raises(ValueError, match="scope must be one of"):
-        v.RuleSpec("x", "warning", "s.", "m.", "a.", scope="layer")
+        v.RuleSpec("x", "warning", "s.", "m.", "a.", scope="model")
 
 
 def test_variants_and_their_codes():

@@ -167,6 +167,9 @@ class ConsoleExporter(Exporter):
         variants = variant_counts(s)
         if variants:
             parts.append("variants " + " ".join(f"{v}x{len(ls)}" for v, ls in sorted(variants.items())))
+        partial = _partial_coverage(s)
+        if partial:
+            parts.append("attention coverage " + ", ".join(f"L{l} {v:.0%}" for l, v in partial))
         parts.append(f"active alerts {len(record.active_alerts)}")
         return "; ".join(parts)
 
@@ -208,11 +211,21 @@ class ConsoleExporter(Exporter):
             parts.append(alerts)
         else:
             parts.append(Text("no active alerts", style="green"))
+        partial = _partial_coverage(s)
+        if partial:
+            parts.append(Text("attention coverage below 100% (calls not measured in full): " + ", ".join(
+                f"layer {l} {v:.0%}" for l, v in partial), style="yellow"))
         variants = variant_counts(s)
         if variants:
             parts.append(Text("variants: " + "; ".join(
                 f"{v} on layers {_ranges(ls)}" for v, ls in sorted(variants.items()))))
         return Group(*parts)
+
+
+def _partial_coverage(snapshot: Mapping[str, Any]) -> list[tuple[int, float]]:
+    """(layer, coverage) of the layers whose attention calls were not all measured in full."""
+    values = snapshot.get("flashwatch_attention_coverage") or {}
+    return sorted((key[0], float(v)) for key, v in values.items() if isinstance(v, (int, float)) and v < 1.0)
 
 
 def _ranges(layers: list[int]) -> str:

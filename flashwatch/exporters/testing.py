@@ -53,6 +53,7 @@ def synthetic_snapshot(layout: Layout, step: int = 0, *, seed: int = 0,
         if spec.per_head:
             draw = per_head[spec.name]
             snap[spec.name] = {key: draw() for key in heads}
+    snap["flashwatch_attention_coverage"] = {(layer,): 1.0 for layer in range(layout.num_layers)}
     snap["flashwatch_kernel_variant"] = {
         (layer, v): float(v == "sdpa") for layer in range(layout.num_layers) for v in VARIANT_LABELS}
     totals = {(rule,): 0.0 for rule in RULES}

@@ -40,6 +40,7 @@ class RunData:
     alerts: list[dict]  # every new alert, in step order
     switches: list[tuple[int, int, str, str]]  # (step, layer, from, to) kernel-variant changes
     meta: dict = field(default_factory=dict)  # demo.json, when present
+    coverage: dict[int, list[float]] = field(default_factory=dict)  # layer -> attention coverage per step
 
     @property
     def row_labels(self) -> list[str]:
@@ -143,6 +144,12 @@ def load_run(path: str | os.PathLike) -> RunData:
             cols.append(col)
         series[metric] = [[c[r] for c in cols] for r in range(len(rows))]
 
+    coverage: dict[int, list[float]] = {}
+    for i, rec in enumerate(records):  # records written before coverage was counted have none: NaN
+        for row in rec["metrics"].get("flashwatch_attention_coverage") or []:
+            if isinstance(row, dict) and "layer" in row:
+                coverage.setdefault(int(row["layer"]), [math.nan] * len(records))[i] = num(row.get("value"))
+
     alerts, switches, last_variant = [], [], {}
     for rec in records:
         alerts.extend(a for a in rec.get("new_alerts") or [] if isinstance(a, dict))
@@ -166,4 +173,5 @@ def load_run(path: str | os.PathLike) -> RunData:
     return RunData(path=p, steps=[int(r["step"]) for r in records],
                    loss=[num(r["metrics"].get("flashwatch_loss")) for r in records],
                    grad_norm=[num(r["metrics"].get("flashwatch_grad_norm")) for r in records],
-                   rows=rows, layer_names=names, series=series, alerts=alerts, switches=switches, meta=meta)
+                   rows=rows, layer_names=names, series=series, alerts=alerts, switches=switches, meta=meta,
+                   coverage=coverage)

@@ -89,6 +89,27 @@ def _alerts_table(run: RunData) -> list[str]:
     return out
 
 
+def _coverage_table(run: RunData) -> list[str]:
+    """Layers whose attention was not measured in full at some monitored step (none: nothing shown)."""
+    partial = []
+    for layer, values in sorted(run.coverage.items()):
+        finite = [(v, step) for v, step in zip(values, run.steps) if v == v]
+        low = [(v, step) for v, step in finite if v < 1.0]
+        if low:
+            name = run.layer_names[layer] if layer < len(run.layer_names) else f"layer {layer}"
+            partial.append((layer, name, min(low)[0], len(low), len(finite), low[0][1]))
+    if not partial:
+        return []
+    return ["<h2>Attention coverage</h2>",
+            f"<p class='cap'>{_e(BY_NAME['flashwatch_attention_coverage'].help)} Layers below 1 at some monitored "
+            "step; at 0 the layer's delta error and drift were not measured (the attention_coverage alert).</p>",
+            "<table><tr><th>layer</th><th>name</th><th>lowest coverage</th><th>monitored steps below 1</th>"
+            "<th>first at step</th></tr>"
+            + "".join(f"<tr><td>{layer}</td><td>{_e(name)}</td><td>{low:.0%}</td><td>{n} of {total}</td>"
+                      f"<td>{first}</td></tr>" for layer, name, low, n, total, first in partial)
+            + "</table>"]
+
+
 def to_html(run: RunData) -> str:
     """The report as one self-contained HTML page (inline SVG, no scripts, no external assets)."""
     head = title(run)
@@ -135,6 +156,7 @@ def to_html(run: RunData) -> str:
 
     out.append("<h2>Alerts</h2>")
     out += _alerts_table(run)
+    out += _coverage_table(run)
     if run.switches:
         out.append("<h2>Kernel variant switches</h2><table><tr><th>step</th><th>layer</th><th>from</th><th>to</th></tr>"
                    + "".join(f"<tr><td>{s}</td><td>{l}</td><td>{_e(a)}</td><td>{_e(b)}</td></tr>"

@@ -1,0 +1,125 @@
+"""Statistics of attention calls with an attention mask or unequal query and key lengths.
+
+``attention_statistics(q, k, v, out, grad_out, stats, attn_mask=..., causal=..., ...)`` adds
+to ``stats`` what ``flashwatch.kernels.attention_statistics`` adds for a plain call, for calls
+the Triton kernels do not take: an ``attn_mask`` (boolean, True = attend, or additive float,
+as ``torch.nn.functional.scaled_dot_product_attention`` takes it; any shape that broadcasts to
+(B, H, Nq, Nk): key-padding masks (B, 1, 1, Nk), Hugging Face's 4-D masks (B, 1, Nq, Nk), ...)
+and query and key lengths that differ (cross attention, a KV cache; not with ``causal``).
+
+Rows left out of every statistic:
+
+- rows with no key to attend to;
+- padding rows of self-attention (Nq == Nk): a position j whose own key is masked in its own
+  row (mask[j, j]) is padding; a row is left out when it is padding or attends to a padding
+  key, which only a padding row does. (Older Hugging Face versions let fully masked padding rows
+  attend to every key, to keep SDPA's kernels free of NaN; such a row cannot be told from a real
+  one by the mask and is counted.)
+
+The mask is applied as SDPA applies it: a boolean mask sets masked scores to -inf, a float
+mask is added to the scores (its very negative entries, at most half the dtype's lowest
+value, count as masked when finding padding). The max logit includes an additive mask's
+finite values (a position bias is part of the logit).
+
+Dense, as ``reference``: one (H, Nq, Nk) score tensor per batch element at a time, in FP32 (FP64
+for FP64 inputs), on the inputs' device. ``stats.rows_hook`` is called once, as by the plain
+pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import _add_delta_stats, _add_max_logit, _compute_dtype, _expand_kv, row_top2, tie_flags
+from .stats import AttentionStats
+
+__all__ = ["attention_statistics", "mask_reason"]
+
+
+def mask_reason(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
+    """Why this mask (and these lengths) cannot be measured here, or None."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    if causal and Nq != Nk:
+        return f"causal attention with query and key lengths that differ ({Nq} vs {Nk})"
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        return f"attn_mask is a {type(attn_mask).__name__}, not a tensor"
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        return f"attn_mask has dtype {attn_mask.dtype} (accepted: bool, or a float mask added to the scores)"
+    if attn_mask.dim() > 4:
+        return f"attn_mask has {attn_mask.dim()} dimensions"
+    try:
+        torch.broadcast_shapes(tuple(attn_mask.shape), (B, H, Nq, Nk))
+    except RuntimeError:
+        return f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {(B, H, Nq, Nk)}"
+    return None
+
+
+def _allowed_and_bias(mask_b: torch.Tensor | None, cd: torch.dtype):
+    """(allowed bool, additive bias or None) of one batch element's mask."""
+    if mask_b is None:
+        return None, None
+    if mask_b.dtype == torch.bool:
+        return mask_b, None
+    allowed = (mask_b > torch.finfo(mask_b.dtype).min / 2) & ~torch.isneginf(mask_b)
+    return allowed, mask_b.to(cd)
+
+
+@torch.no_grad()
+def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                         grad_out: torch.Tensor, stats: AttentionStats, *, attn_mask: torch.Tensor | None = None,
+                         causal: bool = False, sm_scale: float, eps: float = 1e-3) -> None:
+    """Add the statistics of one masked (or unequal-length) attention call into ``stats``.
+
+    Args:
+        q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D) with Hkv dividing H; out, grad_out: (B, H, Nq, D)
+            the model's attention output and its gradient.
+        attn_mask: None, or a boolean / float mask broadcastable to (B, H, Nq, Nk) (see
+            ``mask_reason`` for what is accepted; the caller checks).
+        causal: top-left causal masking (Nq == Nk only).
+    """
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    cd = _compute_dtype(q.dtype)
+    mask = torch.broadcast_to(attn_mask, (B, H, Nq, Nk)) if attn_mask is not None else None
+    causal_block = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).triu(1) if causal else None
+    hook = stats.rows_hook
+    errs, pks = [], []
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        for b in range(B):
+            qb, kb, vb = q[b].to(cd), _expand_kv(k[b:b + 1], H)[0].to(cd), _expand_kv(v[b:b + 1], H)[0].to(cd)
+            s = torch.matmul(qb, kb.transpose(-1, -2)) * sm_scale  # (H, Nq, Nk)
+            allowed, bias = _allowed_and_bias(mask[b] if mask is not None else None, cd)
+            if bias is not None:
+                s = s + bias
+            if allowed is None:
+                allowed = torch.ones_like(s, dtype=torch.bool)
+            if causal_block is not None:
+                allowed = allowed & ~causal_block
+            s = s.masked_fill(~allowed, float("-inf"))
+            valid = allowed.any(-1)  # (H, Nq): rows with a key to attend to
+            if Nq == Nk:
+                padding = ~allowed.diagonal(dim1=-2, dim2=-1)  # (H, N): positions whose own key is masked
+                valid = valid & ~padding & ~(allowed & padding[:, None, :]).any(-1)
+            m1, m2 = row_top2(s)
+            tied, tied_bf16 = tie_flags(m1, m2, eps)
+            tied, tied_bf16 = tied & valid, tied_bf16 & valid
+            _add_max_logit(stats, torch.where(valid, m1, torch.full_like(m1, float("-inf")))[None])
+            stats.rows.add_(valid.sum(-1))
+            stats.repeated_max_rows.add_(tied.sum(-1))
+            stats.repeated_max_rows_bf16.add_(tied_bf16.sum(-1))
+            # P through the log-sum-exp, as the plain statistics pass computes it; rows left out are 0
+            shift = torch.where(valid, m1, torch.zeros_like(m1))[..., None]
+            lse = shift + torch.log(torch.exp(s - shift).sum(-1, keepdim=True).clamp_min(torch.finfo(cd).tiny))
+            p = torch.where(valid[..., None], torch.exp(s - lse), torch.zeros_like(s))
+            do = grad_out[b].to(cd)
+            dp = torch.matmul(do, vb.transpose(-1, -2))
+            err = torch.where(valid, (do * out[b].to(cd)).sum(-1) - (p * dp).sum(-1), torch.zeros_like(m1))
+            _add_delta_stats(stats, err[None], tied[None])
+            if hook is not None:
+                errs.append(err.to(torch.float32))
+                pks.append(torch.matmul(p, kb).to(torch.float32))
+    if hook is not None:
+        hook(torch.stack(errs), torch.stack(pks))

@@ -1,0 +1,347 @@
+"""flashwatch's attention as PyTorch custom operators, for models run under ``torch.compile``.
+
+Dynamo and Inductor cannot trace a Python ``autograd.Function`` that launches Triton kernels
+and adds into statistics held by a Python object; they can trace custom operators
+(``torch.library.custom_op``) with fake implementations and registered autograd. Each
+operator is opaque to the compiler: Inductor calls it as it is, and it runs the same launchers
+(``triton_attn``) or the same reference (``reference``) as the eager path.
+
+Operators (namespace ``flashwatch``):
+
+- ``attention(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps)``
+  -> (out, lse, residual, rowmax): ``flash_attention``'s forward; its backward is
+  ``attention_backward`` (dq, dk, dv). Triton on CUDA (or under TRITON_INTERPRET=1), the
+  reference elsewhere.
+- ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps)`` -> a copy of
+  ``out``: marks the output of the model's own attention; its backward passes the gradient
+  through unchanged and runs ``observe_statistics`` (``attention_statistics`` on the saved
+  inputs, output and output gradient).
+- ``score_statistics(q, k, v, out, flag, counts, values, coverage, ...)``: a call with attention
+  dropout: rows, repeated maxima and max logit only (its delta error is not measured).
+- ``unmeasured_call(flag, coverage, layer, reason)``: counts an attention call the statistics
+  cannot take (logged once per layer and reason).
+
+Whether a step is monitored is the CPU tensor ``flag`` (0-d, nonzero: monitored), read by the
+operators when they run, so flipping it between steps changes no guard and recompiles nothing.
+Statistics go into ``counts`` and ``values``, the two buffers of an ``AttentionStats``
+(declared as mutated), and ``coverage``, a CPU int64 tensor (2,), counts [attention calls,
+measured calls] of monitored steps. Nothing is read back from the device.
+
+The per-row hook of ``AttentionStats.rows_hook`` (the W^Q-gradient error) is not called from
+these operators.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from . import faults, reference
+from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats
+
+log = logging.getLogger("flashwatch")
+
+__all__ = ["attention", "observe", "score_statistics", "unmeasured_call", "stats_buffers"]
+
+_logged: set = set()
+
+
+def stats_buffers(stats: AttentionStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two device buffers every field of ``stats`` is a view of: (counts int64, values float32)."""
+    return stats._counts, stats._values
+
+
+def _view(counts: torch.Tensor, values: torch.Tensor) -> AttentionStats:
+    """An ``AttentionStats`` whose fields are views of ``counts`` and ``values`` (the buffers an
+    operator was given: under functionalization they may be copies of the layer's own)."""
+    stats = AttentionStats(counts.shape[1], counts.device)
+    stats._counts, stats._values = counts, values
+    for i, name in enumerate(COUNT_FIELDS):
+        setattr(stats, name, counts[i])
+    for i, name in enumerate(MAX_FIELDS + SUM_FIELDS):
+        setattr(stats, name, values[i])
+    return stats
+
+
+def _log_once(key: tuple, message: str, *args, exc_info: bool = False) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.warning(message, *args, exc_info=exc_info)
+
+
+def _on(flag: torch.Tensor) -> bool:
+    return bool(flag.item())  # a CPU tensor: no device synchronisation
+
+
+def _uses_triton(device: torch.device) -> bool:
+    from . import uses_triton
+
+    return uses_triton(device)
+
+
+class _NoAutocast:
+    """Autocast off on ``device``: the kernels choose their own precision."""
+
+    def __init__(self, device: torch.device):
+        self.ctx = torch.autocast(device_type=device.type, enabled=False)
+
+    def __enter__(self):
+        return self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc)
+
+
+# --- own kernel ---------------------------------------------------------------------------------
+
+class _MaxLogit:
+    """What the forward kernels write statistics into: the max logit only."""
+
+    def __init__(self, max_logit: torch.Tensor):
+        self.max_logit = max_logit
+
+
+@torch.library.custom_op("flashwatch::attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor, causal: bool,
+               sm_scale: float, variant: str, beta: float, eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, N, _ = q.shape
+    max_logit = torch.empty((H,), dtype=torch.float32, device=q.device)
+    stats = _MaxLogit(max_logit.fill_(float("-inf"))) if _on(flag) else None
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    fault = faults.rounding_bias_strength()
+    with _NoAutocast(q.device):
+        if _uses_triton(q.device):
+            from . import triton_attn
+
+            o, lse, r, rowmax = triton_attn._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
+        else:
+            o, lse, r = reference.forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
+            rowmax = None
+    r = r if r is not None else q.new_empty((0,))
+    rowmax = rowmax if rowmax is not None else torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    return o, lse, r, rowmax, max_logit
+
+
+@_attention.register_fake
+def _attention_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
+    B, H, N, D = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 and not _uses_triton(q.device) else torch.float32
+    r = q.new_empty((B, H, N, D)) if variant == "fp32_delta" else q.new_empty((0,))
+    return (q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=lse_dtype), r,
+            q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
+
+
+@torch.library.custom_op("flashwatch::attention_backward", mutates_args=("counts", "values", "coverage"))
+def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                        lse: torch.Tensor, r: torch.Tensor, rowmax: torch.Tensor, max_logit: torch.Tensor,
+                        flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor,
+                        causal: bool, sm_scale: float, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    stats = None
+    if _on(flag):
+        stats = _view(counts, values)
+        stats.max_logit.copy_(torch.maximum(stats.max_logit, max_logit))  # the forward's, folded in now
+        coverage.add_(1)  # one attention call, measured
+    residual = r if r.numel() else None
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    with _NoAutocast(q.device):
+        if _uses_triton(q.device):
+            from . import triton_attn
+
+            return triton_attn._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None,
+                                         causal, sm_scale, eps, stats)
+        return reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
+
+
+@_attention_backward.register_fake
+def _attention_backward_fake(do, q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, causal,
+                             sm_scale, eps):
+    B, H, N, D = q.shape
+    return (q.new_empty((B, H, N, D)), k.new_empty((B, k.shape[1], N, D)), v.new_empty((B, v.shape[1], N, D)))
+
+
+@torch.library.custom_op("flashwatch::attention_with_stats", mutates_args=())
+def _attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor,
+                          counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
+                          sm_scale: float, variant: str, beta: float, eps: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the autograd-carrying operator must be functional: the statistics buffers are inputs here
+    # (saved for the backward, which adds into them) and nothing in the forward mutates them
+    return _attention(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+
+
+@_attention_with_stats.register_fake
+def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps):
+    return _attention_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps = inputs
+    o, lse, r, rowmax, max_logit = output
+    ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage)
+    ctx.causal, ctx.sm_scale, ctx.eps = causal, sm_scale, eps
+
+
+def _attention_grad(ctx, do, *_unused):
+    saved = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(do, *saved, ctx.causal, ctx.sm_scale, ctx.eps)
+    return (dq, dk, dv) + (None,) * 9
+
+
+_attention_with_stats.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor, stats: AttentionStats,
+              coverage: torch.Tensor, causal: bool = True, sm_scale: Optional[float] = None,
+              variant: str = "plain", beta: float = 2.0, eps: float = 1e-3) -> torch.Tensor:
+    """``flash_attention`` as a custom operator: statistics into ``stats`` when ``flag`` is set.
+
+    Args as ``flashwatch.kernels.flash_attention`` (already checked by the caller), and
+    ``flag`` (CPU 0-d tensor, nonzero on monitored steps), ``coverage`` (CPU int64 (2,)).
+    Returns the (B, H, N, D) output. The call's max logit is added with its backward's
+    statistics (a forward without backward adds nothing).
+    """
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    counts, values = stats_buffers(stats)
+    out = _attention_with_stats(q, k, v, flag, counts, values, coverage, bool(causal), scale, variant, float(beta),
+                                float(eps))
+    return out[0]
+
+
+# --- observe -----------------------------------------------------------------------------------
+
+@torch.library.custom_op("flashwatch::observe", mutates_args=())
+def _observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor,
+             counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, attn_mask: Optional[torch.Tensor],
+             causal: bool, sm_scale: float, eps: float, masked: bool) -> torch.Tensor:
+    return out.clone()  # an operator's output may not alias its input
+
+
+@_observe.register_fake
+def _observe_fake(out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked):
+    return torch.empty_like(out)
+
+
+@torch.library.custom_op("flashwatch::observe_statistics", mutates_args=("counts", "values", "coverage"))
+def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        grad_out: torch.Tensor, flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor,
+                        coverage: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool, sm_scale: float,
+                        eps: float, masked: bool) -> None:
+    if not _on(flag):
+        return
+    from . import attention_statistics
+    from . import masked as masked_pass
+
+    coverage.add_(1)  # one attention call, measured here
+    dtype = out.dtype  # autocast cast the inputs inside the model's SDPA: measure what it computed with
+    try:
+        with _NoAutocast(q.device):
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), _view(counts, values))
+            if masked:
+                masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
+            else:
+                attention_statistics(*args, causal=causal, sm_scale=sm_scale, eps=eps)
+    except Exception:  # a failing statistics pass never breaks the backward
+        coverage[1] -= 1
+        _log_once(("observe_statistics",), "flashwatch: the statistics pass of an observed attention call failed; "
+                  "training goes on unchanged", exc_info=True)
+
+
+@_observe_statistics.register_fake
+def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
+                             eps, masked):
+    return None
+
+
+def _observe_setup(ctx, inputs, output):
+    out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked = inputs
+    ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask)
+    ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked = causal, sm_scale, eps, masked
+
+
+def _observe_grad(ctx, grad_out):
+    saved = ctx.saved_tensors
+    _observe_statistics(*saved[:4], grad_out, *saved[4:], ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked)
+    return (grad_out,) + (None,) * 12
+
+
+_observe.register_autograd(_observe_grad, setup_context=_observe_setup)
+
+
+def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
+            stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float] = None,
+            eps: float = 1e-3, attn_mask: Optional[torch.Tensor] = None, masked: bool = False) -> torch.Tensor:
+    """Mark ``out``, the output of the model's own attention of ``q, k, v``: returns a copy of it
+    whose backward adds the statistics of that call into ``stats`` when ``flag`` is set (with
+    ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``)."""
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    counts, values = stats_buffers(stats)
+    mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
+    return _observe(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask, bool(causal),
+                    scale, float(eps), bool(masked))
+
+
+# --- calls measured in part -----------------------------------------------------------------------
+
+@torch.library.custom_op("flashwatch::score_statistics", mutates_args=("counts", "values", "coverage"))
+def _score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, flag: torch.Tensor,
+                      counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
+                      sm_scale: float, eps: float, layer: int, reason: str) -> None:
+    if not _on(flag):
+        return
+    from . import attention_statistics
+
+    coverage[0] += 1  # an attention call, not measured in full
+    _log_once((layer, reason), "flashwatch: layer %d: attention calls where %s", layer, reason)
+    dtype = out.dtype
+    try:
+        with _NoAutocast(q.device):
+            # a zero output gradient adds exactly 0 to the delta-error sums: rows, repeated
+            # maxima and the max logit only
+            attention_statistics(q.to(dtype), k.to(dtype), v.to(dtype), out, torch.zeros_like(out),
+                                 _view(counts, values), causal=causal, sm_scale=sm_scale, eps=eps)
+    except Exception:
+        _log_once(("score_statistics",), "flashwatch: a statistics pass failed; training goes on unchanged",
+                  exc_info=True)
+
+
+@_score_statistics.register_fake
+def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason):
+    return None
+
+
+def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, flag: torch.Tensor,
+                     stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float],
+                     eps: float, layer: int, reason: str) -> None:
+    """For a call whose delta error cannot be measured (attention dropout): add its rows,
+    repeated maxima and max logit into ``stats`` when ``flag`` is set; counted as a call, not
+    as a measured one; ``reason`` logged once per layer."""
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    counts, values = stats_buffers(stats)
+    _score_statistics(q.detach(), k.detach(), v.detach(), out.detach(), flag, counts, values, coverage, bool(causal),
+                      scale, float(eps), int(layer), str(reason))
+
+
+# --- calls that are not measured -----------------------------------------------------------------
+
+@torch.library.custom_op("flashwatch::unmeasured_call", mutates_args=("coverage",))
+def _unmeasured_call(flag: torch.Tensor, coverage: torch.Tensor, layer: int, reason: str) -> None:
+    if not _on(flag):
+        return
+    coverage[0] += 1
+    _log_once((layer, reason), "flashwatch: layer %d: attention calls where %s are not measured", layer, reason)
+
+
+@_unmeasured_call.register_fake
+def _unmeasured_call_fake(flag, coverage, layer, reason):
+    return None
+
+
+def unmeasured_call(flag: torch.Tensor, coverage: torch.Tensor, layer: int, reason: str) -> None:
+    """Count an attention call of ``layer`` that is not measured (on monitored steps), and log
+    ``reason`` once per layer and reason."""
+    _unmeasured_call(flag, coverage, int(layer), str(reason))

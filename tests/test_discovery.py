@@ -1,0 +1,105 @@
+"""Finding attention layers: a head count taken from the attention call itself, and an error
+for an unrecognised model that lists what was found and writes the ``attention=`` argument
+with the model's own module names.
+
+Fail before: a nanoGPT-layout module that kept its head count anywhere but ``n_head``/``h``
+was not found, and the error named one module with a generic placeholder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.attach import find_attention
+
+SDPA = F.scaled_dot_product_attention
+
+
+class HeadsInAConfig(nn.Module):
+    """nanoGPT's layout with the head count in a dict: only the call shows it."""
+
+    def __init__(self, c=64, heads=4, needs_mask=False):
+        super().__init__()
+        self.c_attn = nn.Linear(c, 3 * c)
+        self.c_proj = nn.Linear(c, c)
+        self.settings = {"heads": heads}
+        self.needs_mask = needs_mask
+
+    def forward(self, x, mask=None):
+        if self.needs_mask and mask is None:
+            raise TypeError("forward() needs a mask")
+        b, t, c = x.shape
+        h = self.settings["heads"]
+        q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_head_count_from_the_attention_call():
+    model = nn.Sequential(HeadsInAConfig(heads=4), HeadsInAConfig(heads=2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    found = find_attention(model)
+    assert [(name, heads, family) for name, _, heads, _, family in found] == [("0", 4, "nanogpt"), ("1", 2, "nanogpt")]
+    w = found[1][3](model[1])
+    assert w.shape == (2, 32, 64) and torch.equal(w.reshape(64, 64), model[1].c_attn.weight[:64])
+    # the trial call changed nothing
+    assert F.scaled_dot_product_attention is SDPA and model.training
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    monitor.attach(model)
+    try:
+        model(torch.randn(2, 8, 64)).sum().backward()
+        monitor.step()
+        rows = monitor.signals()["rows"]
+        assert rows == {**{(0, h): 16.0 for h in range(4)}, **{(1, h): 16.0 for h in range(2)}}
+    finally:
+        monitor.detach()
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, c=64):
+        super().__init__()
+        self.qkv = nn.Linear(c, 3 * c)
+        self.out = nn.Linear(c, c)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = SelfAttention()
+        self.mlp = nn.Linear(64, 64)
+
+
+def test_unrecognised_model_error_lists_what_was_found_and_writes_the_attention_argument():
+    model = nn.ModuleDict({"blocks": nn.ModuleList(Block() for _ in range(4))})
+    with pytest.raises(ValueError) as err:
+        find_attention(model)
+    message = str(err.value)
+    assert "blocks.0.attn (SelfAttention; qkv: Linear(64, 192), out: Linear(64, 64))" in message
+    assert "query_weight = lambda m: m.qkv.weight[:64].view(H, 64 // H, 64)" in message
+    assert ("monitor.attach(model, attention={'blocks.0.attn': query_weight, 'blocks.1.attn': query_weight, "
+            "'blocks.2.attn': query_weight, ...})") in message
+    # the argument it writes works once H is filled in
+    H = 4
+    query_weight = lambda m: m.qkv.weight[:64].view(H, 64 // H, 64)  # noqa: E731
+    found = find_attention(model, attention={f"blocks.{i}.attn": query_weight for i in range(4)})
+    assert [f[2] for f in found] == [4] * 4
+
+
+def test_a_forward_that_needs_more_than_x_is_named_in_the_error():
+    model = nn.Sequential(HeadsInAConfig(needs_mask=True))
+    with pytest.raises(ValueError, match=r"0 \(HeadsInAConfig; c_attn: Linear\(64, 192\)") as err:
+        find_attention(model)
+    assert "m.c_attn.weight[:64].view(H, 64 // H, 64)" in str(err.value)
+    assert F.scaled_dot_product_attention is SDPA
+
+
+def test_a_model_without_anything_like_attention():
+    with pytest.raises(ValueError, match="no module's name or class mentions attention.*attention=") as err:
+        find_attention(nn.Sequential(nn.Linear(3, 3)))
+    assert "['0']" in str(err.value)

@@ -1,0 +1,87 @@
+"""The callback with both Lightning packages, ``lightning.pytorch`` and ``pytorch_lightning``;
+its summaries in ``trainer.callback_metrics``, so EarlyStopping can monitor them.
+
+Fail before: a ``lightning.pytorch`` Trainer rejected the callback (it subclassed
+``pytorch_lightning``'s Callback only), and ``trainer.callback_metrics`` held no flashwatch value
+(EarlyStopping(monitor="flashwatch/max_logit") raised: metric not available).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from flashwatch.lightning import FlashWatchCallback
+from flashwatch.tinygpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _namespace(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        pytest.skip(f"{name} is not installed")
+
+
+def _fit(ns, callbacks, max_epochs: int = 1):
+    class LitGPT(ns.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.model(x, y)[1]
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (12, 16), generator=g)
+    loader = DataLoader(TensorDataset(x, x), batch_size=4)  # 3 batches per epoch
+    trainer = ns.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, callbacks=callbacks, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LitGPT(), loader)
+    return trainer
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_a_trainer_of_either_package_runs_the_callback(namespace):
+    ns = _namespace(namespace)
+    watch = FlashWatchCallback(interval=1, port=None, jsonl=False, console=None)
+    trainer = _fit(ns, [watch])
+    assert watch.monitor.global_step == 3 and watch.monitor.monitored_steps == 3
+    metrics = trainer.callback_metrics
+    assert isinstance(metrics["flashwatch/max_logit"], torch.Tensor)
+    assert float(metrics["flashwatch/max_logit"]) == pytest.approx(
+        max(watch.monitor.snapshot()["flashwatch_max_logit"].values()))
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_early_stopping_monitors_a_flashwatch_value(namespace):
+    ns = _namespace(namespace)
+    watch = FlashWatchCallback(interval=1, port=None, jsonl=False, console=None)
+    # stops once the max logit is below a threshold it is always below: after the first epoch
+    stop = ns.callbacks.EarlyStopping(monitor="flashwatch/max_logit", mode="min", stopping_threshold=1e6,
+                                      check_on_train_epoch_end=True)
+    trainer = _fit(ns, [watch, stop], max_epochs=5)
+    assert trainer.current_epoch == 1 and stop.stopped_epoch == 0
+    assert watch.monitor.global_step == 3
+
+
+def test_the_monitor_kernels_and_exporters_import_no_lightning():
+    """Lightning is an extra: the core imports neither package."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flashwatch, flashwatch.kernels, flashwatch.exporters, flashwatch.monitor\n"
+            "from flashwatch import Monitor, MonitorConfig\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

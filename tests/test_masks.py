@@ -1,0 +1,181 @@
+"""Attention calls with masks, grouped-query attention and unequal lengths are measured.
+
+The dense pass (``flashwatch.kernels.masked``) against float64 oracles: a padded batch's
+statistics equal those of each sequence cut to its real length (padding rows and keys left
+out); a Monitor measures such calls in observe and own-kernel mode, eager and compiled alike.
+
+Fail before: every call with an attn_mask or unequal query/key lengths was logged and skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.kernels import AttentionStats, masked, reference
+
+B, H, N, D = 3, 2, 12, 16
+LENGTHS = (12, 7, 9)
+SCALE = D ** -0.5
+
+
+def _inputs(nq=N, nk=N, hkv=H):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, nq, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, hkv, nk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(B, H, nq, D, generator=g, dtype=torch.float64)
+    return q, k, v, grad
+
+
+def _keep():
+    keep = torch.zeros(B, N, dtype=torch.bool)
+    for b, n in enumerate(LENGTHS):
+        keep[b, :n] = True
+    return keep
+
+
+def _stats(fn) -> dict:
+    stats = AttentionStats(H)
+    fn(stats)
+    return stats.as_dict()
+
+
+def _assert_same(got: dict, want: dict):
+    for name in got:
+        if name.startswith("delta_error"):  # the same rows added into FP32 sums in another order
+            torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want[name]), rtol=1e-6, atol=1e-12)
+        else:
+            assert got[name] == want[name], (name, got[name], want[name])
+
+
+def _rounded(out):
+    """The output rounded to BF16, as a BF16 kernel saves it: a delta error well above float64 noise."""
+    return out.to(torch.bfloat16).to(out.dtype)
+
+
+@pytest.mark.parametrize("kind", ["bool key padding", "bool 4-D causal", "float 4-D causal"])
+def test_right_padding_equals_each_sequence_cut_to_its_length(kind):
+    q, k, v, grad = _inputs()
+    keep = _keep()
+    causal = kind != "bool key padding"
+    if kind == "bool key padding":
+        mask = keep[:, None, None, :]  # (B, 1, 1, N): every row attends to the real keys
+    else:
+        mask = keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool).tril()  # Hugging Face's (B, 1, N, N)
+    if kind.startswith("float"):
+        mask = torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, torch.finfo(torch.float64).min)
+    out = _rounded(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    grad = grad * keep[:, None, :, None]  # a loss that ignores padding gives its rows no gradient
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE))
+
+    def oracle(stats):
+        for b, n in enumerate(LENGTHS):
+            cut = (slice(b, b + 1), slice(None), slice(0, n))
+            reference.attention_statistics(q[cut], k[cut], v[cut], out[cut], grad[cut], stats, causal=causal)
+    want = _stats(oracle)
+    assert got["rows"] == [float(sum(LENGTHS))] * H
+    _assert_same(got, want)
+
+
+def test_left_padding_leaves_fully_masked_rows_out():
+    """Left padding with a causal mask: the padding rows have no key to attend to."""
+    q, k, v, grad = _inputs()
+    starts = [N - n for n in LENGTHS]
+    allowed = torch.ones(N, N, dtype=torch.bool).tril().repeat(B, 1, 1)
+    for b, p in enumerate(starts):
+        allowed[b, :, :p] = False  # padding keys: the padding rows keep no key at all
+    mask = allowed[:, None]
+    out = _rounded(torch.nan_to_num(F.scaled_dot_product_attention(q, k, v, attn_mask=mask)))
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE))
+
+    def oracle(stats):
+        for b, p in enumerate(starts):
+            cut = (slice(b, b + 1), slice(None), slice(p, N))
+            reference.attention_statistics(q[cut], k[cut], v[cut], out[cut], grad[cut], stats, causal=True)
+    assert got["rows"] == [float(sum(LENGTHS))] * H
+    _assert_same(got, _stats(oracle))
+
+
+def test_without_a_mask_the_dense_pass_is_the_plain_one():
+    q, k, v, grad = _inputs()
+    out = _rounded(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, causal=True, sm_scale=SCALE))
+    want = _stats(lambda s: reference.attention_statistics(q, k, v, out, grad, s, causal=True))
+    assert got == want
+
+
+def test_unequal_lengths_and_grouped_query_attention_against_float64_formulas():
+    q, k, v, grad = _inputs(nq=8, nk=12, hkv=1)
+    out = _rounded(F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, sm_scale=SCALE))
+    kk, vv = k.expand(B, H, 12, D), v.expand(B, H, 12, D)
+    s = q @ kk.transpose(-1, -2) * SCALE
+    top = s.topk(2, dim=-1).values
+    p = torch.softmax(s, dim=-1)
+    err = (grad * out).sum(-1) - (p * (grad @ vv.transpose(-1, -2))).sum(-1)
+    tied = top[..., 1] >= top[..., 0] - 1e-3
+    assert got["rows"] == [B * 8.0] * H
+    assert got["repeated_max_rows"] == tied.sum(dim=(0, 2)).double().tolist()
+    f64 = torch.float64  # statistics are FP32 sums: compared at FP32 precision
+    torch.testing.assert_close(torch.tensor(got["max_logit"], dtype=f64), top[..., 0].amax(dim=(0, 2)).float().double())
+    torch.testing.assert_close(torch.tensor(got["delta_error"], dtype=f64), err.sum(dim=(0, 2)), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(got["delta_error_sq"], dtype=f64), (err * err).sum(dim=(0, 2)), rtol=1e-6,
+                               atol=0)
+
+
+def test_what_the_dense_pass_does_not_take_says_why():
+    q, k, v, _ = _inputs()
+    assert "lengths that differ" in masked.mask_reason(None, q, k[:, :, :5], causal=True)
+    assert "does not broadcast" in masked.mask_reason(torch.ones(5, 5, dtype=torch.bool), q, k, causal=False)
+    assert "dtype torch.int64" in masked.mask_reason(torch.ones(N, N, dtype=torch.long), q, k, causal=False)
+    assert masked.mask_reason(torch.ones(B, 1, 1, N, dtype=torch.bool), q, k, causal=False) is None
+
+
+class PaddedAttention(nn.Module):
+    """nanoGPT attention over a right-padded batch (a key-padding mask), or grouped-query
+    attention with enable_gqa=True (two query heads per key head)."""
+
+    def __init__(self, c=32, heads=2, gqa=False):
+        super().__init__()
+        self.c_attn = nn.Linear(c, 3 * c, bias=False)
+        self.n_head, self.gqa = heads, gqa
+        self.mask = _keep()[:, None, None, :8] if not gqa else None
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.gqa:
+            return F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["key padding", "enable_gqa"])
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_monitor_measures_them_eager_and_compiled_alike(mode, gqa):
+    def run(compiled):
+        torch.manual_seed(0)
+        mod = PaddedAttention(gqa=gqa)
+        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+        monitor.attach(mod)
+        fn = torch.compile(mod, backend="aot_eager") if compiled else mod
+        x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
+        (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2)).sum().backward()
+        result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
+        monitor.detach()
+        return result
+
+    eager = run(False)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(True)
+    assert not counters["graph_break"]
+    assert eager[1] == compiled[1] == [1, 1]
+    rows = 3 * 8.0 if gqa else float(8 + 7 + 8)  # padding rows left out (lengths 12, 7, 9 cut to 8)
+    assert eager[0]["rows"] == [rows, rows]
+    assert eager[0] == compiled[0]
