@@ -30,7 +30,7 @@ import numpy as np
 
 from flashwatch.replay.baselines import run_baselines
 from flashwatch.replay.blowup import blowup_step
-from flashwatch.replay.playback import config_for, load_records, replay
+from flashwatch.replay.playback import build_signals, config_for, load_records, replay
 from flashwatch.replay.records import read_run, read_steps
 from flashwatch.replay.runs import MECHANISM_RULES
 from flashwatch.vocabulary import INJECTED
@@ -48,6 +48,12 @@ def _series(run_dir: Path, overrides: dict | None):
     steps = read_steps(run_dir)
     records = load_records(run_dir, steps)
     cfg = config_for(run, overrides)
+    if records and "z" not in records[0]:  # packed recordings (research.recordings): drift z rebuilt by the replay
+        by_step = {sig.step: sig for sig in build_signals(records, cfg.window)}
+        for r in records:
+            sig = by_step.get(int(r["step"]))
+            r["z"] = [ls.drift_z.tolist() for ls in sig.layers] if sig is not None else \
+                [[math.nan] * len(row) for row in r["e"]]
     alerts = replay(records, cfg)
     blow = blowup_step(steps["step"].tolist(), steps["loss"].tolist())
     ms = np.array([r["step"] for r in records])
