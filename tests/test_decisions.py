@@ -8,17 +8,8 @@ import torch
 
 from flashwatch import MonitorConfig
 from flashwatch.kernels import AttentionStats, reference
-from test_monitor import RUNS, Run
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_detach():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-    while RUNS:
-        RUNS.pop().monitor.detach()
+from test_monitor import Run
+from test_monitor import _detach_runs, _one_thread  # noqa: F401  (autouse: one thread, runs detached)
 
 
 @pytest.mark.parametrize("auto_fix_on, switched", [({"delta_drift"}, False), ({"max_logit"}, True)])

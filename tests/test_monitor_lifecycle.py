@@ -13,17 +13,8 @@ import torch
 import flashwatch.collect
 from flashwatch import Monitor, MonitorConfig, TrainingStopped
 from flashwatch.exporters.base import Exporter
-from test_monitor import RUNS, Run, _assert_same, _defer_like_cuda
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_detach():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-    while RUNS:
-        RUNS.pop().monitor.detach()
+from test_monitor import Run, _assert_same, _defer_like_cuda
+from test_monitor import _detach_runs, _one_thread  # noqa: F401  (autouse: one thread, runs detached)
 
 
 class Keep(Exporter):
