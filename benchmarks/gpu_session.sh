@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|bench|ab|sweep|tune|overhead|ddp|host|lab ...]   (default: tests bench)
+#   bash benchmarks/gpu_session.sh [tests|newtests|bench|ab|sweep|tune|overhead|compiled|ddp|host|lab ...]   (default: tests bench)
+# newtests: every GPU test (kernels, compile, formats, chain, lifecycle, masks, coverage); compiled: the
+# Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode)
 # ab: benchmarks/kernel_ab.py against kernels/_ab_before (a copy of an earlier revision's kernels/
 # folder; or kernels/_ab_before.py, an earlier single-file kernels/triton_attn.py), then every
 # kernels/_ab_before_* beside it; git-ignored, so pass them in the device tool's carry
@@ -18,6 +20,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in $steps; do
   case $step in
     tests) timeout 420 python3 -m pytest -q -m gpu tests/test_triton_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    newtests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py tests/test_compile_gpu.py \
+                tests/test_formats.py tests/test_chain.py tests/test_monitor_lifecycle.py tests/test_masks.py \
+                tests/test_coverage.py 2>&1 | tee "$OUT/gpu_newtests.log" | tail -25 ;;
+    compiled) timeout 560 python3 benchmarks/monitor_overhead.py --compile default --json "$OUT/monitor_overhead_compiled.json" \
+                2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
     bench) timeout 400 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
     ab) befores=$(for b in kernels/_ab_before kernels/_ab_before.py kernels/_ab_before_*; do [ -e "$b" ] && echo "--before $b"; done)
         timeout 400 python3 benchmarks/kernel_ab.py $befores --json "$OUT/kernel_ab.json" 2>&1 | tee "$OUT/kernel_ab.log" ;;
