@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import http.server
 import io
 import json
 import logging
 import math
 import socket
-import threading
 import urllib.request
 
 import pytest
@@ -178,38 +176,6 @@ def test_prometheus_rejects_a_malformed_snapshot_at_export():
     record.snapshot["flashwatch_loss"] = "high"
     with pytest.raises(ValueError, match=r"flashwatch_loss.*must be numbers"):
         exporter.export(record)
-
-
-def test_prometheus_pushes_to_a_pushgateway():
-    received = []
-
-    class Gateway(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self):
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            received.append((self.path, body.decode()))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        exporter = PrometheusExporter(port=None, pushgateway=f"http://127.0.0.1:{server.server_port}",
-                                      job="train", grouping_key={"run": "r1"}, push_interval_s=3600)
-        exporter.open(LAYOUT)
-        exporter.export(synthetic_record(LAYOUT, step=5))
-        exporter.export(synthetic_record(LAYOUT, step=6))  # within push_interval_s: not pushed
-        exporter.close()  # the last state is always pushed
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert [path for path, _ in received] == ["/metrics/job/train/run/r1"] * 2
-    steps = [{f.name: f for f in text_string_to_metric_families(body)}["flashwatch_step"].samples[0].value
-             for _, body in received]
-    assert steps == [5, 6]
 
 
 # -- JSONL ----------------------------------------------------------------------------------

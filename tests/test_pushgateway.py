@@ -205,3 +205,17 @@ def test_an_exporter_reopened_for_a_second_fit_pushes_again(gateway):
         exporter.close()
     assert families(received[-1][2])["flashwatch_step"].samples[0].value == 2
     assert exporter.pushed == len(received) >= 2 and exporter.push_failed == 0
+
+
+def test_prometheus_pushes_to_a_pushgateway(gateway):
+    url, received = gateway
+    exporter = PrometheusExporter(port=None, pushgateway=url, job="train", grouping_key={"run": "r1"},
+                                  push_interval_s=3600)
+    exporter.open(LAYOUT)
+    exporter.export(synthetic_record(LAYOUT, step=5))
+    exporter.export(synthetic_record(LAYOUT, step=6))  # within push_interval_s: not pushed
+    exporter.close()  # the last state is always pushed
+    assert [path for path, _, _ in received] == ["/metrics/job/train/run/r1"] * 2
+    steps = [{f.name: f for f in text_string_to_metric_families(body)}["flashwatch_step"].samples[0].value
+             for _, _, body in received]
+    assert steps == [5, 6]
