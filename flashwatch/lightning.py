@@ -204,6 +204,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         self.stopped: TrainingStopped | None = None
         self._exporters_added = False
         self._seen_global_step: int | None = None
+        self._published_step: int | None = None  # the monitored step last put into callback_metrics
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_batches = 0
         self._grad_norm: torch.Tensor | None = None
@@ -259,6 +260,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
     def on_train_start(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         # After restore_training_state: global_step is the resumed one.
         self._seen_global_step = trainer.global_step
+        self._published_step = None  # Lightning empties callback_metrics when a fit starts
         self._reset_step()
         if self.monitor.global_step != trainer.global_step and trainer.is_global_zero:
             log.warning("flashwatch: the Monitor has counted %d optimizer steps, the trainer %d (a resumed run "
@@ -394,10 +396,14 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
     def _publish(self, trainer: "Trainer") -> None:
         """The finite summaries into ``trainer.callback_metrics`` (what EarlyStopping and
         ModelCheckpoint read); a value not measured (NaN) is left out, never shown as a number."""
-        metrics = self._summaries()
+        decided = self.monitor.last_decided_step
+        if decided is None or decided == self._published_step:
+            return  # nothing new since the last publication: no per-step host work
         callback_metrics = getattr(trainer, "callback_metrics", None)
+        metrics = self._summaries()
         if metrics is None or not isinstance(callback_metrics, dict):
             return
+        self._published_step = decided
         for name, value in metrics.items():
             if math.isfinite(value):
                 callback_metrics[name] = torch.tensor(float(value))

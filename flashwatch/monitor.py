@@ -588,6 +588,12 @@ class Monitor:
         return f" (rank {self.rank})" if self.world_size > 1 else ""
 
     # --- reading -----------------------------------------------------------------------------------
+    @property
+    def last_decided_step(self) -> int | None:
+        """The optimizer step of the latest decided monitored step (what ``snapshot()`` shows);
+        None before the first. Host data: reading it never waits for the device."""
+        return None if self._last is None else int(self._last["step"])
+
     def snapshot(self) -> dict:
         """The latest values, keyed by the metric names of ``flashwatch.metrics.METRICS``.
 
