@@ -71,7 +71,10 @@ def unpack(archive: Path, into: Path) -> list[Path]:
     """Extract ``archive`` under ``into``; returns the run folders."""
     into.mkdir(parents=True, exist_ok=True)
     with tarfile.open(archive, "r:xz") as tar:
-        tar.extractall(into, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: refuse links and paths outside `into`
+            tar.extractall(into, filter="data")
+        else:
+            tar.extractall(into)
         names = sorted({str(Path(m.name).parent) for m in tar.getmembers() if m.isfile()})
     return [into / n for n in names]
 
