@@ -15,10 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Two gloo ranks under torchrun. A rank that aborts in the C++ runtime ("terminate called
+    without an active exception", exit code -6) is run once more: on a loaded 2-core machine the
+    CPU gloo backend has done so at process exit, after the script's work had finished (seen once
+    in three fresh-clone test runs); a second abort fails the test."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_ports()), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    for attempt in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(_free_ports()), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+        if proc.returncode == 0 or "exitcode: -6" not in proc.stderr:
+            return proc
+    return proc
 
 
 @pytest.mark.timeout(300)
