@@ -2,6 +2,7 @@
 
     python -m research.early_warning calibrate RUNS... --out THRESHOLDS.json [--controls RUNS...]
     python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md]
+    python -m research.early_warning ratio RESULT.json [--rule chain] [--factor 3]
 
 RUNS: run folders of the seed-split scenario, or folders holding them. Everything here follows
 the protocol: outcomes (blow-up, confirmed, survivor), each rule's per-run score series (the
@@ -264,6 +265,26 @@ def _post_hoc(per_run: dict, source: dict) -> dict:
     return out
 
 
+def blowup_ratios(result: dict, rule: str, factor: float) -> list[dict]:
+    """Per run of a test result: the rule's first firing step f, the blow-up step b (None: survived),
+    b / f, and whether the third protocol's descriptive prediction holds there: a run in which the
+    rule fired blows up by step ``factor`` x f (None where the run ended before that step without a
+    blow-up: not decided)."""
+    out = []
+    for v in sorted(result["runs"].values(), key=lambda v: v["seed"]):
+        f, o = v["first_fire"].get(rule), v["outcome"]
+        b, last = o["blowup"], o["last_step"]
+        if f is None:
+            holds = None
+        elif b is not None:
+            holds = b <= factor * f
+        else:
+            holds = False if last >= factor * f else None
+        out.append({"seed": v["seed"], "first_fire": f, "blowup": b, "last_step": last,
+                    "ratio": (b / f) if (b is not None and f) else None, "holds": holds})
+    return out
+
+
 def markdown(result: dict) -> str:
     lines = ["| rule | threshold | detected / blow-ups | lead >= 1,000 | leads (steps) | false alarms / survivors | verdict |",
              "|---|---|---|---|---|---|---|"]
@@ -339,7 +360,24 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--thresholds", required=True)
     t.add_argument("--out", required=True)
     t.add_argument("--markdown")
+    q = sub.add_parser("ratio", help="blow-up step over a rule's first firing step, per run of a test result")
+    q.add_argument("result")
+    q.add_argument("--rule", default="chain", choices=RULES + BASELINES)
+    q.add_argument("--factor", type=float, default=3.0)
     args = p.parse_args(argv)
+    if args.command == "ratio":
+        rows = blowup_ratios(json.loads(Path(args.result).read_text()), args.rule, args.factor)
+        print(f"| seed | {args.rule} first fires | blow-up | b / f | blow-up by {args.factor:g} x f |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            fmt = lambda x: "-" if x is None else f"{x:,}"
+            holds = {True: "yes", False: "no", None: "-"}[r["holds"]] if r["first_fire"] is not None else "(no alarm)"
+            if r["first_fire"] is not None and r["holds"] is None:
+                holds = f"not decided (ran to {r['last_step'] + 1:,})"
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+            print(f"| {r['seed']} | {fmt(r['first_fire'])} | {fmt(r['blowup']) if r['blowup'] is not None else 'survived'} "
+                  f"| {ratio} | {holds} |")
+        return 0
     if args.command == "calibrate":
         result = calibrate(_runs(args.runs), _runs(args.controls) if args.controls else [])
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))

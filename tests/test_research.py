@@ -362,6 +362,23 @@ def test_the_verdict_needs_six_runs_in_each_group(n_b, early, n_s, false, expect
     assert ew._verdict(n_b, early, n_s, false) == expected
 
 
+def test_the_blowup_ratio_prediction_is_judged_only_where_the_run_decides_it():
+    """b <= 3 f holds or fails on blow-ups; a survivor fails it only once it ran past 3 f; no alarm: no judgement."""
+    from research import early_warning as ew
+
+    def run(seed, f, b, last):
+        return {"seed": seed, "first_fire": {"chain": f},
+                "outcome": {"blowup": b, "last_step": last, "survivor": b is None}}
+    result = {"runs": {"a": run(1, 2000, 5000, 6000),    # 2.5 x: holds
+                       "b": run(2, 2000, 7000, 8000),    # 3.5 x: fails
+                       "c": run(3, 3000, None, 9999),    # survived, but only to 3.33 x: fails
+                       "d": run(4, 5000, None, 9999),    # survived to 2 x: not decided
+                       "e": run(5, None, None, 9999)}}   # no alarm
+    rows = {r["seed"]: r for r in ew.blowup_ratios(result, "chain", 3.0)}
+    assert [rows[s]["holds"] for s in (1, 2, 3, 4, 5)] == [True, False, False, None, None]
+    assert rows[1]["ratio"] == 2.5 and rows[3]["ratio"] is None
+
+
 def test_packed_recordings_replay_as_the_originals(tmp_path):
     """research.recordings drops only the fields the replay rebuilds: the replayed signals are equal."""
     from flashwatch.replay.records import read_signals
