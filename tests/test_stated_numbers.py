@@ -3,6 +3,8 @@ result file in results/ (research.stated_numbers makes the blocks; these tests h
 import json
 from pathlib import Path
 
+import pytest
+
 from research import stated_numbers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,12 +21,13 @@ def test_the_readme_paragraph_follows_the_result_file(tmp_path, monkeypatch):
     changed = tmp_path / "test.json"
     changed.write_text(json.dumps(result))
     monkeypatch.setattr(stated_numbers, "TEST_1", changed)
-    assert "`repeated_max_bf16_trend` 19" in stated_numbers.readme_block()
+    assert "`repeated_max_bf16_trend` 19/23" in stated_numbers.readme_block()
     assert stated_numbers.differences()
 
 
-def test_the_result_file_records_the_frozen_thresholds_it_used():
-    result = json.loads(stated_numbers.TEST_1.read_text())
+@pytest.mark.parametrize("name", ["TEST_1", "TEST_2"])
+def test_the_result_file_records_the_frozen_thresholds_it_used(name):
+    result = json.loads(getattr(stated_numbers, name).read_text())
     frozen = json.loads((ROOT / "research/preregistration/early-warning-thresholds.json").read_text())
     assert result["thresholds_commit"] == frozen["commit"]
     assert {k: v["threshold"] for k, v in result["table"].items() if k in frozen["thresholds"]} == \
