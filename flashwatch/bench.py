@@ -1,11 +1,15 @@
 """``flashwatch bench``: attention throughput of flashwatch's kernels against torch SDPA.
 
-For each shape (causal, bf16 by default) it times forward and forward+backward of torch SDPA
+For each case (a shape, causal or not, bf16 or fp16) it times forward and forward+backward of torch SDPA
 flash (FlashAttention-2), torch SDPA cuDNN, and flashwatch plain (statistics off), plain
 (statistics on), fixed and fp32_delta, as medians of CUDA-event timings
 (``triton.testing.do_bench``), all in the same run, and prints ratios to SDPA flash. The
 kernels of a shape are timed in three interleaved rounds and each number is the median of the
 rounds (one round with --quick or --tune); the JSON keeps the spread of the rounds.
+
+By default the cases are the four ``DEFAULT_SHAPES`` (causal, bf16) and the ``EXTRA_CASES``: the
+first shape non-causal, and the first shape in fp16. ``--shape``, ``--no-causal`` or ``--dtype``
+time only what they name.
 
 Event timing counts the host when a call's Python launch work outlasts the GPU work queued
 ahead of it (small shapes: docs/KERNEL_TUNING.md). ``--device-time`` also times each kernel's
@@ -29,6 +33,9 @@ import statistics
 import torch
 
 DEFAULT_SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 64), (4, 32, 4096, 128), (1, 32, 16384, 128))
+# beside the default shapes: the first one without the causal mask, and in fp16 (shape, causal, dtype name)
+EXTRA_CASES = ((DEFAULT_SHAPES[0], False, "bf16"), (DEFAULT_SHAPES[0], True, "fp16"))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 KERNELS = ("sdpa_flash", "sdpa_cudnn", "plain", "plain_stats", "fixed", "fp32_delta")
 
 
@@ -185,14 +192,16 @@ def _median_of_rounds(samples: list[dict]) -> dict:
 
 
 def run_bench(shapes=DEFAULT_SHAPES, causal=True, dtype=torch.bfloat16, kernels=KERNELS, rep_ms=100,
-              rounds=3, device_time=False) -> dict:
-    """Time every kernel at every shape. The kernels of a shape are timed in turn, ``rounds``
+              rounds=3, device_time=False, extra_cases=()) -> dict:
+    """Time every kernel at every shape (``causal``, ``dtype``), then at each of ``extra_cases``
+    ((shape, causal, dtype name) triples). The kernels of a case are timed in turn, ``rounds``
     times over (interleaved, so a slow phase of the GPU touches every kernel alike), and each
     number is the median over the rounds. ``device_time``: also the CUDA-graph replay time of
-    forward+backward (``fwd_bwd_device_ms``, once per kernel and shape, after the rounds)."""
+    forward+backward (``fwd_bwd_device_ms``, once per kernel and case, after the rounds)."""
+    cases = [(tuple(s), causal, dtype) for s in shapes] + [(tuple(s), c, DTYPES[d]) for s, c, d in extra_cases]
     fns = kernel_functions()
     results = []
-    for shape in shapes:
+    for shape, causal, dtype in cases:
         flops = attention_flops(shape, causal)
         row = {"shape": list(shape), "causal": causal, "dtype": str(dtype).replace("torch.", ""), "kernels": {}}
         samples: dict[str, list[dict]] = {name: [] for name in kernels}
@@ -223,6 +232,16 @@ def run_bench(shapes=DEFAULT_SHAPES, causal=True, dtype=torch.bfloat16, kernels=
     return {"environment": environment(), "results": results}
 
 
+def case_label(row: dict) -> str:
+    """B,H,N,D, with "non-causal" and the dtype added where they differ from causal bf16."""
+    label = ",".join(map(str, row["shape"]))
+    if not row.get("causal", True):
+        label += " non-causal"
+    if row.get("dtype", "bfloat16") != "bfloat16":
+        label += f" {row['dtype']}"
+    return label
+
+
 def print_table(report: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -237,11 +256,11 @@ def print_table(report: dict, console=None) -> None:
     for row in report["results"]:
         for name, t in row["kernels"].items():
             if "error" in t:
-                table.add_row(",".join(map(str, row["shape"])), name, "-", "-", "-", "-", "-", "-", "-",
+                table.add_row(case_label(row), name, "-", "-", "-", "-", "-", "-", "-",
                               t["error"][:30])
                 continue
             over = t.get("fwd_bwd_overhead_vs_plain")
-            table.add_row(",".join(map(str, row["shape"])), name, f"{t['fwd_ms']:.3f}", f"{t['fwd_tflops']:.0f}",
+            table.add_row(case_label(row), name, f"{t['fwd_ms']:.3f}", f"{t['fwd_tflops']:.0f}",
                           f"{t['fwd_bwd_ms']:.3f}", f"{t['fwd_bwd_tflops']:.0f}",
                           f"{t.get('fwd_speed_vs_sdpa_flash', math.nan):.2f}",
                           f"{t.get('fwd_bwd_speed_vs_sdpa_flash', math.nan):.2f}",
@@ -265,7 +284,7 @@ def print_device_table(report: dict, console=None) -> None:
         for name, t in row["kernels"].items():
             if "error" in t:
                 continue
-            shape = ",".join(map(str, row["shape"]))
+            shape = case_label(row)
             if "fwd_bwd_device_ms" not in t:
                 table.add_row(shape, name, f"{t['fwd_bwd_ms']:.3f}", "-", "-", t.get("fwd_bwd_device_error", "")[:30])
                 continue
@@ -289,9 +308,11 @@ def main(args) -> int:
     shapes = [parse_shape(s) for s in args.shape] if args.shape else list(DEFAULT_SHAPES)
     if args.quick:
         shapes = shapes[:2]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    report = run_bench(shapes, causal=not args.no_causal, dtype=dtype, rep_ms=50 if args.quick else 100,
-                       rounds=1 if args.quick or args.tune else 3, device_time=args.device_time)
+    # the extra rows only in the default run: a named shape, mask or dtype times just that
+    default_run = not (args.shape or args.no_causal or args.dtype != "bf16" or args.quick or args.tune)
+    report = run_bench(shapes, causal=not args.no_causal, dtype=DTYPES[args.dtype], rep_ms=50 if args.quick else 100,
+                       rounds=1 if args.quick or args.tune else 3, device_time=args.device_time,
+                       extra_cases=EXTRA_CASES if default_run else ())
     if args.tune:
         from flashwatch.kernels import tuning
 

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_metrics)
     p = sub.add_parser("bench", help="attention throughput of flashwatch's kernels vs torch SDPA (needs CUDA)")
     p.add_argument("--shape", action="append", metavar="B,H,N,D",
-                   help="a shape to time (repeatable); default: 16,12,1024,64 8,16,2048,64 4,32,4096,128 1,32,16384,128")
+                   help="a shape to time (repeatable); default: 16,12,1024,64 8,16,2048,64 4,32,4096,128 1,32,16384,128, "
+                        "then 16,12,1024,64 non-causal and in fp16")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--no-causal", action="store_true", help="time non-causal attention (default: causal)")
     p.add_argument("--quick", action="store_true", help="first two shapes, shorter timings")

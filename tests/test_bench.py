@@ -83,3 +83,46 @@ def test_device_time_is_an_option_of_the_cli():
     args = build_parser().parse_args(["bench", "--quick", "--device-time"])
     assert args.device_time and args.quick
     assert not build_parser().parse_args(["bench"]).device_time
+
+
+def _fake_timing(monkeypatch):
+    """bench with the GPU parts replaced: every kernel 'takes' 1 ms; returns the cases timed."""
+    seen = []
+
+    def fake_time(fn, shape, causal, dtype, rep_ms=100):
+        seen.append((tuple(shape), causal, dtype))
+        return {"fwd_ms": 1.0, "fwd_bwd_ms": 2.0, "peak_extra_mib": 0.0}
+    monkeypatch.setattr(bench, "time_kernel", fake_time)
+    monkeypatch.setattr(bench, "kernel_functions", lambda: {name: None for name in bench.KERNELS})
+    monkeypatch.setattr(bench, "environment", lambda: {"date": "d", "gpu": "g", "torch": "t", "triton": "tr"})
+    return seen
+
+
+def test_the_default_run_adds_a_non_causal_and_an_fp16_row(monkeypatch):
+    seen = _fake_timing(monkeypatch)
+    report = bench.run_bench(rounds=1, extra_cases=bench.EXTRA_CASES)
+    cases = [(tuple(r["shape"]), r["causal"], r["dtype"]) for r in report["results"]]
+    first = bench.DEFAULT_SHAPES[0]
+    assert cases == [(s, True, "bfloat16") for s in bench.DEFAULT_SHAPES] + \
+        [(first, False, "bfloat16"), (first, True, "float16")]
+    assert (first, True, torch.float16) in seen and (first, False, torch.bfloat16) in seen
+    labels = [bench.case_label(r) for r in report["results"]]
+    assert labels[-2:] == ["16,12,1024,64 non-causal", "16,12,1024,64 float16"]
+    assert labels[0] == "16,12,1024,64"
+
+
+@pytest.mark.parametrize("argv, extra", [([], True), (["--shape", "1,2,64,16"], False), (["--dtype", "fp16"], False),
+                                         (["--no-causal"], False)])
+def test_a_named_shape_mask_or_dtype_times_only_that(monkeypatch, argv, extra):
+    _fake_timing(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    captured = {}
+    real = bench.run_bench
+
+    def spy(*a, **k):
+        captured.update(k)
+        return real(*a, **k)
+    monkeypatch.setattr(bench, "run_bench", spy)
+    monkeypatch.setattr(bench, "print_table", lambda report: None)
+    assert main(["bench", *argv]) == 0
+    assert bool(captured["extra_cases"]) is extra
