@@ -3,6 +3,7 @@
     python -m research.early_warning calibrate RUNS... --out THRESHOLDS.json [--controls RUNS...]
     python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md]
     python -m research.early_warning ratio RESULT.json [--rule chain] [--factor 3]
+    python -m research.early_warning figure RESULT.json [RESULT.json ...] --rules chain,max_logit --out F.png
 
 RUNS: run folders of the seed-split scenario, or folders holding them. Everything here follows
 the protocol: outcomes (blow-up, confirmed, survivor), each rule's per-run score series (the
@@ -285,6 +286,44 @@ def blowup_ratios(result: dict, rule: str, factor: float) -> list[dict]:
     return out
 
 
+def timeline_figure(results: list[tuple[str, dict]], rules: list[str], out: Path) -> None:
+    """One panel per test result: a row per run (sorted by blow-up step, survivors last), a line to
+    its blow-up (x) or to its last step (survivor), and a marker where each rule first fired."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers = "o^sDv<>P*X"
+    fig, axes = plt.subplots(1, len(results), figsize=(6.2 * len(results), 0.5 + 0.22 * max(
+        len(r["runs"]) for _, r in results)), squeeze=False)
+    for ax, (title, result) in zip(axes[0], results):
+        runs = sorted(result["runs"].values(), key=lambda v: (v["outcome"]["survivor"],
+                                                              v["outcome"]["blowup"] or 0, v["seed"]))
+        for y, v in enumerate(runs):
+            o = v["outcome"]
+            end = o["blowup"] if o["blowup"] is not None else o["last_step"]
+            ax.plot([0, end], [y, y], color="tab:red" if o["blowup"] is not None else "tab:green", lw=1.5)
+            if o["blowup"] is not None:
+                ax.plot(end, y, "x", color="tab:red", ms=7)
+            for i, rule in enumerate(rules):
+                f = v["first_fire"].get(rule)
+                if f is not None:
+                    ax.plot(f, y, markers[i % len(markers)], color=f"C{i}", ms=5, mfc="none")
+        ax.set_yticks(range(len(runs)), [str(v["seed"]) for v in runs], fontsize=7)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+        proxies = [ax.plot([], [], markers[i % len(markers)], color=f"C{i}", ms=5, mfc="none", label=f"{rule} fires")[0]
+                   for i, rule in enumerate(rules)]
+        ax.legend(handles=proxies, fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("seed (red: blew up at x; green: survived)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def markdown(result: dict) -> str:
     lines = ["| rule | threshold | detected / blow-ups | lead >= 1,000 | leads (steps) | false alarms / survivors | verdict |",
              "|---|---|---|---|---|---|---|"]
@@ -364,7 +403,20 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("result")
     q.add_argument("--rule", default="chain", choices=RULES + BASELINES)
     q.add_argument("--factor", type=float, default=3.0)
+    g = sub.add_parser("figure", help="a timeline per test result: blow-ups, survivors, the rules' first firings")
+    g.add_argument("results", nargs="+", help="RESULT.json or TITLE=RESULT.json")
+    g.add_argument("--rules", default="chain,repeated_max_bf16_trend,max_logit")
+    g.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.command == "figure":
+        pairs = [(a.split("=", 1) if "=" in a else (a, a)) for a in args.results]
+        rules = [r for r in args.rules.split(",") if r]
+        unknown = [r for r in rules if r not in RULES + BASELINES]
+        if unknown:
+            raise SystemExit(f"unknown rule(s) {unknown}; accepted: {', '.join(RULES + BASELINES)}")
+        timeline_figure([(title, json.loads(Path(path).read_text())) for title, path in pairs], rules, Path(args.out))
+        print(f"wrote {args.out}")
+        return 0
     if args.command == "ratio":
         rows = blowup_ratios(json.loads(Path(args.result).read_text()), args.rule, args.factor)
         print(f"| seed | {args.rule} first fires | blow-up | b / f | blow-up by {args.factor:g} x f |")

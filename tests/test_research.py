@@ -379,6 +379,22 @@ def test_the_blowup_ratio_prediction_is_judged_only_where_the_run_decides_it():
     assert rows[1]["ratio"] == 2.5 and rows[3]["ratio"] is None
 
 
+def test_the_timeline_figure_is_drawn_and_unknown_rules_are_refused(tmp_path):
+    pytest.importorskip("matplotlib")
+    from research import early_warning as ew
+    result = {"runs": {"a": {"seed": 1, "first_fire": {"chain": 2000}, "outcome": {"blowup": 5000, "last_step": 6000,
+                                                                                  "survivor": False}},
+                       "b": {"seed": 2, "first_fire": {"chain": None}, "outcome": {"blowup": None, "last_step": 9999,
+                                                                                  "survivor": True}}}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    out = tmp_path / "f.png"
+    assert ew.main(["figure", f"test={path}", "--rules", "chain", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="unknown rule"):
+        ew.main(["figure", str(path), "--rules", "chian", "--out", str(out)])
+
+
 def test_packed_recordings_replay_as_the_originals(tmp_path):
     """research.recordings drops only the fields the replay rebuilds: the replayed signals are equal."""
     from flashwatch.replay.records import read_signals
