@@ -1,13 +1,14 @@
 """Instructions per loop iteration of the Triton kernels on Hopper, without a GPU.
 
-    python benchmarks/sass_loop_counts.py [--kernel fwd|dq|dkdv|stats|fwd_hopper|dkdv_hopper] [--head-dim 64|128] [--json PATH]
+    python benchmarks/sass_loop_counts.py [--kernel fwd|dq|dkdv|stats|fwd_hopper|dkdv_hopper]
+        [--head-dim 64|128] [--json PATH]
 
 Compiles the forward kernel (plain, fixed), the dQ kernel (statistics off, on, on with the
-per-row outputs of AttentionStats.rows_hook), the dK/dV
-kernel, the observe-mode statistics kernel and the opt-in Hopper variants of the forward and
-the dK/dV kernel (``kernels/hopper.py``: pointer loads, TMA, TMA with warp specialisation) for sm_90 at their ``kernels/tuning.py``
-configurations, with the argument specialisation the launcher gets at the bench's shapes
-(16-byte aligned pointers, strides and N divisible by 16), disassembles the cubin with the
+per-row outputs of AttentionStats.rows_hook), the dK/dV kernel, the observe-mode statistics
+kernel and the opt-in Hopper variants of the forward and the dK/dV kernel
+(``kernels/hopper.py``: pointer loads, TMA, TMA with warp specialisation) for sm_90 at their
+``kernels/tuning.py`` configurations, with the argument specialisation the launcher gets at
+the bench's shapes (16-byte aligned pointers, strides and N divisible by 16), disassembles the cubin with the
 cuobjdump that ships with Triton, and prints, per compilation, the registers per thread, the
 stack (spilled registers live there), the shared memory, and for every loop (a backward branch)
 its instruction count and most frequent opcodes. Counting first: a statistic that adds k
