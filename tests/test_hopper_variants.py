@@ -161,3 +161,41 @@ def test_every_variant_compiles_for_sm90_and_reports_its_spills(tmp_path):
         if kernel == "fwd_hopper" or variant == "ws":
             assert r["stack_bytes"] == 0, f"{kernel} {variant} D={d} spills"
     assert rows[("dkdv_hopper", "tma", 128)]["stack_bytes"] < rows[("dkdv_hopper", "ptr", 128)]["stack_bytes"]
+
+
+def test_kernel_ab_times_the_hopper_variants_beside_todays_kernels(monkeypatch, tmp_path, capsys):
+    """The A/B's plumbing on the CPU: versions, the Hopper switch each one sets, the table and
+    the JSON (the device timing itself is replaced; it needs CUDA)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernel_ab
+    finally:
+        sys.path.pop(0)
+    from flashwatch import bench
+
+    seen = []
+
+    def fake_device_ms(fn, shape, causal, dtype):
+        if fn.__qualname__.startswith("_sdpa."):
+            return 0.5
+        with pytest.raises(Exception):  # one of kernel_ab's versions: what does it switch on?
+            fn(None, None, None, causal)  # sets the Hopper switch first, then fails on the None inputs
+        seen.append(tuning._hopper_override[:])
+        return 1.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "device_fwd_bwd_ms", fake_device_ms)
+    monkeypatch.setattr(bench, "environment", lambda: {})
+    out = tmp_path / "ab.json"
+    assert kernel_ab.main(["--hopper", "fwd,dkdv", "--hopper", "ws", "--variant", "plain", "--cudnn",
+                           "--shape", "1,2,64,64", "--rounds", "1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "before0" in printed and "hopper[fwd,dkdv]" in printed and "hopper[ws]" in printed
+    assert "cuDNN 0.500 ms" in printed and "0.500" in printed.splitlines()[-1]  # x cuDNN: 0.5 ms / 1.0 ms
+    assert seen == [["0"], ["fwd,dkdv"], ["ws"]]
+    assert tuning.hopper_features("fwd") is None, "the switch is cleared after the A/B"
+    row = json.loads(out.read_text())["rows"][0]
+    assert set(row["device_fwd_bwd_ms"]) == {"before0/plain", "hopper[fwd,dkdv]/plain", "hopper[ws]/plain",
+                                             "sdpa_cudnn"}
+    with pytest.raises(SystemExit):
+        kernel_ab.main(["--hopper", "fwd,persistent"])
