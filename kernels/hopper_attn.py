@@ -6,6 +6,8 @@ launching nothing, unless ``tuning.hopper_features`` names its kernel (FLASHWATC
 plain and fp32_delta variants without an injected fault). TMA is used only where the hardware
 allows it: on CUDA devices of compute capability 9 or more (and under the interpreter), with
 16-byte aligned head bases and row strides; otherwise the variant reads through pointers.
+Block shapes come from the variants' own ``tuning`` entries (``tuning.hopper_entry``); with
+FLASHWATCH_AUTOTUNE=1 their ``tuning.CANDIDATES`` are timed like the plain kernels'.
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ def _features(kernel: str, q: torch.Tensor, *tensors: torch.Tensor):
     return features, tma
 
 
+def _fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, fp32_delta, stats_on, upcast, exact, features, tma,
+         cfg):
+    B, H, N, D = q.shape
+    strides = [s for t in (q, k, v, o) for s in t.stride()[:3]]
+    hopper._attn_fwd_hopper_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
+        q, k, v, o, lse, r, rowmax, maxlogit, *strides, H, H // k.shape[1], N, sm_scale,
+        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, FP32_DELTA=fp32_delta,
+        STATS=stats_on, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact, TMA=tma,
+        STAGES=cfg["num_stages"], WARP_SPECIALIZE="ws" in features, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+
+
 def launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, stats_on, inject_factor,
                upcast, exact) -> bool:
     """Run the Hopper forward if it is asked for and covers the call; True if it ran.
@@ -63,16 +77,27 @@ def launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, 
     if chosen is None:
         return False
     features, tma = chosen
-    B, H, N, D = q.shape
-    cfg = tuning.choose(tuning.hopper_entry("fwd", features), q, causal, None)
-    strides = [s for t in (q, k, v, o) for s in t.stride()[:3]]
-    hopper._attn_fwd_hopper_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
-        q, k, v, o, lse, r, rowmax, maxlogit, *strides, H, H // k.shape[1], N, sm_scale,
-        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
-        FP32_DELTA=variant == "fp32_delta", STATS=stats_on, IEEE=q.dtype == torch.float32, UPCAST=upcast,
-        EXACT_BF16=exact, TMA=tma, STAGES=cfg["num_stages"], WARP_SPECIALIZE="ws" in features,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    def bench(cfg):  # FLASHWATCH_AUTOTUNE=1: statistics off, into scratch outputs
+        so, slse = torch.empty_like(o), torch.empty_like(lse)
+        return lambda: _fwd(q, k, v, so, slse, so, slse, slse, causal, sm_scale, False, False, upcast, exact,
+                            features, tma, cfg)
+
+    cfg = tuning.choose(tuning.hopper_entry("fwd", features), q, causal, bench)
+    _fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant == "fp32_delta", stats_on, upcast, exact,
+         features, tma, cfg)
     return True
+
+
+def _dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, upcast, exact, features, tma, cfg):
+    B, H, N, D = q.shape
+    Hkv = k.shape[1]
+    strides = [s for t in (q, k, v, do) for s in t.stride()[:3]]
+    hopper._attn_bwd_dkdv_hopper_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, *strides, H, H // Hkv, N, sm_scale,
+        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
+        IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact, TMA=tma, STAGES=cfg["num_stages"],
+        WARP_SPECIALIZE="ws" in features, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, upcast, exact) -> bool:
@@ -82,13 +107,11 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, upcast, exact
     if chosen is None:
         return False
     features, tma = chosen
-    B, H, N, D = q.shape
-    Hkv = k.shape[1]
-    cfg = tuning.choose(tuning.hopper_entry("dkdv", features), q, causal, None)
-    strides = [s for t in (q, k, v, do) for s in t.stride()[:3]]
-    hopper._attn_bwd_dkdv_hopper_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, *strides, H, H // Hkv, N, sm_scale,
-        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
-        IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact, TMA=tma, STAGES=cfg["num_stages"],
-        WARP_SPECIALIZE="ws" in features, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    def bench(cfg):  # FLASHWATCH_AUTOTUNE=1: into scratch gradients
+        sk, sv = torch.empty_like(dk), torch.empty_like(dv)
+        return lambda: _dkdv(q, k, v, do, lse, delta, sk, sv, causal, sm_scale, upcast, exact, features, tma, cfg)
+
+    cfg = tuning.choose(tuning.hopper_entry("dkdv", features), q, causal, bench)
+    _dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, upcast, exact, features, tma, cfg)
     return True

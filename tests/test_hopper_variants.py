@@ -31,16 +31,11 @@ CASES = [  # (B, H, Hkv, N, D): N never a multiple of the interpreter's blocks (
 
 
 @pytest.fixture
-def hopper_interpreted(interpret_dispatch, monkeypatch):
-    """kernels.hopper rebuilt for the interpreter (after triton_kernels, whose helpers it calls);
-    the launchers look its kernels up at call time."""
-    from flashwatch.kernels import hopper
-
-    if type(hopper._attn_fwd_hopper_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(hopper)
-    launched = []
+def hopper_spy(monkeypatch):
+    """Which launches the Hopper launchers took: [(launcher, ran)]; the switch is cleared after."""
     from flashwatch.kernels import hopper_attn
 
+    launched = []
     for name in ("launch_fwd", "launch_dkdv"):
         original = getattr(hopper_attn, name)
 
@@ -52,6 +47,17 @@ def hopper_interpreted(interpret_dispatch, monkeypatch):
         monkeypatch.setattr(hopper_attn, name, spy)
     yield launched
     tuning.set_hopper(None)
+
+
+@pytest.fixture
+def hopper_interpreted(interpret_dispatch, hopper_spy):
+    """kernels.hopper rebuilt for the interpreter (after triton_kernels, whose helpers it calls;
+    the launchers look its kernels up at call time), and the launches taken (``hopper_spy``)."""
+    from flashwatch.kernels import hopper
+
+    if type(hopper._attn_fwd_hopper_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(hopper)
+    return hopper_spy
 
 
 def _run(q, k, v, causal, variant="plain", stats=None):
@@ -199,3 +205,50 @@ def test_kernel_ab_times_the_hopper_variants_beside_todays_kernels(monkeypatch, 
                                              "sdpa_cudnn"}
     with pytest.raises(SystemExit):
         kernel_ab.main(["--hopper", "fwd,persistent"])
+
+
+# --- on a CUDA GPU (marker gpu): the compiled variants, before any timing of them -------------
+
+GPU_CASES = [(2, 4, 2, 1025, 128), (1, 4, 4, 128, 128), (2, 4, 4, 97, 64), (1, 2, 2, 300, 32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "B{}H{}Hkv{}N{}D{}".format(*c))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("spec", SPECS)
+def test_gpu_variant_within_tolerance_rule(hopper_spy, spec, case, causal):
+    B, H, Hkv, N, D = case
+    tuning.set_hopper(spec)
+    check_against_float64(*random_qkv(B, H, N, D, Hkv=Hkv, device="cuda", seed=N + D), causal=causal,
+                          variant="plain")
+    assert hopper_spy == [("launch_fwd", True), ("launch_dkdv", True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS)
+def test_gpu_variant_fp16_fused_layout_statistics_and_determinism(hopper_spy, spec):
+    tuning.set_hopper(spec)
+    B, H, N, D = 2, 4, 1025, 128
+    g = torch.Generator(device="cpu").manual_seed(1)
+    qkv = torch.randn(B, N, 3, H, D, generator=g).to(device="cuda", dtype=torch.float16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D) views, row stride 3*H*D
+    check_against_float64(*(t.requires_grad_(True) for t in (q, k, v)), causal=True, variant="plain")
+    check_statistics(*planted_ties(device="cuda"))
+    qd, kd, vd = random_qkv(B, H, N, D, device="cuda", seed=2)
+    first = _run(qd, kd, vd, True)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(_run(qd, kd, vd, True), first)), "deterministic"
+    assert all(ran for _, ran in hopper_spy)
+
+
+@pytest.mark.gpu
+def test_gpu_misaligned_inputs_fall_back_to_pointer_loads(hopper_spy):
+    from flashwatch.kernels.hopper_attn import tma_ok
+
+    tuning.set_hopper("fwd,dkdv,ws")
+    B, H, N, D = 1, 2, 97, 64
+    flat = torch.randn(3 * B * H * N * D + 1, device="cuda", dtype=torch.bfloat16)[1:]  # 2 bytes off
+    q, k, v = (flat[i * B * H * N * D:(i + 1) * B * H * N * D].view(B, H, N, D).requires_grad_(True) for i in range(3))
+    assert not tma_ok(q)
+    check_against_float64(q, k, v, causal=True, variant="plain")
+    assert hopper_spy == [("launch_fwd", True), ("launch_dkdv", True)]
