@@ -1,12 +1,14 @@
 """Instructions per loop iteration of the Triton kernels on Hopper, without a GPU.
 
-    python benchmarks/sass_loop_counts.py [--kernel fwd|dq|dkdv|stats] [--head-dim 64|128] [--json PATH]
+    python benchmarks/sass_loop_counts.py [--kernel fwd|dq|dkdv|stats|fwd_hopper|dkdv_hopper]
+        [--head-dim 64|128] [--json PATH]
 
 Compiles the forward kernel (plain, fixed), the dQ kernel (statistics off, on, on with the
-per-row outputs of AttentionStats.rows_hook), the dK/dV
-kernel and the observe-mode statistics kernel for sm_90 at their ``kernels/tuning.py``
-configurations, with the argument specialisation the launcher gets at the bench's shapes
-(16-byte aligned pointers, strides and N divisible by 16), disassembles the cubin with the
+per-row outputs of AttentionStats.rows_hook), the dK/dV kernel, the observe-mode statistics
+kernel and the opt-in Hopper variants of the forward and the dK/dV kernel
+(``kernels/hopper.py``: pointer loads, TMA, TMA with warp specialisation) for sm_90 at their
+``kernels/tuning.py`` configurations, with the argument specialisation the launcher gets at
+the bench's shapes (16-byte aligned pointers, strides and N divisible by 16), disassembles the cubin with the
 cuobjdump that ships with Triton, and prints, per compilation, the registers per thread, the
 stack (spilled registers live there), the shared memory, and for every loop (a backward branch)
 its instruction count and most frequent opcodes. Counting first: a statistic that adds k
@@ -35,6 +37,15 @@ KERNELS = {
                                    "rows": ("dq_rows", {"STATS": True, "ROWS": True})}),
     "dkdv": ("_attn_bwd_dkdv_kernel", {"plain": ("dkdv", {})}),
     "stats": ("_attn_stats_kernel", {"plain": ("stats", {"ROWS": False}), "rows": ("stats", {"ROWS": True})}),
+    # the opt-in Hopper variants (kernels/hopper.py): pointer loads, TMA, TMA + warp specialisation
+    "fwd_hopper": ("hopper._attn_fwd_hopper_kernel",
+                   {"ptr": ("fwd_hopper", {"STATS": False, "TMA": False, "WARP_SPECIALIZE": False}),
+                    "tma": ("fwd_hopper", {"STATS": False, "TMA": True, "WARP_SPECIALIZE": False}),
+                    "ws": ("fwd_hopper_ws", {"STATS": False, "TMA": True, "WARP_SPECIALIZE": True})}),
+    "dkdv_hopper": ("hopper._attn_bwd_dkdv_hopper_kernel",
+                    {"ptr": ("dkdv_hopper", {"TMA": False, "WARP_SPECIALIZE": False}),
+                     "tma": ("dkdv_hopper", {"TMA": True, "WARP_SPECIALIZE": False}),
+                     "ws": ("dkdv_hopper_ws", {"TMA": True, "WARP_SPECIALIZE": True})}),
 }
 FP32_SCALARS = {"sm_scale", "eps", "eps_raw", "beta", "min_off", "max_off", "inject_factor", "unit_gap"}
 
@@ -89,14 +100,16 @@ def loop_counts(sass: str) -> list[dict]:
 
 
 def analyse(kind: str, variant: str, head_dim: int) -> dict:
-    from flashwatch.kernels import triton_kernels, tuning
+    from flashwatch.kernels import hopper, triton_kernels, tuning
 
     fn_name, variants = KERNELS[kind]
     entry, flags = variants[variant]
     cfg = tuning.TABLE[entry][head_dim]
-    fn = getattr(triton_kernels, fn_name)
+    module, _, name = fn_name.rpartition(".")
+    fn = getattr(hopper if module == "hopper" else triton_kernels, name)
     constexprs = {"HEAD_DIM": head_dim, "CAUSAL": True, "IEEE": False, "UPCAST": False, "EXACT_BF16": False,
-                  "FP32_DELTA": False, **flags, "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]}
+                  "FP32_DELTA": False, "STAGES": cfg["num_stages"], **flags, "BLOCK_M": cfg["BLOCK_M"],
+                  "BLOCK_N": cfg["BLOCK_N"]}
     compiled = _compile(fn, constexprs, cfg)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")

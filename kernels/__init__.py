@@ -15,7 +15,8 @@ Public API:
 
 Dispatch: CUDA tensors run the Triton kernel; CPU tensors run ``reference``, unless the
 environment variable TRITON_INTERPRET=1 is set, in which case the Triton kernel runs in
-Triton's interpreter (slow; for tests at small shapes).
+Triton's interpreter (slow; for tests at small shapes). FLASHWATCH_HOPPER (off by default)
+switches in opt-in Hopper variants of the forward and dK/dV kernels (``tuning.parse_hopper``).
 """
 
 from __future__ import annotations

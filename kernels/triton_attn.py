@@ -17,7 +17,7 @@ import math
 import torch
 import triton
 
-from . import faults, tuning
+from . import faults, hopper_attn, tuning
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
 from .reference import unit_p_gap
 from .stats import AttentionStats
@@ -58,6 +58,9 @@ def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant,
                 inject_factor, cfg):
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
+    if hopper_attn.launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, stats_on,
+                              inject_factor, upcast, exact):
+        return  # the opt-in Hopper variant ran (tuning.hopper_features)
     grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, r, rowmax, maxlogit,
@@ -101,6 +104,8 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
     B, H, N, D = q.shape
     Hkv = k.shape[1]
     upcast, exact = _workarounds(q.device)
+    if hopper_attn.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, upcast, exact):
+        return  # the opt-in Hopper variant ran (tuning.hopper_features)
     _attn_bwd_dkdv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         H, H // Hkv, N, sm_scale, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,

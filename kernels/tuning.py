@@ -9,9 +9,14 @@ dim, dtype, causal, N) and keep the fastest for the process; the timing runs int
 outputs and scratch statistics, so tuning never adds into an ``AttentionStats``. Under the
 Triton interpreter small blocks are used, so tests at small N still cross several tiles.
 
-Constraints: fwd, fwd_fixed, dq, dq_stats, dq_rows and stats need BLOCK_M % BLOCK_N == 0 (the
-causal off-diagonal loop takes whole key blocks below the query block); dkdv needs
-BLOCK_N % BLOCK_M == 0.
+Constraints: fwd, fwd_fixed, fwd_hopper(_ws), dq, dq_stats, dq_rows and stats need
+BLOCK_M % BLOCK_N == 0 (the causal off-diagonal loop takes whole key blocks below the query
+block); dkdv and dkdv_hopper(_ws) need BLOCK_N % BLOCK_M == 0.
+
+The Hopper variants of the forward and of the dK/dV kernel (``kernels/hopper.py``) are opt-in:
+FLASHWATCH_HOPPER (or ``set_hopper``) names them and their features (``parse_hopper``); unset,
+the plain kernels run. Their entries are ``fwd_hopper``, ``dkdv_hopper`` and, warp-specialised,
+``fwd_hopper_ws``, ``dkdv_hopper_ws``.
 """
 
 from __future__ import annotations
@@ -69,10 +74,76 @@ CANDIDATES = {
                  _cfg(32, 32, 4, 3)],
 }
 
+# Opt-in Hopper variants (``kernels/hopper.py``), off unless ``hopper_features`` names the kernel.
+# Chosen offline for sm_90 (registers and spills, ``benchmarks/sass_loop_counts.py``), not yet
+# timed: the forward keeps the plain entry's tiles, so an A/B isolates TMA; with warp
+# specialisation (Triton 3.6 specialises Hopper loops at 4 warps only) 128x64 tiles at 4 warps.
+# dK/dV at D=128: 32x64 at 3 stages spills 56 bytes with TMA (the plain entry: 576 without);
+# warp-specialised, 2 stages: no spill and two programs per SM.
+TABLE["fwd_hopper"] = dict(TABLE["fwd"])
+TABLE["fwd_hopper_ws"] = {16: _cfg(64, 64, 4, 3), 32: _cfg(64, 64, 4, 3), 64: _cfg(128, 64, 4, 3),
+                          128: _cfg(128, 64, 4, 3)}
+TABLE["dkdv_hopper"] = {**TABLE["dkdv"], 128: _cfg(32, 64, 4, 3)}
+TABLE["dkdv_hopper_ws"] = {d: _cfg(32, 64, 4, 2) for d in (16, 32, 64, 128)}
+CANDIDATES["fwd_hopper"] = [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 2), _cfg(128, 128, 8, 3), _cfg(64, 64, 4, 3),
+                            _cfg(128, 64, 4, 3)]
+CANDIDATES["fwd_hopper_ws"] = [_cfg(128, 64, 4, 3), _cfg(128, 64, 4, 2), _cfg(128, 128, 4, 2), _cfg(64, 64, 4, 3)]
+CANDIDATES["dkdv_hopper"] = [_cfg(32, 64, 4, 3), _cfg(32, 64, 4, 4), _cfg(16, 64, 4, 4), _cfg(64, 64, 8, 3),
+                             _cfg(32, 128, 8, 3)]
+CANDIDATES["dkdv_hopper_ws"] = [_cfg(32, 64, 4, 2), _cfg(32, 64, 4, 3), _cfg(64, 64, 4, 2)]
+
 INTERPRETER = {name: _cfg(16, 16, 4, 1) for name in TABLE}
 INTERPRETER["dkdv"] = _cfg(16, 32, 4, 1)  # BLOCK_N > BLOCK_M: exercises the diagonal segment
 # BLOCK_M > BLOCK_N: several key tiles per diagonal
-INTERPRETER["fwd"] = INTERPRETER["fwd_fixed"] = _cfg(32, 16, 4, 1)
+INTERPRETER["fwd"] = INTERPRETER["fwd_fixed"] = INTERPRETER["fwd_hopper"] = INTERPRETER["fwd_hopper_ws"] = \
+    _cfg(32, 16, 4, 1)
+INTERPRETER["dkdv_hopper"] = INTERPRETER["dkdv_hopper_ws"] = INTERPRETER["dkdv"]
+
+HOPPER_ENV = "FLASHWATCH_HOPPER"
+HOPPER_KERNELS = ("fwd", "dkdv")
+HOPPER_FEATURES = ("tma", "ws")
+_hopper_override: list = []  # [spec] while set_hopper holds one
+
+
+def parse_hopper(spec: str) -> dict[str, frozenset]:
+    """The Hopper variants a specification asks for: {kernel: features}. A specification is a
+    comma-separated list of kernels (``fwd``, ``dkdv``; none named: both) and features (``tma``:
+    tiles through TMA descriptors; ``ws``: warp specialisation, which implies ``tma``); ``1``
+    or ``on`` is ``fwd,dkdv,tma``; empty, ``0`` or ``off``: none (the plain kernels)."""
+    tokens = [t.strip().lower() for t in spec.split(",") if t.strip()]
+    if tokens in ([], ["0"], ["off"]):
+        return {}
+    if tokens in (["1"], ["on"]):
+        tokens = ["fwd", "dkdv", "tma"]
+    bad = [t for t in tokens if t not in HOPPER_KERNELS + HOPPER_FEATURES]
+    if bad:
+        raise ValueError(f"{HOPPER_ENV}: unknown {', '.join(map(repr, bad))} in {spec!r}; accepted: a comma-separated "
+                         f"list of kernels {HOPPER_KERNELS} and features {HOPPER_FEATURES}, or 1/on, 0/off")
+    features = {t for t in tokens if t in HOPPER_FEATURES}
+    if "ws" in features:
+        features.add("tma")  # Triton 3.6 specialises Hopper loops only when their tiles come through TMA
+    kernels = [t for t in tokens if t in HOPPER_KERNELS] or list(HOPPER_KERNELS)
+    return {kernel: frozenset(features) for kernel in kernels}
+
+
+def set_hopper(spec: str | None) -> None:
+    """Use the Hopper variants of ``spec`` (``parse_hopper``) in this process instead of the
+    environment variable FLASHWATCH_HOPPER; None: back to the environment variable."""
+    if spec is not None:
+        parse_hopper(spec)  # a bad specification fails here, not at the next launch
+    _hopper_override[:] = [] if spec is None else [spec]
+
+
+def hopper_features(kernel: str) -> frozenset | None:
+    """The features of the Hopper variant of ``kernel`` (``fwd`` or ``dkdv``) that is asked for
+    (``set_hopper``, else FLASHWATCH_HOPPER), or None: the plain kernel (the default)."""
+    spec = _hopper_override[0] if _hopper_override else os.environ.get(HOPPER_ENV, "")
+    return parse_hopper(spec).get(kernel)
+
+
+def hopper_entry(kernel: str, features: frozenset) -> str:
+    """The ``TABLE`` entry of a Hopper variant: warp-specialised compilations have their own."""
+    return f"{kernel}_hopper_ws" if "ws" in features else f"{kernel}_hopper"
 
 _chosen: dict[tuple, dict] = {}
 _override: dict[str, dict] = {}
