@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import triton
 from triton import knobs
+from triton.knobs import HookChain
 from triton.runtime.driver import driver
 
 # Off: every launch goes through kernel[grid](...). Benchmarks flip it to time both paths.
@@ -49,37 +50,56 @@ counts = {"cached": 0, "ordinary": 0}
 
 _INT32_MIN, _INT32_MAX, _UINT64_START = -2 ** 31, 2 ** 31 - 1, 2 ** 63
 
-_cache: dict = {}           # key -> (CompiledKernel, trailing argument values in parameter order)
-_eligible: dict = {}        # kernel -> whether its parameters allow the fast path
-_MAX_ENTRIES = 4096         # a process launching more specialisations than this starts over
+_STATE = "_flashwatch_launch_state"  # the attribute of a kernel object holding its _KernelState
+_MAX_ENTRIES = 4096  # a kernel launched with more specialisations than this starts its cache over
+_states: list = []   # every _KernelState made (clear_cache empties them)
+
+
+class _KernelState:
+    """Per kernel object: whether the fast path applies to it, and its kept compilations
+    (key -> (CompiledKernel, the values of the parameters after the positional arguments)).
+    Held on the kernel object itself: no hashing of the kernel per launch (a JITFunction
+    hashes its source digest under a lock), and a reloaded kernel starts empty."""
+
+    def __init__(self, eligible: bool):
+        self.eligible = eligible
+        self.cache: dict = {}
 
 
 class UnsupportedArgument(Exception):
     """An argument whose specialisation this module does not reproduce (the ordinary launch is used)."""
 
 
-def _other_key(a: Any) -> tuple:
-    """Key of an argument that is neither a plain int nor a plain tensor (rare types)."""
+def _other_key(a: Any):
+    """Key of an argument that is neither a plain int, tensor nor float (rare types)."""
     if isinstance(a, bool):
         return ("u1",)
     if isinstance(a, float):
-        return ("fp32",)
+        return "fp32"
     if a is None:
         return ("none",)
     if isinstance(a, torch.Tensor):  # a subclass
-        return (a.dtype, a.data_ptr() % 16 == 0)
+        return a.dtype if a.data_ptr() % 16 == 0 else (a.dtype,)
     raise UnsupportedArgument(type(a).__name__)
 
 
-def specialization_key(args: tuple) -> tuple:
+def specialization_key(args: tuple, _tensor=torch.Tensor, _int=int, _float=float) -> tuple:
     """What Triton specialises a compilation on, for the non-constexpr arguments ``args``
-    (module docstring): per tensor (dtype, 16-byte aligned); per int (== 1, % 16 == 0, in
-    i32 range, from 2**63); per float, bool or None a type tag. Two argument tuples with
-    equal keys get the same compilation. Raises UnsupportedArgument for other types."""
+    (module docstring), one entry per argument:
+
+    - an int: True if it equals 1; else 2 + (multiple of 16) in i32 range, 4 + (...) in i64
+      range, 6 + (...) from 2**63 (u64);
+    - a tensor: its dtype if ``data_ptr() % 16 == 0``, else the 1-tuple (dtype,);
+    - a float: "fp32"; a bool: ("u1",); None: ("none",).
+
+    Two argument tuples with equal keys get the same compilation, and the other way round.
+    Raises UnsupportedArgument for other types. (Small values rather than tuples of flags:
+    this runs at every launch.)"""
     return tuple([
-        (a == 1, a % 16 == 0, _INT32_MIN <= a <= _INT32_MAX, a >= _UINT64_START) if type(a) is int else
-        (a.dtype, a.data_ptr() % 16 == 0) if type(a) is torch.Tensor else
-        ("fp32",) if type(a) is float else
+        (a == 1 or (a & 15 == 0) + (2 if _INT32_MIN <= a <= _INT32_MAX else 4 if a < _UINT64_START else 6))
+        if type(a) is _int else
+        (a.dtype if a.data_ptr() & 15 == 0 else (a.dtype,)) if type(a) is _tensor else
+        "fp32" if type(a) is _float else
         _other_key(a)
         for a in args])
 
@@ -88,26 +108,34 @@ def _triton_supported() -> bool:
     return triton.__version__.startswith(SUPPORTED_TRITON)
 
 
-def _kernel_eligible(kernel) -> bool:
+def _eligible(kernel) -> bool:
     """A compiled-mode JITFunction whose parameters Triton specialises by the rules above."""
-    ok = _eligible.get(kernel)
-    if ok is None:
-        from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction
 
-        try:
-            ok = (_triton_supported() and type(kernel) is JITFunction and all(
-                not p.do_not_specialize and not p.do_not_specialize_on_alignment and not p.is_const
-                and not p.annotation_type for p in kernel.params if not p.is_constexpr))
-        except AttributeError:  # a Triton without these attributes: not the version mirrored here
-            ok = False
-        _eligible[kernel] = ok
-    return ok
+    try:
+        return _triton_supported() and type(kernel) is JITFunction and all(
+            not p.do_not_specialize and not p.do_not_specialize_on_alignment and not p.is_const
+            and not p.annotation_type for p in kernel.params if not p.is_constexpr)
+    except AttributeError:  # a Triton without these attributes: not the version mirrored here
+        return False
+
+
+def _state(kernel) -> _KernelState:
+    state = getattr(kernel, _STATE, None)
+    if state is None:
+        state = _KernelState(_eligible(kernel))
+        setattr(kernel, _STATE, state)
+        _states.append(state)
+    return state
+
+
+def _kernel_eligible(kernel) -> bool:
+    """Whether launches of ``kernel`` may take the cached path (checked once per kernel object)."""
+    return _state(kernel).eligible
 
 
 def _hooks_idle(runtime) -> bool:
     """No launch hook attached: Triton 3.6 would call two empty hook chains, i.e. nothing."""
-    from triton.knobs import HookChain
-
     enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
     return (enter is None or (type(enter) is HookChain and not enter.calls)) and \
         (exit_ is None or (type(exit_) is HookChain and not exit_.calls))
@@ -131,7 +159,8 @@ def _ordinary(kernel, grid, args, kwargs):
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     """``kernel[grid](*args, **kwargs)``: ``args`` the non-constexpr arguments, in parameter
     order; ``kwargs`` the constexprs and launch options (num_warps, num_stages, maxnreg)."""
-    if not (FAST_LAUNCH and _kernel_eligible(kernel)):
+    state = getattr(kernel, _STATE, None) or _state(kernel)
+    if not (FAST_LAUNCH and state.eligible):
         _ordinary(kernel, grid, args, kwargs)
         return
     runtime = knobs.runtime
@@ -145,12 +174,12 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
         return
     active = driver.active
     device = active.get_current_device()
-    key = (kernel, device, spec, tuple(kwargs.items()), tuple(map(type, kwargs.values())), runtime.debug,
+    key = (device, spec, tuple(kwargs.items()), tuple(map(type, kwargs.values())), runtime.debug,
            kernel.debug, knobs.compilation.instrumentation_mode)
-    entry = _cache.get(key)
-    if entry is None or not _globals_unchanged(kernel):
+    entry = state.cache.get(key)
+    if entry is None or (kernel.used_global_vals and not _globals_unchanged(kernel)):
         compiled = _ordinary(kernel, grid, args, kwargs)
-        _remember(key, kernel, compiled, args, kwargs)
+        _remember(state, key, kernel, compiled, args, kwargs)
         return
     compiled, trailing = entry
     counts["cached"] += 1
@@ -160,7 +189,7 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
                  *args, *trailing)
 
 
-def _remember(key, kernel, compiled, args, kwargs) -> None:
+def _remember(state, key, kernel, compiled, args, kwargs) -> None:
     """Keep the CompiledKernel the ordinary launch returned (a finished compilation only), with
     the values of the parameters after ``args`` (constexprs, defaults) in parameter order."""
     from triton.compiler import CompiledKernel
@@ -175,12 +204,12 @@ def _remember(key, kernel, compiled, args, kwargs) -> None:
             trailing.append(p.default)
         else:
             return
-    if len(_cache) >= _MAX_ENTRIES:
-        _cache.clear()
-    _cache[key] = (compiled, tuple(trailing))
+    if len(state.cache) >= _MAX_ENTRIES:
+        state.cache.clear()
+    state.cache[key] = (compiled, tuple(trailing))
 
 
 def clear_cache() -> None:
     """Forget every kept compilation (the next launch of each goes through the ordinary path)."""
-    _cache.clear()
-    _eligible.clear()
+    for state in _states:
+        state.cache.clear()
