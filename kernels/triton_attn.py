@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from . import faults, tuning
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
@@ -52,7 +51,12 @@ def _register_cap(cfg: dict) -> dict:
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints (``triton.cdiv`` is a constexpr function: several µs a host call)."""
+    return -(-a // b)
 
 
 
@@ -60,7 +64,7 @@ def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant,
                 inject_factor, cfg):
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
-    grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
+    grid = (_cdiv(N, cfg["BLOCK_M"]), B * H)
     launch(_attn_fwd_kernel, grid, (
         q, k, v, o, lse, r, rowmax, maxlogit,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
@@ -103,7 +107,7 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
     B, H, N, D = q.shape
     Hkv = k.shape[1]
     upcast, exact = _workarounds(q.device)
-    launch(_attn_bwd_dkdv_kernel, (triton.cdiv(N, cfg["BLOCK_N"]), B * Hkv), (
+    launch(_attn_bwd_dkdv_kernel, (_cdiv(N, cfg["BLOCK_N"]), B * Hkv), (
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         H, H // Hkv, N, sm_scale), dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
         IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
@@ -123,7 +127,7 @@ def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, 
     # rows: None, or the (delta_error_rows, pk) buffers to fill (statistics on)
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
-    launch(_attn_bwd_dq_kernel, (triton.cdiv(N, cfg["BLOCK_M"]), B * H), (
+    launch(_attn_bwd_dq_kernel, (_cdiv(N, cfg["BLOCK_M"]), B * H), (
         q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st, *(rows or (delta, delta)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
         H, H // k.shape[1], N, sm_scale, eps, float(gap)), dict(
@@ -215,7 +219,7 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     c = tuning.choose("stats", q, causal, None)
     hook = stats.rows_hook
     rows = _row_outputs(q) if hook is not None else None
-    launch(_attn_stats_kernel, (triton.cdiv(N, c["BLOCK_M"]), B * H), (
+    launch(_attn_stats_kernel, (_cdiv(N, c["BLOCK_M"]), B * H), (
         q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16,
         stats.repeated_max_rows_format, stats.max_logit,
         stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied,
