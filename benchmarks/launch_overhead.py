@@ -7,6 +7,10 @@ in a launcher that does nothing: Triton 3.6's ``JITFunction.run`` (argument bind
 specialisation, cache key, launch metadata) against ``launch.launch`` (specialisation key, one
 dictionary lookup). The driver's device and stream queries are stand-ins here.
 
+Part 1b (any machine): a whole forward+backward call on CPU tensors through the Triton path,
+every launch ending in a stand-in compiled kernel that does nothing: the host work of a call
+(checks, autograd, allocations, launches) without CUDA, with the cache off and on.
+
 Part 2 (CUDA): host microseconds per call at (1, 1, 64, 64) BF16, where the GPU work is a few
 microseconds, for a forward, a forward+backward and a forward+backward with statistics, with
 the cache off and on, alternated over several rounds (medians).
@@ -111,6 +115,64 @@ def python_launch_us(number: int = 3000) -> dict:
     return results
 
 
+def whole_call_us(rounds: int = 5, calls: int = 300) -> dict:
+    """Host microseconds of a whole forward+backward call of (1, 1, 64, 64) BF16 CPU tensors
+    through the Triton path, every launch ending in a stand-in compiled kernel that does
+    nothing (fresh compiled-mode copies of the four kernels; Triton's compile step replaced by
+    handing out the stand-in): argument checks, autograd, allocations and both launch paths,
+    without CUDA. Ordinary and cached launches alternated over ``rounds`` rounds (medians)."""
+    import os
+
+    import triton.runtime.jit as jit
+    from triton.runtime.jit import JITFunction
+
+    from flashwatch.kernels import AttentionStats, flash_attention, launch, triton_attn
+
+    names = ("_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel", "_attn_stats_kernel")
+    saved = {n: getattr(triton_attn, n) for n in names}, jit.driver, launch.driver, os.environ.get("TRITON_INTERPRET")
+
+    def copy(kernel):
+        fresh = JITFunction(kernel.fn)
+
+        def do_compile(key, signature, device, constexprs, options, attrs, warmup):
+            fresh.device_caches[device][0][key] = compiled = _stand_in_compiled()
+            return compiled
+
+        fresh._do_compile = do_compile
+        return fresh
+
+    try:
+        for n in names:
+            setattr(triton_attn, n, copy(saved[0][n]))
+        jit.driver = launch.driver = _FakeDriver
+        os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (the kernels above are not interpreted)
+        q, k, v = (torch.randn(1, 1, 64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        g = torch.randn_like(q)
+        stats = AttentionStats(1)
+        cases = {"forward+backward": lambda: torch.autograd.grad(flash_attention(q, k, v), (q, k, v), g),
+                 "forward+backward, stats": lambda: torch.autograd.grad(flash_attention(q, k, v, stats=stats),
+                                                                        (q, k, v), g)}
+        samples = {(c, p): [] for c in cases for p in ("ordinary", "cached")}
+        for _ in range(rounds):
+            for path in ("ordinary", "cached"):
+                launch.FAST_LAUNCH = path == "cached"
+                for case, fn in cases.items():
+                    fn()
+                    samples[(case, path)].append(min(timeit.repeat(fn, number=calls, repeat=3)) / calls * 1e6)
+    finally:
+        for n, kernel in saved[0].items():
+            setattr(triton_attn, n, kernel)
+        jit.driver, launch.driver = saved[1], saved[2]
+        if saved[3] is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved[3]
+        launch.FAST_LAUNCH = True
+        launch.clear_cache()
+    return {case: {path: statistics.median(samples[(case, path)]) for path in ("ordinary", "cached")}
+            for case in cases}
+
+
 # --- part 2: host time per call on CUDA --------------------------------------------------------------
 
 def _per_call_us(fn, calls: int) -> float:
@@ -166,6 +228,12 @@ def main(argv=None) -> int:
     for name, r in report["python_launch_us"].items():
         print(f"  {name:11s} {r['arguments']:3d} arguments   ordinary {r['ordinary_us']:6.1f}   "
               f"cached {r['cached_us']:6.1f}   saved {r['ordinary_us'] - r['cached_us']:6.1f}")
+    report["whole_call_us"] = whole_call_us(args.rounds)
+    print(f"Python work of a whole call, (1,1,64,64) BF16 CPU tensors, launches ending in stand-ins, microseconds "
+          f"(median of {args.rounds} alternated rounds):")
+    for case, r in report["whole_call_us"].items():
+        print(f"  {case:24s} ordinary {r['ordinary']:7.1f}   cached {r['cached']:7.1f}   "
+              f"saved {r['ordinary'] - r['cached']:6.1f}")
     if torch.cuda.is_available():
         report["cuda_host_us_per_call"] = cuda_per_call_us(args.rounds)
         print(f"host time per call at (1,1,64,64) BF16 on {torch.cuda.get_device_name()}, microseconds "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton  # noqa: F401  (the Triton path: fail at import where Triton is missing)
 
 from . import faults, tuning
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
