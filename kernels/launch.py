@@ -39,6 +39,8 @@ from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.driver import driver
 
+__all__ = ["launch", "specialization_key", "clear_cache", "FAST_LAUNCH", "UnsupportedArgument", "counts"]
+
 # Off: every launch goes through kernel[grid](...). Benchmarks flip it to time both paths.
 FAST_LAUNCH = os.environ.get("FLASHWATCH_FAST_LAUNCH", "1") != "0"
 
@@ -124,7 +126,10 @@ def _state(kernel) -> _KernelState:
     state = getattr(kernel, _STATE, None)
     if state is None:
         state = _KernelState(_eligible(kernel))
-        setattr(kernel, _STATE, state)
+        try:
+            setattr(kernel, _STATE, state)
+        except AttributeError:  # an object without attributes of its own: ordinary launches only
+            return _KernelState(False)
         _states.append(state)
     return state
 

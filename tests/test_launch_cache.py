@@ -375,3 +375,17 @@ def test_host_ceil_division_matches_triton_cdiv():
     for a in (1, 15, 16, 17, 63, 64, 65, 1000, 16384):
         for b in (16, 32, 64, 128):
             assert _cdiv(a, b) == triton.cdiv(a, b)
+
+
+@pytest.mark.parametrize("value, expected", [("0", "False"), ("1", "True"), (None, "True")])
+def test_environment_switch_is_read_at_import(value, expected):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FLASHWATCH_FAST_LAUNCH"}
+    if value is not None:
+        env["FLASHWATCH_FAST_LAUNCH"] = value
+    out = subprocess.run([sys.executable, "-c", "from flashwatch.kernels import launch; print(launch.FAST_LAUNCH)"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
