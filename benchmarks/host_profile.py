@@ -2,6 +2,9 @@
 calls at (1,1,64,64), where the GPU work is a few microseconds, against a bare Triton launch.
 
     PYTHONPATH=$PWD python3 benchmarks/host_profile.py
+
+The forward+backward line is printed for the ordinary Triton launch and for the cached launch of
+``flashwatch.kernels.launch`` (FLASHWATCH_FAST_LAUNCH); the profile runs with the cache on.
 """
 
 import cProfile
@@ -14,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashwatch.kernels import flash_attention
+from flashwatch.kernels import flash_attention, launch
 
 
 @triton.jit
@@ -52,7 +55,10 @@ def main() -> int:
             flash_attention(q, k, v, causal=True)
 
     print(f"flashwatch forward (no grad):      {per_call_us(fwd):7.1f} us")
-    print(f"flashwatch forward+backward:       {per_call_us(fb):7.1f} us")
+    for fast in (False, True):
+        launch.FAST_LAUNCH = fast
+        label = "cached launch" if fast else "ordinary launch"
+        print(f"flashwatch forward+backward, {label:16s}{per_call_us(fb):7.1f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):

@@ -6,8 +6,9 @@ buffers, each launch's grid and tuned block shapes (``tuning``), the backward's 
 kernel first: it writes delta, which the dK/dV kernel reads), ``AttentionStats.rows_hook``, the
 INJECTED rounding bias of ``faults`` (read at every call), and the interpreter workarounds
 (``INTERPRETER_WORKAROUNDS``: CPU tensors run only under Triton's interpreter, whose bf16 dot and
-cast are wrong; the kernels then upcast dot operands and round to BF16 explicitly). The kernel
-design is described in ``triton_kernels``.
+cast are wrong; the kernels then upcast dot operands and round to BF16 explicitly). Every launch
+goes through ``launch.launch`` (on CUDA: the compiled kernel kept per argument specialisation).
+The kernel design is described in ``triton_kernels``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
+import triton  # noqa: F401  (the Triton path: fail at import where Triton is missing)
 
 from . import faults, hopper_attn, tuning
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
+from .launch import launch
 from .reference import unit_p_gap
 from .stats import AttentionStats
 from .triton_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel, _attn_stats_kernel
@@ -50,7 +52,12 @@ def _register_cap(cfg: dict) -> dict:
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints (``triton.cdiv`` is a constexpr function: several µs a host call)."""
+    return -(-a // b)
 
 
 
@@ -61,16 +68,16 @@ def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant,
     if hopper_attn.launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, stats_on,
                               inject_factor, upcast, exact):
         return  # the opt-in Hopper variant ran (tuning.hopper_features)
-    grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * H)
-    _attn_fwd_kernel[grid](
+    grid = (_cdiv(N, cfg["BLOCK_M"]), B * H)
+    launch(_attn_fwd_kernel, grid, (
         q, k, v, o, lse, r, rowmax, maxlogit,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         H, H // k.shape[1], N, sm_scale, eps / sm_scale, beta, FIXED_MIN_OFFSET, FIXED_MAX_OFFSET[q.dtype],
-        inject_factor, unit_p_gap(q.dtype),
+        inject_factor, unit_p_gap(q.dtype)), dict(
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
         FIXED=variant == "fixed", FP32_DELTA=variant == "fp32_delta", STATS=stats_on,
         INJECT=inject_factor != 1.0, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
 def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
@@ -106,11 +113,11 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
     upcast, exact = _workarounds(q.device)
     if hopper_attn.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, upcast, exact):
         return  # the opt-in Hopper variant ran (tuning.hopper_features)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), B * Hkv)](
+    launch(_attn_bwd_dkdv_kernel, (_cdiv(N, cfg["BLOCK_N"]), B * Hkv), (
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        H, H // Hkv, N, sm_scale, HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
+        H, H // Hkv, N, sm_scale), dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
         IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
 def _row_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +133,14 @@ def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, 
     # rows: None, or the (delta_error_rows, pk) buffers to fill (statistics on)
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
-    _attn_bwd_dq_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * H)](
+    launch(_attn_bwd_dq_kernel, (_cdiv(N, cfg["BLOCK_M"]), B * H), (
         q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st, *(rows or (delta, delta)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
-        H, H // k.shape[1], N, sm_scale, eps, float(gap), HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        H, H // k.shape[1], N, sm_scale, eps, float(gap)), dict(
+        HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, STATS=stats_on, ROWS=rows is not None, FP32_DELTA=r is not None,
         IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg)))
 
 
 def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
@@ -217,16 +225,16 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     c = tuning.choose("stats", q, causal, None)
     hook = stats.rows_hook
     rows = _row_outputs(q) if hook is not None else None
-    _attn_stats_kernel[(triton.cdiv(N, c["BLOCK_M"]), B * H)](
+    launch(_attn_stats_kernel, (_cdiv(N, c["BLOCK_M"]), B * H), (
         q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16,
         stats.repeated_max_rows_format, stats.max_logit,
         stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied,
         *(rows or (stats.delta_error, stats.delta_error)),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(grad_out),
-        H, G, N, float(sm_scale), float(eps), float(stats.unit_gap), HEAD_DIM=D, BLOCK_M=c["BLOCK_M"],
-        BLOCK_N=c["BLOCK_N"],
+        H, G, N, float(sm_scale), float(eps), float(stats.unit_gap)), dict(
+        HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
         CAUSAL=causal, ROWS=rows is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
-        num_warps=c["num_warps"], num_stages=c["num_stages"])
+        num_warps=c["num_warps"], num_stages=c["num_stages"]))
     stats.rows.add_(B * N)
     if hook is not None:
         hook(*rows)
