@@ -45,7 +45,7 @@ def triton_interpreter():
     """flashwatch.kernels.triton_attn (the launchers) with its kernels (``.triton_kernels``) built
     for Triton's CPU interpreter.
 
-    Triton decides at decoration time whether a kernel is interpreted, so the kernels' module is
+    Triton decides at decoration time whether a kernel is interpreted, so the kernels' modules are
     (re)imported with TRITON_INTERPRET=1, then the launchers' (they bind the kernels at import).
     Skipped where CUDA exists (the GPU tests run the compiled kernels there) or Triton is missing.
     """
@@ -57,10 +57,14 @@ def triton_interpreter():
     os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton: its own library is jitted then
     try:
         pytest.importorskip("triton")
-        from flashwatch.kernels import triton_attn, triton_kernels
+        from flashwatch.kernels import hopper, triton_attn, triton_kernels
 
-        if type(triton_kernels._attn_fwd_kernel).__name__ != "InterpretedFunction":
+        interpreted = lambda f: type(f).__name__ == "InterpretedFunction"
+        if not (interpreted(triton_kernels._attn_fwd_kernel) and interpreted(hopper._query_program)):
+            # the kernels' module first, then the modules that import its jitted helpers by name
+            # (hopper: a stale compiled helper there cannot be called from an interpreted kernel)
             importlib.reload(triton_kernels)
+            importlib.reload(hopper)
             triton_attn = importlib.reload(triton_attn)
     finally:
         if old is None:
