@@ -16,7 +16,11 @@ Readings per head and monitored step (``FIELDS``, each (H,) float64):
   change of sigma_max(W^Q_h) that a plain gradient step of unit learning rate along the error
   would cause (positive: the error pushes sigma_max up). Computed as
   -sum_rows (dQ_err . u)(x . v), no D x C matrix formed.
-- ``push_true``: the same for the true gradient dQ_used^T X (read from the query's gradient).
+- ``push_true``: the same for the true gradient G_h of W^Q_h, -u^T G_h v: read from W^Q's
+  own gradient (a hook on the parameter, monitored steps only; each backward's contribution
+  to it, so micro-batches of one step add up and nothing is counted twice), where W^Q is a
+  trainable leaf parameter of the model (``families``' ``query_param``); otherwise from the
+  query's gradient, -sum_rows (dQ . u)(x . v), the same quantity for the calls the chain sees.
 - ``alignment``: cosine between this step's dG_h and the previous monitored step's.
 - ``coherence``: ||S_h|| / N_h with S_h = lam S_h + dG_h and N_h = lam N_h + ||dG_h||, an
   exponentially weighted window of effective length W (lam = 1 - 1/W): 1 when dG keeps one
@@ -85,10 +89,11 @@ def top_pair(weight: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Tensor,
 class LayerChain:
     """Device-side accumulators and window state of one layer's W^Q-error chain.
 
-    A monitored step: ``capture(x)`` for each attention call's projection input (forward),
-    ``add_rows(x, e_rows, pk, scale)`` from the statistics pass (backward) and
-    ``add_query_grad(x, dq)`` from the query's gradient hook; ``reading(lam)`` at the end
-    returns the (len(FIELDS), H) float64 readings and starts the next step. No host sync.
+    A monitored step: ``add_rows(x, e_rows, pk, scale)`` from the statistics pass (backward);
+    the true gradient through ``watch_weight`` (W^Q's gradient hook, ``add_weight_grad``) or,
+    where that cannot apply, ``add_query_grad(x, dq)`` from the query's gradient hook;
+    ``reading(lam)`` at the end returns the (len(FIELDS), H) float64 readings and starts the
+    next step (removing the weight hook). No host sync.
     """
 
     def __init__(self, num_heads: int, head_dim: int, width: int, device: torch.device):
@@ -108,6 +113,7 @@ class LayerChain:
         self.rows_calls = 0  # statistics passes added this step
         self.grad_calls = 0
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
+        self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
         self._projected = None  # (x, x . v, x Omega) of the current call (see _project)
 
@@ -154,6 +160,62 @@ class LayerChain:
         xv, _ = self._project(x, dq)
         self.push_true -= (self._along_u(dq) * xv).sum(dim=(0, 2)).double()
         self.grad_calls += 1
+
+    @torch.no_grad()
+    def add_weight_grad(self, grad_rows: torch.Tensor) -> None:
+        """The true gradient's push -u_h^T G_h v_h from one backward's gradient of W^Q, (H, D, C)
+        (each head's rows; in float64: a (D, C) matrix-vector product per head)."""
+        if tuple(grad_rows.shape) != (self.num_heads, self.head_dim, self.width):
+            raise ValueError(f"W^Q gradient of shape {tuple(grad_rows.shape)}, expected "
+                             f"{(self.num_heads, self.head_dim, self.width)}")
+        g = grad_rows.to(self.device, torch.float64)
+        gv = torch.matmul(g, self.v.double()[..., None])[..., 0]  # (H, D)
+        self.push_true -= (gv * self.u.double()).sum(1)
+        self.grad_calls += 1
+
+    def watch_weight(self, param: Any, transposed: bool, active: Callable[[], bool],
+                     on_error: Callable[[str, BaseException], None]) -> bool:
+        """Read the true gradient from W^Q's parameter for the rest of this monitored step.
+
+        Args:
+            param: the parameter holding W^Q (``Family.query_param``): its first H*D rows (of its
+                transpose when ``transposed``) are W^Q, head h owning D of them.
+            active: whether a monitored step is on: a hook that fires outside one removes itself.
+            on_error: ``on_error("wq_error_chain", exc)`` for a failure inside the hook.
+
+        Returns:
+            True if the hook is in place (already, or now); False where it cannot apply (not a
+            trainable leaf tensor of the expected size): the caller then uses ``add_query_grad``.
+        The hook sees each backward's contribution to the gradient before it is accumulated
+        (under data parallelism: this rank's own, before the ranks' mean)."""
+        if self.weight_hook is not None:
+            return True
+        h, d, c = self.num_heads, self.head_dim, self.width
+        if not (isinstance(param, torch.Tensor) and param.is_leaf and param.requires_grad and param.dim() == 2):
+            return False
+        rows, cols = (param.shape[1], param.shape[0]) if transposed else tuple(param.shape)
+        if rows < h * d or cols != c:
+            return False
+
+        def on_weight_grad(grad):
+            if not active():
+                self.unwatch()
+                return None
+            try:
+                g = grad.t() if transposed else grad
+                self.add_weight_grad(g[: h * d].reshape(h, d, c))
+            except Exception as exc:  # never reaches the backward
+                on_error("wq_error_chain", exc)
+            return None
+
+        self.weight_hook = param.register_hook(on_weight_grad)
+        return True
+
+    def unwatch(self) -> None:
+        """Remove W^Q's gradient hook (end of a monitored step, or detach)."""
+        if self.weight_hook is not None:
+            self.weight_hook.remove()
+            self.weight_hook = None
 
     @property
     def flat_size(self) -> int:
@@ -207,6 +269,7 @@ class LayerChain:
         self._seen = None
         self._projected = None
         self.pending_hooks.clear()
+        self.unwatch()
         return out
 
     def state_dict(self) -> dict:

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 
 from .attach import AttentionLayer
 from .call_support import MEASURED, statistics_route, unsupported_reason
+from .families import FAMILIES
 
 log = logging.getLogger("flashwatch")
 
@@ -220,6 +221,9 @@ class Router:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for layer in self.layers:
+            if layer.chain is not None:
+                layer.chain.unwatch()
         self._finalizer()  # runs _uninstall once (and never again at garbage collection)
         self.installed = False
 
@@ -298,9 +302,10 @@ class Router:
             return sdpa(*args, **kwargs)
 
     def _chain_hooks(self, layer: AttentionLayer, query: Any, head_dim: int, scale: Any):
-        """For a monitored call of a layer with a W^Q-error chain: hook the query's gradient (the
-        true gradient's push) and return the rows hook of the statistics pass; None otherwise.
-        Failures are reported and never reach the backward."""
+        """For a monitored call of a layer with a W^Q-error chain: make sure the true gradient's
+        push is read (W^Q's gradient hook, once per step; else a hook on this call's query
+        gradient) and return the rows hook of the statistics pass; None otherwise. Failures
+        are reported and never reach the backward."""
         chain, x = layer.chain, layer.chain_input
         if chain is None or x is None or not isinstance(query, torch.Tensor) or not query.requires_grad:
             return None
@@ -320,8 +325,21 @@ class Router:
             except Exception as exc:
                 on_error("wq_error_chain", exc)
 
-        query.register_hook(on_query_grad)
+        if not self._watch_query_weight(layer):
+            query.register_hook(on_query_grad)
         return on_rows
+
+    def _watch_query_weight(self, layer: AttentionLayer) -> bool:
+        """W^Q's gradient hook for this monitored step (``LayerChain.watch_weight``); False where
+        it cannot apply (the query's gradient is read instead)."""
+        family = next((f for f in FAMILIES if f.name == layer.family), None)
+        if family is None:
+            return False
+        try:
+            param, transposed = family.query_param(layer.module)
+        except Exception:  # a module without the family's parameter: the query's gradient instead
+            return False
+        return layer.chain.watch_weight(param, transposed, lambda: self.monitoring, self.on_error)
 
     @staticmethod
     def _pop_rows_hook(layer: AttentionLayer):
