@@ -103,7 +103,7 @@ class LayerChain:
         h, d, r = num_heads, head_dim, SKETCH_DIM
         self.u = torch.zeros(h, d, device=self.device)
         self.v = torch.zeros(h, width, device=self.device)
-        self.push = torch.zeros(h, dtype=torch.float64, device=self.device)
+        self.ugv = torch.zeros(h, device=self.device)  # u^T dG v of this step's error (FP32; push = -ugv)
         self.push_true = torch.zeros(h, dtype=torch.float64, device=self.device)
         self.sketch = torch.zeros(h, d, r, device=self.device)
         self.prev = torch.zeros(h, d, r, device=self.device)
@@ -134,7 +134,7 @@ class LayerChain:
         per call: the rows hook and the query's gradient hook of a call share the same x."""
         if self._projected is None or self._projected[0] is not x:
             xf = self._check(x, t)
-            self._projected = (x, torch.matmul(xf, self.v.T).transpose(1, 2), xf @ self.omega)
+            self._projected = (x, torch.matmul(xf, self.v.T).transpose(1, 2).contiguous(), xf @ self.omega)
         return self._projected[1], self._projected[2]
 
     def _along_u(self, t: torch.Tensor) -> torch.Tensor:
@@ -143,15 +143,30 @@ class LayerChain:
 
     @torch.no_grad()
     def add_rows(self, x: torch.Tensor, e_rows: torch.Tensor, pk: torch.Tensor, scale: float) -> None:
-        """One call's rows: e_rows (B, H, N), pk (B, H, N, D), x (B, N, C).
+        """One call's rows: e_rows (B, H, N), pk (B, H, N, D), x (B, N, C) (the PyTorch paths).
 
         dQ_err = c[..., None] * pk with c = -scale * e_rows, so u^T dG v = sum_rows c (pk . u)(x . v)
-        and the sketch dG Omega = sum_rows c pk^T (x Omega), both without forming dQ_err."""
+        and the sketch dG Omega = sum_rows c pk^T (x Omega), both without forming dQ_err. The
+        Triton kernels add the same sums in their epilogue instead (``reduction``)."""
         xv, xo = self._project(x, pk)
         c = (-scale) * e_rows.float()  # (B, H, N)
-        self.push -= (c * self._along_u(pk) * xv).sum(dim=(0, 2)).double()  # -u^T dG v
+        self.ugv += (c * self._along_u(pk) * xv).sum(dim=(0, 2))
         weighted = c[..., None] * xo[:, None]  # (B, H, N, r)
         self.sketch += torch.matmul(pk.float().transpose(-1, -2), weighted).sum(0)  # (H, D, r)
+        self.rows_calls += 1
+
+    @torch.no_grad()
+    def reduction(self, x: torch.Tensor, q: torch.Tensor):
+        """One call's factors for the kernels' in-epilogue reduction (``flashwatch.kernels.stats.
+        RowReduction``): u, x . v (B, H, N), x Omega (B, N, r) for the projection input x (B, N, C)
+        of the call whose query is q (B, H, N, D), and this step's ``ugv`` and ``sketch`` to add
+        into: the same sums as ``add_rows`` with the call's sm_scale, no per-row tensor formed."""
+        from .kernels.stats import RowReduction
+
+        xv, xo = self._project(x, q)
+        return RowReduction(self.u, xv, xo, self.ugv, self.sketch, self._rows_added)
+
+    def _rows_added(self) -> None:
         self.rows_calls += 1
 
     @torch.no_grad()
@@ -225,12 +240,12 @@ class LayerChain:
         """This step's accumulators as one float64 vector (for the mean over data-parallel ranks)."""
         calls = torch.stack([torch.full((), float(n), dtype=torch.float64, device=self.device)
                              for n in (self.rows_calls, self.grad_calls)])
-        return torch.cat([self.push, self.push_true, self.sketch.flatten().double(), calls])
+        return torch.cat([-self.ugv.double(), self.push_true, self.sketch.flatten().double(), calls])
 
     def set_flat(self, t: torch.Tensor) -> None:
         """Take the accumulators back from ``flat()``'s layout (after the ranks' mean)."""
         h = self.num_heads
-        self.push = t[:h].clone()
+        self.ugv = (-t[:h]).float()
         self.push_true = t[h: 2 * h].clone()
         self.sketch = t[2 * h: 2 * h + self.sketch.numel()].view_as(self.sketch).float().clone()
         self._seen = (t[-2] > 0, t[-1] > 0)  # device scalars: no host sync
@@ -258,11 +273,11 @@ class LayerChain:
         self.ew_norm.copy_(torch.where(rows_seen, lam * self.ew_norm + norm, self.ew_norm))
         s_norm = self.ew_sum.flatten(1).norm(dim=1).double()
         coherence = torch.where(rows_seen & (self.ew_norm > 0), s_norm / self.ew_norm.clamp_min(1e-300), nan)
-        out = torch.stack([torch.where(rows_seen, self.push, nan), torch.where(grad_seen, self.push_true, nan),
+        out = torch.stack([torch.where(rows_seen, -self.ugv.double(), nan), torch.where(grad_seen, self.push_true, nan),
                            alignment, coherence])
         self.prev.copy_(torch.where(rows_seen, g, self.prev))
         self.has_prev |= rows_seen
-        self.push = torch.zeros_like(self.push)
+        self.ugv = torch.zeros_like(self.ugv)
         self.push_true = torch.zeros_like(self.push_true)
         self.sketch = torch.zeros_like(self.sketch)
         self.rows_calls = self.grad_calls = 0

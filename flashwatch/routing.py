@@ -167,6 +167,49 @@ def _autocast_inputs(q, k, v):
     return q, k, v, False
 
 
+class _ChainRows:
+    """The rows hook of one monitored call (``AttentionStats.rows_hook``): the PyTorch paths call
+    it with the rows (``LayerChain.add_rows``); the Triton kernels take its ``reduction`` and
+    reduce the rows in-kernel. Failures are reported and never reach the backward."""
+
+    def __init__(self, chain: Any, x: torch.Tensor, scale: float, on_error: Callable):
+        self.chain, self.x, self.scale, self.on_error = chain, x, scale, on_error
+
+    def __call__(self, e_rows, pk):
+        try:
+            self.chain.add_rows(self.x, e_rows, pk, self.scale)
+        except Exception as exc:
+            self.on_error("wq_error_chain", exc)
+
+    def reduction(self, q):
+        try:
+            return self.chain.reduction(self.x, q)
+        except Exception as exc:  # then the kernel stores the rows and calls the hook, which reports again
+            self.on_error("wq_error_chain", exc)
+            return None
+
+
+class _PendingRows:
+    """Own-kernel mode: each backward takes the newest pending call's rows hook (reverse order of
+    the forwards), whether it reduces in-kernel (``reduction``) or is called with the rows."""
+
+    def __init__(self, stack: list):
+        self.stack = stack
+
+    def __call__(self, e_rows, pk):
+        if self.stack:
+            self.stack.pop()(e_rows, pk)
+
+    def reduction(self, q):
+        if not self.stack:
+            return None
+        hook = self.stack.pop()
+        found = hook.reduction(q)
+        if found is None:
+            self.stack.append(hook)  # the kernel stores the rows and calls this hook with them
+        return found
+
+
 class Router:
     """Routes the attention calls of attached layers (see the module docstring).
 
@@ -319,15 +362,9 @@ class Router:
                 on_error("wq_error_chain", exc)
             return None
 
-        def on_rows(e_rows, pk):
-            try:
-                chain.add_rows(x, e_rows, pk, s)
-            except Exception as exc:
-                on_error("wq_error_chain", exc)
-
         if not self._watch_query_weight(layer):
             query.register_hook(on_query_grad)
-        return on_rows
+        return _ChainRows(chain, x, s, on_error)
 
     def _watch_query_weight(self, layer: AttentionLayer) -> bool:
         """W^Q's gradient hook for this monitored step (``LayerChain.watch_weight``); False where
@@ -344,12 +381,7 @@ class Router:
     @staticmethod
     def _pop_rows_hook(layer: AttentionLayer):
         """One rows hook for the layer's statistics: each backward takes the newest pending call's."""
-        stack = layer.chain.pending_hooks
-
-        def on_rows(e_rows, pk):
-            if stack:
-                stack.pop()(e_rows, pk)
-        return on_rows
+        return _PendingRows(layer.chain.pending_hooks)
 
     def _measure_scores(self, layer: AttentionLayer, q, k, v, out, causal, scale) -> None:
         """What a call with attention dropout still shows: rows, repeated maxima and the max logit
