@@ -31,6 +31,14 @@ Alignment and coherence use a fixed random sketch dG_h Omega (Omega: C x r Gauss
 products of sketches estimate those of the D x C matrices without forming them (a cosine of
 two random directions reads about N(0, 1/r), one of a fixed direction reads 1).
 
+Where the work happens, per attention call of a monitored step: x . v (B, H, N) and x Omega
+(B, N, r) from the call's projection input, once (``_project``); then the rows' reductions
+u^T dG v and dG Omega (FP32, per head) inside the Triton kernels' epilogues (the statistics
+pass in observe mode, the dQ kernel in own-kernel mode: ``reduction``, nothing per row is
+written), or, on the PyTorch paths (CPU reference, masked statistics), from the rows the hook
+receives (``add_rows``, the same formula). The true gradient's push is one (D, C)
+matrix-vector product per head and backward, on W^Q's gradient.
+
 The pair (u, v) is the power iteration's as of the previous monitored step (the vectors move
 slowly; the first monitored step uses the exact pair from attach). Only defined where the
 query the attention sees is the projection's output (``flashwatch.families``: not for rotary
@@ -116,11 +124,13 @@ class LayerChain:
         self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
         self._projected = None  # (x, x . v, x Omega) of the current call (see _project)
+        self._both = None  # [v^T | Omega] (C, H + r) for _project
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
         self.u, self.v = u.to(self.device, torch.float32), v.to(self.device, torch.float32)
         self._projected = None
+        self._both = None  # [v^T | Omega] (C, H + r), made at the first call
 
     def _check(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """x as (B, N, C) float32 matching t's (B, ., N, .)."""
@@ -134,7 +144,11 @@ class LayerChain:
         per call: the rows hook and the query's gradient hook of a call share the same x."""
         if self._projected is None or self._projected[0] is not x:
             xf = self._check(x, t)
-            self._projected = (x, torch.matmul(xf, self.v.T).transpose(1, 2).contiguous(), xf @ self.omega)
+            h = self.num_heads
+            if self._both is None:
+                self._both = torch.cat([self.v.T, self.omega], dim=1)  # (C, H + r)
+            y = xf @ self._both  # (B, N, H + r): one product for both
+            self._projected = (x, y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous())
         return self._projected[1], self._projected[2]
 
     def _along_u(self, t: torch.Tensor) -> torch.Tensor:
@@ -297,6 +311,7 @@ class LayerChain:
                 raise ValueError(f"saved W^Q-error state {k} has shape {tuple(state[k].shape)}, this layer needs "
                                  f"{tuple(mine.shape)}")
             setattr(self, k, state[k].to(device=self.device, dtype=mine.dtype).clone())
+        self._projected = self._both = None  # made again from the loaded v
 
 
 class Chains:

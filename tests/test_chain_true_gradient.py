@@ -208,3 +208,19 @@ def test_push_true_under_ddp_is_the_mean_of_the_ranks_readings(tmp_path):
     assert ((r0["got"] - mean).abs() <= tol).all(), (r0["got"], mean)
     assert ((r0["applied"] - mean).abs() <= tol).all(), (r0["applied"], mean)
     assert (r0["local"] - r1["local"]).abs().max() > 100 * tol.max()  # the ranks' own readings differ
+
+
+def test_a_loaded_or_new_pair_is_used_from_the_next_call_on():
+    """x . v is made once per call from the current v: a pair set or loaded later is not shadowed."""
+    torch.manual_seed(4)
+    h, d, c = 2, 3, 5
+    x, e, pk = torch.randn(1, 4, c), torch.randn(1, h, 4), torch.randn(1, h, 4, d)
+    a, b = LayerChain(h, d, c, "cpu"), LayerChain(h, d, c, "cpu")
+    a.set_pair(torch.randn(h, d), torch.randn(h, c))
+    b.set_pair(torch.randn(h, d), torch.randn(h, c))
+    a.add_rows(x, e, pk, 0.5)
+    a.reading(0.9)
+    a.load_state_dict(b.state_dict())
+    a.add_rows(x, e, pk, 0.5)
+    b.add_rows(x, e, pk, 0.5)
+    assert torch.equal(a.ugv, b.ugv) and torch.equal(a.sketch, b.sketch)
