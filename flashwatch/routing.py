@@ -183,7 +183,9 @@ class _ChainRows:
 
     def reduction(self, q):
         try:
-            return self.chain.reduction(self.x, q)
+            found = self.chain.reduction(self.x, q)
+            found.check(q)  # a mismatch (a model moved since attach) is reported here, not in the backward
+            return found
         except Exception as exc:  # then the kernel stores the rows and calls the hook, which reports again
             self.on_error("wq_error_chain", exc)
             return None

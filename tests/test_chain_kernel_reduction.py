@@ -130,3 +130,27 @@ def test_monitor_chain_readings_through_the_kernel_reduction(mode, monkeypatch):
     else:
         test_chain.test_chain_readings_match_float64_in_own_kernel_mode(monkeypatch)
     assert counts == {"reduction": 2, "add_rows": 0}
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_a_reduction_that_does_not_fit_is_reported_and_never_breaks_the_backward(mode):
+    from flashwatch import Monitor, MonitorConfig
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode))
+    monitor.attach(model)
+    chain = monitor.layers[0].chain
+    chain.u = chain.u.double()  # not the FP32 the kernel takes
+    x, y = sample_batch(stdlib_corpus(20_000), 2, 16, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)[1]
+    loss.backward()  # no exception
+    assert model.transformer.h[0].attn.c_attn.weight.grad is not None
+    monitor.step()
+    assert monitor.errors > 0
+    push = monitor.snapshot()["flashwatch_wq_error_push"]
+    assert all(v != v for v in push.values())  # NaN: not measured, never 0
+    monitor.detach()

@@ -224,3 +224,43 @@ def test_a_loaded_or_new_pair_is_used_from_the_next_call_on():
     a.add_rows(x, e, pk, 0.5)
     b.add_rows(x, e, pk, 0.5)
     assert torch.equal(a.ugv, b.ugv) and torch.equal(a.sketch, b.sketch)
+
+
+def test_hf_gpt2_conv1d_weight_gradient_columns(monkeypatch):
+    """Hugging Face GPT-2 keeps W^Q as the first C columns of a Conv1D weight (C, 3C): the hook
+    reads the transposed layout; against the query-gradient definition."""
+    transformers = pytest.importorskip("transformers")
+    from flashwatch import routing
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=50,
+                                  attn_implementation="sdpa", attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    layer = monitor.layers[0]
+    assert layer.family == "hf_gpt2" and layer.chain is not None
+    u, v = layer.chain.u.double(), layer.chain.v.double()
+    xs, qs = [], []
+    model.transformer.h[0].attn.register_forward_pre_hook(lambda m, args, kwargs: xs.append(
+        (args[0] if args else kwargs["hidden_states"]).detach().clone()), with_kwargs=True)
+    real = routing.original_sdpa()
+
+    def spy(q, k, v_, **kw):
+        q.retain_grad()
+        qs.append(q)
+        return real(q, k, v_, **kw)
+
+    monkeypatch.setattr(routing, "_original_sdpa", spy)
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    assert layer.chain.weight_hook is not None
+    (x,), (q,) = xs, qs
+    terms = torch.einsum("bhnd,hd->bhn", q.grad.double(), u) * torch.einsum("bnc,hc->bhn", x.double(), v)
+    want, mag = -terms.sum(dim=(0, 2)), terms.abs().sum(dim=(0, 2))
+    monitor.step()
+    got = torch.tensor([monitor.signals()["wq_error_push_true"][(0, h)] for h in range(2)], dtype=F64)
+    assert ((got - want).abs() <= 1e-5 * mag).all(), (got, want)
+    assert want.abs().min() > 1e-3 * mag.max()
+    monkeypatch.undo()
+    monitor.detach()
