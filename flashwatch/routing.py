@@ -378,7 +378,19 @@ class Router:
             param, transposed = family.query_param(layer.module)
         except Exception:  # a module without the family's parameter: the query's gradient instead
             return False
-        return layer.chain.watch_weight(param, transposed, lambda: self.monitoring, self.on_error)
+        # the hook lives on the model's parameter: it holds the router weakly, so that a router
+        # dropped without remove() is still freed (and gives torch's SDPA back) at once
+        ref = weakref.ref(self)
+
+        def active() -> bool:
+            router = ref()
+            return router is not None and router.monitoring
+
+        def report(kind: str, exc: BaseException) -> None:
+            router = ref()
+            if router is not None:
+                router.on_error(kind, exc)
+        return layer.chain.watch_weight(param, transposed, active, report)
 
     @staticmethod
     def _pop_rows_hook(layer: AttentionLayer):

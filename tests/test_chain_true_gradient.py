@@ -264,3 +264,4 @@ def test_hf_gpt2_conv1d_weight_gradient_columns(monkeypatch):
     assert want.abs().min() > 1e-3 * mag.max()
     monkeypatch.undo()
     monitor.detach()
+
