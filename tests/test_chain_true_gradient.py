@@ -265,3 +265,25 @@ def test_hf_gpt2_conv1d_weight_gradient_columns(monkeypatch):
     monkeypatch.undo()
     monitor.detach()
 
+
+
+def test_a_parameter_kept_elsewhere_does_not_keep_a_dropped_monitor():
+    """W^Q's hook stays on the parameter until the step's reading; a parameter that outlives its
+    model (an optimizer's, a compiled graph's cache) must not keep the Monitor and its SDPA
+    interception alive."""
+    import gc
+
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    model = _model()
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    x, y = sample_batch(DATA, 2, 32, generator=torch.Generator().manual_seed(1))
+    model(x, y)[1].backward()  # a monitored step's backward; its reading never comes
+    kept = model.transformer.h[0].attn.c_attn.weight
+    assert monitor.layers[0].chain.weight_hook is not None
+    del model, monitor
+    gc.collect()
+    assert F.scaled_dot_product_attention is sdpa, "the dropped Monitor still intercepts SDPA"
+    assert kept.grad is not None
