@@ -27,16 +27,19 @@ import subprocess
 import sys
 import tempfile
 
-FP32_POINTERS = {"LSE", "DELTA", "ROWMAX", "ST_E", "ST_EABS", "ST_ESQ", "ST_ETIED", "ST_MAXL", "ERR_ROWS", "PK"}
+FP32_POINTERS = {"LSE", "DELTA", "ROWMAX", "ST_E", "ST_EABS", "ST_ESQ", "ST_ETIED", "ST_MAXL", "ERR_ROWS", "PK",
+                 "U", "XV", "XO", "UGV", "SKETCH"}
 # per kernel: its function in triton_kernels and, per variant, (tuning.TABLE entry, constexprs)
 KERNELS = {
     "fwd": ("_attn_fwd_kernel", {"plain": ("fwd", {"FIXED": False, "STATS": False, "INJECT": False}),
                                  "fixed": ("fwd_fixed", {"FIXED": True, "STATS": False, "INJECT": False})}),
     "dq": ("_attn_bwd_dq_kernel", {"plain": ("dq", {"STATS": False, "ROWS": False}),
                                    "stats": ("dq_stats", {"STATS": True, "ROWS": False}),
-                                   "rows": ("dq_rows", {"STATS": True, "ROWS": True})}),
+                                   "rows": ("dq_rows", {"STATS": True, "ROWS": True, "REDUCE": False}),
+                                   "reduce": ("dq_rows", {"STATS": True, "ROWS": True, "REDUCE": True, "SKETCH_R": 64})}),
     "dkdv": ("_attn_bwd_dkdv_kernel", {"plain": ("dkdv", {})}),
-    "stats": ("_attn_stats_kernel", {"plain": ("stats", {"ROWS": False}), "rows": ("stats", {"ROWS": True})}),
+    "stats": ("_attn_stats_kernel", {"plain": ("stats", {"ROWS": False}), "rows": ("stats", {"ROWS": True, "REDUCE": False}),
+                                     "reduce": ("stats", {"ROWS": True, "REDUCE": True, "SKETCH_R": 64})}),
     # the opt-in Hopper variants (kernels/hopper.py): pointer loads, TMA, TMA + warp specialisation
     "fwd_hopper": ("hopper._attn_fwd_hopper_kernel",
                    {"ptr": ("fwd_hopper", {"STATS": False, "TMA": False, "WARP_SPECIALIZE": False}),

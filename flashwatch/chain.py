@@ -16,7 +16,11 @@ Readings per head and monitored step (``FIELDS``, each (H,) float64):
   change of sigma_max(W^Q_h) that a plain gradient step of unit learning rate along the error
   would cause (positive: the error pushes sigma_max up). Computed as
   -sum_rows (dQ_err . u)(x . v), no D x C matrix formed.
-- ``push_true``: the same for the true gradient dQ_used^T X (read from the query's gradient).
+- ``push_true``: the same for the true gradient G_h of W^Q_h, -u^T G_h v: read from W^Q's
+  own gradient (a hook on the parameter, monitored steps only; each backward's contribution
+  to it, so micro-batches of one step add up and nothing is counted twice), where W^Q is a
+  trainable leaf parameter of the model (``families``' ``query_param``); otherwise from the
+  query's gradient, -sum_rows (dQ . u)(x . v), the same quantity for the calls the chain sees.
 - ``alignment``: cosine between this step's dG_h and the previous monitored step's.
 - ``coherence``: ||S_h|| / N_h with S_h = lam S_h + dG_h and N_h = lam N_h + ||dG_h||, an
   exponentially weighted window of effective length W (lam = 1 - 1/W): 1 when dG keeps one
@@ -26,6 +30,14 @@ Alignment and coherence use a fixed random sketch dG_h Omega (Omega: C x r Gauss
 ``SKETCH_DIM``, the same for every layer of one width, regenerated from a fixed seed): inner
 products of sketches estimate those of the D x C matrices without forming them (a cosine of
 two random directions reads about N(0, 1/r), one of a fixed direction reads 1).
+
+Where the work happens, per attention call of a monitored step: x . v (B, H, N) and x Omega
+(B, N, r) from the call's projection input, once (``_project``); then the rows' reductions
+u^T dG v and dG Omega (FP32, per head) inside the Triton kernels' epilogues (the statistics
+pass in observe mode, the dQ kernel in own-kernel mode: ``reduction``, nothing per row is
+written), or, on the PyTorch paths (CPU reference, masked statistics), from the rows the hook
+receives (``add_rows``, the same formula). The true gradient's push is one (D, C)
+matrix-vector product per head and backward, on W^Q's gradient.
 
 The pair (u, v) is the power iteration's as of the previous monitored step (the vectors move
 slowly; the first monitored step uses the exact pair from attach). Only defined where the
@@ -85,10 +97,11 @@ def top_pair(weight: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Tensor,
 class LayerChain:
     """Device-side accumulators and window state of one layer's W^Q-error chain.
 
-    A monitored step: ``capture(x)`` for each attention call's projection input (forward),
-    ``add_rows(x, e_rows, pk, scale)`` from the statistics pass (backward) and
-    ``add_query_grad(x, dq)`` from the query's gradient hook; ``reading(lam)`` at the end
-    returns the (len(FIELDS), H) float64 readings and starts the next step. No host sync.
+    A monitored step: ``add_rows(x, e_rows, pk, scale)`` from the statistics pass (backward);
+    the true gradient through ``watch_weight`` (W^Q's gradient hook, ``add_weight_grad``) or,
+    where that cannot apply, ``add_query_grad(x, dq)`` from the query's gradient hook;
+    ``reading(lam)`` at the end returns the (len(FIELDS), H) float64 readings and starts the
+    next step (removing the weight hook). No host sync.
     """
 
     def __init__(self, num_heads: int, head_dim: int, width: int, device: torch.device):
@@ -98,7 +111,7 @@ class LayerChain:
         h, d, r = num_heads, head_dim, SKETCH_DIM
         self.u = torch.zeros(h, d, device=self.device)
         self.v = torch.zeros(h, width, device=self.device)
-        self.push = torch.zeros(h, dtype=torch.float64, device=self.device)
+        self.ugv = torch.zeros(h, device=self.device)  # u^T dG v of this step's error (FP32; push = -ugv)
         self.push_true = torch.zeros(h, dtype=torch.float64, device=self.device)
         self.sketch = torch.zeros(h, d, r, device=self.device)
         self.prev = torch.zeros(h, d, r, device=self.device)
@@ -108,13 +121,16 @@ class LayerChain:
         self.rows_calls = 0  # statistics passes added this step
         self.grad_calls = 0
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
+        self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
         self._projected = None  # (x, x . v, x Omega) of the current call (see _project)
+        self._both = None  # [v^T | Omega] (C, H + r) for _project
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
         self.u, self.v = u.to(self.device, torch.float32), v.to(self.device, torch.float32)
         self._projected = None
+        self._both = None  # [v^T | Omega] (C, H + r), made at the first call
 
     def _check(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """x as (B, N, C) float32 matching t's (B, ., N, .)."""
@@ -128,7 +144,11 @@ class LayerChain:
         per call: the rows hook and the query's gradient hook of a call share the same x."""
         if self._projected is None or self._projected[0] is not x:
             xf = self._check(x, t)
-            self._projected = (x, torch.matmul(xf, self.v.T).transpose(1, 2), xf @ self.omega)
+            h = self.num_heads
+            if self._both is None:
+                self._both = torch.cat([self.v.T, self.omega], dim=1)  # (C, H + r)
+            y = xf @ self._both  # (B, N, H + r): one product for both
+            self._projected = (x, y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous())
         return self._projected[1], self._projected[2]
 
     def _along_u(self, t: torch.Tensor) -> torch.Tensor:
@@ -137,15 +157,30 @@ class LayerChain:
 
     @torch.no_grad()
     def add_rows(self, x: torch.Tensor, e_rows: torch.Tensor, pk: torch.Tensor, scale: float) -> None:
-        """One call's rows: e_rows (B, H, N), pk (B, H, N, D), x (B, N, C).
+        """One call's rows: e_rows (B, H, N), pk (B, H, N, D), x (B, N, C) (the PyTorch paths).
 
         dQ_err = c[..., None] * pk with c = -scale * e_rows, so u^T dG v = sum_rows c (pk . u)(x . v)
-        and the sketch dG Omega = sum_rows c pk^T (x Omega), both without forming dQ_err."""
+        and the sketch dG Omega = sum_rows c pk^T (x Omega), both without forming dQ_err. The
+        Triton kernels add the same sums in their epilogue instead (``reduction``)."""
         xv, xo = self._project(x, pk)
         c = (-scale) * e_rows.float()  # (B, H, N)
-        self.push -= (c * self._along_u(pk) * xv).sum(dim=(0, 2)).double()  # -u^T dG v
+        self.ugv += (c * self._along_u(pk) * xv).sum(dim=(0, 2))
         weighted = c[..., None] * xo[:, None]  # (B, H, N, r)
         self.sketch += torch.matmul(pk.float().transpose(-1, -2), weighted).sum(0)  # (H, D, r)
+        self.rows_calls += 1
+
+    @torch.no_grad()
+    def reduction(self, x: torch.Tensor, q: torch.Tensor):
+        """One call's factors for the kernels' in-epilogue reduction (``flashwatch.kernels.stats.
+        RowReduction``): u, x . v (B, H, N), x Omega (B, N, r) for the projection input x (B, N, C)
+        of the call whose query is q (B, H, N, D), and this step's ``ugv`` and ``sketch`` to add
+        into: the same sums as ``add_rows`` with the call's sm_scale, no per-row tensor formed."""
+        from .kernels.stats import RowReduction
+
+        xv, xo = self._project(x, q)
+        return RowReduction(self.u, xv, xo, self.ugv, self.sketch, self._rows_added)
+
+    def _rows_added(self) -> None:
         self.rows_calls += 1
 
     @torch.no_grad()
@@ -155,6 +190,62 @@ class LayerChain:
         self.push_true -= (self._along_u(dq) * xv).sum(dim=(0, 2)).double()
         self.grad_calls += 1
 
+    @torch.no_grad()
+    def add_weight_grad(self, grad_rows: torch.Tensor) -> None:
+        """The true gradient's push -u_h^T G_h v_h from one backward's gradient of W^Q, (H, D, C)
+        (each head's rows; in float64: a (D, C) matrix-vector product per head)."""
+        if tuple(grad_rows.shape) != (self.num_heads, self.head_dim, self.width):
+            raise ValueError(f"W^Q gradient of shape {tuple(grad_rows.shape)}, expected "
+                             f"{(self.num_heads, self.head_dim, self.width)}")
+        g = grad_rows.to(self.device, torch.float64)
+        gv = torch.matmul(g, self.v.double()[..., None])[..., 0]  # (H, D)
+        self.push_true -= (gv * self.u.double()).sum(1)
+        self.grad_calls += 1
+
+    def watch_weight(self, param: Any, transposed: bool, active: Callable[[], bool],
+                     on_error: Callable[[str, BaseException], None]) -> bool:
+        """Read the true gradient from W^Q's parameter for the rest of this monitored step.
+
+        Args:
+            param: the parameter holding W^Q (``Family.query_param``): its first H*D rows (of its
+                transpose when ``transposed``) are W^Q, head h owning D of them.
+            active: whether a monitored step is on: a hook that fires outside one removes itself.
+            on_error: ``on_error("wq_error_chain", exc)`` for a failure inside the hook.
+
+        Returns:
+            True if the hook is in place (already, or now); False where it cannot apply (not a
+            trainable leaf tensor of the expected size): the caller then uses ``add_query_grad``.
+        The hook sees each backward's contribution to the gradient before it is accumulated
+        (under data parallelism: this rank's own, before the ranks' mean)."""
+        if self.weight_hook is not None:
+            return True
+        h, d, c = self.num_heads, self.head_dim, self.width
+        if not (isinstance(param, torch.Tensor) and param.is_leaf and param.requires_grad and param.dim() == 2):
+            return False
+        rows, cols = (param.shape[1], param.shape[0]) if transposed else tuple(param.shape)
+        if rows < h * d or cols != c:
+            return False
+
+        def on_weight_grad(grad):
+            if not active():
+                self.unwatch()
+                return None
+            try:
+                g = grad.t() if transposed else grad
+                self.add_weight_grad(g[: h * d].reshape(h, d, c))
+            except Exception as exc:  # never reaches the backward
+                on_error("wq_error_chain", exc)
+            return None
+
+        self.weight_hook = param.register_hook(on_weight_grad)
+        return True
+
+    def unwatch(self) -> None:
+        """Remove W^Q's gradient hook (end of a monitored step, or detach)."""
+        if self.weight_hook is not None:
+            self.weight_hook.remove()
+            self.weight_hook = None
+
     @property
     def flat_size(self) -> int:
         return 2 * self.num_heads + self.sketch.numel() + 2
@@ -163,12 +254,12 @@ class LayerChain:
         """This step's accumulators as one float64 vector (for the mean over data-parallel ranks)."""
         calls = torch.stack([torch.full((), float(n), dtype=torch.float64, device=self.device)
                              for n in (self.rows_calls, self.grad_calls)])
-        return torch.cat([self.push, self.push_true, self.sketch.flatten().double(), calls])
+        return torch.cat([-self.ugv.double(), self.push_true, self.sketch.flatten().double(), calls])
 
     def set_flat(self, t: torch.Tensor) -> None:
         """Take the accumulators back from ``flat()``'s layout (after the ranks' mean)."""
         h = self.num_heads
-        self.push = t[:h].clone()
+        self.ugv = (-t[:h]).float()
         self.push_true = t[h: 2 * h].clone()
         self.sketch = t[2 * h: 2 * h + self.sketch.numel()].view_as(self.sketch).float().clone()
         self._seen = (t[-2] > 0, t[-1] > 0)  # device scalars: no host sync
@@ -196,17 +287,18 @@ class LayerChain:
         self.ew_norm.copy_(torch.where(rows_seen, lam * self.ew_norm + norm, self.ew_norm))
         s_norm = self.ew_sum.flatten(1).norm(dim=1).double()
         coherence = torch.where(rows_seen & (self.ew_norm > 0), s_norm / self.ew_norm.clamp_min(1e-300), nan)
-        out = torch.stack([torch.where(rows_seen, self.push, nan), torch.where(grad_seen, self.push_true, nan),
+        out = torch.stack([torch.where(rows_seen, -self.ugv.double(), nan), torch.where(grad_seen, self.push_true, nan),
                            alignment, coherence])
         self.prev.copy_(torch.where(rows_seen, g, self.prev))
         self.has_prev |= rows_seen
-        self.push = torch.zeros_like(self.push)
+        self.ugv = torch.zeros_like(self.ugv)
         self.push_true = torch.zeros_like(self.push_true)
         self.sketch = torch.zeros_like(self.sketch)
         self.rows_calls = self.grad_calls = 0
         self._seen = None
         self._projected = None
         self.pending_hooks.clear()
+        self.unwatch()
         return out
 
     def state_dict(self) -> dict:
@@ -219,6 +311,7 @@ class LayerChain:
                 raise ValueError(f"saved W^Q-error state {k} has shape {tuple(state[k].shape)}, this layer needs "
                                  f"{tuple(mine.shape)}")
             setattr(self, k, state[k].to(device=self.device, dtype=mine.dtype).clone())
+        self._projected = self._both = None  # made again from the loaded v
 
 
 class Chains:

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 
 from .attach import AttentionLayer
 from .call_support import MEASURED, statistics_route, unsupported_reason
+from .families import FAMILIES
 
 log = logging.getLogger("flashwatch")
 
@@ -166,6 +167,51 @@ def _autocast_inputs(q, k, v):
     return q, k, v, False
 
 
+class _ChainRows:
+    """The rows hook of one monitored call (``AttentionStats.rows_hook``): the PyTorch paths call
+    it with the rows (``LayerChain.add_rows``); the Triton kernels take its ``reduction`` and
+    reduce the rows in-kernel. Failures are reported and never reach the backward."""
+
+    def __init__(self, chain: Any, x: torch.Tensor, scale: float, on_error: Callable):
+        self.chain, self.x, self.scale, self.on_error = chain, x, scale, on_error
+
+    def __call__(self, e_rows, pk):
+        try:
+            self.chain.add_rows(self.x, e_rows, pk, self.scale)
+        except Exception as exc:
+            self.on_error("wq_error_chain", exc)
+
+    def reduction(self, q):
+        try:
+            found = self.chain.reduction(self.x, q)
+            found.check(q)  # a mismatch (a model moved since attach) is reported here, not in the backward
+            return found
+        except Exception as exc:  # then the kernel stores the rows and calls the hook, which reports again
+            self.on_error("wq_error_chain", exc)
+            return None
+
+
+class _PendingRows:
+    """Own-kernel mode: each backward takes the newest pending call's rows hook (reverse order of
+    the forwards), whether it reduces in-kernel (``reduction``) or is called with the rows."""
+
+    def __init__(self, stack: list):
+        self.stack = stack
+
+    def __call__(self, e_rows, pk):
+        if self.stack:
+            self.stack.pop()(e_rows, pk)
+
+    def reduction(self, q):
+        if not self.stack:
+            return None
+        hook = self.stack.pop()
+        found = hook.reduction(q)
+        if found is None:
+            self.stack.append(hook)  # the kernel stores the rows and calls this hook with them
+        return found
+
+
 class Router:
     """Routes the attention calls of attached layers (see the module docstring).
 
@@ -220,6 +266,9 @@ class Router:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for layer in self.layers:
+            if layer.chain is not None:
+                layer.chain.unwatch()
         self._finalizer()  # runs _uninstall once (and never again at garbage collection)
         self.installed = False
 
@@ -298,9 +347,10 @@ class Router:
             return sdpa(*args, **kwargs)
 
     def _chain_hooks(self, layer: AttentionLayer, query: Any, head_dim: int, scale: Any):
-        """For a monitored call of a layer with a W^Q-error chain: hook the query's gradient (the
-        true gradient's push) and return the rows hook of the statistics pass; None otherwise.
-        Failures are reported and never reach the backward."""
+        """For a monitored call of a layer with a W^Q-error chain: make sure the true gradient's
+        push is read (W^Q's gradient hook, once per step; else a hook on this call's query
+        gradient) and return the rows hook of the statistics pass; None otherwise. Failures
+        are reported and never reach the backward."""
         chain, x = layer.chain, layer.chain_input
         if chain is None or x is None or not isinstance(query, torch.Tensor) or not query.requires_grad:
             return None
@@ -314,24 +364,38 @@ class Router:
                 on_error("wq_error_chain", exc)
             return None
 
-        def on_rows(e_rows, pk):
-            try:
-                chain.add_rows(x, e_rows, pk, s)
-            except Exception as exc:
-                on_error("wq_error_chain", exc)
+        if not self._watch_query_weight(layer):
+            query.register_hook(on_query_grad)
+        return _ChainRows(chain, x, s, on_error)
 
-        query.register_hook(on_query_grad)
-        return on_rows
+    def _watch_query_weight(self, layer: AttentionLayer) -> bool:
+        """W^Q's gradient hook for this monitored step (``LayerChain.watch_weight``); False where
+        it cannot apply (the query's gradient is read instead)."""
+        family = next((f for f in FAMILIES if f.name == layer.family), None)
+        if family is None:
+            return False
+        try:
+            param, transposed = family.query_param(layer.module)
+        except Exception:  # a module without the family's parameter: the query's gradient instead
+            return False
+        # the hook lives on the model's parameter: it holds the router weakly, so that a router
+        # dropped without remove() is still freed (and gives torch's SDPA back) at once
+        ref = weakref.ref(self)
+
+        def active() -> bool:
+            router = ref()
+            return router is not None and router.monitoring
+
+        def report(kind: str, exc: BaseException) -> None:
+            router = ref()
+            if router is not None:
+                router.on_error(kind, exc)
+        return layer.chain.watch_weight(param, transposed, active, report)
 
     @staticmethod
     def _pop_rows_hook(layer: AttentionLayer):
         """One rows hook for the layer's statistics: each backward takes the newest pending call's."""
-        stack = layer.chain.pending_hooks
-
-        def on_rows(e_rows, pk):
-            if stack:
-                stack.pop()(e_rows, pk)
-        return on_rows
+        return _PendingRows(layer.chain.pending_hooks)
 
     def _measure_scores(self, layer: AttentionLayer, q, k, v, out, causal, scale) -> None:
         """What a call with attention dropout still shows: rows, repeated maxima and the max logit

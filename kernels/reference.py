@@ -15,7 +15,9 @@ Numerics, as the FlashAttention-2 style Triton kernel computes them:
   dtype for the dV, dQ, dK products, as the kernel feeds them to the tensor cores.
 - statistics: see ``stats.AttentionStats``; delta_hp = rowsum(P * dP), the delta of the exact
   softmax output in FP32. The per-row outputs of ``AttentionStats.rows_hook``: delta_used -
-  delta_hp and P K, an FP32 product of the FP32 P (float64 inputs: computed in float64).
+  delta_hp and P K, an FP32 product of the FP32 P (float64 inputs: computed in float64), always
+  handed to the hook (a hook's ``reduction``, which the Triton kernels apply in-kernel, is not
+  used here: the hook reduces the rows itself, e.g. ``flashwatch.chain.LayerChain.add_rows``).
 
 The Triton kernel's tiling changes FP32 rounding (running max, accumulation order), not the
 function: outputs and gradients agree within the tolerance rule of the tests; repeated-max

@@ -31,18 +31,58 @@ Definitions (all sums run over batch and rows, per query head):
 Per-row outputs (``AttentionStats.rows_hook``): the paper's W^Q-gradient error is, per
 attention call, dQ_used - dQ_hp = -sm_scale * (delta_used - delta_hp)[..., None] * (P K), with
 P = softmax(sm_scale * q k^T + mask) the exact softmax of the FP32 scores. A hook set on the
-statistics receives the two per-row factors of it on the device.
+statistics receives the two per-row factors of it on the device; or, where the hook offers a
+``RowReduction`` and the Triton kernels run, the kernels reduce the rows in their epilogue
+(into the W^Q-error chain's per-head sums, ``flashwatch.chain``) and no per-row tensor is
+written. The PyTorch paths (CPU reference, masked statistics) always call the hook.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from .formats import get_format, unit_gap
 
 RowsHook = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+class RowReduction(NamedTuple):
+    """One call's factors for reducing its W^Q-gradient error rows inside the Triton kernels.
+
+    With c = -sm_scale * delta_error_rows and pk as in ``AttentionStats`` (rows_hook), the
+    kernel adds, per query head h:
+
+    - ``ugv[h] += sum_rows c (pk . u[h]) xv[:, h]``  (u_h^T dG_h v_h for the call's dG_h);
+    - ``sketch[h] += sum_rows c pk^T xo``  ((D, r): dG_h Omega).
+
+    Fields (FP32, contiguous, on q's device): ``u`` (H, D), ``xv`` (B, H, N), ``xo`` (B, N, r)
+    with r a power of two >= 16, ``ugv`` (H,) and ``sketch`` (H, D, r) added into in place
+    (float atomics: the summation order varies run to run); ``done()`` is called once the
+    kernel was launched.
+    """
+
+    u: torch.Tensor
+    xv: torch.Tensor
+    xo: torch.Tensor
+    ugv: torch.Tensor
+    sketch: torch.Tensor
+    done: Callable[[], object]
+
+    def check(self, q: torch.Tensor) -> None:
+        """Raise ValueError unless the factors fit q (B, H, N, D)."""
+        B, H, N, D = q.shape
+        r = self.xo.shape[-1] if self.xo.dim() == 3 else -1
+        want = {"u": (H, D), "xv": (B, H, N), "xo": (B, N, r), "ugv": (H,), "sketch": (H, D, r)}
+        for name, shape in want.items():
+            t = getattr(self, name)
+            if (tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous()
+                    or t.device != q.device):
+                raise ValueError(f"RowReduction.{name}: expected a contiguous float32 tensor of shape {shape} on "
+                                 f"{q.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        if r < 16 or r & (r - 1):
+            raise ValueError(f"RowReduction.xo: sketch width must be a power of two >= 16, got {r}")
 
 COUNT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format")
 SUM_FIELDS = ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied")
@@ -70,14 +110,19 @@ class AttentionStats:
     - ``pk``: (B, H, N, D) float32, sum_j P_ij k_j, with P the exact softmax of the FP32 scores
       (causal mask applied) and k from the kv head that query head h reads, h // (H // Hkv);
 
-    and calls ``hook(delta_error_rows, pk)`` once with fresh tensors (the hook may keep them):
+    and calls ``hook(delta_error_rows, pk)`` once with fresh tensors (the hook may keep them)
+    (a hook with a method ``reduction(q)`` that returns a ``RowReduction`` is, on the Triton
+    path, not called: the kernel reduces the rows itself, writing no per-row tensor; where
+    ``reduction`` returns None it is called as usual):
     ``flash_attention(..., stats=stats)`` from its backward, after the dQ pass (a forward
     without backward calls nothing; the hook is looked up when the backward runs), and
     ``attention_statistics`` before it returns. Then, per call, the W^Q-gradient error is
     dQ_used - dQ_hp = -sm_scale * delta_error_rows[..., None] * pk. Nothing is synchronised
     with the host. Cost, only while the hook is set: the extra kernel work (a (BLOCK_M, D) FP32
     accumulator, two more matrix products per key tile; the dQ kernel with it holds fewer
-    programs per SM) and 4 * B * H * N * (D + 1) bytes per call: set it on monitored steps only.
+    programs per SM) and 4 * B * H * N * (D + 1) bytes per call (none with a ``RowReduction``:
+    an FP32 (D x BLOCK_M)(BLOCK_M x r) product and D * r + 1 float atomic adds per row block
+    instead): set it on monitored steps only.
     An exception raised by the hook propagates to the caller of ``attention_statistics`` or of
     the backward.
 

@@ -22,6 +22,7 @@ from . import faults, hopper_attn, tuning
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
 from .launch import launch
 from .reference import unit_p_gap
+from .rows import RowOutputs, row_args, row_flags
 from .stats import AttentionStats
 from .triton_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel, _attn_stats_kernel
 
@@ -120,25 +121,23 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
-def _row_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh (delta_error_rows (B, H, N), pk (B, H, N, D)) FP32 buffers for AttentionStats.rows_hook."""
-    B, H, N, D = q.shape
-    return (torch.empty((B, H, N), dtype=torch.float32, device=q.device),
-            torch.empty((B, H, N, D), dtype=torch.float32, device=q.device))
+def _row_outputs(q: torch.Tensor, hook=None) -> RowOutputs:
+    """Per-row outputs for AttentionStats.rows_hook (``rows.RowOutputs``: buffers or a reduction)."""
+    return RowOutputs(q, hook)
 
 
 def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg, rows=None,
                gap=0.0):
     # writes delta (B, H, N) as well as dq: launch it before _launch_dkdv, which reads delta.
-    # rows: None, or the (delta_error_rows, pk) buffers to fill (statistics on)
+    # rows: None, or the RowOutputs to fill (statistics on)
     B, H, N, D = q.shape
     upcast, exact = _workarounds(q.device)
     launch(_attn_bwd_dq_kernel, (_cdiv(N, cfg["BLOCK_M"]), B * H), (
-        q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st, *(rows or (delta, delta)),
+        q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st, *row_args(rows, delta),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
         H, H // k.shape[1], N, sm_scale, eps, float(gap)), dict(
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        CAUSAL=causal, STATS=stats_on, ROWS=rows is not None, FP32_DELTA=r is not None,
+        CAUSAL=causal, STATS=stats_on, **row_flags(rows), FP32_DELTA=r is not None,
         IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg)))
 
@@ -173,7 +172,7 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     else:
         st = (delta,) * 7
     hook = stats.rows_hook if stats is not None else None  # looked up now, when the backward runs
-    rows = _row_outputs(q) if hook is not None else None
+    rows = _row_outputs(q, hook) if hook is not None else None
     if rows is not None:
         dq_cfg = tuning.choose("dq_rows", q, causal, lambda cfg: bench_dq(cfg, with_stats=True, with_rows=True))
     elif stats is not None:
@@ -183,8 +182,8 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
                stats is not None, dq_cfg, rows, stats.unit_gap if stats is not None else 0.0)
     _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
-    if hook is not None:
-        hook(*rows)
+    if rows is not None:
+        rows.finish()
     return dq, dk, dv
 
 
@@ -224,17 +223,17 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     upcast, exact = _workarounds(q.device)
     c = tuning.choose("stats", q, causal, None)
     hook = stats.rows_hook
-    rows = _row_outputs(q) if hook is not None else None
+    rows = _row_outputs(q, hook) if hook is not None else None
     launch(_attn_stats_kernel, (_cdiv(N, c["BLOCK_M"]), B * H), (
         q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16,
         stats.repeated_max_rows_format, stats.max_logit,
         stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied,
-        *(rows or (stats.delta_error, stats.delta_error)),
+        *row_args(rows, stats.delta_error),
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(grad_out),
         H, G, N, float(sm_scale), float(eps), float(stats.unit_gap)), dict(
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-        CAUSAL=causal, ROWS=rows is not None, IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
+        CAUSAL=causal, **row_flags(rows), IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=c["num_warps"], num_stages=c["num_stages"]))
     stats.rows.add_(B * N)
-    if hook is not None:
-        hook(*rows)
+    if rows is not None:
+        rows.finish()

@@ -34,7 +34,10 @@ Changes:
   kernels compile as without it): the dQ kernel and the statistics kernel also store each
   row's delta error and P K, accumulated in FP32 from P split into two input-dtype terms
   (``_probabilities_dot``); the statistics kernel rescales P K online like rowsum(P * dP). The
-  dQ kernel then runs at its own tiles (``tuning.TABLE["dq_rows"]``).
+  dQ kernel then runs at its own tiles (``tuning.TABLE["dq_rows"]``). With REDUCE as well
+  (the hook offers a ``RowReduction``), each row block's epilogue reduces its rows into the
+  W^Q-error chain's per-head sums (``_reduce_rows``: a scalar and a D x r sketch per head, float
+  atomics) and stores nothing per row.
 - Backward: two launches. The dQ kernel runs first and computes delta_used = rowsum(dO * O)
   for its rows from the dO tile it loads anyway (no separate delta kernel), storing it for the
   dK/dV kernel, which runs second.
@@ -287,6 +290,28 @@ def _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err):
     tl.atomic_add(ST_EABS + h, tl.sum(tl.abs(err), 0))
     tl.atomic_add(ST_ESQ + h, tl.sum(err * err, 0))
     tl.atomic_add(ST_ETIED + h, tl.sum(tl.where(tied, err, 0.0), 0))
+
+
+@triton.jit
+def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, N, sm_scale, U, XV, XO, UGV, SKETCH,
+                 HEAD_DIM: tl.constexpr, SKETCH_R: tl.constexpr):
+    """The W^Q-gradient error of a block of rows, reduced in place of storing it (``REDUCE``).
+
+    pk (BLOCK_M, D) FP32 (0 on rows >= N), err (BLOCK_M,) FP32 (0 on rows >= N); the call's
+    factors: U (H, D) the head's u, XV (B, H, N) x . v_h, XO (B, N, SKETCH_R) x Omega, all FP32
+    contiguous. With c = -sm_scale * err, the error's rows dQ_err = c pk add into query head h:
+    UGV[h] += sum_rows c (pk . u_h)(x . v_h) (= u_h^T dG_h v_h) and SKETCH[h] (D, SKETCH_R) +=
+    pk^T (c x Omega) (= dG_h Omega), FP32 (IEEE product, float atomics)."""
+    c = -sm_scale * err
+    u = tl.load(U + h * HEAD_DIM + offs_d)
+    xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
+    pu = tl.sum(pk * u[None, :], 1)  # (BLOCK_M,)
+    tl.atomic_add(UGV + h, tl.sum(c * pu * xv, 0))
+    offs_r = tl.arange(0, SKETCH_R)
+    xo = tl.load(XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R + offs_r[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    sk = tl.dot(tl.trans(pk), c[:, None] * xo, input_precision="ieee")  # (D, SKETCH_R)
+    tl.atomic_add(SKETCH + h.to(tl.int64) * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R + offs_r[None, :], sk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -554,19 +579,21 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tf
 
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ,
-                        ST_ETIED, ERR_ROWS, PK,
+                        ST_ETIED, ERR_ROWS, PK, U, XV, XO, UGV, SKETCH,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
                         H, G, N, sm_scale, eps, gap,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
-                        IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                        IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr,
+                        REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16):
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # It first computes delta_used = rowsum(dO * O) (O + R under fp32_delta) for its rows and
     # stores it for the dK/dV kernel, which runs after it: no separate delta launch, and dO is
     # read once for both. With STATS it also counts repeated maxima against the row max the
     # forward stored, and accumulates delta_hp = rowsum(P * dP) beside dS. With ROWS (needs
     # STATS) it also stores each row's delta error and P K ((B, H, N) and (B, H, N, D) FP32,
-    # contiguous), the per-row outputs of AttentionStats.rows_hook.
+    # contiguous), the per-row outputs of AttentionStats.rows_hook; with REDUCE (needs ROWS) it
+    # reduces them into the W^Q-error chain's sums instead (_reduce_rows): nothing per row stored.
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     DTYPE = DQ.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -622,8 +649,12 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f)
         _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
         if ROWS:
-            tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
-            _store_rows(PK + bh.to(tl.int64) * N * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk)
+            if REDUCE:  # pk is 0 on rows >= N: their q, dO (so P's dP) and err are 0
+                _reduce_rows(tl.where(row_ok[:, None], pk, 0.0), err, row_ok, offs_m, offs_d, b, h, row_base, N,
+                             sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM, SKETCH_R)
+            else:
+                tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
+                _store_rows(PK + bh.to(tl.int64) * N * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -658,15 +689,16 @@ def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, 
 
 @triton.jit
 def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS,
-                       PK, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-                       H, G, N, sm_scale, eps, gap,
+                       PK, U, XV, XO, UGV, SKETCH, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob,
+                       sdoh, sdon, H, G, N, sm_scale, eps, gap,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                       EXACT_BF16: tl.constexpr):
+                       EXACT_BF16: tl.constexpr, REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16):
     # grid: (cdiv(N, BLOCK_M), B * H). Reads q, k, v, the other kernel's output O and dO;
     # adds per-head counts, max logit and delta-error sums. delta_hp = rowsum(P * dP) is
     # accumulated online like the softmax denominator: d = sum exp(s - m) * dP, then d / l.
-    # With ROWS it also stores each row's delta error and P K, accumulated the same way.
+    # With ROWS it also stores each row's delta error and P K, accumulated the same way; with
+    # REDUCE (needs ROWS) it reduces them into the W^Q-error chain's sums instead (_reduce_rows).
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -705,5 +737,10 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
     _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
     if ROWS:
         row_base = bh.to(tl.int64) * N
-        tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
-        _store_rows(PK + row_base * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk / l_i[:, None])
+        if REDUCE:
+            pk = tl.where(row_ok[:, None], pk / l_i[:, None], 0.0)  # no 0/0 of an empty row
+            _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, N, sm_scale, U, XV, XO, UGV, SKETCH,
+                         HEAD_DIM, SKETCH_R)
+        else:
+            tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
+            _store_rows(PK + row_base * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk / l_i[:, None])

@@ -1,0 +1,122 @@
+"""Shared check of the kernels' in-epilogue reduction of the W^Q-gradient error rows (``RowReduction``).
+
+Used by tests/test_chain_kernel_reduction.py, interpreted on the CPU and compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from kernel_cases import RowsRecorder, output_gradient, output_used_by_backward, rows_oracle
+
+from flashwatch.kernels import AttentionStats, attention_statistics, flash_attention, reference
+from flashwatch.kernels.stats import RowReduction
+
+F64 = torch.float64
+U = 2.0 ** -24  # FP32 unit roundoff
+
+
+class ReducingHook:
+    """A rows hook that offers a reduction into fresh buffers and must not be called with rows."""
+
+    def __init__(self, q: torch.Tensor, r: int, seed: int):
+        B, H, N, D = q.shape
+        g = torch.Generator().manual_seed(seed)
+        self.u = torch.randn(H, D, generator=g).to(q.device)
+        self.xv = torch.randn(B, H, N, generator=g).to(q.device)
+        self.xo = torch.randn(B, N, r, generator=g).to(q.device)
+        self.ugv = torch.zeros(H, device=q.device)
+        self.sketch = torch.zeros(H, D, r, device=q.device)
+        self.done = 0
+        self.offered = 0
+
+    def reduction(self, q):
+        self.offered += 1
+        return RowReduction(self.u, self.xv, self.xo, self.ugv, self.sketch, self._done)
+
+    def _done(self):
+        self.done += 1
+
+    def __call__(self, e_rows, pk):
+        raise AssertionError("a hook whose reduction ran in the kernel is not called with rows")
+
+
+def expected(err, pk, err_scale, pk_scale, hook: ReducingHook, sm_scale: float):
+    """float64 u^T dG v (H,) and dG Omega (H, D, r) of the call from rows_oracle's rows, and
+    their bounds: the rows' own error bounds (``kernel_cases.assert_rows_match``: (D + N) 2**-24
+    of err_scale, (2**-16 + N 2**-24) of pk_scale) carried through the products, plus FP32
+    arithmetic (a D-term dot, three products, a sum over the B * N rows: (D + B N + 4) 2**-24 of
+    the sum of |terms|)."""
+    B, H, N, D = pk.shape
+    u, xv, xo = (t.detach().cpu().to(F64) for t in (hook.u, hook.xv, hook.xo))
+    c = -sm_scale * err
+    pu = torch.einsum("bhnd,hd->bhn", pk, u)
+    ugv = (c * pu * xv).sum(dim=(0, 2))
+    sketch = torch.einsum("bhn,bhnd,bnr->hdr", c, pk, xo)
+    e_tol = (D + N) * U * err_scale  # (B, H, N)
+    p_tol = (2.0 ** -16 + N * U) * pk_scale  # (B, H, N, D)
+    pu_abs = torch.einsum("bhnd,hd->bhn", pk.abs(), u.abs())
+    pu_tol = torch.einsum("bhnd,hd->bhn", p_tol, u.abs())
+    arith = (D + B * N + 4) * U
+    ugv_tol = sm_scale * ((e_tol * pu_abs + err.abs() * pu_tol + e_tol * pu_tol) * xv.abs()).sum(dim=(0, 2))
+    ugv_tol = ugv_tol + arith * sm_scale * (err.abs() * pu_abs * xv.abs()).sum(dim=(0, 2))
+    sk_tol = sm_scale * (torch.einsum("bhn,bhnd,bnr->hdr", e_tol, pk.abs() + p_tol, xo.abs())
+                         + torch.einsum("bhn,bhnd,bnr->hdr", err.abs(), p_tol, xo.abs()))
+    sk_tol = sk_tol + arith * sm_scale * torch.einsum("bhn,bhnd,bnr->hdr", err.abs(), pk.abs(), xo.abs())
+    return ugv, sketch, ugv_tol, sk_tol
+
+
+def _run(q, k, v, causal, mode, variant, stats):
+    """One call of the kernel under test with ``stats``: (dq, dk, dv) or None, O used, dO."""
+    if mode == "observe":
+        q, k, v = (t.detach() for t in (q, k, v))
+        out = reference.flash_attention(q.cpu(), k.cpu(), v.cpu(), causal=causal).to(q.device)
+        g = output_gradient(out)
+        attention_statistics(q, k, v, out, g, stats, causal=causal)
+        return None, out, g
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = flash_attention(qq, kk, vv, causal=causal, variant=variant, stats=stats)
+    g = output_gradient(out)
+    o_used = output_used_by_backward(out, variant)
+    out.backward(g)
+    return (qq.grad, kk.grad, vv.grad), o_used, g
+
+
+def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain", seed=0):
+    """One call with a reducing hook, checked twice: against float64 from the inputs (within the
+    rows' own error bounds carried through), and against the float64 reduction of the rows the
+    same kernel stores for a plain hook (within FP32 arithmetic alone: the tight check). Nothing
+    else the call computes (statistics, gradients) changes."""
+    B, H, N, D = q.shape
+    sm_scale = D ** -0.5
+    hook = ReducingHook(q, r, seed)
+    stats, plain = AttentionStats(H, q.device), AttentionStats(H, q.device)
+    stats.rows_hook = hook
+    plain.rows_hook = recorder = RowsRecorder()
+    grads, o_used, g = _run(q, k, v, causal, mode, variant, stats)
+    grads_plain, _, _ = _run(q, k, v, causal, mode, variant, plain)
+    if grads is not None:  # the gradients do not depend on what is done with the rows
+        for a, b in zip(grads, grads_plain):
+            assert torch.equal(a, b)
+    assert hook.offered == 1 and hook.done == 1 and len(recorder.calls) == 1
+    assert torch.equal(stats.packed().cpu(), plain.packed().cpu()), "the reduction changed a statistic"
+    tag = f"{mode} {tuple(q.shape)} Hkv={k.shape[1]} causal={causal} r={r} {variant}"
+    got_ugv, got_sketch = hook.ugv.cpu().to(F64), hook.sketch.cpu().to(F64)
+
+    err, pk, err_scale, pk_scale = rows_oracle(q, k, v, o_used, g, causal)
+    ugv, sketch, ugv_tol, sk_tol = expected(err, pk, err_scale, pk_scale, hook, sm_scale)
+    bad = (got_ugv - ugv).abs() - ugv_tol
+    assert bad.max() <= 1e-12, f"{tag}: u^T dG v off by {bad.max():.3g} beyond the bound"
+    bad = (got_sketch - sketch).abs() - sk_tol
+    assert bad.max() <= 1e-12, f"{tag}: dG Omega off by {bad.max():.3g} beyond the bound"
+
+    e_k, pk_k = (t.cpu().to(F64) for t in recorder.calls[0])
+    zeros = torch.zeros_like(e_k)
+    ugv_k, sketch_k, ugv_tol_k, sk_tol_k = expected(e_k, pk_k, zeros, torch.zeros_like(pk_k), hook, sm_scale)
+    bad = (got_ugv - ugv_k).abs() - ugv_tol_k
+    assert bad.max() <= 1e-12, f"{tag}: u^T dG v off the stored rows' by {bad.max():.3g} beyond FP32 arithmetic"
+    bad = (got_sketch - sketch_k).abs() - sk_tol_k
+    assert bad.max() <= 1e-12, f"{tag}: dG Omega off the stored rows' by {bad.max():.3g} beyond FP32 arithmetic"
+    if N > 1:  # one key: O is v itself, exact in the input dtype, and the error is 0
+        assert (ugv_k.abs() > 10 * ugv_tol_k).all(), f"{tag}: the signal does not stand above the bound"
+        assert (sketch_k.abs() > 10 * sk_tol_k).float().mean() > 0.5, f"{tag}: the sketch does not stand above"
+    return hook

@@ -1,0 +1,156 @@
+"""The Triton kernels reduce the W^Q-gradient error rows in their epilogue (``RowReduction``).
+
+Both kernels (the statistics pass of observe mode, the dQ kernel of own-kernel mode), causal or
+not, ragged N, grouped-query heads: the per-head sums u^T dG v and dG Omega against float64
+from the same inputs, and nothing else the call computes changes. Interpreted on the CPU;
+the same checks compiled on a GPU (marker ``gpu``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from chain_reduction_cases import check_reduction
+from kernel_cases import random_qkv
+
+SHAPES = [  # (B, H, Hkv, N, D)
+    (1, 2, 2, 1, 16),
+    (2, 2, 1, 37, 16),
+    (1, 4, 2, 33, 32),
+    (1, 2, 2, 97, 64),
+]
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda c: "B{}H{}Hkv{}N{}D{}".format(*c))
+def test_reduction_matches_float64_interpreted(shape, causal, mode):
+    B, H, Hkv, N, D = shape
+    if N == 1 and causal:
+        pytest.skip("one row: causal and not are the same call")
+    check_reduction(*random_qkv(B, H, N, D, Hkv=Hkv, seed=N + D), causal=causal, mode=mode, r=16, seed=N)
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("variant", ["fixed", "fp32_delta"])
+def test_reduction_in_the_variants_interpreted(variant):
+    check_reduction(*random_qkv(1, 2, 37, 32, Hkv=1, seed=5), mode="own_kernel", variant=variant, r=16, seed=5)
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_reduction_at_the_chain_sketch_width_and_fp32_interpreted(mode):
+    from flashwatch.chain import SKETCH_DIM
+
+    check_reduction(*random_qkv(1, 2, 20, 16, dtype=torch.float32, seed=3), mode=mode, r=SKETCH_DIM, seed=3)
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+def test_reduction_none_falls_back_to_the_rows():
+    """A hook whose ``reduction`` returns None is called with the rows, as a plain hook."""
+    from kernel_cases import RowsRecorder
+
+    from flashwatch.kernels import AttentionStats, attention_statistics
+
+    class Declines(RowsRecorder):
+        def reduction(self, q):
+            return None
+
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 16, seed=4))
+    stats = AttentionStats(2)
+    stats.rows_hook = hook = Declines()
+    attention_statistics(q, k, v, q, q, stats)
+    assert len(hook.calls) == 1 and hook.calls[0][1].shape == (1, 2, 20, 16)
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+def test_reduction_of_the_wrong_shape_is_refused():
+    from flashwatch.kernels import AttentionStats, attention_statistics
+    from flashwatch.kernels.stats import RowReduction
+
+    q, k, v = (t.detach() for t in random_qkv(1, 2, 20, 16, seed=4))
+
+    class Bad:
+        def reduction(self, q):
+            return RowReduction(torch.zeros(2, 16), torch.zeros(1, 2, 20), torch.zeros(1, 20, 12), torch.zeros(2),
+                                torch.zeros(2, 16, 12), lambda: None)
+
+        def __call__(self, e, pk):
+            pass
+
+    stats = AttentionStats(2)
+    stats.rows_hook = Bad()
+    with pytest.raises(ValueError, match="RowReduction.xo: sketch width must be a power of two >= 16, got 12"):
+        attention_statistics(q, k, v, q, q, stats)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("N, D, Hkv", [(1025, 64, 2), (300, 128, 4), (1, 64, 4)])
+def test_reduction_matches_float64_on_the_gpu(N, D, Hkv, causal, mode):
+    from flashwatch.chain import SKETCH_DIM
+
+    check_reduction(*random_qkv(2, 4, N, D, Hkv=Hkv, device="cuda", seed=N + D), causal=causal, mode=mode,
+                    r=SKETCH_DIM, seed=N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_reduction_other_dtypes_on_the_gpu(dtype):
+    for mode in ("observe", "own_kernel"):
+        check_reduction(*random_qkv(1, 4, 300, 64, Hkv=1, dtype=dtype, device="cuda", seed=9), mode=mode, r=64)
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_monitor_chain_readings_through_the_kernel_reduction(mode, monkeypatch):
+    """The Monitor's chain readings against float64 (tests/test_chain.py's checks) with the kernels
+    interpreted: every call's rows reduced in the kernel, none handed over as tensors."""
+    import test_chain
+
+    from flashwatch.chain import LayerChain
+
+    counts = {"reduction": 0, "add_rows": 0}
+    real_reduction, real_add = LayerChain.reduction, LayerChain.add_rows
+
+    def reduction(self, x, q):
+        counts["reduction"] += 1
+        return real_reduction(self, x, q)
+
+    def add_rows(self, *args):
+        counts["add_rows"] += 1
+        return real_add(self, *args)
+
+    monkeypatch.setattr(LayerChain, "reduction", reduction)
+    monkeypatch.setattr(LayerChain, "add_rows", add_rows)
+    if mode == "observe":
+        test_chain.test_chain_readings_match_float64_in_observe_mode(torch.bfloat16, monkeypatch)
+    else:
+        test_chain.test_chain_readings_match_float64_in_own_kernel_mode(monkeypatch)
+    assert counts == {"reduction": 2, "add_rows": 0}
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_a_reduction_that_does_not_fit_is_reported_and_never_breaks_the_backward(mode):
+    from flashwatch import Monitor, MonitorConfig
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode))
+    monitor.attach(model)
+    chain = monitor.layers[0].chain
+    chain.u = chain.u.double()  # not the FP32 the kernel takes
+    x, y = sample_batch(stdlib_corpus(20_000), 2, 16, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)[1]
+    loss.backward()  # no exception
+    assert model.transformer.h[0].attn.c_attn.weight.grad is not None
+    monitor.step()
+    assert monitor.errors > 0
+    push = monitor.snapshot()["flashwatch_wq_error_push"]
+    assert all(v != v for v in push.values())  # NaN: not measured, never 0
+    monitor.detach()
