@@ -2,7 +2,8 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|bench|ab|sweep|tune|overhead|compiled|ddp|host|lab ...]   (default: tests bench)
-# newtests: every GPU test (kernels, compile, formats, chain, lifecycle, masks, coverage); compiled: the
+# newtests: every GPU test (kernels, compile, formats, chain, lifecycle, masks, coverage, the launch cache,
+# the Hopper variants, the chain's in-kernel reduction); compiled: the
 # Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode)
 # ab: benchmarks/kernel_ab.py against kernels/_ab_before (a copy of an earlier revision's kernels/
 # folder; or kernels/_ab_before.py, an earlier single-file kernels/triton_attn.py), then every
@@ -22,7 +23,8 @@ for step in $steps; do
     tests) timeout 420 python3 -m pytest -q -m gpu tests/test_triton_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     newtests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py tests/test_compile_gpu.py \
                 tests/test_formats.py tests/test_chain.py tests/test_monitor_lifecycle.py tests/test_masks.py \
-                tests/test_coverage.py 2>&1 | tee "$OUT/gpu_newtests.log" | tail -25 ;;
+                tests/test_coverage.py tests/test_launch_cache.py tests/test_hopper_variants.py \
+                tests/test_chain_kernel_reduction.py 2>&1 | tee "$OUT/gpu_newtests.log" | tail -25 ;;
     compiled) timeout 560 python3 benchmarks/monitor_overhead.py --compile default --json "$OUT/monitor_overhead_compiled.json" \
                 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
     bench) timeout 400 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;

@@ -7,10 +7,17 @@ statistics kernels, and call ``finish()`` after the launch. Two modes:
   the kernel fills, then ``hook(delta_error_rows, pk)``;
 - reduce (the hook's ``reduction(q)`` returns a ``stats.RowReduction``): the kernel reduces the
   rows into the reduction's per-head sums in its epilogue; no per-row buffer exists.
+
+Where reduce mode is used (``KERNEL_REDUCTION``, from the environment variable
+FLASHWATCH_KERNEL_REDUCTION at import): "1" everywhere, "0" nowhere, unset: in Triton's CPU
+interpreter only. On CUDA it is opt-in: the compiled reducing kernels have not yet passed their
+GPU tests (tests/test_chain_kernel_reduction.py -m gpu); the store mode they replace has. The
+readings are the same in both modes (float64 tests); only the cost differs.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -18,12 +25,24 @@ import torch
 from .stats import RowReduction, RowsHook
 
 
+_SWITCH = os.environ.get("FLASHWATCH_KERNEL_REDUCTION", "")
+if _SWITCH not in ("", "0", "1"):
+    raise ValueError(f"FLASHWATCH_KERNEL_REDUCTION={_SWITCH!r}: accepted are 1 (reduce in the kernels), "
+                     "0 (store the rows) or unset (reduce in the CPU interpreter only)")
+KERNEL_REDUCTION: Optional[bool] = {"": None, "0": False, "1": True}[_SWITCH]
+
+
+def reduction_enabled(q: torch.Tensor) -> bool:
+    """Whether launches on ``q``'s device reduce the rows in the kernel (see the module docstring)."""
+    return KERNEL_REDUCTION if KERNEL_REDUCTION is not None else q.device.type != "cuda"
+
+
 class RowOutputs:
     """What a launch with per-row outputs needs; ``hook`` None: store buffers only (tuning)."""
 
     def __init__(self, q: torch.Tensor, hook: Optional[RowsHook] = None):
         self.hook = hook
-        offer = getattr(hook, "reduction", None)
+        offer = getattr(hook, "reduction", None) if reduction_enabled(q) else None
         self.reduction: Optional[RowReduction] = offer(q) if callable(offer) else None
         if self.reduction is not None:
             self.reduction.check(q)

@@ -13,6 +13,28 @@ import torch
 from chain_reduction_cases import check_reduction
 from kernel_cases import random_qkv
 
+@pytest.fixture(autouse=True)
+def kernel_reduction_on(monkeypatch):
+    """These tests are about the reducing kernels: on everywhere (on CUDA it is opt-in)."""
+    from flashwatch.kernels import rows
+
+    monkeypatch.setattr(rows, "KERNEL_REDUCTION", True)
+
+
+def test_the_kernel_reduction_is_opt_in_on_cuda_and_on_in_the_interpreter(monkeypatch):
+    from types import SimpleNamespace
+
+    from flashwatch.kernels import rows
+
+    cuda, cpu = (SimpleNamespace(device=torch.device(d)) for d in ("cuda", "cpu"))
+    monkeypatch.setattr(rows, "KERNEL_REDUCTION", None)
+    assert not rows.reduction_enabled(cuda) and rows.reduction_enabled(cpu)
+    monkeypatch.setattr(rows, "KERNEL_REDUCTION", True)
+    assert rows.reduction_enabled(cuda)
+    monkeypatch.setattr(rows, "KERNEL_REDUCTION", False)
+    assert not rows.reduction_enabled(cpu)
+
+
 SHAPES = [  # (B, H, Hkv, N, D)
     (1, 2, 2, 1, 16),
     (2, 2, 1, 37, 16),

@@ -380,7 +380,7 @@ def test_host_ceil_division_matches_triton_cdiv():
             assert _cdiv(a, b) == triton.cdiv(a, b)
 
 
-@pytest.mark.parametrize("value, expected", [("0", "False"), ("1", "True"), (None, "True")])
+@pytest.mark.parametrize("value, expected", [("0", "False"), ("1", "True"), (None, "False")])
 def test_environment_switch_is_read_at_import(value, expected):
     import subprocess
     import sys
