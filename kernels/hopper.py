@@ -32,8 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import (_cast, _dot, _head, _keys_end, _load_row_values, _load_rows, _mask_scores,
-                             _query_program, _row_shift, _store_rows, _unmasked_keys_end)
+from .triton_kernels import (_cast, _dkdv_block, _dot, _head, _keys_end, _load_rows, _mask_scores,
+                             _online_softmax_step, _query_program, _row_shift, _store_rows, _unmasked_keys_end)
 
 
 # --------------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def _fwd_hopper_inner(acc, l_i, m1, shift, q, k_desc, v_desc, skn, svn, offs_m, 
                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DTYPE: tl.constexpr,
                       IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr, TMA: tl.constexpr,
                       STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    # the plain branch of triton_kernels._fwd_inner, score for score
+    # the plain branch of triton_kernels._fwd_inner, its block update shared (_online_softmax_step)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -93,10 +93,7 @@ def _fwd_hopper_inner(acc, l_i, m1, shift, q, k_desc, v_desc, skn, svn, offs_m, 
             qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
         new_m1 = tl.maximum(m1, tl.max(qk, 1))
         new_shift = _row_shift(new_m1, 0, sm_scale, 0.0, 0.0, 0.0, False)
-        p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
-        alpha = tl.math.exp2(shift - new_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(_cast(p, DTYPE, EXACT_BF16), v, IEEE, UPCAST)
+        acc, l_i = _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE, IEEE, UPCAST, EXACT_BF16)
         m1, shift = new_m1, new_shift
     return acc, l_i, m1, shift
 
@@ -164,27 +161,15 @@ def _bwd_dkdv_hopper_inner(dk, dv, k, v, q_desc, do_desc, lse_base, delta_base, 
                            BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DTYPE: tl.constexpr,
                            IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr, TMA: tl.constexpr,
                            STAGES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    # triton_kernels._bwd_dkdv_inner, score for score
+    # triton_kernels._bwd_dkdv_inner with tile loads by descriptor; the block's work is shared (_dkdv_block)
     offs_mb = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_mb
         q = _tile(q_desc, start_m, rows, sqn, offs_d, N, MASKED, TMA)
         do = _tile(do_desc, start_m, rows, sdon, offs_d, N, MASKED, TMA)
-        lse = _load_row_values(lse_base, rows, N, MASKED)
-        delta = _load_row_values(delta_base, rows, N, MASKED)
-        qkT = _dot(k, tl.trans(q), IEEE, UPCAST)  # (BLOCK_N, BLOCK_M)
-        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-        if MASKED:
-            # query rows >= N read lse 0 and would get p = 1: they are masked here, with keys >= N
-            valid = (rows[None, :] < N) & (offs_n[:, None] < N)
-            if CAUSAL:
-                valid = valid & (rows[None, :] >= offs_n[:, None])
-            pT = tl.where(valid, pT, 0.0)
-        dv += _dot(_cast(pT, DTYPE, EXACT_BF16), do, IEEE, UPCAST)
-        dpT = _dot(v, tl.trans(do), IEEE, UPCAST)
-        dsT = pT * (dpT - delta[None, :])
-        dk += _dot(_cast(dsT, DTYPE, EXACT_BF16), q, IEEE, UPCAST)
+        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale,
+                             MASKED, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
     return dk, dv
 
 

@@ -319,6 +319,19 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, N, sm_scale, U
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                         UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """One key block of the forward: P = exp(S - shift) of the raw scores qk (BLOCK_M, BLOCK_N), the
+    running row sums l_i and output acc (BLOCK_M, D) rescaled from the old shift to the new one
+    (log2 units), then P V added with P rounded to the output's dtype."""
+    p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
+    alpha = tl.math.exp2(shift - new_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(_cast(p, DTYPE, EXACT_BF16), v, IEEE, UPCAST)
+    return acc, l_i
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
                lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
@@ -341,10 +354,7 @@ def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn
         else:
             new_m1 = tl.maximum(m1, tl.max(qk, 1))
         new_shift = _row_shift(new_m1, aux, sm_scale, beta, min_off, max_off, FIXED)
-        p = tl.math.exp2(qk * (sm_scale * 1.4426950408889634) - new_shift[:, None])
-        alpha = tl.math.exp2(shift - new_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(_cast(p, DTYPE, EXACT_BF16), v, IEEE, UPCAST)
+        acc, l_i = _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE, IEEE, UPCAST, EXACT_BF16)
         m1, shift = new_m1, new_shift
     return acc, l_i, m1, aux, shift
 
@@ -414,6 +424,29 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """One query block of the dK/dV pass: with the block's q, dO (BLOCK_M, D) loaded and its rows'
+    LSE and delta read here, add P^T dO to dv and dS^T q to dk (BLOCK_N, D) for the keys offs_n."""
+    lse = _load_row_values(lse_base, rows, N, MASKED)
+    delta = _load_row_values(delta_base, rows, N, MASKED)
+    qkT = _dot(k, tl.trans(q), IEEE, UPCAST)  # (BLOCK_N, BLOCK_M)
+    pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+    if MASKED:
+        # query rows >= N read lse 0 and would get p = 1: they are masked here, with keys >= N
+        valid = (rows[None, :] < N) & (offs_n[:, None] < N)
+        if CAUSAL:
+            valid = valid & (rows[None, :] >= offs_n[:, None])
+        pT = tl.where(valid, pT, 0.0)
+    dv += _dot(_cast(pT, DTYPE, EXACT_BF16), do, IEEE, UPCAST)
+    dpT = _dot(v, tl.trans(do), IEEE, UPCAST)
+    dsT = pT * (dpT - delta[None, :])
+    dk += _dot(_cast(dsT, DTYPE, EXACT_BF16), q, IEEE, UPCAST)
+    return dk, dv
+
+
+@triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
                     lo, hi, N, qk_scale,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DTYPE: tl.constexpr,
@@ -424,20 +457,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sd
         rows = start_m + offs_mb
         q = _load_rows(q_base, rows, sqn, offs_d, N, MASKED)
         do = _load_rows(do_base, rows, sdon, offs_d, N, MASKED)
-        lse = _load_row_values(lse_base, rows, N, MASKED)
-        delta = _load_row_values(delta_base, rows, N, MASKED)
-        qkT = _dot(k, tl.trans(q), IEEE, UPCAST)  # (BLOCK_N, BLOCK_M)
-        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-        if MASKED:
-            # query rows >= N read lse 0 and would get p = 1: they are masked here, with keys >= N
-            valid = (rows[None, :] < N) & (offs_n[:, None] < N)
-            if CAUSAL:
-                valid = valid & (rows[None, :] >= offs_n[:, None])
-            pT = tl.where(valid, pT, 0.0)
-        dv += _dot(_cast(pT, DTYPE, EXACT_BF16), do, IEEE, UPCAST)
-        dpT = _dot(v, tl.trans(do), IEEE, UPCAST)
-        dsT = pT * (dpT - delta[None, :])
-        dk += _dot(_cast(dsT, DTYPE, EXACT_BF16), q, IEEE, UPCAST)
+        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale,
+                             MASKED, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
     return dk, dv
 
 
