@@ -118,3 +118,19 @@ def test_monitor_overhead_compiled_arms_run_on_the_cpu(tmp_path):
     for arm in arms.values():
         assert "error" not in arm and arm["graph_breaks"] == 0 and arm["unique_graphs"] == 1, arm
     assert arms["sdpa+observe@default"]["monitored_steps"] == 2 and "mean_overhead_vs_baseline" in arms["own_kernel@default"]
+
+
+def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was():
+    """Part 1 of benchmarks/launch_overhead.py runs without a GPU; it turns the opt-in cache on for
+    its own timing and restores the switch afterwards (a fresh process: Triton's import state)."""
+    pytest.importorskip("triton")
+    code = ("import launch_overhead\n"
+            "from flashwatch.kernels import launch\n"
+            "was = launch.FAST_LAUNCH\n"
+            "r = launch_overhead.python_launch_us(number=50)\n"
+            "assert launch.FAST_LAUNCH is was, 'switch not restored'\n"
+            "assert set(r) == {'forward', 'dQ', 'dK/dV', 'statistics'}, r\n"
+            "assert all(x['cached_us'] > 0 and x['ordinary_us'] > 0 for x in r.values()), r\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "benchmarks",
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
