@@ -24,7 +24,7 @@ for step in $steps; do
     newtests) timeout 480 python3 -m pytest -q -p no:cacheprovider tests/test_triton_gpu.py tests/test_compile_gpu.py \
                 tests/test_formats.py tests/test_chain.py tests/test_monitor_lifecycle.py tests/test_masks.py \
                 tests/test_coverage.py tests/test_launch_cache.py tests/test_hopper_variants.py \
-                tests/test_chain_kernel_reduction.py 2>&1 | tee "$OUT/gpu_newtests.log" | tail -25 ;;
+                tests/test_chain_kernel_reduction.py tests/test_resume_gpu.py 2>&1 | tee "$OUT/gpu_newtests.log" | tail -25 ;;
     compiled) timeout 560 python3 benchmarks/monitor_overhead.py --compile default --json "$OUT/monitor_overhead_compiled.json" \
                 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
     bench) timeout 400 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;

@@ -72,6 +72,9 @@ log = logging.getLogger("flashwatch")
 __all__ = ["Monitor", "TrainingStopped"]
 
 STATE_VERSION = 2  # 1: before the W^Q-error chain (still loaded)
+# after the first failure (logged with its traceback) a run of failed monitored steps is logged again
+# when it reaches each of these lengths: monitoring that stays broken is never only a counter
+FAILED_STEPS_REPORTED = frozenset(10 ** k for k in range(1, 7))
 
 
 class TrainingStopped(RuntimeError):
@@ -150,6 +153,7 @@ class Monitor:
         self._monitoring = True  # step 0 is monitored
         self._decisions = Decisions(config, self._error)
         self.errors = 0
+        self._failed_in_a_row = 0  # monitored steps failed since the last one that worked
         self._error_kinds: set[str] = set()
         self._warned: set = set()
         self._last: dict | None = None
@@ -468,7 +472,14 @@ class Monitor:
             new = self._decide(pending, defer)
         except Exception as exc:  # monitoring never stops training
             self._error("step", exc)
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row in FAILED_STEPS_REPORTED:
+                log.warning("flashwatch%s: the last %d monitored steps all failed (step %d the latest): nothing is "
+                            "measured and no alert can fire until this is fixed; the first failure's traceback was "
+                            "logged above", self._rank_tag(), self._failed_in_a_row, pending.step)
             new = []
+        else:
+            self._failed_in_a_row = 0
         self.monitored_steps += 1
         return new
 

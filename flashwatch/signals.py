@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Ring", "DriftTracker", "drift_z", "PowerIteration", "orthonormalize", "top_eigenvalue", "top_eigenvector", "spectral_norm_exact", "SigmaHistory",
+__all__ = ["Ring", "host_tensor", "DriftTracker", "drift_z", "PowerIteration", "orthonormalize", "top_eigenvalue", "top_eigenvector", "spectral_norm_exact", "SigmaHistory",
            "ratio_to_median", "linear_slope"]
 
 _TINY = 1e-30  # keeps divisions defined for an all-zero head (such a head keeps its old vectors)
@@ -35,6 +35,16 @@ def drift_z(cumulative: torch.Tensor, sum_sq: torch.Tensor) -> torch.Tensor:
     """z = C / sqrt(S) per head, 0 where S == 0 (no error seen). Shapes (H,) -> (H,)."""
     safe = torch.where(sum_sq > 0, sum_sq, torch.ones_like(sum_sq))
     return torch.where(sum_sq > 0, cumulative / safe.sqrt(), torch.zeros_like(cumulative))
+
+
+def host_tensor(saved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A saved tensor of the host-side state, as this state keeps it: a CPU copy of ``dtype``.
+
+    A checkpoint loaded with ``torch.load(..., map_location="cuda")`` hands the state back on the
+    GPU; the host-side trackers add each monitored step's host readings to it, so it must come back
+    to the CPU whatever the map_location was.
+    """
+    return saved.detach().to(device="cpu", dtype=dtype).clone()
 
 
 class Ring:
@@ -74,7 +84,7 @@ class Ring:
         if tuple(state["buffer"].shape) != tuple(self.buffer.shape):
             raise ValueError(f"saved window has shape {tuple(state['buffer'].shape)}, this one "
                              f"{tuple(self.buffer.shape)} (a different window length or head count)")
-        self.buffer = state["buffer"].to(torch.float64).clone()
+        self.buffer = host_tensor(state["buffer"], torch.float64)
         self.pos, self.filled = int(state["pos"]), int(state["filled"])
 
 
@@ -126,9 +136,9 @@ class DriftTracker:
         if state["cumulative"].shape != self.cumulative.shape:
             raise ValueError(f"saved drift has {state['cumulative'].shape[0]} heads, this layer "
                              f"{self.cumulative.shape[0]}")
-        self.cumulative = state["cumulative"].to(torch.float64).clone()
-        self.sum_sq = state["sum_sq"].to(torch.float64).clone()
-        self.count = state["count"].to(torch.int64).clone()
+        self.cumulative = host_tensor(state["cumulative"], torch.float64)
+        self.sum_sq = host_tensor(state["sum_sq"], torch.float64)
+        self.count = host_tensor(state["count"], torch.int64)
         self.ring.load_state_dict(state["ring"])
 
 

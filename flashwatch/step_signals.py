@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .detectors import LayerSignals, StepSignals
-from .signals import DriftTracker, Ring, SigmaHistory, linear_slope, ratio_to_median
+from .signals import DriftTracker, Ring, SigmaHistory, host_tensor, linear_slope, ratio_to_median
 
 __all__ = ["LayerReading", "SignalBuilder", "TREND_SERIES"]
 
@@ -83,8 +83,8 @@ class _LayerState:
         self.drift.load_state_dict(state["drift"])
         self.sigma.load_state_dict(state["sigma"])
         if "push_cumulative" in state:  # states saved before the W^Q-error chain existed have none
-            self.push_cumulative = state["push_cumulative"].to(F64).clone()
-            self.push_true_cumulative = state["push_true_cumulative"].to(F64).clone()
+            self.push_cumulative = host_tensor(state["push_cumulative"], F64)
+            self.push_true_cumulative = host_tensor(state["push_true_cumulative"], F64)
             for k, r in self.trend.items():
                 r.load_state_dict(state["trend"][k])
             self.trend_steps.load_state_dict(state["trend_steps"])

@@ -206,7 +206,8 @@ STOPPED_REPORTING = RuleSpec(
     "dashboards/alerts.yml allows while Prometheus still scrapes the run's endpoint: the training "
     "loop is hung (a collective waiting for a rank "
     "that died, a stalled data loader), paused longer than usual (a long evaluation or checkpoint), "
-    "or stopped calling monitor.step(). A process that exited is not this rule's: its target is "
+    "stopped calling monitor.step(), or every monitored step fails inside flashwatch (its log says "
+    "'the last N monitored steps all failed'). A process that exited is not this rule's: its target is "
     "down (up == 0, Prometheus's own target-down alerts), and a finished run looks the same as a "
     "crashed one. Runs that push to a Pushgateway are not judged (their last values stay after the "
     "job ends).",

@@ -283,6 +283,32 @@ def test_failures_inside_monitoring_are_logged_once_and_counted(caplog):
     assert run.monitor.alert_counts["max_logit"] == 8  # the other detectors went on
 
 
+def test_monitoring_that_keeps_failing_is_logged_again_and_recovers(caplog, monkeypatch):
+    """Every monitored step failing (as when a resumed state sat on the wrong device) is logged at
+    the first failure with its traceback, then again after 10 failures in a row; training goes on
+    unchanged, and a step that works again resets the count."""
+    cfg = MonitorConfig(interval=1)
+    broken, healthy = Run(cfg), Run(cfg)
+    real = broken.monitor._signals.build
+    monkeypatch.setattr(broken.monitor._signals, "build", lambda **kw: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        broken.train(12)
+    healthy.train(12)
+    for p, q in zip(broken.model.parameters(), healthy.model.parameters()):
+        assert torch.equal(p, q)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("step failed" in m for m in messages) == 1
+    again = [m for m in messages if "monitored steps all failed" in m]
+    assert len(again) == 1 and "the last 10 monitored steps all failed (step 9 the latest)" in again[0]
+    assert broken.monitor.errors == 12
+    monkeypatch.setattr(broken.monitor._signals, "build", real)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        broken.train(30)
+    assert broken.monitor._failed_in_a_row == 0 and broken.monitor.errors == 12
+    assert not any("all failed" in r.getMessage() for r in caplog.records)
+
+
 def test_non_finite_loss_and_statistics_do_not_poison_healthy_heads():
     cfg = MonitorConfig(interval=1, drift_include_fp32=True)
     a, b = Run(cfg), Run(cfg)

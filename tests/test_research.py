@@ -299,6 +299,7 @@ def test_a_run_cut_into_pieces_resumes_exactly(tmp_path):
     assert not (b / "checkpoint.pt").exists()
     run = json.loads((b / "run.json").read_text())
     assert len(run["pieces"]) == 2 and run["steps_done"] == 40
+    assert run["monitor_errors"] == 0 and not any(r["monitor_error"] for r in read_signals(b))
     assert all(k in read_signals(b).__next__() for k in ("push", "push_true", "align", "coh"))
 
 

@@ -70,6 +70,22 @@ def test_drift_state_round_trip_is_exact():
         DriftTracker(3, 5).load_state_dict(a.state_dict())
 
 
+def test_a_loaded_drift_state_is_a_host_copy_whatever_the_saved_tensors_were():
+    """The state is copied into CPU float64/int64 tensors of its own (the GPU half, a state loaded
+    with map_location="cuda", is tests/test_resume_gpu.py): later updates never touch the saved
+    tensors, and saved float32 sums come back as float64."""
+    a, b = DriftTracker(3, 4), DriftTracker(3, 4)
+    a.update(torch.tensor([1.0, -2.0, 0.5], dtype=F64))
+    saved = a.state_dict()
+    saved["cumulative"] = saved["cumulative"].float()
+    b.load_state_dict(saved)
+    b.update(torch.tensor([1.0, 1.0, 1.0], dtype=F64))
+    assert saved["cumulative"].tolist() == [1.0, -2.0, 0.5]
+    for t, dtype in ((b.cumulative, F64), (b.sum_sq, F64), (b.count, torch.int64), (b.ring.buffer, F64)):
+        assert t.device.type == "cpu" and t.dtype == dtype
+    assert b.cumulative.tolist() == [2.0, -1.0, 1.5] and b.count.tolist() == [2, 2, 2]
+
+
 def test_drift_z_function():
     z = drift_z(torch.tensor([3.0, 0.0], dtype=F64), torch.tensor([9.0, 0.0], dtype=F64))
     assert z.tolist() == [1.0, 0.0]
