@@ -71,6 +71,20 @@ def outcome(run_dir: Path) -> dict:
             "tail_median_loss": tail_median, "best_median_before": best_before}
 
 
+def monitoring(run_dir: Path, upto: int | None) -> dict:
+    """Whether the Monitor measured every monitored step of the run that the test reads (all of
+    them for a survivor, those before the blow-up for a blow-up): the monitored steps it recorded
+    as failed there (``monitor_error``; their readings are stale copies, and the replay leaves them
+    out, so a rule cannot fire there), and the step up to which it measured without a gap."""
+    records = [r for r in load_records(run_dir) if upto is None or r["step"] < upto]
+    failed = [int(r["step"]) for r in records if r.get("monitor_error")]
+    measured = [int(r["step"]) for r in records if not r.get("monitor_error")]
+    before_gap = [t for t in measured if not failed or t < failed[0]]
+    through = before_gap[-1] if before_gap else None
+    return {"failed_steps": len(failed), "monitored_steps": len(records), "first_failed_step": failed[0] if failed else None,
+            "complete": not failed and bool(records), "measured_through": through}
+
+
 # --- score series ---------------------------------------------------------------------------------
 
 def _max(t: torch.Tensor | None) -> float:
@@ -211,7 +225,7 @@ def evaluate(run_dirs: list[Path], frozen: dict) -> dict:
         fires = {name: first_fire(s[source[name]], rules_theta[name]) for name in rules_theta}
         peaks = {name: _score_upto(s[source[name]], o["blowup"]) for name in rules_theta}
         per_run[str(d)] = {"outcome": o, "first_fire": fires, "peak_before_blowup": peaks,
-                           "seed": read_run(d).get("seed")}
+                           "seed": read_run(d).get("seed"), "monitoring": monitoring(d, o["blowup"])}
     blowups = {k: v for k, v in per_run.items() if not v["outcome"]["survivor"]}
     survivors = {k: v for k, v in per_run.items() if v["outcome"]["survivor"]}
     table = {}
@@ -226,8 +240,10 @@ def evaluate(run_dirs: list[Path], frozen: dict) -> dict:
                        f"lead_ge_{MIN_LEAD}": early, "leads": sorted(leads), "survivors": n_s,
                        "false_alarms": false, "verdict": verdict,
                        "passes": (verdict == "pass") if name in RULES else None}
+    incomplete = sorted(v["seed"] for v in per_run.values() if not v["monitoring"]["complete"])
     return {"protocol": frozen["protocol"], "thresholds_commit": frozen.get("commit"), "evaluated": time.strftime("%Y-%m-%d"),
             "commit": _commit(), "table": table, "runs": per_run, "excluded_unconfirmed": excluded,
+            "monitoring_incomplete": incomplete,
             "post_hoc_threshold_table": _post_hoc(per_run, source)}
 
 
@@ -338,18 +354,24 @@ def markdown(result: dict) -> str:
 def runs_markdown(result: dict) -> str:
     """One line per test run: seed, blow-up step, the confirmation (median of the last losses against
     the best before), steps run."""
-    lines = ["| seed | blow-up step | confirmed (median of last 200 losses / best before) | steps run |",
-             "|---|---|---|---|"]
+    lines = ["| seed | blow-up step | confirmed (median of last 200 losses / best before) | steps run | measured through |",
+             "|---|---|---|---|---|"]
     rows = sorted(result["runs"].values(), key=lambda v: v["seed"])
     for v in rows:
-        o = v["outcome"]
+        o, m = v["outcome"], v.get("monitoring")
+        if m is None:
+            measured = "not checked"
+        elif m["complete"]:
+            measured = "every monitored step"
+        else:
+            measured = f"{m['measured_through']:,} ({m['failed_steps']:,} of {m['monitored_steps']:,} failed after)"
         if o["survivor"]:
-            lines.append(f"| {v['seed']} | - (survived) | | {o['last_step'] + 1:,} |")
+            lines.append(f"| {v['seed']} | - (survived) | | {o['last_step'] + 1:,} | {measured} |")
         else:
             lines.append(f"| {v['seed']} | {o['blowup']:,} | {o['tail_median_loss']:.3f} / "
-                         f"{o['best_median_before']:.3f} | {o['last_step'] + 1:,} |")
+                         f"{o['best_median_before']:.3f} | {o['last_step'] + 1:,} | {measured} |")
     for d in result.get("excluded_unconfirmed", []):
-        lines.append(f"| {d} | not confirmed (left out) | | |")
+        lines.append(f"| {d} | not confirmed (left out) | | | |")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@
 #   bash research/gpu_batch.sh split2-test     # the second protocol's test runs, lr 1.75e-3 (SPLIT_SEEDS=300-323)
 #   bash research/gpu_batch.sh split2-controls # its fp32_delta controls, seeds 300-303
 #   bash research/gpu_batch.sh split3          # the third protocol's runs to 20,000 steps (SPLIT_SEEDS: reruns or 340-347)
+#   bash research/gpu_batch.sh split4          # the fourth protocol's runs, lr 1.5e-3, to 20,000 steps (SPLIT_SEEDS=400-415)
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
 #                                              # one GPU), one piece per call like split-*: the first call
 #                                              # starts with a 20-step CUDA smoke of its arms
@@ -46,7 +47,7 @@ fw() { python3 -m research.experiments "$@"; }
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 case "${1:-1}" in
-split-cal|split-test|split-controls|split2-test|split2-controls|split3)
+split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -58,6 +59,7 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3)
     split2-test) what=(--arms sdpa_observe_lr0.00175 --seeds ${SPLIT_SEEDS:-300-323}); tag=test2 ;;
     split2-controls) what=(--arms fp32_delta_lr0.00175 --seeds ${SPLIT_SEEDS:-300-303}); tag=controls2 ;;
     split3) what=(--arms sdpa_observe_lr0.00175 --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=test3 ;;
+    split4) what=(--arms sdpa_observe_lr0.0015 --seeds ${SPLIT_SEEDS:-400-415} --max-steps 20000); tag=test4 ;;
   esac
   fw seed-split "${what[@]}" --parallel ${SPLIT_PARALLEL:-8} --resumable --after-blowup 1000 \
      --max-seconds ${SPLIT_SECONDS:-480} --budget $(( ${SPLIT_SECONDS:-480} + 60 )) --out "$SPLIT_RUNS/$tag" \
@@ -66,7 +68,7 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3)
   # the recordings without checkpoints (what the claims need), every call, so nothing is lost; one
   # archive per ten seeds (seed20*, seed21*, ...), each under the 16 MiB a returned file may have
   # (20,000-step runs: one archive per three runs)
-  if [ "$tag" = test3 ]; then
+  if [ "$tag" = test3 ] || [ "$tag" = test4 ]; then
     (cd "$SPLIT_RUNS/$tag" && ls -d */*/seed* | xargs -n 3 | while read -r group; do
        tar czf "$OUT/seed-split-$tag-runs-$(echo $group | sed 's#[^ ]*/seed##g; s# #-#g').tgz" --exclude=checkpoint.pt $group
      done)

@@ -29,11 +29,11 @@ def _s(x: Any, width: int = 0) -> str:
 def format_table(runs: dict[str, dict], markdown: bool = False) -> str:
     """One row per run: status, blow-up, flashwatch's first alerts and leads, baselines, final loss."""
     head = ["run", "status", "steps", "blow-up", "fw first (rule)", "lead", "fw mech.", "lead", "loss_spike",
-            "zclip", "qk_clip", "fw alerts", "final"]
+            "zclip", "qk_clip", "fw alerts", "mon. errors", "final"]
     lines = []
     for r in sorted(runs.values(), key=lambda r: (r["scenario"], r["arm"], r["seed"])):
         if r.get("summary_error"):
-            lines.append([f"{r['key']}", "unreadable", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"])
+            lines.append([f"{r['key']}", "unreadable", *["-"] * (len(head) - 2)])
             continue
         fw, mech = r["flashwatch_first"], r["flashwatch_mechanism_first"]
         name = f"{r['scenario']}/{r['arm']}/{r['seed']}"
@@ -45,7 +45,9 @@ def format_table(runs: dict[str, dict], markdown: bool = False) -> str:
             f"{_s(mech.get('step'))}", _s(mech.get("lead")),
             *(_s(r["baselines"][b]["first"]) + (f" ({r['baselines'][b]['count']})" if r["baselines"][b]["count"] > 1
                                                  else "") for b in BASELINES),
-            _s(sum(r["flashwatch"][x]["count"] for x in RULES)), _s(r.get("final_loss")),
+            _s(sum(r["flashwatch"][x]["count"] for x in RULES)),
+            # monitored steps whose monitoring failed: their rules did not run (never read them as quiet)
+            _s(r.get("monitor_errors")), _s(r.get("final_loss")),
         ])
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -276,6 +276,7 @@ REAL_NUMERIC = Scenario(
 
 SPLIT_LR = 2e-3  # where seeds split between blow-up and survival (research/preregistration/early-warning-protocol.md)
 SPLIT_LR_2 = 1.75e-3  # the second protocol's rate (research/preregistration/early-warning-protocol-2.md)
+SPLIT_LR_4 = 1.5e-3  # the fourth protocol's rate (research/preregistration/early-warning-protocol-4.md)
 
 SEED_SPLIT = Scenario(
     name="seed-split", device="cuda",
@@ -296,6 +297,9 @@ SEED_SPLIT = Scenario(
             note="the configuration of the second pre-registered test (research/preregistration/)"),
         Arm(f"fp32_delta_lr{SPLIT_LR_2:g}", f"as fp32_delta, at lr {SPLIT_LR_2:g}", "healthy",
             monitor=_own("fp32_delta"), lr=SPLIT_LR_2),
+        Arm(f"sdpa_observe_lr{SPLIT_LR_4:g}", f"as sdpa_observe, at lr {SPLIT_LR_4:g}", "failure",
+            monitor={"mode": "observe"}, lr=SPLIT_LR_4,
+            note="the configuration of the fourth pre-registered test (research/preregistration/)"),
     ),
     default_arms=("sdpa_observe",),
 )
