@@ -3,6 +3,7 @@
     python -m research.early_warning calibrate RUNS... --out THRESHOLDS.json [--controls RUNS...]
     python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md]
     python -m research.early_warning ratio RESULT.json [--rule chain] [--factor 3]
+    python -m research.early_warning auc RUNS... --thresholds THRESHOLDS.json --lead 1000 --out AUC.json
     python -m research.early_warning figure RESULT.json [RESULT.json ...] --rules chain,max_logit --out F.png
 
 RUNS: run folders of the seed-split scenario, or folders holding them. Everything here follows
@@ -302,6 +303,97 @@ def blowup_ratios(result: dict, rule: str, factor: float) -> list[dict]:
     return out
 
 
+# --- the fourth protocol's threshold-free secondary test ---------------------------------------------
+
+AUC_RULES = RULES + ("qk_clip", "zclip")  # score series of scores(); qk_clip is the max logit
+AUC_CLAIM = 0.70  # claim: the lower end of the 95% interval at 1,000 steps' lead is above this
+AUC_RESAMPLES = 2000
+
+
+def peak_upto(series: list[tuple[int, float]], h: int) -> float:
+    """Max of a score series over START_STEP <= t <= h (finite values); -inf where it has none."""
+    vals = [v for t, v in series if START_STEP <= t <= h and math.isfinite(v)]
+    return max(vals) if vals else -math.inf
+
+
+def pair_matrix(blowup_peaks: list[float], survivor_peaks: list[list[float]]) -> torch.Tensor:
+    """(I, J) float64: 1 where blow-up i's peak beats survivor j's peak read at i's horizon, 0.5 on
+    a tie, else 0. ``survivor_peaks[i][j]`` is survivor j's peak up to blow-up i's horizon (NaN: the
+    pair is not comparable and stays NaN)."""
+    b = torch.tensor(blowup_peaks, dtype=torch.float64)[:, None]
+    s = torch.tensor(survivor_peaks, dtype=torch.float64).reshape(len(blowup_peaks), -1)
+    m = (b > s).double() + 0.5 * (b == s).double()
+    return torch.where(torch.isnan(s), torch.full_like(m, math.nan), m)
+
+
+def auc_with_interval(m: torch.Tensor, resamples: int = AUC_RESAMPLES, seed: int = 0) -> dict:
+    """The mean of the comparable pairs of ``m`` (I, J) and a 95% bootstrap interval (blow-ups and
+    survivors resampled within their groups)."""
+    ok = ~torch.isnan(m)
+    if not ok.any():
+        return {"auc": None, "low": None, "high": None, "pairs": 0}
+    auc = float(m[ok].mean())
+    g = torch.Generator().manual_seed(seed)
+    I, J = m.shape
+    stats = []
+    for _ in range(resamples):
+        sub = m[torch.randint(I, (I,), generator=g)][:, torch.randint(J, (J,), generator=g)]
+        keep = ~torch.isnan(sub)
+        if keep.any():
+            stats.append(float(sub[keep].mean()))
+    q = torch.tensor(stats, dtype=torch.float64).quantile(torch.tensor([0.025, 0.975], dtype=torch.float64))
+    return {"auc": auc, "low": float(q[0]), "high": float(q[1]), "pairs": int(ok.sum())}
+
+
+def time_matched_auc(run_dirs: list[Path], frozen: dict, lead: int, allow_incomplete: bool = False) -> dict:
+    """The fourth protocol's secondary test: per rule, AUC over (blow-up, survivor) pairs of the
+    peak score up to B_i - lead, the survivor read at the same step; complete runs only (with
+    ``allow_incomplete``, computed-after use on older recordings: a pair counts only where both
+    runs were measured through that step)."""
+    theta_coh = dict(frozen["thresholds"])["wq_error_coherence"]
+    blowups, survivors, left_out = [], [], []
+    for d in run_dirs:
+        o = outcome(d)
+        if o["blowup"] is not None and not o["confirmed"]:
+            left_out.append({"run": str(d), "why": "blow-up not confirmed"})
+            continue
+        m = monitoring(d, o["blowup"])
+        if not m["complete"] and not allow_incomplete:
+            left_out.append({"run": str(d), "why": "monitoring incomplete"})
+            continue
+        through = m["measured_through"] if m["measured_through"] is not None else -1
+        entry = {"run": str(d), "seed": read_run(d).get("seed"), "through": through, "scores": scores(d, theta_coh)}
+        (survivors if o["survivor"] else blowups).append({**entry, "blowup": o["blowup"]})
+    table = {}
+    for rule in AUC_RULES:
+        bp, sp = [], []
+        for b in blowups:
+            h = b["blowup"] - lead
+            bp.append(peak_upto(b["scores"][rule], h) if b["through"] >= h else math.nan)
+            sp.append([peak_upto(s["scores"][rule], h) if s["through"] >= h else math.nan for s in survivors])
+        keep = [i for i, x in enumerate(bp) if not math.isnan(x)]
+        m = pair_matrix([bp[i] for i in keep], [sp[i] for i in keep]) if keep and survivors else torch.empty(0, 0)
+        row = auc_with_interval(m) if m.numel() else {"auc": None, "low": None, "high": None, "pairs": 0}
+        enough = len(blowups) >= MIN_GROUP and len(survivors) >= MIN_GROUP
+        row["verdict"] = ("undecided" if not enough or row["low"] is None
+                          else "separates" if row["low"] > AUC_CLAIM else "does not separate")
+        table[rule] = row
+    return {"lead": lead, "claim_above": AUC_CLAIM, "resamples": AUC_RESAMPLES, "blowups": len(blowups),
+            "survivors": len(survivors), "allow_incomplete": allow_incomplete, "left_out": left_out,
+            "commit": _commit(), "evaluated": time.strftime("%Y-%m-%d"), "table": table}
+
+
+def auc_markdown(result: dict) -> str:
+    lines = [f"| rule | AUC at {result['lead']:,} steps' lead | 95% interval | pairs | verdict |", "|---|---|---|---|---|"]
+    for rule, row in result["table"].items():
+        if row["auc"] is None:
+            lines.append(f"| `{rule}` | - | - | 0 | {row['verdict']} |")
+        else:
+            lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} | {row['pairs']} | "
+                         f"{row['verdict']} |")
+    return "\n".join(lines)
+
+
 def timeline_figure(results: list[tuple[str, dict]], rules: list[str], out: Path) -> None:
     """One panel per test result: a row per run (sorted by blow-up step, survivors last), a line to
     its blow-up (x) or to its last step (survivor), and a marker where each rule first fired."""
@@ -425,6 +517,14 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("result")
     q.add_argument("--rule", default="chain", choices=RULES + BASELINES)
     q.add_argument("--factor", type=float, default=3.0)
+    a = sub.add_parser("auc", help="the fourth protocol's threshold-free test: time-matched AUC per rule")
+    a.add_argument("runs", nargs="+")
+    a.add_argument("--thresholds", required=True, help="the frozen thresholds (the chain rule needs theta_coherence)")
+    a.add_argument("--lead", type=int, default=1000)
+    a.add_argument("--allow-incomplete", action="store_true",
+                   help="older recordings: keep runs whose monitoring stopped, comparing pairs only where both were measured")
+    a.add_argument("--out", required=True)
+    a.add_argument("--markdown")
     g = sub.add_parser("figure", help="a timeline per test result: blow-ups, survivors, the rules' first firings")
     g.add_argument("results", nargs="+", help="RESULT.json or TITLE=RESULT.json")
     g.add_argument("--rules", default="chain,repeated_max_bf16_trend,max_logit")
@@ -438,6 +538,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown rule(s) {unknown}; accepted: {', '.join(RULES + BASELINES)}")
         timeline_figure([(title, json.loads(Path(path).read_text())) for title, path in pairs], rules, Path(args.out))
         print(f"wrote {args.out}")
+        return 0
+    if args.command == "auc":
+        if args.lead < 0:
+            raise SystemExit(f"--lead must be >= 0 steps, got {args.lead}")
+        result = time_matched_auc(_runs(args.runs), json.loads(Path(args.thresholds).read_text()), args.lead,
+                                  args.allow_incomplete)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        text = auc_markdown(result)
+        if args.markdown:
+            Path(args.markdown).write_text(text + "\n")
+        print(text)
         return 0
     if args.command == "ratio":
         rows = blowup_ratios(json.loads(Path(args.result).read_text()), args.rule, args.factor)

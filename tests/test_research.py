@@ -465,3 +465,52 @@ def test_the_fp8_failure_arms_run_tiny_on_the_cpu(tmp_path, arm):
         first = json.loads(f.readline())
     # E4M3's grid ties every key within 0.032 of the max: more rows than the FP32 test within eps
     assert sum(map(sum, first["rmf"])) > sum(map(sum, first["rm"]))
+
+
+def test_time_matched_auc_reads_each_survivor_at_the_blowups_horizon(monkeypatch):
+    """The fourth protocol's secondary test on stand-in runs: a survivor's peak is taken up to the
+    blow-up's B - lead (a score that only grows with training time gains nothing), ties count half,
+    incomplete runs are left out (or, for older recordings, compared only where both were measured),
+    and the AUC equals a brute-force float64 count."""
+    from research import early_warning as ew
+    grow = [(t, t / 1000) for t in range(500, 20001, 10)]  # the same rising score in every run
+    runs = {  # name: (blow-up step or None, measured through, score series)
+        "b1": (5000, 5000, [(t, 9.0 if t >= 3000 else 0.0) for t in range(500, 5001, 10)]),
+        "b2": (8000, 8000, grow),
+        "s1": (None, 19990, grow),
+        "s2": (None, 19990, [(t, 1.0) for t in range(500, 20001, 10)]),
+        "s3": (None, 4000, grow),  # measured only to 4,000 (its monitoring stopped)
+    }
+    monkeypatch.setattr(ew, "outcome", lambda d: {"blowup": runs[d.name][0], "confirmed": True,
+                                                  "survivor": runs[d.name][0] is None})
+    monkeypatch.setattr(ew, "monitoring", lambda d, upto: {"complete": runs[d.name][1] >= 19990 or runs[d.name][0]
+                                                           is not None, "measured_through": runs[d.name][1]})
+    monkeypatch.setattr(ew, "scores", lambda d, theta: {r: runs[d.name][2] for r in ew.AUC_RULES})
+    monkeypatch.setattr(ew, "read_run", lambda d: {"seed": d.name})
+    frozen = {"thresholds": {"wq_error_coherence": 0.5}}
+    dirs = [Path(n) for n in runs]
+    result = ew.time_matched_auc(dirs, frozen, lead=1000)
+    assert result["left_out"] == [{"run": "s3", "why": "monitoring incomplete"}]
+    # b1 at h = 4,000: 9.0 against s1's 4.0 and s2's 1.0 -> 1, 1; b2 at h = 7,000: 7.0 against s1's 7.0 (tie) and 1.0
+    row = result["table"]["max_logit"]
+    assert row["auc"] == pytest.approx((1 + 1 + 0.5 + 1) / 4) and row["pairs"] == 4
+    assert row["low"] <= row["auc"] <= row["high"] and row["verdict"] == "undecided"  # 2 + 2 runs: too few
+    loose = ew.time_matched_auc(dirs, frozen, lead=1000, allow_incomplete=True)
+    # s3 joins, compared only with b1 (h = 4,000 <= 4,000): 9.0 against 4.0
+    assert loose["table"]["max_logit"]["pairs"] == 5 and loose["table"]["max_logit"]["auc"] == pytest.approx(4.5 / 5)
+
+
+def test_auc_interval_and_verdict_against_a_brute_force_count():
+    from research import early_warning as ew
+    g = torch.Generator().manual_seed(3)
+    b = torch.randn(7, generator=g, dtype=torch.float64).add(1.0).tolist()
+    s = torch.randn(7, 8, generator=g, dtype=torch.float64).tolist()
+    s[2][3] = b[2]  # a tie
+    m = ew.pair_matrix(b, s)
+    brute = sum((1.0 if b[i] > s[i][j] else 0.5 if b[i] == s[i][j] else 0.0) for i in range(7) for j in range(8)) / 56
+    out = ew.auc_with_interval(m, resamples=500)
+    assert out["auc"] == pytest.approx(brute, abs=1e-15) and out["pairs"] == 56
+    assert out["low"] < out["auc"] < out["high"]
+    assert ew.auc_with_interval(m, resamples=500) == out  # the generator is seeded
+    with pytest.raises(SystemExit, match="--lead must be >= 0"):
+        ew.main(["auc", "x", "--thresholds", "t.json", "--lead", "-5", "--out", "o.json"])
