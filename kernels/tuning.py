@@ -102,6 +102,7 @@ INTERPRETER["dkdv_hopper"] = INTERPRETER["dkdv_hopper_ws"] = INTERPRETER["dkdv"]
 HOPPER_ENV = "FLASHWATCH_HOPPER"
 HOPPER_KERNELS = ("fwd", "dkdv")
 HOPPER_FEATURES = ("tma", "ws")
+WS_UNVERIFIED_ENV = "FLASHWATCH_HOPPER_WS_UNVERIFIED"  # "1": accept 'ws', which fails its GPU tests
 _hopper_override: list = []  # [spec] while set_hopper holds one
 
 
@@ -120,6 +121,10 @@ def parse_hopper(spec: str) -> dict[str, frozenset]:
         raise ValueError(f"{HOPPER_ENV}: unknown {', '.join(map(repr, bad))} in {spec!r}; accepted: a comma-separated "
                          f"list of kernels {HOPPER_KERNELS} and features {HOPPER_FEATURES}, or 1/on, 0/off")
     features = {t for t in tokens if t in HOPPER_FEATURES}
+    if "ws" in features and os.environ.get(WS_UNVERIFIED_ENV) != "1":
+        raise ValueError(f"{HOPPER_ENV}: 'ws' (warp specialisation) is refused in {spec!r}: its forward gave wrong "
+                         "outputs with the causal mask on an H200 (docs/KERNEL_TUNING.md); accepted: the kernels "
+                         f"{HOPPER_KERNELS} with 'tma' or without it. To debug it, set {WS_UNVERIFIED_ENV}=1")
     if "ws" in features:
         features.add("tma")  # Triton 3.6 specialises Hopper loops only when their tiles come through TMA
     kernels = [t for t in tokens if t in HOPPER_KERNELS] or list(HOPPER_KERNELS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chain_reduction_cases import check_reduction
+from chain_reduction_cases import assert_same_statistics, check_reduction
 from kernel_cases import random_qkv
 
 @pytest.fixture(autouse=True)
@@ -176,3 +176,24 @@ def test_a_reduction_that_does_not_fit_is_reported_and_never_breaks_the_backward
     push = monitor.snapshot()["flashwatch_wq_error_push"]
     assert all(v != v for v in push.values())  # NaN: not measured, never 0
     monitor.detach()
+
+
+def test_statistics_compare_counts_bitwise_and_sums_up_to_their_summation_order():
+    """The comparison the GPU cases use: a sum moved within the reordering bound passes; a sum
+    moved beyond it, or a count or max logit moved at all, fails."""
+    from flashwatch.kernels.stats import FIELDS
+    row = {name: i for i, name in enumerate(FIELDS)}
+    want = torch.zeros(len(FIELDS), 2, dtype=torch.float64)
+    want[row["rows"]] = 100.0
+    want[row["max_logit"]] = 7.5
+    want[row["delta_error"]], want[row["delta_error_abs"]] = 0.25, 4.0
+    want[row["delta_error_sq"]] = 0.5
+    bound = 2 * 99 * 2.0 ** -24 * 4.0  # 100 terms, sum of |e| = 4
+    near = want.clone()
+    near[row["delta_error"]] += 0.9 * bound
+    assert_same_statistics(near, want, terms=100)
+    for name, delta in (("delta_error", 1.1 * bound), ("rows", 1.0), ("max_logit", 2.0 ** -20)):
+        far = want.clone()
+        far[row[name]] += delta
+        with pytest.raises(AssertionError, match=f"changed {name}"):
+            assert_same_statistics(far, want, terms=100)

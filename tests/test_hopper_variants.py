@@ -30,6 +30,12 @@ CASES = [  # (B, H, Hkv, N, D): N never a multiple of the interpreter's blocks (
 ]
 
 
+@pytest.fixture(autouse=True)
+def _ws_accepted(monkeypatch):
+    """The tests here check 'ws' too (it is refused unless asked for by name: it fails on the GPU)."""
+    monkeypatch.setenv(tuning.WS_UNVERIFIED_ENV, "1")
+
+
 @pytest.fixture
 def hopper_spy(monkeypatch):
     """Which launches the Hopper launchers took: [(launcher, ran)]; the switch is cleared after."""
@@ -117,6 +123,10 @@ def test_specification_parsing_and_errors(monkeypatch):
     assert tuning.parse_hopper("") == {} and tuning.parse_hopper("0") == {} and tuning.parse_hopper("off") == {}
     assert tuning.parse_hopper("1") == {"fwd": {"tma"}, "dkdv": {"tma"}}
     assert tuning.parse_hopper("dkdv, WS") == {"dkdv": {"tma", "ws"}}
+    monkeypatch.delenv(tuning.WS_UNVERIFIED_ENV)
+    with pytest.raises(ValueError, match="'ws' .* is refused .* wrong outputs with the causal mask"):
+        tuning.set_hopper("fwd,ws")
+    monkeypatch.setenv(tuning.WS_UNVERIFIED_ENV, "1")
     assert tuning.parse_hopper("fwd") == {"fwd": frozenset()}
     with pytest.raises(ValueError, match="unknown 'wgmma'.*accepted"):
         tuning.parse_hopper("fwd,wgmma")
