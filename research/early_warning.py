@@ -374,7 +374,10 @@ def time_matched_auc(run_dirs: list[Path], frozen: dict, lead: int, allow_incomp
         keep = [i for i, x in enumerate(bp) if not math.isnan(x)]
         m = pair_matrix([bp[i] for i in keep], [sp[i] for i in keep]) if keep and survivors else torch.empty(0, 0)
         row = auc_with_interval(m) if m.numel() else {"auc": None, "low": None, "high": None, "pairs": 0}
-        enough = len(blowups) >= MIN_GROUP and len(survivors) >= MIN_GROUP
+        ok = ~torch.isnan(m) if m.numel() else torch.zeros(0, 0, dtype=torch.bool)
+        # runs in at least one comparable pair (all of them when every run is complete)
+        row["blowups"], row["survivors"] = int(ok.any(1).sum()), int(ok.any(0).sum())
+        enough = row["blowups"] >= MIN_GROUP and row["survivors"] >= MIN_GROUP
         row["verdict"] = ("undecided" if not enough or row["low"] is None
                           else "separates" if row["low"] > AUC_CLAIM else "does not separate")
         table[rule] = row
@@ -384,19 +387,21 @@ def time_matched_auc(run_dirs: list[Path], frozen: dict, lead: int, allow_incomp
 
 
 def auc_markdown(result: dict) -> str:
-    lines = [f"| rule | AUC at {result['lead']:,} steps' lead | 95% interval | pairs | verdict |", "|---|---|---|---|---|"]
+    lines = [f"| rule | AUC at {result['lead']:,} steps' lead | 95% interval | pairs (blow-ups x survivors) | verdict |",
+             "|---|---|---|---|---|"]
     for rule, row in result["table"].items():
         if row["auc"] is None:
             lines.append(f"| `{rule}` | - | - | 0 | {row['verdict']} |")
         else:
-            lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} | {row['pairs']} | "
-                         f"{row['verdict']} |")
+            lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} | {row['pairs']} "
+                         f"({row['blowups']} x {row['survivors']}) | {row['verdict']} |")
     return "\n".join(lines)
 
 
 def timeline_figure(results: list[tuple[str, dict]], rules: list[str], out: Path) -> None:
     """One panel per test result: a row per run (sorted by blow-up step, survivors last), a line to
-    its blow-up (x) or to its last step (survivor), and a marker where each rule first fired."""
+    its blow-up (x) or to its last step (survivor), dotted where the Monitor did not measure the run,
+    and a marker where each rule first fired."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -411,7 +416,12 @@ def timeline_figure(results: list[tuple[str, dict]], rules: list[str], out: Path
         for y, v in enumerate(runs):
             o = v["outcome"]
             end = o["blowup"] if o["blowup"] is not None else o["last_step"]
-            ax.plot([0, end], [y, y], color="tab:red" if o["blowup"] is not None else "tab:green", lw=1.5)
+            color = "tab:red" if o["blowup"] is not None else "tab:green"
+            m = v.get("monitoring") or {"complete": True}
+            cut = end if m["complete"] or m["measured_through"] is None else min(m["measured_through"], end)
+            ax.plot([0, cut], [y, y], color=color, lw=1.5)
+            if cut < end:  # not measured from here on (monitoring failed): no rule could fire there
+                ax.plot([cut, end], [y, y], color=color, lw=1.0, ls=":", alpha=0.6)
             if o["blowup"] is not None:
                 ax.plot(end, y, "x", color="tab:red", ms=7)
             for i, rule in enumerate(rules):
@@ -424,6 +434,7 @@ def timeline_figure(results: list[tuple[str, dict]], rules: list[str], out: Path
         ax.grid(axis="x", alpha=0.3)
         proxies = [ax.plot([], [], markers[i % len(markers)], color=f"C{i}", ms=5, mfc="none", label=f"{rule} fires")[0]
                    for i, rule in enumerate(rules)]
+        proxies.append(ax.plot([], [], color="gray", lw=1.0, ls=":", label="not measured (monitoring failed)")[0])
         ax.legend(handles=proxies, fontsize=7, loc="lower right")
     axes[0][0].set_ylabel("seed (red: blew up at x; green: survived)")
     fig.tight_layout()

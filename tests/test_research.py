@@ -495,6 +495,7 @@ def test_time_matched_auc_reads_each_survivor_at_the_blowups_horizon(monkeypatch
     row = result["table"]["max_logit"]
     assert row["auc"] == pytest.approx((1 + 1 + 0.5 + 1) / 4) and row["pairs"] == 4
     assert row["low"] <= row["auc"] <= row["high"] and row["verdict"] == "undecided"  # 2 + 2 runs: too few
+    assert (row["blowups"], row["survivors"]) == (2, 2)
     loose = ew.time_matched_auc(dirs, frozen, lead=1000, allow_incomplete=True)
     # s3 joins, compared only with b1 (h = 4,000 <= 4,000): 9.0 against 4.0
     assert loose["table"]["max_logit"]["pairs"] == 5 and loose["table"]["max_logit"]["auc"] == pytest.approx(4.5 / 5)
