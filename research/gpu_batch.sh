@@ -61,6 +61,13 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4)
     split3) what=(--arms sdpa_observe_lr0.00175 --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=test3 ;;
     split4) what=(--arms sdpa_observe_lr0.0015 --seeds ${SPLIT_SEEDS:-400-415} --max-steps 20000); tag=test4 ;;
   esac
+  if [ "$tag" = test4 ] && [ ! -d "$SPLIT_RUNS/$tag" ]; then
+    # the fourth protocol counts only runs measured at every monitored step: check on this GPU first
+    # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)
+    python3 -m pytest -q -p no:cacheprovider tests/test_resume_gpu.py > /tmp/resume-check.log 2>&1 \
+      || { tail -30 /tmp/resume-check.log; echo "resume check failed: not starting the runs"; exit 1; }
+    tail -1 /tmp/resume-check.log
+  fi
   fw seed-split "${what[@]}" --parallel ${SPLIT_PARALLEL:-8} --resumable --after-blowup 1000 \
      --max-seconds ${SPLIT_SECONDS:-480} --budget $(( ${SPLIT_SECONDS:-480} + 60 )) --out "$SPLIT_RUNS/$tag" \
      --json "$SPLIT_RUNS/seed-split-$tag.json" 2>&1 | tee "$OUT/seed-split-$tag.log" | grep -v "^  \|Warning"
