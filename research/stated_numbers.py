@@ -42,7 +42,7 @@ def _monitoring_sentence(*results: dict) -> str:
         return "Every run was measured at every monitored step."
     return (f"But {len(cut)} of these {len(runs)} runs were measured only to their first resume (steps "
             f"{cut[0]:,}-{cut[-1]:,}; a defect, fixed): detections are lower bounds and false alarms could only "
-            "rise, so no verdict changes. Next: a test with complete monitoring (lr 1.5e-3, 20,000 steps).")
+            "rise, so no rule could have passed. Next: a test with complete monitoring (lr 1.5e-3, 20,000 steps).")
 
 
 def readme_block() -> str:
