@@ -45,6 +45,8 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 RUNS=/tmp/fw-runs
 fw() { python3 -m research.experiments "$@"; }
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+# the code that runs: a checkout's HEAD, or CODE_COMMIT written beside a `git archive` copy
+echo "code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 case "${1:-1}" in
 split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4)
