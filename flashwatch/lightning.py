@@ -29,6 +29,9 @@ from .exporters.summary import scalar_summary
 from .monitor import Monitor, TrainingStopped
 from .vocabulary import check_port
 
+# summaries that count alerts: still true while monitoring fails (the others are measurements)
+COUNTS = frozenset({"alerts_total", "alerts_active"})
+
 log = logging.getLogger("flashwatch")
 
 __all__ = ["FlashWatchCallback"]
@@ -134,7 +137,9 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
 
     Logged metrics (through ``trainer.loggers``, values of the last monitored step; the finite
     ones are also in ``trainer.callback_metrics`` after every monitored step, as 0-d tensors, so
-    ``EarlyStopping(monitor="flashwatch/max_logit")`` and ``ModelCheckpoint`` can use them):
+    ``EarlyStopping(monitor="flashwatch/max_logit")`` and ``ModelCheckpoint`` can use them). While
+    monitoring fails (``monitor.failed_in_a_row`` > 0; the log says why) the measured ones are
+    logged as NaN and left out of ``callback_metrics``, never shown with an older step's values:
 
     - ``flashwatch/max_abs_drift_z``: largest |drift z| over all heads (dimensionless, a z-score).
     - ``flashwatch/max_repeated_max_ratio``: largest repeated-max row fraction, FP32 scores (fraction, 0-1).
@@ -204,7 +209,8 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         self.stopped: TrainingStopped | None = None
         self._exporters_added = False
         self._seen_global_step: int | None = None
-        self._published_step: int | None = None  # the monitored step last put into callback_metrics
+        # (monitored step, whether monitoring was failing) last put into callback_metrics
+        self._published_step: tuple[int, bool] | None = None
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_batches = 0
         self._grad_norm: torch.Tensor | None = None
@@ -387,23 +393,29 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
             self._log_summaries(trainer)
 
     def _summaries(self) -> dict[str, float] | None:
-        """``flashwatch/<name>`` -> value of the last monitored step; None before one."""
+        """``flashwatch/<name>`` -> value of the last monitored step; None before one. While the
+        latest monitored steps failed (``Monitor.failed_in_a_row``), the measured values are NaN
+        (not measured): an older step's values are never shown as this step's."""
         snap = self.monitor.snapshot()
         if math.isnan(snap.get("flashwatch_step", math.nan)):
             return None
-        return {f"flashwatch/{k}": v for k, v in scalar_summary(snap).items()}
+        summary = scalar_summary(snap)
+        if self.monitor.failed_in_a_row:
+            summary = {k: (v if k in COUNTS else math.nan) for k, v in summary.items()}
+        return {f"flashwatch/{k}": v for k, v in summary.items()}
 
     def _publish(self, trainer: "Trainer") -> None:
         """The finite summaries into ``trainer.callback_metrics`` (what EarlyStopping and
         ModelCheckpoint read); a value not measured (NaN) is left out, never shown as a number."""
         decided = self.monitor.last_decided_step
-        if decided is None or decided == self._published_step:
+        state = (decided, self.monitor.failed_in_a_row > 0)
+        if decided is None or state == self._published_step:
             return  # nothing new since the last publication: no per-step host work
         callback_metrics = getattr(trainer, "callback_metrics", None)
         metrics = self._summaries()
         if metrics is None or not isinstance(callback_metrics, dict):
             return
-        self._published_step = decided
+        self._published_step = state
         for name, value in metrics.items():
             if math.isfinite(value):
                 callback_metrics[name] = torch.tensor(float(value))

@@ -600,6 +600,13 @@ class Monitor:
 
     # --- reading -----------------------------------------------------------------------------------
     @property
+    def failed_in_a_row(self) -> int:
+        """Monitored steps that failed inside flashwatch since the last one it measured (0: the
+        latest monitored step was measured). While it is above 0, ``snapshot()`` holds the values
+        of an older step: show them as not measured, not as current (the Lightning callback does)."""
+        return self._failed_in_a_row
+
+    @property
     def last_decided_step(self) -> int | None:
         """The optimizer step of the latest decided monitored step (what ``snapshot()`` shows);
         None before the first. Host data: reading it never waits for the device."""

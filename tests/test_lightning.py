@@ -222,6 +222,30 @@ def test_summaries_go_to_the_trainer_loggers_every_n_steps(loader, tmp_path):
     assert all(isinstance(v, float) for v in ours[0][1].values())
 
 
+def test_while_monitoring_fails_the_summaries_are_not_measured_not_stale(loader, tmp_path):
+    """From the monitored step where flashwatch starts failing, the loggers get NaN for every
+    measured summary (the alert counts stay) and trainer.callback_metrics drops them: an older
+    step's values never pass for the current ones. Training is unchanged."""
+    logger = Recorder()
+    watch = FlashWatchCallback(interval=2, port=None, console=None, run_dir=tmp_path)
+
+    class BreakAt(Callback):  # monitoring breaks from batch 6 on (as a state on the wrong device did)
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 6:
+                watch.monitor._signals.build = lambda **kw: 1 / 0
+
+    t = trainer([watch, BreakAt()], logger=logger, log_every_n_steps=5)
+    t.fit(LitGPT(), loader)
+    ours = {step: m for step, m in logger.logged if any(k.startswith("flashwatch/") for k in m)}
+    assert sorted(ours) == [4, 9]
+    assert all(math.isfinite(v) for v in ours[4].values())
+    late = ours[9]
+    assert math.isnan(late["flashwatch/max_logit"]) and math.isnan(late["flashwatch/grad_norm"])
+    assert math.isfinite(late["flashwatch/alerts_total"])
+    assert watch.monitor.failed_in_a_row == 3 and watch.monitor.last_decided_step == 4
+    assert not any(k.startswith("flashwatch/") and "alerts" not in k for k in t.callback_metrics)
+
+
 def test_port_in_use_fails_at_fit_start_and_leaves_the_model_untouched(loader, tmp_path):
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
