@@ -1,7 +1,7 @@
 """The pre-registered test of the early warning (research/preregistration/early-warning-protocol.md).
 
     python -m research.early_warning calibrate RUNS... --out THRESHOLDS.json [--controls RUNS...]
-    python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md]
+    python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md] [--require-complete]
     python -m research.early_warning ratio RESULT.json [--rule chain] [--factor 3]
     python -m research.early_warning auc RUNS... --thresholds THRESHOLDS.json --lead 1000 --out AUC.json
     python -m research.early_warning figure RESULT.json [RESULT.json ...] --rules chain,max_logit --out F.png
@@ -209,24 +209,32 @@ def calibrate(run_dirs: list[Path], control_dirs: list[Path] = ()) -> dict:
             "thresholds": theta, "calibration_runs": runs, "survivors_used": [str(d) for d in survivors]}
 
 
-def evaluate(run_dirs: list[Path], frozen: dict) -> dict:
-    """The test: per rule and baseline, detections and leads on confirmed blow-ups, false alarms on survivors."""
+def evaluate(run_dirs: list[Path], frozen: dict, require_complete: bool = False) -> dict:
+    """The test: per rule and baseline, detections and leads on confirmed blow-ups, false alarms on survivors.
+
+    ``require_complete`` (the fourth protocol): a run whose monitoring is not complete before its
+    blow-up (all of it for a survivor) is left out of every count and listed in
+    ``excluded_incomplete``."""
     theta = dict(frozen["thresholds"])
     rules_theta = {**{r: theta[r] for r in RULES}, "qk_clip_100": 100.0, "zclip_2.5": 2.5,
                    "zclip_calibrated": theta["zclip"], "loss_spike": 1.0}
     source = {**{r: r for r in RULES}, "qk_clip_100": "qk_clip", "zclip_2.5": "zclip",
               "zclip_calibrated": "zclip", "loss_spike": "loss_spike"}
-    per_run, excluded = {}, []
+    per_run, excluded, incomplete_left_out = {}, [], []
     for d in run_dirs:
         o = outcome(d)
         if o["blowup"] is not None and not o["confirmed"]:
             excluded.append(str(d))
             continue
+        m = monitoring(d, o["blowup"])
+        if require_complete and not m["complete"]:
+            incomplete_left_out.append({"run": str(d), "seed": read_run(d).get("seed"), "monitoring": m})
+            continue
         s = scores(d, theta_coherence=theta["wq_error_coherence"])
         fires = {name: first_fire(s[source[name]], rules_theta[name]) for name in rules_theta}
         peaks = {name: _score_upto(s[source[name]], o["blowup"]) for name in rules_theta}
         per_run[str(d)] = {"outcome": o, "first_fire": fires, "peak_before_blowup": peaks,
-                           "seed": read_run(d).get("seed"), "monitoring": monitoring(d, o["blowup"])}
+                           "seed": read_run(d).get("seed"), "monitoring": m}
     blowups = {k: v for k, v in per_run.items() if not v["outcome"]["survivor"]}
     survivors = {k: v for k, v in per_run.items() if v["outcome"]["survivor"]}
     table = {}
@@ -244,7 +252,8 @@ def evaluate(run_dirs: list[Path], frozen: dict) -> dict:
     incomplete = sorted(v["seed"] for v in per_run.values() if not v["monitoring"]["complete"])
     return {"protocol": frozen["protocol"], "thresholds_commit": frozen.get("commit"), "evaluated": time.strftime("%Y-%m-%d"),
             "commit": _commit(), "table": table, "runs": per_run, "excluded_unconfirmed": excluded,
-            "monitoring_incomplete": incomplete,
+            "monitoring_incomplete": incomplete, "require_complete": require_complete,
+            "excluded_incomplete": incomplete_left_out,
             "post_hoc_threshold_table": _post_hoc(per_run, source)}
 
 
@@ -475,6 +484,10 @@ def runs_markdown(result: dict) -> str:
                          f"{o['best_median_before']:.3f} | {o['last_step'] + 1:,} | {measured} |")
     for d in result.get("excluded_unconfirmed", []):
         lines.append(f"| {d} | not confirmed (left out) | | | |")
+    for e in result.get("excluded_incomplete", []):
+        m = e["monitoring"]
+        lines.append(f"| {e['seed']} | monitoring incomplete (left out) | | | "
+                     f"{m['measured_through'] if m['measured_through'] is not None else '-'} |")
     return "\n".join(lines)
 
 
@@ -524,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--thresholds", required=True)
     t.add_argument("--out", required=True)
     t.add_argument("--markdown")
+    t.add_argument("--require-complete", action="store_true",
+                   help="leave out runs whose monitoring failed before their blow-up or end (the fourth protocol)")
     q = sub.add_parser("ratio", help="blow-up step over a rule's first firing step, per run of a test result")
     q.add_argument("result")
     q.add_argument("--rule", default="chain", choices=RULES + BASELINES)
@@ -581,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r:28s} {v:.6g}")
         return 0
     frozen = json.loads(Path(args.thresholds).read_text())
-    result = evaluate(_runs(args.runs), frozen)
+    result = evaluate(_runs(args.runs), frozen, require_complete=args.require_complete)
     result["thresholds_file"] = args.thresholds
     result["thresholds_file_commit"] = _file_commit(Path(args.thresholds))
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))

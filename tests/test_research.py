@@ -515,3 +515,28 @@ def test_auc_interval_and_verdict_against_a_brute_force_count():
     assert ew.auc_with_interval(m, resamples=500) == out  # the generator is seeded
     with pytest.raises(SystemExit, match="--lead must be >= 0"):
         ew.main(["auc", "x", "--thresholds", "t.json", "--lead", "-5", "--out", "o.json"])
+
+
+def test_the_fourth_protocol_leaves_incomplete_runs_out_of_every_count(monkeypatch):
+    """evaluate(require_complete=True): a run whose monitoring failed before its blow-up (or end)
+    is listed apart and counted nowhere; without the flag it is counted, its monitoring reported."""
+    from research import early_warning as ew
+    runs = {"b1": (5000, True), "b2": (6000, False), "s1": (None, True), "s2": (None, False)}
+    monkeypatch.setattr(ew, "outcome", lambda d: {"blowup": runs[d.name][0], "confirmed": True,
+                                                  "survivor": runs[d.name][0] is None, "last_step": 9999,
+                                                  "tail_median_loss": 1.0, "best_median_before": 0.5})
+    monkeypatch.setattr(ew, "monitoring", lambda d, upto: {"complete": runs[d.name][1], "failed_steps": 0 if
+                                                           runs[d.name][1] else 9, "measured_through": 4000})
+    monkeypatch.setattr(ew, "scores", lambda d, theta_coherence: {r: [(600, 9.0)] for r in (*ew.RULES, "qk_clip",
+                                                                                           "zclip", "loss_spike")})
+    monkeypatch.setattr(ew, "read_run", lambda d: {"seed": d.name})
+    frozen = {"protocol": "p4", "thresholds": {**{r: 1.0 for r in ew.RULES}, "zclip": 3.0}}
+    dirs = [Path(n) for n in runs]
+    strict = ew.evaluate(dirs, frozen, require_complete=True)
+    assert [e["seed"] for e in strict["excluded_incomplete"]] == ["b2", "s2"]
+    row = strict["table"]["max_logit"]
+    assert (row["blowups"], row["survivors"], row["false_alarms"]) == (1, 1, 1)
+    assert "monitoring incomplete (left out)" in ew.runs_markdown(strict)
+    loose = ew.evaluate(dirs, frozen)
+    assert loose["excluded_incomplete"] == [] and loose["monitoring_incomplete"] == ["b2", "s2"]
+    assert (loose["table"]["max_logit"]["blowups"], loose["table"]["max_logit"]["survivors"]) == (2, 2)
