@@ -208,6 +208,13 @@ def cuda_per_call_us(rounds: int, calls: int = 300) -> dict:
             for case in cases}
 
 
+def _print_pairs(rows: dict) -> None:
+    """One line per case: the ordinary and the cached path's microseconds, and the difference."""
+    for case, r in rows.items():
+        print(f"  {case:24s} ordinary {r['ordinary']:7.1f}   cached {r['cached']:7.1f}   "
+              f"saved {r['ordinary'] - r['cached']:6.1f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds of the CUDA timing (default 5)")
@@ -224,16 +231,12 @@ def main(argv=None) -> int:
     report["whole_call_us"] = whole_call_us(args.rounds)
     print(f"Python work of a whole call, (1,1,64,64) BF16 CPU tensors, launches ending in stand-ins, microseconds "
           f"(median of {args.rounds} alternated rounds):")
-    for case, r in report["whole_call_us"].items():
-        print(f"  {case:24s} ordinary {r['ordinary']:7.1f}   cached {r['cached']:7.1f}   "
-              f"saved {r['ordinary'] - r['cached']:6.1f}")
+    _print_pairs(report["whole_call_us"])
     if torch.cuda.is_available():
         report["cuda_host_us_per_call"] = cuda_per_call_us(args.rounds)
         print(f"host time per call at (1,1,64,64) BF16 on {torch.cuda.get_device_name()}, microseconds "
               f"(median of {args.rounds} alternated rounds):")
-        for case, r in report["cuda_host_us_per_call"].items():
-            print(f"  {case:24s} ordinary {r['ordinary']:7.1f}   cached {r['cached']:7.1f}   "
-                  f"saved {r['ordinary'] - r['cached']:6.1f}")
+        _print_pairs(report["cuda_host_us_per_call"])
     else:
         print("no CUDA device: the per-call host time (part 2) needs one")
     if args.json:

@@ -29,9 +29,6 @@ from .exporters.summary import scalar_summary
 from .monitor import Monitor, TrainingStopped
 from .vocabulary import check_port
 
-# summaries that count alerts: still true while monitoring fails (the others are measurements)
-COUNTS = frozenset({"alerts_total", "alerts_active"})
-
 log = logging.getLogger("flashwatch")
 
 __all__ = ["FlashWatchCallback"]
@@ -399,9 +396,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         snap = self.monitor.snapshot()
         if math.isnan(snap.get("flashwatch_step", math.nan)):
             return None
-        summary = scalar_summary(snap)
-        if self.monitor.failed_in_a_row:
-            summary = {k: (v if k in COUNTS else math.nan) for k, v in summary.items()}
+        summary = scalar_summary(snap, measured=not self.monitor.failed_in_a_row)
         return {f"flashwatch/{k}": v for k, v in summary.items()}
 
     def _publish(self, trainer: "Trainer") -> None:

@@ -37,13 +37,18 @@ def top_heads(snapshot: Mapping[str, Any], metric: str, k: int = 5,
     return [(int(layer), int(head), float(v)) for (layer, head), v in best]
 
 
-def scalar_summary(snapshot: Mapping[str, Any]) -> dict[str, float]:
+def scalar_summary(snapshot: Mapping[str, Any], measured: bool = True) -> dict[str, float]:
     """A handful of scalars for trainer loggers (names without prefix; missing metrics left out).
 
     ``max_abs_drift_z`` (none), ``max_repeated_max_ratio`` and ``max_repeated_max_ratio_bf16``
     (fraction of rows), ``max_wq_spectral_norm`` (none), ``max_logit`` (natural-log units),
     ``grad_norm`` (none), ``alerts_total`` (count, all rules), ``alerts_active`` (count).
+    ``measured=False`` (the latest monitored steps failed, so ``snapshot`` is an older step's):
+    every value but the alert counts is NaN, not measured.
     """
+    if not measured:
+        return {k: (v if k in ("alerts_total", "alerts_active") else math.nan)
+                for k, v in scalar_summary(snapshot).items()}
     out: dict[str, float] = {}
     for name, metric, key in SUMMARIES:
         top = top_heads(snapshot, metric, 1, key)
