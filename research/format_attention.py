@@ -50,9 +50,25 @@ import torch
 from flashwatch.kernels.formats import FORMATS, get_format, round_to_format, unit_gap
 from flashwatch.kernels.reference import row_top2, scores
 
-__all__ = ["format_attention", "format_forward", "install_format_sdpa", "FORMAT_VARIANTS"]
+__all__ = ["format_attention", "format_forward", "install_format_sdpa", "FORMAT_VARIANTS", "V_OPERANDS"]
 
 FORMAT_VARIANTS = ("plain", "fixed", "fp32_delta", "rounded_sum")
+# How V enters the P_bar V product: "format": rounded to fmt as it is (no scale); "scaled": each
+# (batch, head) slice of V multiplied by max_value / amax before rounding and divided after, as
+# FlashAttention-3's FP8 path quantizes V with a descale factor per (batch, head); "input": V
+# kept in its own dtype (only P_bar in fmt).
+V_OPERANDS = ("format", "scaled", "input")
+
+
+def _v_operand(v: torch.Tensor, fmt: str, v_operand: str) -> torch.Tensor:
+    """V (B, H, N, D) as the P_bar V product takes it (V_OPERANDS), in v's dtype."""
+    if v_operand == "input":
+        return v
+    if v_operand == "format":
+        return round_to_format(v, fmt, dim=-2)  # blocks of keys: the product's reduction dim
+    amax = v.abs().amax(dim=(-2, -1), keepdim=True)  # (B, H, 1, 1)
+    scale = torch.where(amax > 0, get_format(fmt).max_value / amax, torch.ones_like(amax))
+    return round_to_format(v * scale, fmt, dim=-2) / scale
 
 
 def _tied_shift(m1: torch.Tensor, m2: torch.Tensor, fmt: str, beta: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,12 +81,15 @@ def _tied_shift(m1: torch.Tensor, m2: torch.Tensor, fmt: str, beta: float, eps: 
 
 @torch.no_grad()
 def format_forward(q, k, v, *, fmt: str, variant: str = "plain", causal: bool = True, sm_scale=None,
-                   beta: float = 2.0, eps: float = 1e-3, round_v: bool = True) -> dict:
+                   beta: float = 2.0, eps: float = 1e-3, round_v: bool = True, v_operand: str | None = None) -> dict:
     """The forward's tensors: {"out" (q's dtype), "o_fp32", "lse", "tied"} (module docstring).
 
-    ``round_v=False`` keeps V in its own dtype (only P_bar in ``fmt``): separates the bias of
-    rounding P_bar from that of rounding V."""
+    ``v_operand`` (``V_OPERANDS``; default "format", or "input" when ``round_v=False``): how V
+    enters the product; "input" separates the bias of rounding P_bar from that of rounding V."""
     _check(q, fmt, variant, beta)
+    v_operand = v_operand or ("format" if round_v else "input")
+    if v_operand not in V_OPERANDS:
+        raise ValueError(f"v_operand must be one of {V_OPERANDS}, got {v_operand!r}")
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     with torch.autocast(device_type=q.device.type, enabled=False):
         s = scores(q, k, causal, sm_scale)  # (B, H, N, N) FP32 (float64 inputs: float64)
@@ -81,9 +100,7 @@ def format_forward(q, k, v, *, fmt: str, variant: str = "plain", causal: bool = 
             shift, tied = m1, (m2 - m1) >= unit_gap(fmt)
         p_bar = torch.exp(s - shift.unsqueeze(-1))
         row_sum = p_bar.sum(-1)
-        vv = v.to(s.dtype)
-        if round_v:
-            vv = round_to_format(vv, fmt, dim=-2)  # blocks of keys: the product's reduction dim
+        vv = _v_operand(v.to(s.dtype), fmt, v_operand)
         p_round = round_to_format(p_bar, fmt, dim=-1)
         norm = p_round.sum(-1) if variant == "rounded_sum" else row_sum
         o_fp32 = torch.matmul(p_round, vv) / norm.unsqueeze(-1)
@@ -103,8 +120,9 @@ def _check(q, fmt, variant, beta) -> None:
 
 class _FormatAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, fmt, variant, causal, sm_scale, beta, eps):
-        f = format_forward(q, k, v, fmt=fmt, variant=variant, causal=causal, sm_scale=sm_scale, beta=beta, eps=eps)
+    def forward(ctx, q, k, v, fmt, variant, causal, sm_scale, beta, eps, v_operand):
+        f = format_forward(q, k, v, fmt=fmt, variant=variant, causal=causal, sm_scale=sm_scale, beta=beta, eps=eps,
+                           v_operand=v_operand)
         # fp32_delta keeps R = O_fp32 - O in q's dtype, as flashwatch's kernel: delta from O + R
         o_used = f["out"].to(f["o_fp32"].dtype) + (f["o_fp32"] - f["out"].to(f["o_fp32"].dtype)).to(q.dtype) \
             if variant == "fp32_delta" else None
@@ -128,11 +146,11 @@ class _FormatAttention(torch.autograd.Function):
             dv = torch.matmul(p.to(dtype).to(cd).transpose(-1, -2), do)
             dq = torch.matmul(ds, k.to(cd)) * ctx.sm_scale
             dk = torch.matmul(ds.transpose(-1, -2), q.to(cd)) * ctx.sm_scale
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
 
 
 def format_attention(q, k, v, *, fmt: str = "fp8_e4m3", variant: str = "plain", causal: bool = True,
-                     sm_scale=None, beta: float = 2.0, eps: float = 1e-3) -> torch.Tensor:
+                     sm_scale=None, beta: float = 2.0, eps: float = 1e-3, v_operand: str = "format") -> torch.Tensor:
     """Attention with P_bar and V in ``fmt`` for the P_bar V product (module docstring); differentiable.
 
     Args:
@@ -141,29 +159,36 @@ def format_attention(q, k, v, *, fmt: str = "fp8_e4m3", variant: str = "plain", 
         variant: ``plain``, ``fixed``, ``fp32_delta`` or ``rounded_sum``.
         causal, sm_scale: as ``flashwatch.kernels.flash_attention`` (sm_scale None: 1/sqrt(D)).
         beta, eps: the fixed variant's beta and tie tolerance (widened to the format's, above).
+        v_operand: how V enters the product (``V_OPERANDS``): "format" (rounded as it is),
+            "scaled" (per (batch, head) amax scale, as FlashAttention-3's FP8 path), "input".
     Returns: O in q's dtype.
     """
     _check(q, fmt, variant, beta)
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"q, k, v must have one shape (B, H, N, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    return _FormatAttention.apply(q, k, v, fmt, variant, bool(causal), sm_scale, float(beta), float(eps))
+    if v_operand not in V_OPERANDS:
+        raise ValueError(f"v_operand must be one of {V_OPERANDS}, got {v_operand!r}")
+    return _FormatAttention.apply(q, k, v, fmt, variant, bool(causal), sm_scale, float(beta), float(eps), v_operand)
 
 
-def install_format_sdpa(fmt: str, variant: str = "plain"):
+def install_format_sdpa(fmt: str, variant: str = "plain", v_operand: str = "format"):
     """Replace ``F.scaled_dot_product_attention`` by ``format_attention`` for self-attention calls
     without mask or dropout (others go to torch's); returns an undo function. Install it before
     a Monitor attaches, so that observe mode measures it as the model's attention."""
     import torch.nn.functional as F
 
     _check(torch.empty(1, 1, 1, 1), fmt, variant, 2.0)
+    if v_operand not in V_OPERANDS:
+        raise ValueError(f"v_operand must be one of {V_OPERANDS}, got {v_operand!r}")
     original = F.scaled_dot_product_attention
 
     def format_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if attn_mask is not None or dropout_p or enable_gqa or not (query.shape == key.shape == value.shape):
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
-        return format_attention(query, key, value, fmt=fmt, variant=variant, causal=bool(is_causal), sm_scale=scale)
+        return format_attention(query, key, value, fmt=fmt, variant=variant, causal=bool(is_causal), sm_scale=scale,
+                                v_operand=v_operand)
 
     F.scaled_dot_product_attention = format_sdpa
 

@@ -152,6 +152,24 @@ def test_fixed_at_a_format_widens_the_tie_to_the_formats_unit_gap():
     assert not torch.equal(plain[0, 0, row], fixed[0, 0, row]) and torch.equal(plain[0, 0, 0], fixed[0, 0, 0])
 
 
+def test_v_operand_scaled_rounds_each_heads_v_on_the_format_grid_scaled_to_its_range():
+    from research.format_attention import format_forward
+
+    # one key, so O = round(P_bar) V / P_bar = V as the product takes it (P_bar = 1 is exact)
+    v = torch.tensor([0.003, -0.0107, 0.5, 0.0], dtype=torch.float64).reshape(1, 1, 1, 4)
+    q = k = torch.ones(1, 1, 1, 4, dtype=torch.float64)
+    out = {m: format_forward(q, k, v, fmt="fp8_e4m3", v_operand=m)["o_fp32"].flatten().tolist()
+           for m in ("format", "scaled", "input")}
+    assert out["input"] == v.flatten().tolist()
+    # unscaled: 0.003 and -0.0107 are E4M3 subnormals (step 2**-9): 0.00390625 and -0.009765625
+    assert out["format"] == [2 ** -8, -5 * 2 ** -9, 0.5, 0.0]
+    # scaled by 448 / 0.5 = 896: 2.688 -> 2.75 (step 0.25 in [2, 4)), -9.5872 -> -10 (step 1 in [8, 16))
+    assert out["scaled"] == pytest.approx([2.75 / 896, -10 / 896, 0.5, 0.0], rel=0, abs=1e-15)
+    # an all-zero head keeps a scale of 1 (no division by zero)
+    zero = format_forward(q, k, torch.zeros_like(v), fmt="fp8_e4m3", v_operand="scaled")["o_fp32"]
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
 def test_format_attention_bad_arguments():
     from research.format_attention import format_attention
 
@@ -160,6 +178,8 @@ def test_format_attention_bad_arguments():
         format_attention(q, k, v, fmt="fp6")
     with pytest.raises(ValueError, match="variant must be one of"):
         format_attention(q, k, v, variant="auto")
+    with pytest.raises(ValueError, match="v_operand must be one of"):
+        format_attention(q, k, v, v_operand="fp8")
 
 
 def test_recorded_inputs_round_trip(tmp_path):

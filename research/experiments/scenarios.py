@@ -83,6 +83,8 @@ class Arm:
             ``"format"`` (an SDPA shim running ``research.format_attention``: P_bar and V in
             ``format`` for the P_bar V product, variant ``format_variant``; observed the same way).
         format, format_variant: the shim's number format and variant (``attention == "format"``).
+        format_v: how V enters the P_bar V product (``research.format_attention.V_OPERANDS``):
+            "format" rounded as it is, "scaled" with a per-(batch, head) amax scale, "input" unrounded.
         monitor: ``MonitorConfig`` fields of the arm (mode, variant, auto_fix, ...).
         inject: strength of the INJECTED rounding bias (``flashwatch.kernels.faults``; 0: none).
         lr: learning rate overriding the recipe's (None: the recipe's).
@@ -102,6 +104,7 @@ class Arm:
     note: str = ""
     format: str = ""
     format_variant: str = "plain"
+    format_v: str = "format"
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -113,9 +116,13 @@ class Arm:
 
             from research.format_attention import FORMAT_VARIANTS
 
-            if self.format not in FORMATS or self.format_variant not in FORMAT_VARIANTS:
-                raise ValueError(f"arm {self.name}: attention 'format' needs format in {FORMATS} and format_variant "
-                                 f"in {FORMAT_VARIANTS}, got {self.format!r}, {self.format_variant!r}")
+            from research.format_attention import V_OPERANDS
+
+            if self.format not in FORMATS or self.format_variant not in FORMAT_VARIANTS \
+                    or self.format_v not in V_OPERANDS:
+                raise ValueError(f"arm {self.name}: attention 'format' needs format in {FORMATS}, format_variant "
+                                 f"in {FORMAT_VARIANTS} and format_v in {V_OPERANDS}, got {self.format!r}, "
+                                 f"{self.format_variant!r}, {self.format_v!r}")
         elif self.format:
             raise ValueError(f"arm {self.name}: format={self.format!r} is only used with attention='format'")
         if self.expect not in EXPECTS:
@@ -306,8 +313,8 @@ SEED_SPLIT = Scenario(
 
 # --- FP8 failure (CUDA): the real-failure recipe with P_bar V in FP8 E4M3 ----------------------------
 
-def _fp8(variant: str) -> dict:
-    return {"attention": "format", "format": "fp8_e4m3", "format_variant": variant,
+def _fp8(variant: str, v: str = "format") -> dict:
+    return {"attention": "format", "format": "fp8_e4m3", "format_variant": variant, "format_v": v,
             "monitor": {"mode": "observe", "format": "fp8_e4m3"}}
 
 
@@ -331,6 +338,12 @@ FP8_FAILURE = Scenario(
             note="the candidate fix of docs/LAB.md: the lab's FP8 rows show the FP32 row sum pulling O towards zero"),
         Arm("fp8_fixed", "FP8 E4M3 P_bar V with the shift of the fixed variant at the FP8 grid", "healthy",
             **_fp8("fixed"), note="not a default arm: the lab shows it flips the bias's sign at FP8"),
+        Arm("fp8_plain_scaled_v", "FP8 E4M3 P_bar V, V scaled per (batch, head) to the format's range before rounding",
+            "failure", **_fp8("plain", "scaled"),
+            note="not a default arm: FlashAttention-3 quantizes V with a descale factor; fp8_plain rounds V as it is, "
+                 "so small entries of V fall on E4M3's subnormal grid"),
+        Arm("fp8_p_only", "P_bar in FP8 E4M3, V in BF16 for P_bar V", "failure", **_fp8("plain", "input"),
+            note="not a default arm: separates the rounding of P_bar from that of V"),
     ),
     default_arms=("sdpa_observe", "fp8_plain", "fp8_fp32_delta", "fp8_rounded_sum"),
 )

@@ -217,7 +217,7 @@ def run(spec: dict) -> int:
         if arm["attention"] == "format":
             from research.format_attention import install_format_sdpa
 
-            undo.append(install_format_sdpa(arm["format"], arm["format_variant"]))
+            undo.append(install_format_sdpa(arm["format"], arm["format_variant"], arm.get("format_v", "format")))
         if arm.get("inject"):
             undo.append(install_injection(float(arm["inject"])))
         config = MonitorConfig(**{**arm.get("monitor", {}), "interval": int(recipe["interval"]),
