@@ -136,6 +136,8 @@ def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain",
     bad = (got_sketch - sketch_k).abs() - sk_tol_k
     assert bad.max() <= 1e-12, f"{tag}: dG Omega off the stored rows' by {bad.max():.3g} beyond FP32 arithmetic"
     if N > 1:  # one key: O is v itself, exact in the input dtype, and the error is 0
-        assert (ugv_k.abs() > 10 * ugv_tol_k).all(), f"{tag}: the signal does not stand above the bound"
+        # most heads, not every head: a head's push is a signed sum over rows and can cancel to near
+        # zero by chance (own-kernel cases at N 300 and 1025 had such a head on an H200)
+        assert (ugv_k.abs() > 10 * ugv_tol_k).float().mean() > 0.5, f"{tag}: the signal does not stand above the bound"
         assert (sketch_k.abs() > 10 * sk_tol_k).float().mean() > 0.5, f"{tag}: the sketch does not stand above"
     return hook

@@ -325,7 +325,7 @@ FP8_FAILURE = Scenario(
     arms=(
         Arm("sdpa_observe", "BF16 autocast, torch SDPA (FA2), Monitor in observe mode: the BF16 reference", "failure",
             monitor={"mode": "observe", "format": "fp8_e4m3"},
-            note="the real-failure scenario's arm of the same name (blew up at 3,100-6,100 steps at this lr)"),
+            note="the real-failure scenario's arm of the same name"),
         Arm("fp8_plain", "P_bar and V in FP8 E4M3 for P_bar V, FP32 accumulation, BF16 output, delta from it",
             "failure", **_fp8("plain"),
             note="research.format_attention (dense emulation, as FlashAttention-3's FP8 forward) as an SDPA shim; "
