@@ -15,7 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from research.early_warning import MIN_LEAD, RULES
+from research.early_warning import MIN_DETECTED, MIN_LEAD, RULES
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_1 = ROOT / "results/seed-split-2026-12-01/test.json"
@@ -40,42 +40,51 @@ def _monitoring_sentence(*results: dict) -> str:
     cut = sorted(v["monitoring"]["measured_through"] for v in runs if not v["monitoring"]["complete"])
     if not cut:
         return "Every run was measured at every monitored step."
-    return (f"But {len(cut)} of these {len(runs)} runs were measured only to their first resume (steps "
-            f"{cut[0]:,}-{cut[-1]:,}; a defect, fixed): detections are lower bounds and false alarms could only "
-            "rise, so no rule could have passed. Next: a test with complete monitoring (lr 1.5e-3, 20,000 steps).")
+    return (f"{len(cut)} of the {len(runs)} runs were measured only to their first resume (steps "
+            f"{cut[0]:,}-{cut[-1]:,}; a defect, fixed): detections are lower bounds, and the false alarms that "
+            "failed every rule could only rise. Next: a test with complete monitoring (lr 1.5e-3, 20,000 steps).")
+
+
+# the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines
+# (every rule's row: docs/EXPERIMENTS.md sections 9-10)
+README_RULES = ("chain", "repeated_max_bf16_trend", "repeated_max_rise", "max_logit", "delta_drift", "qk_clip_100",
+                "zclip_2.5")
+README_NAMES = {"chain": "`chain`: `delta_drift` and `wq_error_coherence` on one head",
+                "qk_clip_100": "QK-Clip, max logit > 100 (baseline)", "zclip_2.5": "ZClip, gradient-norm z > 2.5 (baseline)"}
 
 
 def readme_block() -> str:
-    """The README's early-warning paragraph (both registered tests), wrapped at 100 columns; every
-    number read from the two result files."""
+    """The README's early-warning paragraph and table (both registered tests); every number read
+    from the two result files. The paragraph is wrapped at 118 columns, as the README's prose."""
     r1, r2 = json.loads(TEST_1.read_text()), json.loads(TEST_2.read_text())
     t1, t2 = r1["table"], r2["table"]
     b1, s1 = t1["chain"]["blowups"], t1["chain"]["survivors"]
     b2, s2 = t2["chain"]["blowups"], t2["chain"]["survivors"]
     so_far = "" if b2 + s2 >= TEST_2_SEEDS else f" so far (of {TEST_2_SEEDS})"
-    rules = sorted((r for r in RULES if r != "chain"), key=lambda r: (-_early(t2[r]) - _early(t1[r]), r))
-
-    def entry(name: str) -> str:
-        return f"`{name}` {_early(t1[name])}/{b1} · {_early(t2[name])}/{b2} · {t2[name]['false_alarms']}/{s2}"
-
     passed = [r for r in RULES if "pass" in (t1[r]["verdict"], t2[r]["verdict"])]
-    verdict = (f"passed: {', '.join(f'`{r}`' for r in passed)} (now critical)." if passed else
-               "no rule passed, so every alert is a warning: it says the rounding mechanism is at work in "
+    verdict = (f"Passed: {', '.join(f'`{r}`' for r in passed)} (now critical)." if passed else
+               "No rule passed, so every alert is a warning: it says the rounding mechanism is at work in "
                "this run, not that this run will blow up.")
     text = (README_HEAD + "Two pre-registered tests (`research/preregistration/`, one H200, 2026-12-01) on runs "
             "that differ only by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds): "
             f"at lr 2e-3, {b1 + s1} runs, {b1} blew up and {s1} survived 10,000 steps; at lr 1.75e-3, "
-            f"{b2 + s2} runs{so_far}, {b2} blew up and {s2} survived. Per rule, runs warned at least {MIN_LEAD:,} "
-            "steps ahead at 2e-3 · at 1.75e-3 · false alarms on the survivors at 1.75e-3: "
-            + ", ".join(entry(r) for r in ["chain"] + rules)
-            + "; baselines " + ", ".join(entry(b) for b in ("qk_clip_100", "zclip_2.5"))
-            + f". Verdict: {verdict} {_monitoring_sentence(r1, r2)} Tables: `docs/EXPERIMENTS.md` §9-11.")
-    return textwrap.fill(text, 100, break_on_hyphens=False, break_long_words=False)
+            f"{b2 + s2} runs{so_far}, {b2} blew up and {s2} survived. A rule passes if it warns at least "
+            f"{MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm in 7 "
+            f"survivors. {verdict} {_monitoring_sentence(r1, r2)} Every rule: `docs/EXPERIMENTS.md` §9-11.")
+    rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | same, lr 1.75e-3 | false alarms, lr 1.75e-3 |",
+            "|---|---|---|---|"]
+    for r in README_RULES:
+        rows.append(f"| {README_NAMES.get(r, f'`{r}`')} | {_early(t1[r])}/{b1} | {_early(t2[r])}/{b2} | "
+                    f"{t2[r]['false_alarms']}/{s2} |")
+    paragraph = textwrap.fill(text, 118, break_on_hyphens=False, break_long_words=False)
+    return paragraph + "\n\n" + "\n".join(rows)
 
 
 def _readme_span(readme: str) -> tuple[int, int]:
+    """From the paragraph's first words to the end of the table after it."""
     start = readme.index(README_ANCHOR)
-    return start, readme.index("\n\n", start)
+    table = readme.index("\n\n", start) + 2
+    return start, readme.index("\n\n", table)
 
 
 def _table_span(doc: str, marker: str) -> tuple[int, int]:

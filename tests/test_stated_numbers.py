@@ -21,7 +21,7 @@ def test_the_readme_paragraph_follows_the_result_file(tmp_path, monkeypatch):
     changed = tmp_path / "test.json"
     changed.write_text(json.dumps(result))
     monkeypatch.setattr(stated_numbers, "TEST_1", changed)
-    assert "`repeated_max_bf16_trend` 19/23" in stated_numbers.readme_block()
+    assert "| `repeated_max_bf16_trend` | 19/23 |" in stated_numbers.readme_block()
     assert stated_numbers.differences()
 
 
