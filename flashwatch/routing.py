@@ -23,8 +23,8 @@ model is exactly as before). The wrapper:
 On unmonitored steps an observed layer costs one Python check per call.
 
 Under ``torch.compile`` the same routing is traced into the compiled graph as custom operators
-(``flashwatch.kernels.ops``): observe mode marks the model's SDPA output with
-``flashwatch::observe`` (its backward runs the statistics pass), own-kernel mode calls
+(``flashwatch.kernels.ops``): observe mode marks the model's SDPA output with ``ops.observe``
+(a view of it, no copy; its backward runs ``flashwatch::observe_statistics``), own-kernel mode calls
 ``flashwatch::attention``; each call carries its layer's statistics buffers, and whether the
 step is monitored is the Router's ``flag`` tensor, read when the operators run, so monitored
 and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls
@@ -493,7 +493,7 @@ class Router:
                                       enable_gqa)
 
     def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        """The model's own SDPA output, marked for the statistics (``flashwatch::observe``), or the
+        """The model's own SDPA output, marked for the statistics (``ops.observe``), or the
         call counted as not measured in full."""
         from flashwatch.kernels import ops
 

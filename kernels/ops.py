@@ -12,10 +12,12 @@ Operators (namespace ``flashwatch``):
   -> (out, lse, residual, rowmax): ``flash_attention``'s forward; its backward is
   ``attention_backward`` (dq, dk, dv). Triton on CUDA (or under TRITON_INTERPRET=1), the
   reference elsewhere.
-- ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps)`` -> a copy of
-  ``out``: marks the output of the model's own attention; its backward passes the gradient
-  through unchanged and runs ``observe_statistics`` (``attention_statistics`` on the saved
-  inputs, output and output gradient).
+- ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps)`` -> a view of
+  ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
+  nothing, since an operator's output could not alias its input and would cost a copy of
+  ``out`` in every step): marks the output of the model's own attention; its backward passes
+  the gradient through unchanged and runs the operator ``observe_statistics``
+  (``attention_statistics`` on the saved inputs, output and output gradient).
 - ``score_statistics(q, k, v, out, flag, counts, values, coverage, ...)``: a call with attention
   dropout: rows, repeated maxima and max logit only (its delta error is not measured).
 - ``unmeasured_call(flag, coverage, layer, reason)``: counts an attention call the statistics
@@ -214,18 +216,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.
 
 # --- observe -----------------------------------------------------------------------------------
 
-@torch.library.custom_op("flashwatch::observe", mutates_args=())
-def _observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor,
-             counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, attn_mask: Optional[torch.Tensor],
-             causal: bool, sm_scale: float, eps: float, masked: bool) -> torch.Tensor:
-    return out.clone()  # an operator's output may not alias its input
-
-
-@_observe.register_fake
-def _observe_fake(out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked):
-    return torch.empty_like(out)
-
-
 @torch.library.custom_op("flashwatch::observe_statistics", mutates_args=("counts", "values", "coverage"))
 def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         grad_out: torch.Tensor, flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor,
@@ -257,32 +247,37 @@ def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, cover
     return None
 
 
-def _observe_setup(ctx, inputs, output):
-    out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked = inputs
-    ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask)
-    ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked = causal, sm_scale, eps, masked
+class _Observe(torch.autograd.Function):
+    """The identity on ``out`` whose backward runs ``flashwatch::observe_statistics`` on the
+    output gradient. Its forward is a view of ``out`` (no copy: the compiler turns it into
+    nothing), which a custom operator could not return (an operator's output may not alias
+    its input); Dynamo traces this Function's forward and backward into the compiled graphs."""
 
+    @staticmethod
+    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked):
+        ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask)  # attn_mask may be None
+        ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked = causal, sm_scale, eps, masked
+        return out.view_as(out)
 
-def _observe_grad(ctx, grad_out):
-    saved = ctx.saved_tensors
-    _observe_statistics(*saved[:4], grad_out, *saved[4:], ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked)
-    return (grad_out,) + (None,) * 12
-
-
-_observe.register_autograd(_observe_grad, setup_context=_observe_setup)
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, flag, counts, values, coverage, attn_mask = ctx.saved_tensors
+        _observe_statistics(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, ctx.causal,
+                            ctx.sm_scale, ctx.eps, ctx.masked)
+        return (grad_out,) + (None,) * 12
 
 
 def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
             stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float] = None,
             eps: float = 1e-3, attn_mask: Optional[torch.Tensor] = None, masked: bool = False) -> torch.Tensor:
-    """Mark ``out``, the output of the model's own attention of ``q, k, v``: returns a copy of it
+    """Mark ``out``, the output of the model's own attention of ``q, k, v``: returns a view of it
     whose backward adds the statistics of that call into ``stats`` when ``flag`` is set (with
     ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``)."""
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
-    return _observe(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask, bool(causal),
-                    scale, float(eps), bool(masked))
+    return _Observe.apply(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask,
+                          bool(causal), scale, float(eps), bool(masked))
 
 
 # --- calls measured in part -----------------------------------------------------------------------

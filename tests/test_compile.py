@@ -165,3 +165,53 @@ def test_compiled_triton_path_under_the_interpreter(mode, interpret_dispatch):
     assert compiled[0]["stats"][0]["rows"] == [32.0, 32.0]
     for e, c in zip(eager, compiled):
         assert c["stats"] == e["stats"] and c["coverage"] == e["coverage"]
+
+
+def _generated_calls(mode: str | None) -> dict[str, dict[str, int]]:
+    """Inductor's code for one step of ``Stack`` (observe mode, an unmonitored step; or no
+    Monitor): per graph ("forward", "backward"), the calls its wrapper makes: generated kernels,
+    extern kernels and ATen/custom operators, and flashwatch's operators among them."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = Stack()
+    monitor = None
+    if mode is not None:
+        monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
+        monitor.attach(model)
+        monitor.step()  # step 1: unmonitored
+    run = torch.compile(model, backend="inductor")
+    x = torch.randn(2, 16, 32)
+    _, codes = run_and_get_code(lambda: run(x).sum().backward())
+    if monitor is not None:
+        monitor.detach()
+    found = {}
+    for code in codes:
+        body = code[code.index("def call("):]
+        lines = [line.strip() for line in body.splitlines()]
+        lines = [line for line in lines if not line.startswith(("#", "assert_"))]  # comments, checks
+        graph = "backward" if any("tangents_" in line for line in lines) else "forward"
+        found[graph] = {
+            "kernels": sum(1 for line in lines if re.match(r"(cpp_fused|triton_)\w*(\.run)?\(", line)),
+            "operators": sum(1 for line in lines if re.search(r"\b(extern_kernels|torch\.ops)\.", line)),
+            "flashwatch": sum(1 for line in lines if "torch.ops.flashwatch." in line),
+        }
+    return found
+
+
+def test_observe_adds_no_forward_work_to_the_compiled_step():
+    """Observe mode marks SDPA's output with a view (no copy): Inductor's forward makes exactly the
+    calls of the model without a Monitor, and the backward one statistics operator per layer
+    (which returns at once on unmonitored steps). Fail before: the marking operator copied the
+    output (one opaque call and a full-size copy per layer in every step's forward)."""
+    base = _generated_calls(None)
+    torch._dynamo.reset()
+    observed = _generated_calls("observe")
+    assert observed["forward"] == base["forward"], (observed, base)
+    assert observed["forward"]["flashwatch"] == 0
+    layers = len(Stack().blocks)
+    assert observed["backward"]["flashwatch"] == layers
+    assert observed["backward"]["kernels"] == base["backward"]["kernels"]
+    assert observed["backward"]["operators"] == base["backward"]["operators"] + layers
