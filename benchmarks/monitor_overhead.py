@@ -24,7 +24,20 @@ Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--s
 steps (CUDA events around every step, read once at the end, so timing adds no host sync).
 Reported: mean step time, mean monitored / unmonitored step, and the overheads the Monitor
 issue targets: mean step <= 1% above its baseline, monitored step <= 15% above an
-unmonitored one.
+unmonitored one. The JSON also keeps, per arm, what tells a device-bound step from a
+host-bound one and one arm's compiled code from another's:
+
+- ``step_ms`` / ``step_monitored``: every timed step (device time between CUDA events) and
+  whether it was monitored (where a slow unmonitored step sits: right after a monitored one?);
+- ``host_ms``: every timed step's host time (the loop's Python, launches included; a step whose
+  host time reaches its device time is host-bound);
+- ``host_enqueue_ms``: after the timed steps, ``--host-probe`` more steps, each started on an idle
+  device (synchronized first), host time to enqueue one whole step (unmonitored and monitored
+  means): the host's own cost of a step, to compare with ``unmonitored_ms``;
+- ``allocator``: the CUDA caching allocator's retries, device allocations and frees during the
+  timed steps, and the peak memory (each arm starts from a collected, emptied cache);
+- ``generated_code``: a short hash of each module Inductor generated for the arm (two arms with
+  the same hashes ran the same compiled code).
 
     python benchmarks/monitor_overhead.py --json monitor_overhead.json
     python benchmarks/monitor_overhead.py --compile default max-autotune-no-cudagraphs --json compiled.json
@@ -34,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import hashlib
 import json
 import statistics
 import time
@@ -83,19 +98,67 @@ def run_arm(name: str, args) -> dict:
     torch._dynamo.reset()
     counters.clear()
     try:
-        result = _run_arm(name, args)
+        with _generated_modules() as paths:
+            result = _run_arm(name, args)
     except Exception as exc:  # noqa: BLE001 - a benchmark reports what failed and goes on
         return {"arm": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     result["arm"] = name
+    result["generated_code"] = _code_hashes(paths)
     result["graph_breaks"] = sum(counters["graph_break"].values())
     result["unique_graphs"] = counters["stats"]["unique_graphs"]
     return result
 
 
+@contextlib.contextmanager
+def _generated_modules():
+    """Collect the paths of the Python modules Inductor loads while the block runs (fresh
+    compilations and cache hits alike; nothing where this torch loads them another way)."""
+    paths: set = set()
+    try:
+        from torch._inductor.codecache import PyCodeCache
+        original = PyCodeCache.__dict__["load_by_key_path"]
+    except (ImportError, KeyError):
+        yield paths
+        return
+
+    def load_by_key_path(cls, key, path, *rest, **kw):
+        paths.add(path)
+        return original.__func__(cls, key, path, *rest, **kw)
+
+    PyCodeCache.load_by_key_path = classmethod(load_by_key_path)
+    try:
+        yield paths
+    finally:
+        PyCodeCache.load_by_key_path = original
+
+
+def _code_hashes(paths) -> list[str]:
+    """A short hash of each generated module's source, sorted: equal lists, equal compiled code."""
+    hashes = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                hashes.append(hashlib.sha256(f.read()).hexdigest()[:12])
+        except OSError:
+            continue
+    return sorted(hashes)
+
+
+def _allocator_counts(dev: str) -> dict:
+    if dev != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
 def _run_arm(name: str, args) -> dict:
     name, _, compile_mode = name.partition("@")
-    torch.manual_seed(0)
     dev = args.device
+    gc.collect()  # the previous arm's model, optimizer and compiled code: freed before this one starts
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
     if args.tiny:  # a CPU smoke test of this script
         cfg = GPTConfig(block_size=args.seq, vocab_size=256, n_layer=2, n_head=2, n_embd=128, bias=True)
     else:
@@ -125,24 +188,51 @@ def _run_arm(name: str, args) -> dict:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)]
     else:
         events = [(_HostEvent(), _HostEvent()) for _ in range(total)]
-    monitored = []
+    monitored, host = [], []
+
+    def one_step(step: int, event_pair=None):
+        xb = batches[step % len(batches)]
+        if event_pair is not None:
+            event_pair[0].record()
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            _, loss = run(xb[:, :-1], xb[:, 1:])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if monitor is not None:
+            monitor.step(loss=loss.detach(), grad_norm=norm)
+        if event_pair is not None:
+            event_pair[1].record()
+        return loss
+
+    allocator_before: dict = {}
     with route:
         for step in range(total):
-            xb = batches[step % len(batches)]
+            if step == args.warmup:
+                if dev == "cuda":
+                    torch.cuda.synchronize()
+                allocator_before = _allocator_counts(dev)
+            monitored.append(monitor is not None and monitor.monitoring)
+            t0 = time.perf_counter()
+            loss = one_step(step, events[step])
+            host.append((time.perf_counter() - t0) * 1e3)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        allocator = {k: v - allocator_before.get(k, 0) for k, v in _allocator_counts(dev).items()}
+        if dev == "cuda":
+            allocator["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        # the host's own cost of a step: each probe step starts on an idle device
+        probe = {True: [], False: []}
+        for step in range(total, total + args.host_probe):
             is_monitored = monitor is not None and monitor.monitoring
-            events[step][0].record()
-            with torch.autocast(dev, dtype=torch.bfloat16):
-                _, loss = run(xb[:, :-1], xb[:, 1:])
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if monitor is not None:
-                monitor.step(loss=loss.detach(), grad_norm=norm)
-            events[step][1].record()
-            monitored.append(is_monitored)
-    if dev == "cuda":
-        torch.cuda.synchronize()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            one_step(step)
+            probe[is_monitored].append((time.perf_counter() - t0) * 1e3)
+        if dev == "cuda":
+            torch.cuda.synchronize()
     times = [s.elapsed_time(e) for s, e in events][args.warmup:]
     flags = monitored[args.warmup:]
     mon = [t for t, f in zip(times, flags) if f]
@@ -153,7 +243,15 @@ def _run_arm(name: str, args) -> dict:
     return {"arm": name, "mean_ms": statistics.mean(times), "median_ms": statistics.median(times),
             "monitored_ms": statistics.mean(mon) if mon else None,
             "unmonitored_ms": statistics.mean(unmon) if unmon else None, "steps": len(times),
-            "monitored_steps": len(mon), "final_loss": float(loss.detach())}
+            "monitored_steps": len(mon), "final_loss": float(loss.detach()),
+            "step_ms": times, "step_monitored": flags, "host_ms": host[args.warmup:],
+            "host_enqueue_ms": {"unmonitored": statistics.mean(probe[False]) if probe[False] else None,
+                                "monitored": statistics.mean(probe[True]) if probe[True] else None},
+            "allocator": allocator}
+
+
+def _fmt(ms) -> str:
+    return "" if ms is None else f"{ms:.2f}"
 
 
 def main(argv=None) -> int:
@@ -164,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--json", default=None)
+    p.add_argument("--host-probe", type=int, default=10,
+                   help="steps after the timed ones, each started on an idle device, whose host time is reported")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model: a smoke test of this script on the CPU")
     p.add_argument("--compile", nargs="*", default=[], metavar="MODE",
@@ -201,7 +301,7 @@ def main(argv=None) -> int:
     print(f"{'tiny GPT' if args.tiny else 'GPT-2 small'}, batch {args.batch} x {args.seq}, bf16, {device_name}, "
           f"torch {torch.__version__}")
     print(f"{'arm':28s} {'mean ms':>8s} {'median':>8s} {'monitored':>10s} {'unmonitored':>12s} "
-          f"{'vs baseline':>12s} {'mon vs unmon':>13s}")
+          f"{'vs baseline':>12s} {'mon vs unmon':>13s} {'host/step':>10s}")
     for a in arms:
         if "error" in a:
             print(f"{a['arm']:28s} failed: {a['error']}")
@@ -211,6 +311,7 @@ def main(argv=None) -> int:
         print(f"{a['arm']:28s} {a['mean_ms']:8.2f} {a['median_ms']:8.2f} "
               f"{a['monitored_ms'] or float('nan'):10.2f} {a['unmonitored_ms'] or float('nan'):12.2f} "
               f"{'' if over is None else f'{100 * over:+.2f}%':>12s} {'' if rel is None else f'{100 * rel:+.1f}%':>13s}"
+              f" {_fmt(a['host_enqueue_ms']['unmonitored']):>10s}"
               + (f"  graphs {a['unique_graphs']}, graph breaks {a['graph_breaks']}" if "unique_graphs" in a else ""))
     if args.json:
         with open(args.json, "w") as f:

@@ -118,6 +118,11 @@ def test_monitor_overhead_compiled_arms_run_on_the_cpu(tmp_path):
     for arm in arms.values():
         assert "error" not in arm and arm["graph_breaks"] == 0 and arm["unique_graphs"] == 1, arm
     assert arms["sdpa+observe@default"]["monitored_steps"] == 2 and "mean_overhead_vs_baseline" in arms["own_kernel@default"]
+    for arm in arms.values():  # per-step device and host times, and the host's cost from an idle device
+        assert len(arm["step_ms"]) == len(arm["host_ms"]) == len(arm["step_monitored"]) == 4, arm
+        assert sum(arm["step_monitored"]) == arm["monitored_steps"]
+        assert arm["host_enqueue_ms"]["unmonitored"] > 0 and isinstance(arm["generated_code"], list)
+    assert arms["sdpa+observe@default"]["host_enqueue_ms"]["monitored"] > 0
 
 
 def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was():
