@@ -31,7 +31,7 @@ host-bound one and one arm's compiled code from another's:
   whether it was monitored (where a slow unmonitored step sits: right after a monitored one?);
 - ``host_ms``: every timed step's host time (the loop's Python, launches included; a step whose
   host time reaches its device time is host-bound);
-- ``host_enqueue_ms``: after the timed steps, ``--host-probe`` more steps, each started on an idle
+- ``host_enqueue_ms``: after the timed steps, ``--idle-start-steps`` more steps, each started on an idle
   device (synchronized first), host time to enqueue one whole step (unmonitored and monitored
   means): the host's own cost of a step, to compare with ``unmonitored_ms``;
 - ``allocator``: the CUDA caching allocator's retries, device allocations and frees during the
@@ -222,15 +222,15 @@ def _run_arm(name: str, args) -> dict:
         allocator = {k: v - allocator_before.get(k, 0) for k, v in _allocator_counts(dev).items()}
         if dev == "cuda":
             allocator["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        # the host's own cost of a step: each probe step starts on an idle device
-        probe = {True: [], False: []}
-        for step in range(total, total + args.host_probe):
+        # the host's own cost of a step: each of these steps starts on an idle device
+        idle = {True: [], False: []}
+        for step in range(total, total + args.idle_start_steps):
             is_monitored = monitor is not None and monitor.monitoring
             if dev == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             one_step(step)
-            probe[is_monitored].append((time.perf_counter() - t0) * 1e3)
+            idle[is_monitored].append((time.perf_counter() - t0) * 1e3)
         if dev == "cuda":
             torch.cuda.synchronize()
     times = [s.elapsed_time(e) for s, e in events][args.warmup:]
@@ -245,8 +245,8 @@ def _run_arm(name: str, args) -> dict:
             "unmonitored_ms": statistics.mean(unmon) if unmon else None, "steps": len(times),
             "monitored_steps": len(mon), "final_loss": float(loss.detach()),
             "step_ms": times, "step_monitored": flags, "host_ms": host[args.warmup:],
-            "host_enqueue_ms": {"unmonitored": statistics.mean(probe[False]) if probe[False] else None,
-                                "monitored": statistics.mean(probe[True]) if probe[True] else None},
+            "host_enqueue_ms": {"unmonitored": statistics.mean(idle[False]) if idle[False] else None,
+                                "monitored": statistics.mean(idle[True]) if idle[True] else None},
             "allocator": allocator}
 
 
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=15)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--json", default=None)
-    p.add_argument("--host-probe", type=int, default=10,
+    p.add_argument("--idle-start-steps", type=int, default=10,
                    help="steps after the timed ones, each started on an idle device, whose host time is reported")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model: a smoke test of this script on the CPU")
