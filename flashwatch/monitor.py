@@ -551,7 +551,8 @@ class Monitor:
         readings = []
         per_layer = got.per_layer([layer.total_heads for layer in self.layers])
         for layer, variant, calls, (fields, sigma) in zip(self.layers, ran, coverage, per_layer):
-            self._warn_unseen(t, layer, fields["rows"])
+            if not fields["rows"].sum() > 0:
+                self._warn_unseen(t, layer)
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
                                          low_precision=layer.low_precision, variant=variant, calls=calls))
@@ -565,9 +566,7 @@ class Monitor:
                                     active_alerts=self.active_alerts))
         return new
 
-    def _warn_unseen(self, t: int, layer: AttentionLayer, rows: torch.Tensor) -> None:
-        if bool(rows.sum() > 0):
-            return
+    def _warn_unseen(self, t: int, layer: AttentionLayer) -> None:
         self._warn_once((layer.index, "no_call"),
                         "flashwatch: layer %d (%s) saw no measured attention call during monitored step %d: does the "
                         "model call torch.nn.functional.scaled_dot_product_attention (Hugging Face: "

@@ -41,7 +41,8 @@ TREND_SERIES = ("log_max_logit", "log_wq_sigma", "repeated_max_ratio_bf16")
 
 @dataclass
 class LayerReading:
-    """One layer's raw readings at one monitored step (see the module docstring)."""
+    """One layer's raw readings at one monitored step (see the module docstring); a reading may
+    also be a float64 numpy array (H,)."""
 
     stats: dict[str, torch.Tensor]
     sigma: torch.Tensor
