@@ -17,8 +17,10 @@ power iteration) is not timed. Phases:
   ``LayerReading``) and the "no call seen" check;
 - ``signals``: ``SignalBuilder.build`` (drift, windows, growth, trends, the chain's cumulative push);
 - ``decide``: the detectors and the alert history (``Decisions.judge``) and ``auto_fix``;
-- ``record``: ``host_record`` (the step as plain data);
-- ``snapshot``: ``Monitor.snapshot()`` (the metric-keyed dict the exporters read);
+- ``record``: ``host_record`` (the step as plain data; made when first read, so inside the host
+  half only when an exporter reads the snapshot);
+- ``snapshot``: ``Monitor.snapshot()`` without ``record`` (the metric-keyed dict the exporters
+  read; made only when there is an exporter);
 - ``exporters``: ``FanOut.export`` (the exporters of ``--exporters``);
 - ``host half``: the whole of ``Monitor._decide``, and ``without exporters`` (the target).
 
@@ -79,6 +81,7 @@ class PhaseTimer:
         self.monitor = monitor
         self.steps: list[dict[str, float]] = []
         self._current: dict[str, float] | None = None
+        self._nested: list[float] = []  # time spent in timed calls inside the open ones
         self._saved_host_record = monitor_module.host_record
         m = monitor
         self._wrap(m, "_decide", TOTAL)
@@ -91,12 +94,19 @@ class PhaseTimer:
 
     def _timed(self, fn, phase):
         def timed(*args, **kwargs):
+            if self._current is None:  # outside _decide (a snapshot read later): not the host half
+                return fn(*args, **kwargs)
+            self._nested.append(0.0)
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                if self._current is not None:
-                    self._current[phase] = self._current.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
+                spent = (time.perf_counter() - t0) * 1e3
+                inner = self._nested.pop()
+                # exclusive time: a phase called inside another (host_record inside snapshot) is its own
+                self._current[phase] = self._current.get(phase, 0.0) + spent - inner
+                if self._nested:
+                    self._nested[-1] += spent
         return timed
 
     def _wrap(self, obj, name, phase):

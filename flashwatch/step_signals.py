@@ -68,7 +68,10 @@ def _array(t: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def _stack(rows: list, h: int) -> np.ndarray:
     """(L, H) float64 from L readings of (H,), None for one not measured (NaN)."""
-    return np.stack([np.full(h, np.nan) if r is None else _array(r) for r in rows])
+    parts = [np.full(h, np.nan) if r is None else _array(r) for r in rows]
+    if any(p.shape != (h,) for p in parts):
+        raise ValueError(f"readings of shapes {sorted({p.shape for p in parts})} for layers of {h} heads")
+    return np.concatenate(parts).reshape(len(parts), h)
 
 
 def _add(target: np.ndarray, rows: np.ndarray, layers: np.ndarray) -> None:
@@ -96,8 +99,12 @@ class _Rings:
         else:
             idx = np.flatnonzero(layers)
             self.buffer[idx, self.pos[idx]] = rows[idx]
-        self.pos = np.where(layers, (self.pos + 1) % length, self.pos)
-        self.filled = np.where(layers, np.minimum(self.filled + 1, length), self.filled)
+        if layers.all():
+            self.pos = (self.pos + 1) % length
+            self.filled = np.minimum(self.filled + 1, length)
+        else:
+            self.pos = np.where(layers, (self.pos + 1) % length, self.pos)
+            self.filled = np.where(layers, np.minimum(self.filled + 1, length), self.filled)
 
     @property
     def full(self) -> np.ndarray:
