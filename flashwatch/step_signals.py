@@ -3,7 +3,8 @@
 The Monitor (live) and the replay of a recording (``flashwatch.replay``) both turn a
 monitored step's raw readings into ``StepSignals`` here, so a replay sees what the Monitor saw.
 
-Raw readings of one layer (``LayerReading``), every tensor (H,) float64 on the host:
+Raw readings of one layer (``LayerReading``), every tensor (H,) float64 on the host (or a
+float64 numpy array):
 
 - ``stats``: the rows of ``AttentionStats.packed()`` by field name (rows, repeated-max counts,
   max logit, delta-error sums);
@@ -17,7 +18,11 @@ Raw readings of one layer (``LayerReading``), every tensor (H,) float64 on the h
 Host state kept across steps (``SignalBuilder``; ``state_dict`` for an exact resume): per
 layer the drift sums (``DriftTracker``), the last W+1 spectral norms (``SigmaHistory``), the
 cumulative W^Q-error push, and the last W values of the series whose windowed trends are
-reported (log max logit, log sigma, BF16 repeated-max ratio).
+reported (log max logit, log sigma, BF16 repeated-max ratio). Consecutive layers with the same
+head count keep it as (layers, heads) arrays and are computed together, one numpy or torch
+call per quantity for all of them (a monitored step's host half is a few hundred such calls,
+and a call on a small array costs its dispatch, not its arithmetic); ``state_dict`` gives it
+per layer in the formats of ``DriftTracker``, ``SigmaHistory`` and ``Ring``.
 """
 
 from __future__ import annotations
