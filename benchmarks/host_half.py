@@ -32,6 +32,7 @@ This is a benchmark, not a test: it is never collected by pytest.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -206,6 +207,20 @@ def profile_host_half(layers: int, heads: int, steps: int, warmup: int, exporter
     return text.getvalue()
 
 
+@contextlib.contextmanager
+def quiet_flashwatch_log():
+    """The "flashwatch" logger silent while the benchmark runs (its warnings would be timed), as
+    it was afterwards."""
+    logger = logging.getLogger("flashwatch")
+    saved = logger.handlers[:], logger.propagate
+    logger.handlers[:] = [logging.NullHandler()]
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.handlers[:], logger.propagate = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=12)
@@ -222,10 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                                ("--warmup", args.warmup, 0)):
         if value < least:
             p.error(f"{name} must be >= {least}, got {value}")
-    logging.getLogger("flashwatch").addHandler(logging.NullHandler())
-    logging.getLogger("flashwatch").propagate = False
-
-    result = run(args.layers, args.heads, args.steps, args.warmup, args.exporters)
+    with quiet_flashwatch_log():
+        result = run(args.layers, args.heads, args.steps, args.warmup, args.exporters)
+        if args.profile:
+            result["profile"] = profile_host_half(args.layers, args.heads, args.steps, args.warmup,
+                                                  args.exporters, args.profile)
     result["machine"] = {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                          "python": platform.python_version(), "torch": torch.__version__,
                          "system": f"{platform.system()} {platform.release()}"}
@@ -239,8 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     for phase, s in result["phases"].items():
         print(f"{phase:20s} {s['median_ms']:10.3f} {s['p95_ms']:10.3f} {s['mean_ms']:10.3f}")
     if args.profile:
-        result["profile"] = profile_host_half(args.layers, args.heads, args.steps, args.warmup, args.exporters,
-                                              args.profile)
         print(result["profile"])
     if args.json:
         with open(args.json, "w") as f:

@@ -144,8 +144,10 @@ def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was()
 def test_host_half_times_every_phase_of_a_monitored_step_on_the_cpu(tmp_path, capsys):
     """benchmarks/host_half.py: a real Monitor on a tiny GPT, every step monitored and measured
     (no error counted), each phase timed; with an exporter the snapshot and the record are made
-    inside the host half, without one they are not; --profile prints the host half's hot spots."""
+    inside the host half, without one they are not; --profile prints the host half's hot spots;
+    the "flashwatch" logger is left as it was."""
     import json
+    import logging
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -153,6 +155,7 @@ def test_host_half_times_every_phase_of_a_monitored_step_on_the_cpu(tmp_path, ca
     finally:
         sys.path.pop(0)
     out = tmp_path / "host_half.json"
+    handlers, propagate = logging.getLogger("flashwatch").handlers[:], logging.getLogger("flashwatch").propagate
     assert host_half.main(["--layers", "2", "--heads", "3", "--steps", "4", "--warmup", "1", "--exporters", "jsonl",
                            "--profile", "5", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -170,3 +173,5 @@ def test_host_half_times_every_phase_of_a_monitored_step_on_the_cpu(tmp_path, ca
     assert phases["snapshot"]["median_ms"] == phases["record"]["median_ms"] == phases["exporters"]["median_ms"] == 0
     with pytest.raises(SystemExit):
         host_half.main(["--heads", "0"])
+    logger = logging.getLogger("flashwatch")  # left as it was: later tests read its handlers
+    assert (logger.handlers, logger.propagate) == (handlers, propagate)
