@@ -16,6 +16,7 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .attach import AttentionLayer
@@ -43,15 +44,17 @@ class Readings:
     loss_given: bool
     grad_norm_given: bool
 
-    def per_layer(self, heads: list[int]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        """Each layer's readings, ``{field: (H,) tensor}`` over ``FIELDS``, and W^Q norms (H,), for
-        layers of ``heads`` heads side by side."""
+    def per_layer(self, heads: list[int]) -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
+        """Each layer's readings, ``{field: (H,) float64 array}`` over ``FIELDS``, and W^Q norms
+        (H,), for layers of ``heads`` heads side by side: views of ``values`` and ``sigma`` (numpy
+        arrays, which the host half computes with)."""
+        values = self.values.to(torch.float64).numpy()
+        sigma = self.sigma.to(torch.float64).numpy()
         out, offset = [], 0
         for h in heads:
-            cols = slice(offset, offset + h)
+            block = values[:, offset: offset + h]
+            out.append((dict(zip(FIELDS, block)), sigma[offset: offset + h]))
             offset += h
-            values = self.values[:, cols]
-            out.append(({name: values[i] for i, name in enumerate(FIELDS)}, self.sigma[cols]))
         return out
 
 

@@ -297,6 +297,8 @@ class DeltaDriftDetector(Detector):
                 ready = count[h] >= self.warmup
                 on_cum = abs(z[h]) >= self.threshold
                 on_win = self.window_threshold is not None and abs(zw[h]) >= self.window_threshold
+                if not (ready and (on_cum or on_win)) and (ls.layer, h) not in self._active:
+                    continue  # nothing to start or to hold: _judge would do nothing
                 holds = abs(z[h]) >= hold or (whold is not None and abs(zw[h]) >= whold)
                 value, thr, which = (z[h], self.threshold, "z") if on_cum or not on_win else \
                     (zw[h], self.window_threshold, "windowed z")
@@ -358,6 +360,8 @@ class RepeatedMaxRiseDetector(Detector):
                 continue
             for h, r in enumerate(ratio):
                 thr = max(self.factor * base[h], base[h] + self.margin)
+                if not (math.isfinite(r) and r >= thr) and (ls.layer, h) not in self._active:
+                    continue  # nothing to start or to hold: _judge would do nothing
                 hold = _hold_threshold(thr, self.clear_ratio)
 
                 def make(h=h, r=r, thr=thr):
@@ -404,7 +408,10 @@ class _PerHeadAbove(Detector):
         for ls in signals.layers:
             if not ls.seen:
                 continue
+            active = self._active
             for h, v in enumerate(self._values(ls).tolist()):
+                if not v >= self.threshold and (ls.layer, h) not in active:
+                    continue  # below the threshold or NaN, no alert to hold: _judge would do nothing
                 finite = math.isfinite(v)
                 alert = self._judge((ls.layer, h), finite and v >= self.threshold, finite and v >= hold,
                                     lambda h=h, v=v: self._alert(signals.step, ls.layer, h, v, self.threshold,
@@ -499,6 +506,9 @@ class NonFiniteDetector(Detector):
                       "wq_spectral_norm": ls.wq_sigma.tolist()}
             if not ls.delta_measured:  # NaN there means "not measured" (attention dropout), not divergence
                 fields["delta_error"] = [0.0] * len(fields["delta_error"])
+            if not any(key[0] == ls.layer for key in self._active) and \
+                    all(math.isfinite(v) for vals in fields.values() for v in vals):
+                continue  # every value finite, no alert to hold: _judge would do nothing
             for h in range(len(fields["delta_error"])):
                 names = [n for n, vals in fields.items() if not math.isfinite(vals[h])]
                 value = fields[names[0]][h] if names else 0.0

@@ -156,7 +156,7 @@ class Monitor:
         self._failed_in_a_row = 0  # monitored steps failed since the last one that worked
         self._error_kinds: set[str] = set()
         self._warned: set = set()
-        self._last: dict | None = None
+        self._last = None  # the latest decided step as plain data (host_record), made when first read
         self._pending_state: dict | None = None  # from load_state_dict() before attach
         self._detached_state: dict | None = None  # from detach(): attaching the same layers again continues
         self._pending: Pending | None = None  # a monitored step whose host copy is on its way (CUDA)
@@ -551,7 +551,8 @@ class Monitor:
         readings = []
         per_layer = got.per_layer([layer.total_heads for layer in self.layers])
         for layer, variant, calls, (fields, sigma) in zip(self.layers, ran, coverage, per_layer):
-            self._warn_unseen(t, layer, fields["rows"])
+            if not fields["rows"].sum() > 0:
+                self._warn_unseen(t, layer)
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
                                          low_precision=layer.low_precision, variant=variant, calls=calls))
@@ -559,15 +560,26 @@ class Monitor:
         signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=grad_norm,
                                       readings=readings, loss_given=got.loss_given, grad_norm_given=grad_norm_given)
         new = self._decisions.judge(t, signals, self._wq.unmeasured if self._wq else set(), self._reporting)
-        self._last = host_record(signals)
+        self._last = None
+        self._last_signals = signals  # host_record(signals) when first read (_last): most steps nobody reads it
         self._decisions.auto_fix(t, self.global_step + 1, self.layers, new, self._reporting, defer=defer)
-        self._fan.export(StepRecord(step=t, time=time.time(), snapshot=self.snapshot(), new_alerts=list(new),
-                                    active_alerts=self.active_alerts))
+        if self._fan.exporters:  # the snapshot is made for them (snapshot() makes it again on request)
+            self._fan.export(StepRecord(step=t, time=time.time(), snapshot=self.snapshot(), new_alerts=list(new),
+                                        active_alerts=self.active_alerts))
         return new
 
-    def _warn_unseen(self, t: int, layer: AttentionLayer, rows: torch.Tensor) -> None:
-        if bool(rows.sum() > 0):
-            return
+    @property
+    def _last(self) -> dict | None:
+        """The latest decided monitored step as plain data (``host_record``), None before the first."""
+        if self._last_signals is not None:
+            self._last_record, self._last_signals = host_record(self._last_signals), None
+        return self._last_record
+
+    @_last.setter
+    def _last(self, record: dict | None) -> None:
+        self._last_record, self._last_signals = record, None
+
+    def _warn_unseen(self, t: int, layer: AttentionLayer) -> None:
         self._warn_once((layer.index, "no_call"),
                         "flashwatch: layer %d (%s) saw no measured attention call during monitored step %d: does the "
                         "model call torch.nn.functional.scaled_dot_product_attention (Hugging Face: "
@@ -610,6 +622,8 @@ class Monitor:
     def last_decided_step(self) -> int | None:
         """The optimizer step of the latest decided monitored step (what ``snapshot()`` shows);
         None before the first. Host data: reading it never waits for the device."""
+        if self._last_signals is not None:
+            return int(self._last_signals.step)
         return None if self._last is None else int(self._last["step"])
 
     def snapshot(self) -> dict:

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["Ring", "host_tensor", "DriftTracker", "drift_z", "PowerIteration", "orthonormalize", "top_eigenvalue", "top_eigenvector", "spectral_norm_exact", "SigmaHistory",
@@ -31,10 +32,33 @@ __all__ = ["Ring", "host_tensor", "DriftTracker", "drift_z", "PowerIteration", "
 _TINY = 1e-30  # keeps divisions defined for an all-zero head (such a head keeps its old vectors)
 
 
+# The host-side signals are computed with numpy on float64 arrays: a monitored step's host half
+# runs a few hundred operations on vectors of a layer's heads, where a numpy operation costs a
+# fraction of a torch one's dispatch (docs/PERFORMANCE.md). The torch functions below wrap them.
+# Square roots, logarithms and sums over time are left to torch (``_torch``): its vectorised sqrt
+# and log and its blocked sums round differently from numpy's in the last bit, and the values
+# stay those torch computes.
+
+
+def _torch(fn, *arrays: np.ndarray) -> np.ndarray:
+    """``fn`` applied by torch to float64 arrays (no copies), as an array."""
+    return fn(*(torch.from_numpy(a) for a in arrays)).numpy()
+
+
 def drift_z(cumulative: torch.Tensor, sum_sq: torch.Tensor) -> torch.Tensor:
     """z = C / sqrt(S) per head, 0 where S == 0 (no error seen). Shapes (H,) -> (H,)."""
-    safe = torch.where(sum_sq > 0, sum_sq, torch.ones_like(sum_sq))
-    return torch.where(sum_sq > 0, cumulative / safe.sqrt(), torch.zeros_like(cumulative))
+    return torch.from_numpy(drift_z_array(_f64(cumulative), _f64(sum_sq)))
+
+
+def drift_z_array(cumulative: np.ndarray, sum_sq: np.ndarray) -> np.ndarray:
+    """``drift_z`` on float64 arrays (H,) -> (H,)."""
+    seen = sum_sq > 0
+    return np.where(seen, cumulative / _torch(torch.sqrt, np.where(seen, sum_sq, 1.0)), 0.0)
+
+
+def _f64(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as a float64 array (a view where it already is one)."""
+    return t.detach().to(device="cpu", dtype=torch.float64).numpy()
 
 
 def host_tensor(saved: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -62,20 +86,51 @@ class Ring:
         self.pos = 0  # next row to write
         self.filled = 0  # rows written so far, at most length
 
-    def push(self, row: torch.Tensor) -> None:
-        self.buffer[self.pos] = row
-        self.pos = (self.pos + 1) % self.buffer.shape[0]
-        self.filled = min(self.filled + 1, self.buffer.shape[0])
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The (length, width) float64 storage (rows in write order, not chronological)."""
+        return self._buffer
+
+    @buffer.setter
+    def buffer(self, value: torch.Tensor) -> None:
+        self._buffer = value
+        self._array = value.numpy()  # the same memory, for the host-side arithmetic
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_array"]  # a view of _buffer: made again from it, so they share memory again
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.buffer = self._buffer
+
+    def push(self, row: torch.Tensor | np.ndarray) -> None:
+        self._array[self.pos] = _f64(row) if isinstance(row, torch.Tensor) else row
+        self.pos = (self.pos + 1) % self._array.shape[0]
+        self.filled = min(self.filled + 1, self._array.shape[0])
 
     def values(self) -> torch.Tensor:
         """Rows in chronological order, oldest first: (filled, width)."""
-        if self.filled < self.buffer.shape[0]:
-            return self.buffer[: self.filled]
-        return torch.cat([self.buffer[self.pos:], self.buffer[: self.pos]])
+        return torch.from_numpy(self.array_values())
+
+    def array_values(self) -> np.ndarray:
+        """``values()`` as a float64 array (a view of the storage until the ring is full)."""
+        if self.filled < self._array.shape[0]:
+            return self._array[: self.filled]
+        return np.concatenate([self._array[self.pos:], self._array[: self.pos]])
+
+    def oldest(self) -> np.ndarray:
+        """The oldest row kept (width,), a view; the ring must hold at least one."""
+        return self._array[self.pos if self.full else 0]
+
+    def newest(self) -> np.ndarray:
+        """The row pushed last (width,), a view; the ring must hold at least one."""
+        return self._array[self.pos - 1]
 
     @property
     def full(self) -> bool:
-        return self.filled == self.buffer.shape[0]
+        return self.filled == self._array.shape[0]
 
     def state_dict(self) -> dict:
         return {"buffer": self.buffer.clone(), "pos": self.pos, "filled": self.filled}
@@ -108,25 +163,37 @@ class DriftTracker:
 
     def update(self, e: torch.Tensor) -> torch.Tensor:
         """Add one monitored step's e_t (H,) float64; returns the finite mask (H,) bool."""
-        e = e.to(torch.float64)
-        finite = torch.isfinite(e)
-        e0 = torch.where(finite, e, torch.zeros_like(e))
-        self.cumulative += e0
-        self.sum_sq += e0 * e0
-        self.count += finite.to(torch.int64)
+        return torch.from_numpy(self.add(_f64(e)))
+
+    def add(self, e: np.ndarray) -> np.ndarray:
+        """``update`` on a float64 array (H,); returns the finite mask (H,) bool as an array."""
+        finite = np.isfinite(e)
+        e0 = np.where(finite, e, 0.0)
+        cumulative, sum_sq, count = self.cumulative.numpy(), self.sum_sq.numpy(), self.count.numpy()
+        cumulative += e0  # in place: the tensors share this memory
+        sum_sq += e0 * e0
+        count += finite
         self.ring.push(e0)
         return finite
 
     @property
     def z(self) -> torch.Tensor:
         """Cumulative drift z_T (H,)."""
-        return drift_z(self.cumulative, self.sum_sq)
+        return torch.from_numpy(self.z_array())
 
     @property
     def window_z(self) -> torch.Tensor:
         """Drift z over the last W monitored steps (H,)."""
-        w = self.ring.values()
-        return drift_z(w.sum(0), (w * w).sum(0))
+        return torch.from_numpy(self.window_z_array())
+
+    def z_array(self) -> np.ndarray:
+        """``z`` as a float64 array."""
+        return drift_z_array(self.cumulative.numpy(), self.sum_sq.numpy())
+
+    def window_z_array(self) -> np.ndarray:
+        """``window_z`` as a float64 array."""
+        w = self.ring.array_values()
+        return drift_z_array(_torch(_sum_time, w), _torch(_sum_time, w * w))
 
     def state_dict(self) -> dict:
         return {"cumulative": self.cumulative.clone(), "sum_sq": self.sum_sq.clone(), "count": self.count.clone(),
@@ -277,15 +344,18 @@ class SigmaHistory:
         self.window = window
         self.ring = Ring(window + 1, num_heads)
 
-    def update(self, sigma: torch.Tensor) -> None:
-        self.ring.push(sigma.to(torch.float64))
+    def update(self, sigma: torch.Tensor | np.ndarray) -> None:
+        self.ring.push(_f64(sigma) if isinstance(sigma, torch.Tensor) else sigma)
 
     @property
     def growth(self) -> torch.Tensor:
-        values = self.ring.values()
+        return torch.from_numpy(self.growth_array())
+
+    def growth_array(self) -> np.ndarray:
+        """``growth`` as a float64 array."""
         if not self.ring.full:
-            return torch.full((values.shape[1],), float("nan"), dtype=torch.float64)
-        return values[-1] / values[0]
+            return np.full(self.ring.buffer.shape[1], np.nan)
+        return self.ring.newest() / self.ring.oldest()
 
     def state_dict(self) -> dict:
         return {"ring": self.ring.state_dict()}
@@ -300,12 +370,31 @@ def ratio_to_median(sigma: torch.Tensor) -> torch.Tensor:
     The median of an even number of heads is the mean of the two middle ones; non-finite
     heads are left out of the median (and get a non-finite ratio).
     """
-    x = sigma.to(torch.float64)
-    finite = x[torch.isfinite(x)]
-    if finite.numel() == 0:
-        return torch.full_like(x, float("nan"))
-    med = torch.quantile(finite, 0.5)
-    return x / med if med > 0 else torch.full_like(x, float("nan"))
+    return torch.from_numpy(ratio_to_median_array(_f64(sigma)))
+
+
+def ratio_to_median_array(x: np.ndarray) -> np.ndarray:
+    """``ratio_to_median`` on float64 arrays: (..., H) -> (..., H), each row over its own median."""
+    if x.ndim > 1:
+        if np.isfinite(x).all():  # the usual case, in one sort
+            return _over_median(x, np.sort(x, axis=-1))
+        return np.stack([ratio_to_median_array(row) for row in x.reshape(-1, x.shape[-1])]).reshape(x.shape)
+    return _over_median(x, np.sort(x[np.isfinite(x)]))
+
+
+def _over_median(x: np.ndarray, finite_sorted: np.ndarray) -> np.ndarray:
+    """x (..., H) over the median of finite_sorted (..., n) along the last axis; NaN where it is
+    not > 0 or n == 0."""
+    n = finite_sorted.shape[-1]
+    if n == 0:
+        return np.full(x.shape, np.nan)
+    # the median as torch.quantile(q=0.5) computes it: a linear interpolation (torch.lerp's
+    # formula) between the two middle values, weight 0.5 for an even count
+    lo, hi = finite_sorted[..., (n - 1) // 2], finite_sorted[..., n // 2]
+    med = lo if n % 2 else hi - (hi - lo) * 0.5
+    med = np.asarray(med)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(med > 0, x / np.where(med > 0, med, 1.0), np.nan)
 
 
 def linear_slope(series: torch.Tensor) -> torch.Tensor:
@@ -314,9 +403,20 @@ def linear_slope(series: torch.Tensor) -> torch.Tensor:
     NaN for T < 2. A trend helper for reports and exporters (e.g. "max logit rising by 2 per
     monitored step").
     """
-    y = series.to(torch.float64)
-    t = y.shape[0]
+    return torch.from_numpy(linear_slope_array(_f64(series)))
+
+
+def linear_slope_array(y: np.ndarray) -> np.ndarray:
+    """``linear_slope`` on float64 arrays: (..., T, H) -> (..., H), each (T, H) series alone
+    (batched series give the same values as one at a time)."""
+    t = y.shape[-2]
     if t < 2:
-        return torch.full((y.shape[1],), float("nan"), dtype=torch.float64)
-    x = torch.arange(t, dtype=torch.float64) - (t - 1) / 2.0
-    return (x.unsqueeze(1) * (y - y.mean(0))).sum(0) / (x * x).sum()
+        return np.full(y.shape[:-2] + y.shape[-1:], np.nan)
+    x = np.arange(t, dtype=np.float64) - (t - 1) / 2.0
+    centred = y - _torch(lambda v: v.mean(-2, keepdim=True), y)
+    return _torch(_sum_time, x[:, None] * centred) / _torch(torch.sum, x * x)
+
+
+def _sum_time(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the time axis of (..., T, H) series."""
+    return t.sum(-2)

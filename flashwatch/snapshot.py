@@ -7,6 +7,8 @@ of ``flashwatch.metrics.METRICS`` that every exporter reads.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any, Iterable
 
@@ -44,20 +46,31 @@ EXTRA_SIGNALS: dict[str, str] = {
 }
 
 
+_ATTRS = sorted(set(PER_HEAD_METRICS.values()) | set(EXTRA_SIGNALS.values()))
+
+
 def _values(t: Any, heads: int) -> list[float]:
-    return [math.nan] * heads if t is None else [float(x) for x in t.tolist()]
+    if t is None:
+        return [math.nan] * heads
+    values = t.tolist()  # Python floats already for a floating-point tensor (all of one type)
+    return values if not values or type(values[0]) is float else [float(x) for x in values]
 
 
 def host_record(s: StepSignals) -> dict:
     """The monitored step as plain data: step, loss, grad_norm and ``per_head[attr][layer][head]``."""
-    attrs = sorted(set(PER_HEAD_METRICS.values()) | set(EXTRA_SIGNALS.values()))
-    per_head: dict[str, list] = {a: [] for a in attrs}
+    per_head: dict[str, list] = {a: [] for a in _ATTRS}
     for ls in s.layers:
         heads = len(ls.rows)
-        for a in attrs:
+        for a in _ATTRS:
             per_head[a].append(_values(getattr(ls, a), heads))
     return {"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "per_head": per_head,
             "coverage": [float(ls.coverage) for ls in s.layers]}
+
+
+@functools.lru_cache(maxsize=8)
+def _head_keys(heads: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """The (layer, head) labels of layers of ``heads`` heads, in record order (made once per shape)."""
+    return tuple((layer, head) for layer, n in enumerate(heads) for head in range(n))
 
 
 def _per_head(record: dict | None, attr: str) -> dict:
@@ -66,7 +79,8 @@ def _per_head(record: dict | None, attr: str) -> dict:
     rows = record["per_head"].get(attr)
     if rows is None:  # a record saved before this signal existed
         rows = [[math.nan] * len(r) for r in record["per_head"]["rows"]]
-    return {(layer, head): float(v) for layer, vals in enumerate(rows) for head, v in enumerate(vals)}
+    keys = _head_keys(tuple(len(vals) for vals in rows))
+    return dict(zip(keys, map(float, itertools.chain.from_iterable(rows))))
 
 
 def snapshot(record: dict | None, variants: dict[int, str], variant_labels: Iterable[str],

@@ -139,3 +139,39 @@ def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "benchmarks",
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_host_half_times_every_phase_of_a_monitored_step_on_the_cpu(tmp_path, capsys):
+    """benchmarks/host_half.py: a real Monitor on a tiny GPT, every step monitored and measured
+    (no error counted), each phase timed; with an exporter the snapshot and the record are made
+    inside the host half, without one they are not; --profile prints the host half's hot spots;
+    the "flashwatch" logger is left as it was."""
+    import json
+    import logging
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_half
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "host_half.json"
+    handlers, propagate = logging.getLogger("flashwatch").handlers[:], logging.getLogger("flashwatch").propagate
+    assert host_half.main(["--layers", "2", "--heads", "3", "--steps", "4", "--warmup", "1", "--exporters", "jsonl",
+                           "--profile", "5", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["heads"] == 6 and result["steps"] == 4 and result["exporters"] == ["jsonl"]
+    phases = result["phases"]
+    assert set(phases) == {*host_half.PHASES, host_half.WITHOUT_EXPORT, host_half.TOTAL}
+    for phase in ("signals", "decide", "record", "snapshot", "exporters", host_half.TOTAL):
+        assert phases[phase]["median_ms"] > 0, phase
+    assert phases[host_half.WITHOUT_EXPORT]["median_ms"] < phases[host_half.TOTAL]["median_ms"]
+    assert "function calls" in result["profile"] and "host half" in capsys.readouterr().out
+
+    assert host_half.main(["--layers", "1", "--heads", "2", "--steps", "2", "--warmup", "0", "--json", str(out)]) == 0
+    phases = json.loads(out.read_text())["phases"]
+    assert phases["signals"]["median_ms"] > 0
+    assert phases["snapshot"]["median_ms"] == phases["record"]["median_ms"] == phases["exporters"]["median_ms"] == 0
+    with pytest.raises(SystemExit):
+        host_half.main(["--heads", "0"])
+    logger = logging.getLogger("flashwatch")  # left as it was: later tests read its handlers
+    assert (logger.handlers, logger.propagate) == (handlers, propagate)

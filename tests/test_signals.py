@@ -191,3 +191,61 @@ def test_linear_slope():
     series = torch.stack([2 * t + 1, -t, torch.zeros(5, dtype=F64)], dim=1)
     assert linear_slope(series).tolist() == pytest.approx([2.0, -1.0, 0.0])
     assert torch.isnan(linear_slope(series[:1])).all()
+
+
+def test_signal_builder_gives_each_layer_what_it_would_get_alone():
+    """Layers of one head count are computed together; each layer's signals and saved state are
+    bit for bit those of a builder of that layer alone, also when the layers' windows fill at
+    different steps (a layer unseen at some steps, a step without a measured delta error, no chain),
+    with NaN and inf readings, and across a save and load."""
+    import dataclasses
+
+    from flashwatch.step_signals import LayerReading, SignalBuilder
+
+    heads, window = [12, 12, 12, 3], 24  # a window long enough for torch to sum it in blocks
+    g = torch.Generator().manual_seed(5)
+
+    def draw(h, scale=1.0):
+        return torch.randn(h, generator=g, dtype=F64) * scale
+
+    together = SignalBuilder(heads, window)
+    alone = [SignalBuilder([h], window) for h in heads]
+    for step in range(0, 270, 3):
+        readings = []
+        for layer, h in enumerate(heads):
+            rows = torch.full((h,), 0.0 if (step // 3 + layer) % 7 == 0 else 32.0, dtype=F64)
+            stats = {"rows": rows, "repeated_max_rows": draw(h).abs().round(), "repeated_max_rows_bf16": draw(h).abs(),
+                     "repeated_max_rows_format": draw(h).abs(), "max_logit": draw(h).abs() * 4,
+                     "delta_error": draw(h, 1e-3)}
+            if step % 11 == layer:
+                stats["delta_error"][0], stats["max_logit"][-1] = math.nan, math.inf
+            chain = None if (step + layer) % 5 == 0 else {"push": draw(h, 1e-4), "push_true": draw(h, 1e-3),
+                                                          "alignment": draw(h), "coherence": draw(h).abs()}
+            calls = (2, 0) if (step + layer) % 9 == 0 else (2, 2)
+            readings.append(LayerReading(stats=stats, sigma=1.0 + draw(h).abs() + 0.01 * step, chain=chain,
+                                         low_precision=True, variant="sdpa", calls=calls))
+        got = together.build(step=step, index=step // 3, loss=1.0, grad_norm=1.0, readings=readings).layers
+        for layer, (builder, reading) in enumerate(zip(alone, readings)):
+            want = builder.build(step=step, index=step // 3, loss=1.0, grad_norm=1.0, readings=[reading]).layers[0]
+            for f in dataclasses.fields(want):
+                a, b = getattr(got[layer], f.name), getattr(want, f.name)
+                if f.name == "layer":
+                    assert a == layer and b == 0
+                elif isinstance(b, torch.Tensor):
+                    assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()), (step, layer, f.name)
+                    assert torch.equal(a.nan_to_num(), b.nan_to_num()), (step, layer, f.name)
+                else:
+                    assert a == b or (a != a and b != b), (step, layer, f.name)
+        if step == 120:  # a resume: the state goes out and back in, layer by layer
+            saved = together.state_dict()
+            together = SignalBuilder(heads, window)
+            together.load_state_dict(saved)
+    for saved, builder in zip(together.state_dict(), alone):
+        mine = builder.state_dict()[0]
+
+        def flat(d, prefix=""):
+            for k, v in d.items():
+                yield from (flat(v, prefix + k + ".") if isinstance(v, dict) else [(prefix + k, v)])
+        assert [k for k, _ in flat(saved)] == [k for k, _ in flat(mine)]
+        for (k, a), (_, b) in zip(flat(saved), flat(mine)):
+            assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), k

@@ -39,6 +39,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 import math
@@ -83,6 +85,18 @@ def _plain(x: Any) -> Any:
     return str(x)
 
 
+@functools.lru_cache(maxsize=8)
+def _head_keys(heads: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(layer, head) of every head of layers of ``heads`` heads, layer by layer (made once per layout)."""
+    return tuple((layer, head) for layer, n in enumerate(heads) for head in range(n))
+
+
+@functools.lru_cache(maxsize=8)
+def _starts(heads: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each layer's heads start in ``_head_keys(heads)``."""
+    return tuple(itertools.accumulate((0,) + heads[:-1]))
+
+
 def encode_metrics(snapshot: Mapping[str, Any], layout: Layout | None = None) -> dict:
     """The ``metrics`` object of a step record, from a ``Monitor.snapshot()``."""
     heads_per_layer = [h for _, h in layout.layers] if layout is not None else []
@@ -92,6 +106,12 @@ def encode_metrics(snapshot: Mapping[str, Any], layout: Layout | None = None) ->
             out[spec.name] = _num(value)
         elif spec.per_head:
             shape = list(heads_per_layer)
+            keys = _head_keys(tuple(shape))
+            if len(value) == len(keys) and tuple(value) == keys:  # the usual case: the layout's heads in order
+                # finite floats as they are (x - x == 0 holds for them only), the others by _num
+                flat = [x if x - x == 0.0 else _num(x) for x in map(float, value.values())]
+                out[spec.name] = [flat[start: start + n] for start, n in zip(_starts(tuple(shape)), shape)]
+                continue
             for layer, head in value:
                 while len(shape) <= layer:
                     shape.append(0)

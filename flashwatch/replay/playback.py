@@ -2,7 +2,7 @@
 
 A run folder (``records``) holds every monitored step's per-head readings. ``build_signals``
 rebuilds the ``StepSignals`` the Monitor built from them, with the Monitor's own signal code
-(``DriftTracker``, ``SigmaHistory``, ``ratio_to_median``); ``replay`` feeds them to the
+(``flashwatch.step_signals.SignalBuilder``); ``replay`` feeds them to the
 detectors that ``build_detectors`` makes from a ``MonitorConfig``. A replay with the run's own
 configuration reproduces its in-training alerts exactly (``runs.analyze_run`` checks it per
 run: ``replay_matches``); a replay with other thresholds shows what they would have done.
