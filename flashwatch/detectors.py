@@ -297,7 +297,8 @@ class DeltaDriftDetector(Detector):
                 ready = count[h] >= self.warmup
                 on_cum = abs(z[h]) >= self.threshold
                 on_win = self.window_threshold is not None and abs(zw[h]) >= self.window_threshold
-                if not (ready and (on_cum or on_win)) and (ls.layer, h) not in self._active:
+                fires = ready and (on_cum or on_win)
+                if not fires and (ls.layer, h) not in self._active:
                     continue  # nothing to start or to hold: _judge would do nothing
                 holds = abs(z[h]) >= hold or (whold is not None and abs(zw[h]) >= whold)
                 value, thr, which = (z[h], self.threshold, "z") if on_cum or not on_win else \
@@ -312,7 +313,7 @@ class DeltaDriftDetector(Detector):
                         "a failure is likelier if repeated_max_rise or max_logit follow; "
                         "remedy: variant 'fp32_delta'")
 
-                alert = self._judge((ls.layer, h), ready and (on_cum or on_win), holds, make)
+                alert = self._judge((ls.layer, h), fires, holds, make)
                 if alert:
                     out.append(alert)
         return out
@@ -360,7 +361,8 @@ class RepeatedMaxRiseDetector(Detector):
                 continue
             for h, r in enumerate(ratio):
                 thr = max(self.factor * base[h], base[h] + self.margin)
-                if not (math.isfinite(r) and r >= thr) and (ls.layer, h) not in self._active:
+                fires = math.isfinite(r) and r >= thr
+                if not fires and (ls.layer, h) not in self._active:
                     continue  # nothing to start or to hold: _judge would do nothing
                 hold = _hold_threshold(thr, self.clear_ratio)
 
@@ -371,7 +373,7 @@ class RepeatedMaxRiseDetector(Detector):
                         f"{base[h]:.1%} (threshold {thr:.1%}): ties at the row max are what make BF16 "
                         "rounding of P_bar V one-sided")
 
-                alert = self._judge((ls.layer, h), math.isfinite(r) and r >= thr, math.isfinite(r) and r >= hold, make)
+                alert = self._judge((ls.layer, h), fires, math.isfinite(r) and r >= hold, make)
                 if alert:
                     out.append(alert)
         return out

@@ -19,6 +19,7 @@ kernel variant, ``(layer,)`` for the attention coverage, ``(rule,)`` for the ale
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -143,3 +144,10 @@ def markdown_table() -> str:
 
 if __name__ == "__main__":
     print(markdown_table())
+
+
+@functools.lru_cache(maxsize=8)
+def head_keys(heads: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """The (layer, head) labels of layers of ``heads`` heads, layer by layer: the order of a
+    record's and a snapshot's per-head values (made once per shape)."""
+    return tuple((layer, head) for layer, n in enumerate(heads) for head in range(n))

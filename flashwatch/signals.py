@@ -86,51 +86,20 @@ class Ring:
         self.pos = 0  # next row to write
         self.filled = 0  # rows written so far, at most length
 
-    @property
-    def buffer(self) -> torch.Tensor:
-        """The (length, width) float64 storage (rows in write order, not chronological)."""
-        return self._buffer
-
-    @buffer.setter
-    def buffer(self, value: torch.Tensor) -> None:
-        self._buffer = value
-        self._array = value.numpy()  # the same memory, for the host-side arithmetic
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        del state["_array"]  # a view of _buffer: made again from it, so they share memory again
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.buffer = self._buffer
-
-    def push(self, row: torch.Tensor | np.ndarray) -> None:
-        self._array[self.pos] = _f64(row) if isinstance(row, torch.Tensor) else row
-        self.pos = (self.pos + 1) % self._array.shape[0]
-        self.filled = min(self.filled + 1, self._array.shape[0])
+    def push(self, row: torch.Tensor) -> None:
+        self.buffer[self.pos] = row
+        self.pos = (self.pos + 1) % self.buffer.shape[0]
+        self.filled = min(self.filled + 1, self.buffer.shape[0])
 
     def values(self) -> torch.Tensor:
         """Rows in chronological order, oldest first: (filled, width)."""
-        return torch.from_numpy(self.array_values())
-
-    def array_values(self) -> np.ndarray:
-        """``values()`` as a float64 array (a view of the storage until the ring is full)."""
-        if self.filled < self._array.shape[0]:
-            return self._array[: self.filled]
-        return np.concatenate([self._array[self.pos:], self._array[: self.pos]])
-
-    def oldest(self) -> np.ndarray:
-        """The oldest row kept (width,), a view; the ring must hold at least one."""
-        return self._array[self.pos if self.full else 0]
-
-    def newest(self) -> np.ndarray:
-        """The row pushed last (width,), a view; the ring must hold at least one."""
-        return self._array[self.pos - 1]
+        if self.filled < self.buffer.shape[0]:
+            return self.buffer[: self.filled]
+        return torch.cat([self.buffer[self.pos:], self.buffer[: self.pos]])
 
     @property
     def full(self) -> bool:
-        return self.filled == self._array.shape[0]
+        return self.filled == self.buffer.shape[0]
 
     def state_dict(self) -> dict:
         return {"buffer": self.buffer.clone(), "pos": self.pos, "filled": self.filled}
@@ -163,37 +132,25 @@ class DriftTracker:
 
     def update(self, e: torch.Tensor) -> torch.Tensor:
         """Add one monitored step's e_t (H,) float64; returns the finite mask (H,) bool."""
-        return torch.from_numpy(self.add(_f64(e)))
-
-    def add(self, e: np.ndarray) -> np.ndarray:
-        """``update`` on a float64 array (H,); returns the finite mask (H,) bool as an array."""
-        finite = np.isfinite(e)
-        e0 = np.where(finite, e, 0.0)
-        cumulative, sum_sq, count = self.cumulative.numpy(), self.sum_sq.numpy(), self.count.numpy()
-        cumulative += e0  # in place: the tensors share this memory
-        sum_sq += e0 * e0
-        count += finite
+        e = e.to(torch.float64)
+        finite = torch.isfinite(e)
+        e0 = torch.where(finite, e, torch.zeros_like(e))
+        self.cumulative += e0
+        self.sum_sq += e0 * e0
+        self.count += finite.to(torch.int64)
         self.ring.push(e0)
         return finite
 
     @property
     def z(self) -> torch.Tensor:
         """Cumulative drift z_T (H,)."""
-        return torch.from_numpy(self.z_array())
+        return drift_z(self.cumulative, self.sum_sq)
 
     @property
     def window_z(self) -> torch.Tensor:
         """Drift z over the last W monitored steps (H,)."""
-        return torch.from_numpy(self.window_z_array())
-
-    def z_array(self) -> np.ndarray:
-        """``z`` as a float64 array."""
-        return drift_z_array(self.cumulative.numpy(), self.sum_sq.numpy())
-
-    def window_z_array(self) -> np.ndarray:
-        """``window_z`` as a float64 array."""
-        w = self.ring.array_values()
-        return drift_z_array(_torch(_sum_time, w), _torch(_sum_time, w * w))
+        w = self.ring.values()
+        return drift_z(_sum_time(w), _sum_time(w * w))
 
     def state_dict(self) -> dict:
         return {"cumulative": self.cumulative.clone(), "sum_sq": self.sum_sq.clone(), "count": self.count.clone(),
@@ -344,18 +301,15 @@ class SigmaHistory:
         self.window = window
         self.ring = Ring(window + 1, num_heads)
 
-    def update(self, sigma: torch.Tensor | np.ndarray) -> None:
-        self.ring.push(_f64(sigma) if isinstance(sigma, torch.Tensor) else sigma)
+    def update(self, sigma: torch.Tensor) -> None:
+        self.ring.push(sigma.to(torch.float64))
 
     @property
     def growth(self) -> torch.Tensor:
-        return torch.from_numpy(self.growth_array())
-
-    def growth_array(self) -> np.ndarray:
-        """``growth`` as a float64 array."""
+        values = self.ring.values()
         if not self.ring.full:
-            return np.full(self.ring.buffer.shape[1], np.nan)
-        return self.ring.newest() / self.ring.oldest()
+            return torch.full((values.shape[1],), float("nan"), dtype=torch.float64)
+        return values[-1] / values[0]
 
     def state_dict(self) -> dict:
         return {"ring": self.ring.state_dict()}

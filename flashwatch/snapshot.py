@@ -7,13 +7,12 @@ of ``flashwatch.metrics.METRICS`` that every exporter reads.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import Any, Iterable
 
 from .detectors import Alert, StepSignals
-from .metrics import METRICS
+from .metrics import METRICS, head_keys
 
 __all__ = ["PER_HEAD_METRICS", "EXTRA_SIGNALS", "host_record", "snapshot", "extra_signals"]
 
@@ -67,19 +66,13 @@ def host_record(s: StepSignals) -> dict:
             "coverage": [float(ls.coverage) for ls in s.layers]}
 
 
-@functools.lru_cache(maxsize=8)
-def _head_keys(heads: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """The (layer, head) labels of layers of ``heads`` heads, in record order (made once per shape)."""
-    return tuple((layer, head) for layer, n in enumerate(heads) for head in range(n))
-
-
 def _per_head(record: dict | None, attr: str) -> dict:
     if record is None:
         return {}
     rows = record["per_head"].get(attr)
     if rows is None:  # a record saved before this signal existed
         rows = [[math.nan] * len(r) for r in record["per_head"]["rows"]]
-    keys = _head_keys(tuple(len(vals) for vals in rows))
+    keys = head_keys(tuple(len(vals) for vals in rows))
     return dict(zip(keys, map(float, itertools.chain.from_iterable(rows))))
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from .. import __version__
-from ..metrics import present
+from ..metrics import head_keys, present
 from .appendfile import AppendFile
 from .base import Exporter, Layout, StepRecord, alert_to_dict
 from .jsonl_schema import (_INT_LABELS, _NONFINITE, ALERT_SCHEMA, CLOSE_SCHEMA, OPEN_SCHEMA, SCHEMA, SCHEMA_VERSION,
@@ -86,14 +86,8 @@ def _plain(x: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _head_keys(heads: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """(layer, head) of every head of layers of ``heads`` heads, layer by layer (made once per layout)."""
-    return tuple((layer, head) for layer, n in enumerate(heads) for head in range(n))
-
-
-@functools.lru_cache(maxsize=8)
 def _starts(heads: tuple[int, ...]) -> tuple[int, ...]:
-    """Where each layer's heads start in ``_head_keys(heads)``."""
+    """Where each layer's heads start in ``head_keys(heads)``."""
     return tuple(itertools.accumulate((0,) + heads[:-1]))
 
 
@@ -106,7 +100,7 @@ def encode_metrics(snapshot: Mapping[str, Any], layout: Layout | None = None) ->
             out[spec.name] = _num(value)
         elif spec.per_head:
             shape = list(heads_per_layer)
-            keys = _head_keys(tuple(shape))
+            keys = head_keys(tuple(shape))
             if len(value) == len(keys) and tuple(value) == keys:  # the usual case: the layout's heads in order
                 # finite floats as they are (x - x == 0 holds for them only), the others by _num
                 flat = [x if x - x == 0.0 else _num(x) for x in map(float, value.values())]
