@@ -224,7 +224,7 @@ def evaluate(run_dirs: list[Path], frozen: dict, require_complete: bool = False)
     for d in run_dirs:
         o = outcome(d)
         if o["blowup"] is not None and not o["confirmed"]:
-            excluded.append(str(d))
+            excluded.append({"run": str(d), "seed": read_run(d).get("seed"), "outcome": o})
             continue
         m = monitoring(d, o["blowup"])
         if require_complete and not m["complete"]:
@@ -482,8 +482,10 @@ def runs_markdown(result: dict) -> str:
         else:
             lines.append(f"| {v['seed']} | {o['blowup']:,} | {o['tail_median_loss']:.3f} / "
                          f"{o['best_median_before']:.3f} | {o['last_step'] + 1:,} | {measured} |")
-    for d in result.get("excluded_unconfirmed", []):
-        lines.append(f"| {d} | not confirmed (left out) | | | |")
+    for e in result.get("excluded_unconfirmed", []):
+        o = e["outcome"]
+        lines.append(f"| {e['seed']} | {o['blowup']:,}, not confirmed (left out) | {o['tail_median_loss']:.3f} / "
+                     f"{o['best_median_before']:.3f} | {o['last_step'] + 1:,} | |")
     for e in result.get("excluded_incomplete", []):
         m = e["monitoring"]
         lines.append(f"| {e['seed']} | monitoring incomplete (left out) | | | "

@@ -46,8 +46,9 @@ RUNS=/tmp/fw-runs
 fw() { python3 -m research.experiments "$@"; }
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 # the code that runs: a checkout's HEAD, or CODE_COMMIT written beside a `git archive` copy
-echo "code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+CODE="code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
+VERSIONS=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)")
+echo "$CODE"; echo "$VERSIONS"
 case "${1:-1}" in
 split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
@@ -68,11 +69,14 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4)
     # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)
     python3 -m pytest -q -p no:cacheprovider tests/test_resume_gpu.py > /tmp/resume-check.log 2>&1 \
       || { tail -30 /tmp/resume-check.log; echo "resume check failed: not starting the runs"; exit 1; }
-    tail -1 /tmp/resume-check.log
+    RESUME="resume check: $(tail -1 /tmp/resume-check.log)"; echo "$RESUME"
   fi
+  # the log starts with the code, the versions and the GPU: what ran where
+  { echo "$CODE"; echo "$VERSIONS"; echo "${RESUME:-}"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u; } \
+    > "$OUT/seed-split-$tag.log"
   fw seed-split "${what[@]}" --parallel ${SPLIT_PARALLEL:-8} --resumable --after-blowup 1000 \
      --max-seconds ${SPLIT_SECONDS:-480} --budget $(( ${SPLIT_SECONDS:-480} + 60 )) --out "$SPLIT_RUNS/$tag" \
-     --json "$SPLIT_RUNS/seed-split-$tag.json" 2>&1 | tee "$OUT/seed-split-$tag.log" | grep -v "^  \|Warning"
+     --json "$SPLIT_RUNS/seed-split-$tag.json" 2>&1 | tee -a "$OUT/seed-split-$tag.log" | grep -v "^  \|Warning"
   cp "$SPLIT_RUNS/seed-split-$tag.json" "$OUT/"
   # the recordings without checkpoints (what the claims need), every call, so nothing is lost; one
   # archive per ten seeds (seed20*, seed21*, ...), each under the 16 MiB a returned file may have

@@ -521,10 +521,11 @@ def test_the_fourth_protocol_leaves_incomplete_runs_out_of_every_count(monkeypat
     """evaluate(require_complete=True): a run whose monitoring failed before its blow-up (or end)
     is listed apart and counted nowhere; without the flag it is counted, its monitoring reported."""
     from research import early_warning as ew
-    runs = {"b1": (5000, True), "b2": (6000, False), "s1": (None, True), "s2": (None, False)}
-    monkeypatch.setattr(ew, "outcome", lambda d: {"blowup": runs[d.name][0], "confirmed": True,
+    runs = {"b1": (5000, True), "b2": (6000, False), "s1": (None, True), "s2": (None, False), "u1": (7000, True)}
+    monkeypatch.setattr(ew, "outcome", lambda d: {"blowup": runs[d.name][0], "confirmed": d.name != "u1",
                                                   "survivor": runs[d.name][0] is None, "last_step": 9999,
-                                                  "tail_median_loss": 1.0, "best_median_before": 0.5})
+                                                  "tail_median_loss": 0.6 if d.name == "u1" else 1.0,
+                                                  "best_median_before": 0.5})
     monkeypatch.setattr(ew, "monitoring", lambda d, upto: {"complete": runs[d.name][1], "failed_steps": 0 if
                                                            runs[d.name][1] else 9, "measured_through": 4000})
     monkeypatch.setattr(ew, "scores", lambda d, theta_coherence: {r: [(600, 9.0)] for r in (*ew.RULES, "qk_clip",
@@ -537,6 +538,29 @@ def test_the_fourth_protocol_leaves_incomplete_runs_out_of_every_count(monkeypat
     row = strict["table"]["max_logit"]
     assert (row["blowups"], row["survivors"], row["false_alarms"]) == (1, 1, 1)
     assert "monitoring incomplete (left out)" in ew.runs_markdown(strict)
+    # a blow-up that did not last is left out, listed by its seed with the numbers that decided it
+    assert [e["seed"] for e in strict["excluded_unconfirmed"]] == ["u1"]
+    assert "| u1 | 7,000, not confirmed (left out) | 0.600 / 0.500 | 10,000 | |" in ew.runs_markdown(strict)
     loose = ew.evaluate(dirs, frozen)
     assert loose["excluded_incomplete"] == [] and loose["monitoring_incomplete"] == ["b2", "s2"]
     assert (loose["table"]["max_logit"]["blowups"], loose["table"]["max_logit"]["survivors"]) == (2, 2)
+
+
+def test_a_run_records_the_pinned_commit_of_an_archived_copy(tmp_path):
+    """A `git archive` copy run from inside another checkout (research/gpu_batch.sh's pinned code)
+    records the commit written beside it, not the enclosing checkout's HEAD, and which copy ran."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "pinned"
+    shutil.copytree(root / "research", copy / "research", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "CODE_COMMIT").write_text("abc1234\n")
+    code = "from research.experiments.worker import _versions; import json; print(json.dumps(_versions()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(copy)})
+    assert out.returncode == 0, out.stderr
+    v = json.loads(out.stdout.strip().splitlines()[-1])
+    assert v["git_commit"] == "abc1234"
+    import flashwatch
+
+    assert v["flashwatch_path"] == str(Path(flashwatch.__file__).resolve().parent)

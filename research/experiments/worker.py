@@ -64,13 +64,18 @@ def _versions() -> dict:
         out["triton"] = triton.__version__
     except Exception:
         out["triton"] = None
-    from flashwatch import __version__
+    import flashwatch
 
-    out["flashwatch"] = __version__
+    out["flashwatch"] = flashwatch.__version__
+    out["flashwatch_path"] = str(Path(flashwatch.__file__).resolve().parent)  # which copy of the code ran
+    root = Path(__file__).resolve().parents[2]
+    pinned = root / "CODE_COMMIT"  # written beside a `git archive` copy (research/gpu_batch.sh), which has no .git
+    if pinned.is_file():
+        out["git_commit"] = pinned.read_text().strip() or None
+        return out
     try:
         import subprocess
 
-        root = Path(__file__).resolve().parents[2]
         out["git_commit"] = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True, timeout=5).stdout.strip() or None
     except Exception:
