@@ -22,6 +22,7 @@ TEST_1 = ROOT / "results/seed-split-2026-12-01/test.json"
 TEST_1_TABLE = ROOT / "results/seed-split-2026-12-01/test.md"
 TEST_2 = ROOT / "results/seed-split-2/test.json"
 TEST_2_TABLE = ROOT / "results/seed-split-2/test.md"
+TEST_4_SO_FAR = ROOT / "results/seed-split-4/interim-400-407.json"  # the fourth protocol's runs made so far
 TEST_2_SEEDS = 24  # the second protocol's test seeds (300-323)
 README_HEAD = "**What the early warning predicts: not proven.** "
 README_ANCHOR = "**What the early warning predicts:"  # where the paragraph starts, whatever its verdict
@@ -42,7 +43,17 @@ def _monitoring_sentence(*results: dict) -> str:
         return "Every run was measured at every monitored step."
     return (f"{len(cut)} of the {len(runs)} runs were measured only to their first resume (steps "
             f"{cut[0]:,}-{cut[-1]:,}; a defect, fixed): detections are lower bounds, and the false alarms that "
-            "failed every rule could only rise. Next: a test with complete monitoring (lr 1.5e-3, 20,000 steps).")
+            "failed every rule could only rise.")
+
+
+def _under_way_sentence(so_far: dict) -> str:
+    """The fourth protocol's runs made so far (every one measured completely), from its interim result."""
+    runs = so_far["runs"].values()
+    survived = sum(1 for v in runs if v["outcome"]["survivor"])
+    blew = sum(1 for v in runs if not v["outcome"]["survivor"]) + len(so_far["excluded_unconfirmed"])
+    total = survived + blew + len(so_far["excluded_incomplete"])
+    return (f"Under way (complete monitoring, lr 1.5e-3, 20,000 steps): {blew} of {total} runs blew up so far, "
+            f"{survived} survived.")
 
 
 # the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines
@@ -70,7 +81,8 @@ def readme_block() -> str:
             f"at lr 2e-3, {b1 + s1} runs, {b1} blew up and {s1} survived 10,000 steps; at lr 1.75e-3, "
             f"{b2 + s2} runs{so_far}, {b2} blew up and {s2} survived. A rule passes if it warns at least "
             f"{MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm in 7 "
-            f"survivors. {verdict} {_monitoring_sentence(r1, r2)} Every rule: `docs/EXPERIMENTS.md` §9-11.")
+            f"survivors. {verdict} {_monitoring_sentence(r1, r2)} "
+            f"{_under_way_sentence(json.loads(TEST_4_SO_FAR.read_text()))} Every rule: `docs/EXPERIMENTS.md` §9-12.")
     rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | same, lr 1.75e-3 | false alarms, lr 1.75e-3 |",
             "|---|---|---|---|"]
     for r in README_RULES:
