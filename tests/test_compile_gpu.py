@@ -14,7 +14,7 @@ from flashwatch import Monitor, MonitorConfig
 from flashwatch.kernels import STAT_FIELDS
 from flashwatch.tinygpt import GPT, GPTConfig
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (conftest); `pytest -m gpu` selects it
 
 MODES = ("observe", "own_kernel")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")

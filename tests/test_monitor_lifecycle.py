@@ -254,7 +254,8 @@ def test_the_async_copy_and_its_event_are_on_the_stream_of_the_values_device(mon
     assert current["device"] == 0  # the caller's current device is left as it was
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_the_async_copy_from_a_second_device_is_complete_when_its_event_is():
     with torch.cuda.device(0):
         values = torch.zeros(1 << 20, dtype=torch.float64, device="cuda:1")
@@ -266,7 +267,7 @@ def test_the_async_copy_from_a_second_device_is_complete_when_its_event_is():
         assert bool((host == 7.0).all())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_on_cuda_state_dict_does_not_change_what_training_does_next():
     """The real asynchronous copy: a state_dict() after a monitored step whose alert switches a
     layer leaves the variant each step runs, the alerts step() returns and the switches as they are."""
