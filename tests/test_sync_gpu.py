@@ -1,0 +1,54 @@
+"""No host synchronisation on unmonitored steps, on CUDA: torch's sync debug mode set to "error"
+around every unmonitored training step (forward, backward, optimizer, ``Monitor.step``) of a
+small GPT with a Monitor attached, both modes, eager and compiled. Skipped without CUDA.
+
+    python -m pytest -q tests/test_sync_gpu.py
+
+Torch's sync debug mode sees the synchronizing calls torch makes (device-to-host copies,
+``.item()``, ``nonzero``, stream synchronizes), not ``Event.synchronize``, with which the step after
+a monitored one collects its values (started a whole step before; by design).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.tinygpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_unmonitored_steps_never_wait_for_the_gpu(mode, compiled):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    monitor = Monitor(MonitorConfig(interval=4, mode=mode))  # async_transfer: on by default on CUDA
+    monitor.attach(model)
+    run = torch.compile(model) if compiled else model
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randint(0, 256, (4, 64), device="cuda", generator=g)
+    checked = 0
+    try:
+        for t in range(14):  # monitored: 0, 4, 8, 12; steps 0-4 warm up (compilation synchronizes)
+            monitored = monitor.monitoring
+            if t > 4 and not monitored:
+                torch.cuda.set_sync_debug_mode("error")
+                checked += 1
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = run(x, x)[1]
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                monitor.step(loss=loss.detach())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        monitor.flush()
+        assert checked == 7 and monitor.errors == 0 and monitor.monitored_steps == 4
+    finally:
+        monitor.detach()
+        monitor.close()
