@@ -8,8 +8,9 @@ operator is opaque to the compiler: Inductor calls it as it is, and it runs the 
 
 Operators (namespace ``flashwatch``):
 
-- ``attention(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps)``
-  -> (out, lse, residual, rowmax): ``flash_attention``'s forward; its backward is
+- ``attention_with_stats(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta,
+  eps)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s forward (one
+  operator: the Python function ``attention`` calls it); its backward is
   ``attention_backward`` (dq, dk, dv). Triton on CUDA (or under TRITON_INTERPRET=1), the
   reference elsewhere.
 - ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps)`` -> a view of
@@ -106,10 +107,8 @@ class _MaxLogit:
         self.max_logit = max_logit
 
 
-@torch.library.custom_op("flashwatch::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor, causal: bool,
-               sm_scale: float, variant: str, beta: float, eps: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
+    """The forward of ``flashwatch::attention_with_stats``: (out, lse, residual, rowmax, max_logit)."""
     B, H, N, _ = q.shape
     max_logit = torch.empty((H,), dtype=torch.float32, device=q.device)
     stats = _MaxLogit(max_logit.fill_(float("-inf"))) if _on(flag) else None
@@ -128,8 +127,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Te
     return o, lse, r, rowmax, max_logit
 
 
-@_attention.register_fake
-def _attention_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
+def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 and not _uses_triton(q.device) else torch.float32
     r = q.new_empty((B, H, N, D)) if variant == "fp32_delta" else q.new_empty((0,))
@@ -172,13 +170,14 @@ def _attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fla
                           sm_scale: float, variant: str, beta: float, eps: float
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # the autograd-carrying operator must be functional: the statistics buffers are inputs here
-    # (saved for the backward, which adds into them) and nothing in the forward mutates them
-    return _attention(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+    # (saved for the backward, which adds into them) and nothing in the forward mutates them.
+    # The forward runs here, not through a second operator: each dispatch costs host time
+    return _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
 @_attention_with_stats.register_fake
 def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps):
-    return _attention_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+    return _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
 def _attention_setup(ctx, inputs, output):
