@@ -100,7 +100,8 @@ def _stack(layers: int, shape: tuple, monitored: bool, kind: str):
     return fn
 
 
-KINDS = ("eager flash_attention", "compiled ops.attention")  # eager ops.attention: in --kinds
+KINDS = ("eager flash_attention", "eager ops.attention", "compiled ops.attention")
+DEFAULT_KINDS = ("eager flash_attention", "compiled ops.attention")  # the Router's eager and compiled paths
 
 
 def _per_call_us(fn, layers: int, calls: int) -> float:
@@ -136,7 +137,7 @@ def phase_split(fn, layers: int, calls: int) -> dict:
                     for tt, nc, where in entries[:15]]}
 
 
-def measure(shape: tuple, layers: int, rounds: int, calls: int, profile: bool = True, kinds=KINDS) -> dict:
+def measure(shape: tuple, layers: int, rounds: int, calls: int, profile: bool = True, kinds=DEFAULT_KINDS) -> dict:
     from flashwatch.kernels import launch
 
     report = {}
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds of ordinary and cached launches")
     p.add_argument("--calls", type=int, default=5, help="stack forward+backward runs per timing")
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=DEFAULT_KINDS, metavar="KIND",
+                   help=f"cases to time, of {KINDS} (default: the first and the last)")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
 
     report = {"torch": torch.__version__, "triton": triton.__version__, "shape": list(args.shape),
               "layers": args.layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "cases": measure(tuple(args.shape), args.layers, args.rounds, args.calls, not args.no_profile)}
+              "cases": measure(tuple(args.shape), args.layers, args.rounds, args.calls, not args.no_profile,
+                               tuple(args.kinds))}
     print(f"host us per attention call (forward+backward), {tuple(args.shape)} BF16 CPU tensors, launches ending in "
           f"stand-ins, stack of {args.layers}, median of {args.rounds} rounds; torch {torch.__version__}, "
           f"triton {triton.__version__}")

@@ -11,7 +11,8 @@ Operators (namespace ``flashwatch``):
 - ``attention_with_stats(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta,
   eps)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s forward (one
   operator: the Python function ``attention`` calls it); its backward is
-  ``attention_backward`` (dq, dk, dv). Triton on CUDA (or under TRITON_INTERPRET=1), the
+  ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
+  coverage, causal, sm_scale, eps)`` -> (dq, dk, dv), which adds the statistics. Triton on CUDA (or under TRITON_INTERPRET=1), the
   reference elsewhere.
 - ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps)`` -> a view of
   ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
@@ -57,11 +58,13 @@ def stats_buffers(stats: AttentionStats) -> tuple[torch.Tensor, torch.Tensor]:
     return stats._counts, stats._values
 
 
-def _view(counts: torch.Tensor, values: torch.Tensor) -> AttentionStats:
+def _view(counts: torch.Tensor, values: torch.Tensor, unit_gap: float) -> AttentionStats:
     """An ``AttentionStats`` whose fields are views of ``counts`` and ``values`` (the buffers an
-    operator was given: under functionalization they may be copies of the layer's own)."""
-    stats = AttentionStats(counts.shape[1], counts.device)
-    stats._counts, stats._values = counts, values
+    operator was given: under functionalization they may be copies of the layer's own), with
+    the unit gap of the layer's format (``AttentionStats.unit_gap``). Allocates nothing."""
+    stats = AttentionStats.__new__(AttentionStats)
+    stats.num_heads, stats.device, stats.unit_gap = counts.shape[1], counts.device, unit_gap
+    stats._counts, stats._values, stats._rows_hook = counts, values, None
     for i, name in enumerate(COUNT_FIELDS):
         setattr(stats, name, counts[i])
     for i, name in enumerate(MAX_FIELDS + SUM_FIELDS):
@@ -135,15 +138,20 @@ def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
             q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
 
 
-@torch.library.custom_op("flashwatch::attention_backward", mutates_args=("counts", "values", "coverage"))
-def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                        lse: torch.Tensor, r: torch.Tensor, rowmax: torch.Tensor, max_logit: torch.Tensor,
-                        flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor,
-                        causal: bool, sm_scale: float, eps: float
+# The backward operator takes the forward's saved tensors as one list: a mutating operator's
+# dispatch walks its schema's arguments once per argument in Python (torch's version bump of
+# the mutated buffers), a cost that grows with the square of the number of arguments. Its name
+# goes with its schema: code Inductor cached calls operators by name, and a cached call with
+# another schema's arguments would fail.
+@torch.library.custom_op("flashwatch::attention_grad", mutates_args=("counts", "values", "coverage"))
+def _attention_backward(do: torch.Tensor, saved: list[torch.Tensor], counts: torch.Tensor, values: torch.Tensor,
+                        coverage: torch.Tensor, causal: bool, sm_scale: float, eps: float, unit_gap: float
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # saved: [q, k, v, o, lse, r, rowmax, max_logit, flag], as the forward left them
+    q, k, v, o, lse, r, rowmax, max_logit, flag = saved
     stats = None
     if _on(flag):
-        stats = _view(counts, values)
+        stats = _view(counts, values, unit_gap)
         stats.max_logit.copy_(torch.maximum(stats.max_logit, max_logit))  # the forward's, folded in now
         coverage.add_(1)  # one attention call, measured
     residual = r if r.numel() else None
@@ -158,8 +166,8 @@ def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
 
 
 @_attention_backward.register_fake
-def _attention_backward_fake(do, q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, causal,
-                             sm_scale, eps):
+def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap):
+    q, k, v = saved[:3]
     B, H, N, D = q.shape
     return (q.new_empty((B, H, N, D)), k.new_empty((B, k.shape[1], N, D)), v.new_empty((B, v.shape[1], N, D)))
 
@@ -167,7 +175,7 @@ def _attention_backward_fake(do, q, k, v, o, lse, r, rowmax, max_logit, flag, co
 @torch.library.custom_op("flashwatch::attention_with_stats", mutates_args=())
 def _attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor,
                           counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
-                          sm_scale: float, variant: str, beta: float, eps: float
+                          sm_scale: float, variant: str, beta: float, eps: float, unit_gap: float
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # the autograd-carrying operator must be functional: the statistics buffers are inputs here
     # (saved for the backward, which adds into them) and nothing in the forward mutates them.
@@ -176,21 +184,23 @@ def _attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fla
 
 
 @_attention_with_stats.register_fake
-def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps):
+def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
+                               unit_gap):
     return _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps = inputs
+    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap = inputs
     o, lse, r, rowmax, max_logit = output
     ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage)
-    ctx.causal, ctx.sm_scale, ctx.eps = causal, sm_scale, eps
+    ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap = causal, sm_scale, eps, unit_gap
 
 
 def _attention_grad(ctx, do, *_unused):
-    saved = ctx.saved_tensors
-    dq, dk, dv = _attention_backward(do, *saved, ctx.causal, ctx.sm_scale, ctx.eps)
-    return (dq, dk, dv) + (None,) * 9
+    q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values, coverage,
+                                     ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap)
+    return (dq, dk, dv) + (None,) * 10
 
 
 _attention_with_stats.register_autograd(_attention_grad, setup_context=_attention_setup)
@@ -209,7 +219,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     out = _attention_with_stats(q, k, v, flag, counts, values, coverage, bool(causal), scale, variant, float(beta),
-                                float(eps))
+                                float(eps), float(stats.unit_gap))
     return out[0]
 
 
@@ -219,7 +229,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.
 def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         grad_out: torch.Tensor, flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor,
                         coverage: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool, sm_scale: float,
-                        eps: float, masked: bool) -> None:
+                        eps: float, masked: bool, unit_gap: float) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -229,7 +239,7 @@ def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     dtype = out.dtype  # autocast cast the inputs inside the model's SDPA: measure what it computed with
     try:
         with _NoAutocast(q.device):
-            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), _view(counts, values))
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), _view(counts, values, unit_gap))
             if masked:
                 masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
             else:
@@ -242,7 +252,7 @@ def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
 
 @_observe_statistics.register_fake
 def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked):
+                             eps, masked, unit_gap):
     return None
 
 
@@ -253,17 +263,17 @@ class _Observe(torch.autograd.Function):
     its input); Dynamo traces this Function's forward and backward into the compiled graphs."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked):
+    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked, unit_gap):
         ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask)  # attn_mask may be None
-        ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked = causal, sm_scale, eps, masked
+        ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap = causal, sm_scale, eps, masked, unit_gap
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, flag, counts, values, coverage, attn_mask = ctx.saved_tensors
         _observe_statistics(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, ctx.causal,
-                            ctx.sm_scale, ctx.eps, ctx.masked)
-        return (grad_out,) + (None,) * 12
+                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap)
+        return (grad_out,) + (None,) * 13
 
 
 def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
@@ -276,7 +286,7 @@ def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     counts, values = stats_buffers(stats)
     mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
     return _Observe.apply(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask,
-                          bool(causal), scale, float(eps), bool(masked))
+                          bool(causal), scale, float(eps), bool(masked), float(stats.unit_gap))
 
 
 # --- calls measured in part -----------------------------------------------------------------------
@@ -284,7 +294,7 @@ def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 @torch.library.custom_op("flashwatch::score_statistics", mutates_args=("counts", "values", "coverage"))
 def _score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, flag: torch.Tensor,
                       counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
-                      sm_scale: float, eps: float, layer: int, reason: str) -> None:
+                      sm_scale: float, eps: float, layer: int, reason: str, unit_gap: float) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -297,14 +307,15 @@ def _score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
             # a zero output gradient adds exactly 0 to the delta-error sums: rows, repeated
             # maxima and the max logit only
             attention_statistics(q.to(dtype), k.to(dtype), v.to(dtype), out, torch.zeros_like(out),
-                                 _view(counts, values), causal=causal, sm_scale=sm_scale, eps=eps)
+                                 _view(counts, values, unit_gap), causal=causal, sm_scale=sm_scale, eps=eps)
     except Exception:
         _log_once(("score_statistics",), "flashwatch: a statistics pass failed; training goes on unchanged",
                   exc_info=True)
 
 
 @_score_statistics.register_fake
-def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason):
+def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason,
+                           unit_gap):
     return None
 
 
@@ -317,7 +328,7 @@ def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     _score_statistics(q.detach(), k.detach(), v.detach(), out.detach(), flag, counts, values, coverage, bool(causal),
-                      scale, float(eps), int(layer), str(reason))
+                      scale, float(eps), int(layer), str(reason), float(stats.unit_gap))
 
 
 # --- calls that are not measured -----------------------------------------------------------------
