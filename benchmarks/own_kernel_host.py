@@ -15,7 +15,7 @@ and backward; per call = the whole stack's time / layers. Cases:
   the operators stay opaque), one graph whose flag tensor says monitored or not.
 
 Each case with Triton's ordinary launch and with the cached one (``launch.FAST_LAUNCH``),
-alternated over rounds (medians). Then a cProfile of each case (cached launch off), its
+alternated over rounds (the best round: other work on the machine only adds time; medians in the JSON). Then a cProfile of each case (cached launch off), its
 self time grouped into phases and scaled to the unprofiled per-call time (the profiler slows
 Python calls more than C calls: a phase split, not exact microseconds).
 
@@ -64,18 +64,19 @@ PHASES = (
 )
 
 
-def _stack(layers: int, shape: tuple, monitored: bool, kind: str):
-    """(fn, inputs): ``fn()`` runs ``layers`` calls forward and backward."""
+def _stack(layers: int, shape: tuple, monitored: bool, kind: str, device: str = "cpu"):
+    """``fn()``: ``layers`` calls forward and backward. ``flag`` and ``coverage`` stay on the
+    CPU whatever the device (as the Router's)."""
     from flashwatch.kernels import AttentionStats, flash_attention, ops
 
     B, H, N, D = shape
     gen = torch.Generator().manual_seed(0)
-    make = lambda: torch.randn(shape, generator=gen, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    make = lambda: torch.randn(shape, generator=gen, dtype=torch.bfloat16).to(device).requires_grad_()  # noqa: E731
     q = make()
     kv = [(make(), make()) for _ in range(layers)]
     leaves = [q] + [t for pair in kv for t in pair]
-    grad = torch.randn(shape, generator=gen, dtype=torch.bfloat16)
-    stats = [AttentionStats(H) for _ in range(layers)]
+    grad = torch.randn(shape, generator=gen, dtype=torch.bfloat16).to(device)
+    stats = [AttentionStats(H, device) for _ in range(layers)]
     flag = torch.full((), int(monitored), dtype=torch.int32)
     coverage = [torch.zeros(2, dtype=torch.int64) for _ in range(layers)]
 
@@ -104,22 +105,30 @@ KINDS = ("eager flash_attention", "eager ops.attention", "compiled ops.attention
 DEFAULT_KINDS = ("eager flash_attention", "compiled ops.attention")  # the Router's eager and compiled paths
 
 
-def _per_call_us(fn, layers: int, calls: int) -> float:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _per_call_us(fn, layers: int, calls: int, device: str = "cpu") -> float:
     best = float("inf")
     for _ in range(3):
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        _sync(device)
         best = min(best, (time.perf_counter() - t0) / calls)
     return best / layers * 1e6
 
 
-def phase_split(fn, layers: int, calls: int) -> dict:
+def phase_split(fn, layers: int, calls: int, device: str = "cpu") -> dict:
     """Self time per phase (``PHASES``) as a fraction of the profiled total, and the top entries."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
         fn()
+    _sync(device)
     prof.disable()
     st = pstats.Stats(prof)
     phases = {name: 0.0 for name, _ in PHASES}
@@ -137,12 +146,18 @@ def phase_split(fn, layers: int, calls: int) -> dict:
                     for tt, nc, where in entries[:15]]}
 
 
-def measure(shape: tuple, layers: int, rounds: int, calls: int, profile: bool = True, kinds=DEFAULT_KINDS) -> dict:
+def measure(shape: tuple, layers: int, rounds: int, calls: int, profile: bool = True, kinds=DEFAULT_KINDS,
+            device: str = "cpu") -> dict:
+    """Per-call host microseconds of each case; on "cpu" the launches end in stand-ins, on
+    "cuda" they are real (at a shape whose GPU work is small, the host's time is what is timed)."""
+    import contextlib
+
     from flashwatch.kernels import launch
 
     report = {}
-    with stand_in_kernels():
-        fns = {(kind, mon): _stack(layers, shape, mon, kind) for kind in kinds for mon in (False, True)}
+    with stand_in_kernels() if device == "cpu" else contextlib.nullcontext():
+        was = launch.FAST_LAUNCH
+        fns = {(kind, mon): _stack(layers, shape, mon, kind, device) for kind in kinds for mon in (False, True)}
         for fn in fns.values():  # compile, warm every cache
             fn()
             fn()
@@ -152,19 +167,26 @@ def measure(shape: tuple, layers: int, rounds: int, calls: int, profile: bool = 
                 launch.FAST_LAUNCH = path == "cached"
                 for key, fn in fns.items():
                     fn()
-                    samples[(key, path)].append(_per_call_us(fn, layers, calls))
+                    samples[(key, path)].append(_per_call_us(fn, layers, calls, device))
         launch.FAST_LAUNCH = False
         for (kind, mon), fn in fns.items():
-            row = {path: statistics.median(samples[((kind, mon), path)]) for path in ("ordinary", "cached")}
+            # the least disturbed round: other work on the machine only ever adds time
+            row = {path: min(samples[((kind, mon), path)]) for path in ("ordinary", "cached")}
+            row["median"] = {path: statistics.median(samples[((kind, mon), path)]) for path in ("ordinary", "cached")}
             if profile:
-                row["profile"] = phase_split(fn, layers, calls)
+                row["profile"] = phase_split(fn, layers, calls, device)
             report[f"{kind}, {'monitored' if mon else 'unmonitored'}"] = row
+        launch.FAST_LAUNCH = was
     return report
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", type=int, nargs=4, default=(16, 12, 1024, 64), metavar=("B", "H", "N", "D"))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: launches end in stand-ins (default); cuda: real launches")
+    p.add_argument("--shape", type=int, nargs=4, default=None, metavar=("B", "H", "N", "D"),
+                   help="default (16, 12, 1024, 64) on cpu (a GPT-2-small layer), (1, 12, 128, 64) on cuda "
+                        "(small GPU work: the host's time is what is timed)")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds of ordinary and cached launches")
     p.add_argument("--calls", type=int, default=5, help="stack forward+backward runs per timing")
@@ -173,15 +195,20 @@ def main(argv=None) -> int:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda needs CUDA", file=sys.stderr)
+        return 2
+    shape = tuple(args.shape) if args.shape else (16, 12, 1024, 64) if args.device == "cpu" else (1, 12, 128, 64)
     import triton
 
-    report = {"torch": torch.__version__, "triton": triton.__version__, "shape": list(args.shape),
+    report = {"torch": torch.__version__, "triton": triton.__version__, "shape": list(shape), "device": args.device,
               "layers": args.layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "cases": measure(tuple(args.shape), args.layers, args.rounds, args.calls, not args.no_profile,
-                               tuple(args.kinds))}
-    print(f"host us per attention call (forward+backward), {tuple(args.shape)} BF16 CPU tensors, launches ending in "
-          f"stand-ins, stack of {args.layers}, median of {args.rounds} rounds; torch {torch.__version__}, "
-          f"triton {triton.__version__}")
+              "cases": measure(shape, args.layers, args.rounds, args.calls, not args.no_profile, tuple(args.kinds),
+                               args.device)}
+    where = "CPU tensors, launches ending in stand-ins" if args.device == "cpu" else \
+        f"on {torch.cuda.get_device_name()}, real launches"
+    print(f"host us per attention call (forward+backward), {shape} BF16 {where}, stack of {args.layers}, best of "
+          f"{args.rounds} rounds; torch {torch.__version__}, triton {triton.__version__}")
     for case, r in report["cases"].items():
         print(f"  {case:44s} ordinary {r['ordinary']:7.1f}   cached {r['cached']:7.1f}")
     for case, r in report["cases"].items():
