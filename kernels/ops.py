@@ -117,14 +117,14 @@ def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     stats = _MaxLogit(max_logit.fill_(float("-inf"))) if _on(flag) else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     fault = faults.rounding_bias_strength()
-    with _NoAutocast(q.device):
-        if _uses_triton(q.device):
-            from . import triton_attn
+    if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
+        from . import triton_attn
 
-            o, lse, r, rowmax = triton_attn._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
-        else:
+        o, lse, r, rowmax = triton_attn._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
+    else:
+        with _NoAutocast(q.device):
             o, lse, r = reference.forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
-            rowmax = None
+        rowmax = None
     r = r if r is not None else q.new_empty((0,))
     rowmax = rowmax if rowmax is not None else torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     return o, lse, r, rowmax, max_logit
@@ -156,12 +156,12 @@ def _attention_backward(do: torch.Tensor, saved: list[torch.Tensor], counts: tor
         coverage.add_(1)  # one attention call, measured
     residual = r if r.numel() else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    with _NoAutocast(q.device):
-        if _uses_triton(q.device):
-            from . import triton_attn
+    if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
+        from . import triton_attn
 
-            return triton_attn._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None,
-                                         causal, sm_scale, eps, stats)
+        return triton_attn._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None,
+                                     causal, sm_scale, eps, stats)
+    with _NoAutocast(q.device):
         return reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
 
 
