@@ -138,15 +138,28 @@ def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
             q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
 
 
-# The backward operator takes the forward's saved tensors as one list: a mutating operator's
-# dispatch walks its schema's arguments once per argument in Python (torch's version bump of
-# the mutated buffers), a cost that grows with the square of the number of arguments. Its name
-# goes with its schema: code Inductor cached calls operators by name, and a cached call with
-# another schema's arguments would fail.
-@torch.library.custom_op("flashwatch::attention_grad", mutates_args=("counts", "values", "coverage"))
-def _attention_backward(do: torch.Tensor, saved: list[torch.Tensor], counts: torch.Tensor, values: torch.Tensor,
-                        coverage: torch.Tensor, causal: bool, sm_scale: float, eps: float, unit_gap: float
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The two operators of the own kernel are registered with ``torch.library`` directly (one
+# implementation for every device, a fake one for tracing, autograd on the forward) rather than
+# through ``torch.library.custom_op``, whose Python wrappers around every call cost more host
+# time than the launches (docs/KERNEL_TUNING.md): the output-aliasing check of each call and,
+# for an operator that mutates its arguments, a version bump that walks the schema once per
+# argument. Their implementations return fresh tensors only (no output aliases an input), and
+# the mutated statistics buffers are never saved by autograd, so neither check is needed.
+# An operator's name goes with its schema: code Inductor cached calls operators by name.
+_lib = torch.library.Library("flashwatch", "FRAGMENT")
+
+
+def _operator(schema: str, impl, fake):
+    """Define ``flashwatch::<schema>`` with ``impl`` on every device and ``fake`` for tracing;
+    returns the operator (its default overload)."""
+    name = schema[:schema.index("(")]
+    _lib.define(schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flashwatch::{name}", fake, lib=_lib)
+    return getattr(torch.ops.flashwatch, name).default
+
+
+def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap):
     # saved: [q, k, v, o, lse, r, rowmax, max_logit, flag], as the forward left them
     q, k, v, o, lse, r, rowmax, max_logit, flag = saved
     stats = None
@@ -165,28 +178,36 @@ def _attention_backward(do: torch.Tensor, saved: list[torch.Tensor], counts: tor
         return reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
 
 
-@_attention_backward.register_fake
 def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap):
     q, k, v = saved[:3]
     B, H, N, D = q.shape
     return (q.new_empty((B, H, N, D)), k.new_empty((B, k.shape[1], N, D)), v.new_empty((B, v.shape[1], N, D)))
 
 
-@torch.library.custom_op("flashwatch::attention_with_stats", mutates_args=())
-def _attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor,
-                          counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
-                          sm_scale: float, variant: str, beta: float, eps: float, unit_gap: float
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+# the backward takes the forward's saved tensors as one list (fewer schema arguments to walk)
+_attention_backward = _operator(
+    "attention_grad(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
+    "bool causal, float sm_scale, float eps, float unit_gap) -> (Tensor, Tensor, Tensor)",
+    _attention_backward_impl, _attention_backward_fake)
+
+
+def _attention_with_stats_impl(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
+                               unit_gap):
     # the autograd-carrying operator must be functional: the statistics buffers are inputs here
-    # (saved for the backward, which adds into them) and nothing in the forward mutates them.
-    # The forward runs here, not through a second operator: each dispatch costs host time
+    # (saved for the backward, which adds into them) and nothing in the forward mutates them
     return _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
-@_attention_with_stats.register_fake
 def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
                                unit_gap):
     return _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+
+
+_attention_with_stats = _operator(
+    "attention_with_stats(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, "
+    "Tensor coverage, bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _attention_with_stats_impl, _attention_with_stats_fake)
 
 
 def _attention_setup(ctx, inputs, output):
@@ -203,7 +224,8 @@ def _attention_grad(ctx, do, *_unused):
     return (dq, dk, dv) + (None,) * 10
 
 
-_attention_with_stats.register_autograd(_attention_grad, setup_context=_attention_setup)
+torch.library.register_autograd("flashwatch::attention_with_stats", _attention_grad, setup_context=_attention_setup,
+                                lib=_lib)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor, stats: AttentionStats,
