@@ -2,7 +2,7 @@
 
 Dynamo and Inductor cannot trace a Python ``autograd.Function`` that launches Triton kernels
 and adds into statistics held by a Python object; they can trace custom operators
-(``torch.library.custom_op``) with fake implementations and registered autograd. Each
+(``torch.library``) with fake implementations and registered autograd. Each
 operator is opaque to the compiler: Inductor calls it as it is, and it runs the same launchers
 (``triton_attn``) or the same reference (``reference``) as the eager path.
 
@@ -101,6 +101,29 @@ class _NoAutocast:
         return self.ctx.__exit__(*exc)
 
 
+# --- registration ---------------------------------------------------------------------------------
+
+# The operators are registered with ``torch.library`` directly (one implementation for every
+# device, a fake one for tracing, autograd where registered) rather than through
+# ``torch.library.custom_op``, whose Python wrappers around every call cost more host time than
+# the launches (docs/KERNEL_TUNING.md): the output-aliasing check of each call and, for an
+# operator that mutates its arguments, a version bump that walks the schema once per argument.
+# The implementations return fresh tensors only (no output aliases an input), and the mutated
+# statistics buffers are never saved by autograd, so neither check is needed. An operator's
+# name goes with its schema: code Inductor cached calls operators by name.
+_lib = torch.library.Library("flashwatch", "FRAGMENT")
+
+
+def _operator(schema: str, impl, fake):
+    """Define ``flashwatch::<schema>`` with ``impl`` on every device and ``fake`` for tracing;
+    returns the operator (its default overload)."""
+    name = schema[:schema.index("(")]
+    _lib.define(schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flashwatch::{name}", fake, lib=_lib)
+    return getattr(torch.ops.flashwatch, name).default
+
+
 # --- own kernel ---------------------------------------------------------------------------------
 
 class _MaxLogit:
@@ -136,27 +159,6 @@ def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     r = q.new_empty((B, H, N, D)) if variant == "fp32_delta" else q.new_empty((0,))
     return (q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=lse_dtype), r,
             q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
-
-
-# The two operators of the own kernel are registered with ``torch.library`` directly (one
-# implementation for every device, a fake one for tracing, autograd on the forward) rather than
-# through ``torch.library.custom_op``, whose Python wrappers around every call cost more host
-# time than the launches (docs/KERNEL_TUNING.md): the output-aliasing check of each call and,
-# for an operator that mutates its arguments, a version bump that walks the schema once per
-# argument. Their implementations return fresh tensors only (no output aliases an input), and
-# the mutated statistics buffers are never saved by autograd, so neither check is needed.
-# An operator's name goes with its schema: code Inductor cached calls operators by name.
-_lib = torch.library.Library("flashwatch", "FRAGMENT")
-
-
-def _operator(schema: str, impl, fake):
-    """Define ``flashwatch::<schema>`` with ``impl`` on every device and ``fake`` for tracing;
-    returns the operator (its default overload)."""
-    name = schema[:schema.index("(")]
-    _lib.define(schema)
-    _lib.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"flashwatch::{name}", fake, lib=_lib)
-    return getattr(torch.ops.flashwatch, name).default
 
 
 def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap):
@@ -247,11 +249,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.
 
 # --- observe -----------------------------------------------------------------------------------
 
-@torch.library.custom_op("flashwatch::observe_statistics", mutates_args=("counts", "values", "coverage"))
-def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        grad_out: torch.Tensor, flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor,
-                        coverage: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool, sm_scale: float,
-                        eps: float, masked: bool, unit_gap: float) -> None:
+def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
+                             eps, masked, unit_gap) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -272,10 +271,16 @@ def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                   "training goes on unchanged", exc_info=True)
 
 
-@_observe_statistics.register_fake
 def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
                              eps, masked, unit_gap):
     return None
+
+
+_observe_statistics = _operator(
+    "observe_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
+    "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
+    "float unit_gap) -> ()",
+    _observe_statistics_impl, _observe_statistics_fake)
 
 
 class _Observe(torch.autograd.Function):
@@ -313,10 +318,8 @@ def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 # --- calls measured in part -----------------------------------------------------------------------
 
-@torch.library.custom_op("flashwatch::score_statistics", mutates_args=("counts", "values", "coverage"))
-def _score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, flag: torch.Tensor,
-                      counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
-                      sm_scale: float, eps: float, layer: int, reason: str, unit_gap: float) -> None:
+def _score_statistics_impl(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason,
+                           unit_gap) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -335,10 +338,15 @@ def _score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
                   exc_info=True)
 
 
-@_score_statistics.register_fake
 def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason,
                            unit_gap):
     return None
+
+
+_score_statistics = _operator(
+    "score_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor flag, Tensor(a!) counts, Tensor(b!) values, "
+    "Tensor(c!) coverage, bool causal, float sm_scale, float eps, int layer, str reason, float unit_gap) -> ()",
+    _score_statistics_impl, _score_statistics_fake)
 
 
 def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, flag: torch.Tensor,
@@ -355,17 +363,19 @@ def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
 
 # --- calls that are not measured -----------------------------------------------------------------
 
-@torch.library.custom_op("flashwatch::unmeasured_call", mutates_args=("coverage",))
-def _unmeasured_call(flag: torch.Tensor, coverage: torch.Tensor, layer: int, reason: str) -> None:
+def _unmeasured_call_impl(flag, coverage, layer, reason) -> None:
     if not _on(flag):
         return
     coverage[0] += 1
     _log_once((layer, reason), "flashwatch: layer %d: attention calls where %s are not measured", layer, reason)
 
 
-@_unmeasured_call.register_fake
 def _unmeasured_call_fake(flag, coverage, layer, reason):
     return None
+
+
+_unmeasured_call = _operator("unmeasured_call(Tensor flag, Tensor(a!) coverage, int layer, str reason) -> ()",
+                             _unmeasured_call_impl, _unmeasured_call_fake)
 
 
 def unmeasured_call(flag: torch.Tensor, coverage: torch.Tensor, layer: int, reason: str) -> None:
