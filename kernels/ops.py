@@ -9,11 +9,11 @@ operator is opaque to the compiler: Inductor calls it as it is, and it runs the 
 Operators (namespace ``flashwatch``):
 
 - ``attention_with_stats(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta,
-  eps)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s forward (one
-  operator: the Python function ``attention`` calls it); its backward is
+  eps, unit_gap)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s forward
+  (one operator: the Python function ``attention`` calls it); its backward is
   ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
-  coverage, causal, sm_scale, eps)`` -> (dq, dk, dv), which adds the statistics. Triton on CUDA (or under TRITON_INTERPRET=1), the
-  reference elsewhere.
+  coverage, causal, sm_scale, eps, unit_gap)`` -> (dq, dk, dv), which adds the statistics.
+  Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
 - ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps)`` -> a view of
   ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
   nothing, since an operator's output could not alias its input and would cost a copy of
@@ -28,7 +28,7 @@ Operators (namespace ``flashwatch``):
 Whether a step is monitored is the CPU tensor ``flag`` (0-d, nonzero: monitored), read by the
 operators when they run, so flipping it between steps changes no guard and recompiles nothing.
 Statistics go into ``counts`` and ``values``, the two buffers of an ``AttentionStats``
-(declared as mutated), and ``coverage``, a CPU int64 tensor (2,), counts [attention calls,
+(declared as mutated; ``unit_gap`` is its format's ``AttentionStats.unit_gap``), and ``coverage``, a CPU int64 tensor (2,), counts [attention calls,
 measured calls] of monitored steps. Nothing is read back from the device.
 
 The per-row hook of ``AttentionStats.rows_hook`` (the W^Q-gradient error) is not called from
