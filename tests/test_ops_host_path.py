@@ -42,15 +42,16 @@ def test_compiled_operators_give_the_eager_kernels_bits(variant, interpret_dispa
         eager_stats = AttentionStats(2)
         out = flash_attention(*leaves, causal=True, variant=variant, stats=eager_stats if monitored else None)
         expected = (out, *torch.autograd.grad(out, leaves, do))
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        stats, coverage = AttentionStats(2), torch.zeros(2, dtype=torch.int64)
-        out = compiled(*leaves, stats, coverage)
-        got = (out, *torch.autograd.grad(out, leaves, do))
-        for name, e, c in zip(("out", "dq", "dk", "dv"), expected, got):
-            assert torch.equal(e, c), (monitored, name)
         reference = eager_stats.as_dict() if monitored else AttentionStats(2).as_dict()
-        assert stats.as_dict() == reference, monitored
-        assert coverage.tolist() == ([1, 1] if monitored else [0, 0])
+        for how, fn in (("operators, eager", run_ops), ("operators, compiled", compiled)):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            stats, coverage = AttentionStats(2), torch.zeros(2, dtype=torch.int64)
+            out = fn(*leaves, stats, coverage)
+            got = (out, *torch.autograd.grad(out, leaves, do))
+            for name, e, c in zip(("out", "dq", "dk", "dv"), expected, got):
+                assert torch.equal(e, c), (how, monitored, name)
+            assert stats.as_dict() == reference, (how, monitored)
+            assert coverage.tolist() == ([1, 1] if monitored else [0, 0]), how
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert set(STAT_FIELDS) <= set(reference)
 
