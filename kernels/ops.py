@@ -61,9 +61,10 @@ def stats_buffers(stats: AttentionStats) -> tuple[torch.Tensor, torch.Tensor]:
 def _view(counts: torch.Tensor, values: torch.Tensor, unit_gap: float) -> AttentionStats:
     """An ``AttentionStats`` whose fields are views of ``counts`` and ``values`` (the buffers an
     operator was given: under functionalization they may be copies of the layer's own), with
-    the unit gap of the layer's format (``AttentionStats.unit_gap``). Allocates nothing."""
+    the unit gap of the layer's format (``AttentionStats.unit_gap``; the format's name is not
+    known here: ``format`` is None). Allocates nothing."""
     stats = AttentionStats.__new__(AttentionStats)
-    stats.num_heads, stats.device, stats.unit_gap = counts.shape[1], counts.device, unit_gap
+    stats.num_heads, stats.device, stats.format, stats.unit_gap = counts.shape[1], counts.device, None, unit_gap
     stats._counts, stats._values, stats._rows_hook = counts, values, None
     for i, name in enumerate(COUNT_FIELDS):
         setattr(stats, name, counts[i])
