@@ -2,7 +2,7 @@
 
 Compiled with the ``aot_eager`` backend (AOT autograd, no code generation: the compiled step
 computes exactly what the eager one does) and ``inductor`` (generated code). On the CPU the
-own-kernel mode runs the reference kernel through the ``flashwatch::attention`` operator.
+own-kernel mode runs the reference kernel through the ``flashwatch::attention_with_stats`` operator.
 
 Fail before: observe mode measured nothing inside torch.compile (and recompiled per layer on
 its guard on the layer), own-kernel mode's autograd.Function broke the graph.
