@@ -168,7 +168,7 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
     stats = None
     if _on(flag):
         stats = _view(counts, values, unit_gap)
-        stats.max_logit.copy_(torch.maximum(stats.max_logit, max_logit))  # the forward's, folded in now
+        torch.maximum(stats.max_logit, max_logit, out=stats.max_logit)  # the forward's, folded in now (one launch)
         coverage.add_(1)  # one attention call, measured
     residual = r if r.numel() else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
