@@ -15,13 +15,17 @@ and backward; per call = the whole stack's time / layers. Cases:
   the operators stay opaque), one graph whose flag tensor says monitored or not.
 
 Each case with Triton's ordinary launch and with the cached one (``launch.FAST_LAUNCH``),
-alternated over rounds (the best round: other work on the machine only adds time; medians in the JSON). Then a cProfile of each case (cached launch off), its
-self time grouped into phases and scaled to the unprofiled per-call time (the profiler slows
-Python calls more than C calls: a phase split, not exact microseconds).
+alternated over rounds; reported: the best round (other work on the machine only adds time;
+medians in the JSON). Then a cProfile of each case (cached launch off), its self time grouped
+into phases and scaled to the unprofiled per-call time (the profiler slows Python calls more
+than C calls: a phase split, not exact microseconds).
 
     PYTHONPATH=$PWD python3 benchmarks/own_kernel_host.py [--rounds 3] [--json out.json]
+    PYTHONPATH=$PWD python3 benchmarks/own_kernel_host.py --device cuda   # real launches
 
-Allocations here are CPU ``malloc``s of the layer's size (not the CUDA caching allocator's).
+Allocations on the CPU are ``malloc``s of the layer's size (not the CUDA caching allocator's).
+With ``--device cuda`` the launches are real, at (1, 12, 128, 64) by default, where the GPU
+work is small enough that the host's time is what is timed (synchronised per timing).
 """
 
 from __future__ import annotations
