@@ -21,6 +21,7 @@ the cache off and on, alternated over several rounds (medians).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -115,18 +116,20 @@ def python_launch_us(number: int = 3000) -> dict:
     return results
 
 
-def whole_call_us(rounds: int = 5, calls: int = 300) -> dict:
-    """Host microseconds of a whole forward+backward call of (1, 1, 64, 64) BF16 CPU tensors
-    through the Triton path, every launch ending in a stand-in compiled kernel that does
-    nothing (fresh compiled-mode copies of the four kernels; Triton's compile step replaced by
-    handing out the stand-in): argument checks, autograd, allocations and both launch paths,
-    without CUDA. Ordinary and cached launches alternated over ``rounds`` rounds (medians)."""
+@contextlib.contextmanager
+def stand_in_kernels():
+    """While the block runs, CPU tensors take the Triton path of ``flashwatch.kernels`` and every
+    launch ends in a stand-in compiled kernel that does nothing: fresh compiled-mode copies of
+    the four kernels (Triton's compile step replaced by handing out the stand-in), the driver's
+    device and stream queries stubbed, TRITON_INTERPRET=1 (so ``uses_triton`` holds for CPU
+    tensors; the copies are not interpreted). What is left is the host work of a call: checks,
+    autograd, allocations, both launch paths. Everything is restored after the block."""
     import os
 
     import triton.runtime.jit as jit
     from triton.runtime.jit import JITFunction
 
-    from flashwatch.kernels import AttentionStats, flash_attention, launch, triton_attn
+    from flashwatch.kernels import launch, triton_attn
 
     names = ("_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel", "_attn_stats_kernel")
     saved = ({n: getattr(triton_attn, n) for n in names}, jit.driver, launch.driver, os.environ.get("TRITON_INTERPRET"),
@@ -147,6 +150,27 @@ def whole_call_us(rounds: int = 5, calls: int = 300) -> dict:
             setattr(triton_attn, n, copy(saved[0][n]))
         jit.driver = launch.driver = _FakeDriver
         os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (the kernels above are not interpreted)
+        yield
+    finally:
+        for n, kernel in saved[0].items():
+            setattr(triton_attn, n, kernel)
+        jit.driver, launch.driver = saved[1], saved[2]
+        if saved[3] is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved[3]
+        launch.FAST_LAUNCH = saved[4]
+        launch.clear_cache()
+
+
+def whole_call_us(rounds: int = 5, calls: int = 300) -> dict:
+    """Host microseconds of a whole forward+backward call of (1, 1, 64, 64) BF16 CPU tensors
+    through the Triton path, every launch ending in a stand-in (``stand_in_kernels``): argument
+    checks, autograd, allocations and both launch paths, without CUDA. Ordinary and cached
+    launches alternated over ``rounds`` rounds (medians)."""
+    from flashwatch.kernels import AttentionStats, flash_attention, launch
+
+    with stand_in_kernels():
         q, k, v = (torch.randn(1, 1, 64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         g = torch.randn_like(q)
         stats = AttentionStats(1)
@@ -160,16 +184,6 @@ def whole_call_us(rounds: int = 5, calls: int = 300) -> dict:
                 for case, fn in cases.items():
                     fn()
                     samples[(case, path)].append(min(timeit.repeat(fn, number=calls, repeat=3)) / calls * 1e6)
-    finally:
-        for n, kernel in saved[0].items():
-            setattr(triton_attn, n, kernel)
-        jit.driver, launch.driver = saved[1], saved[2]
-        if saved[3] is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved[3]
-        launch.FAST_LAUNCH = saved[4]
-        launch.clear_cache()
     return {case: {path: statistics.median(samples[(case, path)]) for path in ("ordinary", "cached")}
             for case in cases}
 

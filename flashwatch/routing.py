@@ -25,7 +25,7 @@ On unmonitored steps an observed layer costs one Python check per call.
 Under ``torch.compile`` the same routing is traced into the compiled graph as custom operators
 (``flashwatch.kernels.ops``): observe mode marks the model's SDPA output with ``ops.observe``
 (a view of it, no copy; its backward runs ``flashwatch::observe_statistics``), own-kernel mode calls
-``flashwatch::attention``; each call carries its layer's statistics buffers, and whether the
+``flashwatch::attention_with_stats``; each call carries its layer's statistics buffers, and whether the
 step is monitored is the Router's ``flag`` tensor, read when the operators run, so monitored
 and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls
 measured in part or not at all are counted by ``flashwatch::score_statistics`` and

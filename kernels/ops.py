@@ -2,16 +2,18 @@
 
 Dynamo and Inductor cannot trace a Python ``autograd.Function`` that launches Triton kernels
 and adds into statistics held by a Python object; they can trace custom operators
-(``torch.library.custom_op``) with fake implementations and registered autograd. Each
+(``torch.library``) with fake implementations and registered autograd. Each
 operator is opaque to the compiler: Inductor calls it as it is, and it runs the same launchers
 (``triton_attn``) or the same reference (``reference``) as the eager path.
 
 Operators (namespace ``flashwatch``):
 
-- ``attention(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps)``
-  -> (out, lse, residual, rowmax): ``flash_attention``'s forward; its backward is
-  ``attention_backward`` (dq, dk, dv). Triton on CUDA (or under TRITON_INTERPRET=1), the
-  reference elsewhere.
+- ``attention_with_stats(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta,
+  eps, unit_gap)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s forward
+  (one operator: the Python function ``attention`` calls it); its backward is
+  ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
+  coverage, causal, sm_scale, eps, unit_gap)`` -> (dq, dk, dv), which adds the statistics.
+  Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
 - ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps)`` -> a view of
   ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
   nothing, since an operator's output could not alias its input and would cost a copy of
@@ -26,7 +28,7 @@ Operators (namespace ``flashwatch``):
 Whether a step is monitored is the CPU tensor ``flag`` (0-d, nonzero: monitored), read by the
 operators when they run, so flipping it between steps changes no guard and recompiles nothing.
 Statistics go into ``counts`` and ``values``, the two buffers of an ``AttentionStats``
-(declared as mutated), and ``coverage``, a CPU int64 tensor (2,), counts [attention calls,
+(declared as mutated; ``unit_gap`` is its format's ``AttentionStats.unit_gap``), and ``coverage``, a CPU int64 tensor (2,), counts [attention calls,
 measured calls] of monitored steps. Nothing is read back from the device.
 
 The per-row hook of ``AttentionStats.rows_hook`` (the W^Q-gradient error) is not called from
@@ -56,11 +58,14 @@ def stats_buffers(stats: AttentionStats) -> tuple[torch.Tensor, torch.Tensor]:
     return stats._counts, stats._values
 
 
-def _view(counts: torch.Tensor, values: torch.Tensor) -> AttentionStats:
+def _view(counts: torch.Tensor, values: torch.Tensor, unit_gap: float) -> AttentionStats:
     """An ``AttentionStats`` whose fields are views of ``counts`` and ``values`` (the buffers an
-    operator was given: under functionalization they may be copies of the layer's own)."""
-    stats = AttentionStats(counts.shape[1], counts.device)
-    stats._counts, stats._values = counts, values
+    operator was given: under functionalization they may be copies of the layer's own), with
+    the unit gap of the layer's format (``AttentionStats.unit_gap``; the format's name is not
+    known here: ``format`` is None). Allocates nothing."""
+    stats = AttentionStats.__new__(AttentionStats)
+    stats.num_heads, stats.device, stats.format, stats.unit_gap = counts.shape[1], counts.device, None, unit_gap
+    stats._counts, stats._values, stats._rows_hook = counts, values, None
     for i, name in enumerate(COUNT_FIELDS):
         setattr(stats, name, counts[i])
     for i, name in enumerate(MAX_FIELDS + SUM_FIELDS):
@@ -97,6 +102,29 @@ class _NoAutocast:
         return self.ctx.__exit__(*exc)
 
 
+# --- registration ---------------------------------------------------------------------------------
+
+# The operators are registered with ``torch.library`` directly (one implementation for every
+# device, a fake one for tracing, autograd where registered) rather than through
+# ``torch.library.custom_op``, whose Python wrappers around every call cost more host time than
+# the launches (docs/KERNEL_TUNING.md): the output-aliasing check of each call and, for an
+# operator that mutates its arguments, a version bump that walks the schema once per argument.
+# The implementations return fresh tensors only (no output aliases an input), and the mutated
+# statistics buffers are never saved by autograd, so neither check is needed. An operator's
+# name goes with its schema: code Inductor cached calls operators by name.
+_lib = torch.library.Library("flashwatch", "FRAGMENT")
+
+
+def _operator(schema: str, impl, fake):
+    """Define ``flashwatch::<schema>`` with ``impl`` on every device and ``fake`` for tracing;
+    returns the operator (its default overload)."""
+    name = schema[:schema.index("(")]
+    _lib.define(schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"flashwatch::{name}", fake, lib=_lib)
+    return getattr(torch.ops.flashwatch, name).default
+
+
 # --- own kernel ---------------------------------------------------------------------------------
 
 class _MaxLogit:
@@ -106,30 +134,27 @@ class _MaxLogit:
         self.max_logit = max_logit
 
 
-@torch.library.custom_op("flashwatch::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor, causal: bool,
-               sm_scale: float, variant: str, beta: float, eps: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
+    """The forward of ``flashwatch::attention_with_stats``: (out, lse, residual, rowmax, max_logit)."""
     B, H, N, _ = q.shape
     max_logit = torch.empty((H,), dtype=torch.float32, device=q.device)
     stats = _MaxLogit(max_logit.fill_(float("-inf"))) if _on(flag) else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     fault = faults.rounding_bias_strength()
-    with _NoAutocast(q.device):
-        if _uses_triton(q.device):
-            from . import triton_attn
+    if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
+        from . import triton_attn
 
-            o, lse, r, rowmax = triton_attn._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
-        else:
+        o, lse, r, rowmax = triton_attn._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
+    else:
+        with _NoAutocast(q.device):
             o, lse, r = reference.forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
-            rowmax = None
+        rowmax = None
     r = r if r is not None else q.new_empty((0,))
     rowmax = rowmax if rowmax is not None else torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     return o, lse, r, rowmax, max_logit
 
 
-@_attention.register_fake
-def _attention_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
+def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 and not _uses_triton(q.device) else torch.float32
     r = q.new_empty((B, H, N, D)) if variant == "fp32_delta" else q.new_empty((0,))
@@ -137,64 +162,73 @@ def _attention_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
             q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
 
 
-@torch.library.custom_op("flashwatch::attention_backward", mutates_args=("counts", "values", "coverage"))
-def _attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                        lse: torch.Tensor, r: torch.Tensor, rowmax: torch.Tensor, max_logit: torch.Tensor,
-                        flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor,
-                        causal: bool, sm_scale: float, eps: float
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap):
+    # saved: [q, k, v, o, lse, r, rowmax, max_logit, flag], as the forward left them
+    q, k, v, o, lse, r, rowmax, max_logit, flag = saved
     stats = None
     if _on(flag):
-        stats = _view(counts, values)
-        stats.max_logit.copy_(torch.maximum(stats.max_logit, max_logit))  # the forward's, folded in now
+        stats = _view(counts, values, unit_gap)
+        torch.maximum(stats.max_logit, max_logit, out=stats.max_logit)  # the forward's, folded in now (one launch)
         coverage.add_(1)  # one attention call, measured
     residual = r if r.numel() else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    with _NoAutocast(q.device):
-        if _uses_triton(q.device):
-            from . import triton_attn
+    if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
+        from . import triton_attn
 
-            return triton_attn._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None,
-                                         causal, sm_scale, eps, stats)
+        return triton_attn._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None,
+                                     causal, sm_scale, eps, stats)
+    with _NoAutocast(q.device):
         return reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
 
 
-@_attention_backward.register_fake
-def _attention_backward_fake(do, q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, causal,
-                             sm_scale, eps):
+def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap):
+    q, k, v = saved[:3]
     B, H, N, D = q.shape
     return (q.new_empty((B, H, N, D)), k.new_empty((B, k.shape[1], N, D)), v.new_empty((B, v.shape[1], N, D)))
 
 
-@torch.library.custom_op("flashwatch::attention_with_stats", mutates_args=())
-def _attention_with_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flag: torch.Tensor,
-                          counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
-                          sm_scale: float, variant: str, beta: float, eps: float
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+# the backward takes the forward's saved tensors as one list (fewer schema arguments to walk)
+_attention_backward = _operator(
+    "attention_grad(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
+    "bool causal, float sm_scale, float eps, float unit_gap) -> (Tensor, Tensor, Tensor)",
+    _attention_backward_impl, _attention_backward_fake)
+
+
+def _attention_with_stats_impl(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
+                               unit_gap):
     # the autograd-carrying operator must be functional: the statistics buffers are inputs here
     # (saved for the backward, which adds into them) and nothing in the forward mutates them
-    return _attention(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+    return _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
-@_attention_with_stats.register_fake
-def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps):
-    return _attention_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
+                               unit_gap):
+    return _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+
+
+_attention_with_stats = _operator(
+    "attention_with_stats(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, "
+    "Tensor coverage, bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _attention_with_stats_impl, _attention_with_stats_fake)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps = inputs
+    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap = inputs
     o, lse, r, rowmax, max_logit = output
     ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage)
-    ctx.causal, ctx.sm_scale, ctx.eps = causal, sm_scale, eps
+    ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap = causal, sm_scale, eps, unit_gap
 
 
 def _attention_grad(ctx, do, *_unused):
-    saved = ctx.saved_tensors
-    dq, dk, dv = _attention_backward(do, *saved, ctx.causal, ctx.sm_scale, ctx.eps)
-    return (dq, dk, dv) + (None,) * 9
+    q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values, coverage,
+                                     ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap)
+    return (dq, dk, dv) + (None,) * 10
 
 
-_attention_with_stats.register_autograd(_attention_grad, setup_context=_attention_setup)
+torch.library.register_autograd("flashwatch::attention_with_stats", _attention_grad, setup_context=_attention_setup,
+                                lib=_lib)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor, stats: AttentionStats,
@@ -210,17 +244,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     out = _attention_with_stats(q, k, v, flag, counts, values, coverage, bool(causal), scale, variant, float(beta),
-                                float(eps))
+                                float(eps), float(stats.unit_gap))
     return out[0]
 
 
 # --- observe -----------------------------------------------------------------------------------
 
-@torch.library.custom_op("flashwatch::observe_statistics", mutates_args=("counts", "values", "coverage"))
-def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        grad_out: torch.Tensor, flag: torch.Tensor, counts: torch.Tensor, values: torch.Tensor,
-                        coverage: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool, sm_scale: float,
-                        eps: float, masked: bool) -> None:
+def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
+                             eps, masked, unit_gap) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -230,7 +261,7 @@ def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     dtype = out.dtype  # autocast cast the inputs inside the model's SDPA: measure what it computed with
     try:
         with _NoAutocast(q.device):
-            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), _view(counts, values))
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), _view(counts, values, unit_gap))
             if masked:
                 masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
             else:
@@ -241,10 +272,16 @@ def _observe_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                   "training goes on unchanged", exc_info=True)
 
 
-@_observe_statistics.register_fake
 def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked):
+                             eps, masked, unit_gap):
     return None
+
+
+_observe_statistics = _operator(
+    "observe_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
+    "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
+    "float unit_gap) -> ()",
+    _observe_statistics_impl, _observe_statistics_fake)
 
 
 class _Observe(torch.autograd.Function):
@@ -254,17 +291,17 @@ class _Observe(torch.autograd.Function):
     its input); Dynamo traces this Function's forward and backward into the compiled graphs."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked):
+    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked, unit_gap):
         ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask)  # attn_mask may be None
-        ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked = causal, sm_scale, eps, masked
+        ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap = causal, sm_scale, eps, masked, unit_gap
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, flag, counts, values, coverage, attn_mask = ctx.saved_tensors
         _observe_statistics(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, ctx.causal,
-                            ctx.sm_scale, ctx.eps, ctx.masked)
-        return (grad_out,) + (None,) * 12
+                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap)
+        return (grad_out,) + (None,) * 13
 
 
 def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
@@ -277,15 +314,13 @@ def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     counts, values = stats_buffers(stats)
     mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
     return _Observe.apply(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask,
-                          bool(causal), scale, float(eps), bool(masked))
+                          bool(causal), scale, float(eps), bool(masked), float(stats.unit_gap))
 
 
 # --- calls measured in part -----------------------------------------------------------------------
 
-@torch.library.custom_op("flashwatch::score_statistics", mutates_args=("counts", "values", "coverage"))
-def _score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, flag: torch.Tensor,
-                      counts: torch.Tensor, values: torch.Tensor, coverage: torch.Tensor, causal: bool,
-                      sm_scale: float, eps: float, layer: int, reason: str) -> None:
+def _score_statistics_impl(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason,
+                           unit_gap) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -298,15 +333,21 @@ def _score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
             # a zero output gradient adds exactly 0 to the delta-error sums: rows, repeated
             # maxima and the max logit only
             attention_statistics(q.to(dtype), k.to(dtype), v.to(dtype), out, torch.zeros_like(out),
-                                 _view(counts, values), causal=causal, sm_scale=sm_scale, eps=eps)
+                                 _view(counts, values, unit_gap), causal=causal, sm_scale=sm_scale, eps=eps)
     except Exception:
         _log_once(("score_statistics",), "flashwatch: a statistics pass failed; training goes on unchanged",
                   exc_info=True)
 
 
-@_score_statistics.register_fake
-def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason):
+def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason,
+                           unit_gap):
     return None
+
+
+_score_statistics = _operator(
+    "score_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor flag, Tensor(a!) counts, Tensor(b!) values, "
+    "Tensor(c!) coverage, bool causal, float sm_scale, float eps, int layer, str reason, float unit_gap) -> ()",
+    _score_statistics_impl, _score_statistics_fake)
 
 
 def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, flag: torch.Tensor,
@@ -318,22 +359,24 @@ def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     _score_statistics(q.detach(), k.detach(), v.detach(), out.detach(), flag, counts, values, coverage, bool(causal),
-                      scale, float(eps), int(layer), str(reason))
+                      scale, float(eps), int(layer), str(reason), float(stats.unit_gap))
 
 
 # --- calls that are not measured -----------------------------------------------------------------
 
-@torch.library.custom_op("flashwatch::unmeasured_call", mutates_args=("coverage",))
-def _unmeasured_call(flag: torch.Tensor, coverage: torch.Tensor, layer: int, reason: str) -> None:
+def _unmeasured_call_impl(flag, coverage, layer, reason) -> None:
     if not _on(flag):
         return
     coverage[0] += 1
     _log_once((layer, reason), "flashwatch: layer %d: attention calls where %s are not measured", layer, reason)
 
 
-@_unmeasured_call.register_fake
 def _unmeasured_call_fake(flag, coverage, layer, reason):
     return None
+
+
+_unmeasured_call = _operator("unmeasured_call(Tensor flag, Tensor(a!) coverage, int layer, str reason) -> ()",
+                             _unmeasured_call_impl, _unmeasured_call_fake)
 
 
 def unmeasured_call(flag: torch.Tensor, coverage: torch.Tensor, layer: int, reason: str) -> None:

@@ -1,5 +1,6 @@
 """The GPU-only scripts in benchmarks/ say so and exit 2 on a machine without CUDA."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,29 @@ def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was()
             "assert all(x['cached_us'] > 0 and x['ordinary_us'] > 0 for x in r.values()), r\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "benchmarks",
                           timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_own_kernel_host_times_eager_and_compiled_calls_on_cpu_stand_ins():
+    """benchmarks/own_kernel_host.py runs without a GPU: every case (eager and compiled,
+    unmonitored and monitored, ordinary and cached launch) is timed and profiled into phases,
+    the launches end in stand-ins (no kernel runs), and the cache switch, the kernels and
+    TRITON_INTERPRET are restored afterwards (a fresh process: Triton's import state)."""
+    pytest.importorskip("triton")
+    code = ("import os, own_kernel_host\n"
+            "from flashwatch.kernels import launch, triton_attn\n"
+            "was, kernel = launch.FAST_LAUNCH, triton_attn._attn_fwd_kernel\n"
+            "r = own_kernel_host.measure((1, 2, 64, 16), layers=2, rounds=1, calls=1, kinds=own_kernel_host.KINDS)\n"
+            "assert launch.FAST_LAUNCH is was and triton_attn._attn_fwd_kernel is kernel, 'not restored'\n"
+            "assert 'TRITON_INTERPRET' not in os.environ\n"
+            "assert len(r) == 6, list(r)\n"
+            "for case, row in r.items():\n"
+            "    assert row['ordinary'] > 0 and row['cached'] > 0, (case, row)\n"
+            "    f = row['profile']['fractions']\n"
+            "    assert abs(sum(f.values()) - 1) < 1e-6 and f['Triton launch (JITFunction.run, launch cache)'] > 0, f\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "benchmarks",
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -2,7 +2,7 @@
 
 Compiled with the ``aot_eager`` backend (AOT autograd, no code generation: the compiled step
 computes exactly what the eager one does) and ``inductor`` (generated code). On the CPU the
-own-kernel mode runs the reference kernel through the ``flashwatch::attention`` operator.
+own-kernel mode runs the reference kernel through the ``flashwatch::attention_with_stats`` operator.
 
 Fail before: observe mode measured nothing inside torch.compile (and recompiled per layer on
 its guard on the layer), own-kernel mode's autograd.Function broke the graph.
@@ -56,11 +56,12 @@ class Stack(nn.Module):
         return x
 
 
-def _run(mode: str, backend: str | None, steps: int = 4, interval: int = 2, dtype=torch.float32):
+def _run(mode: str, backend: str | None, steps: int = 4, interval: int = 2, dtype=torch.float32,
+         format: str = "bf16"):
     """Train ``steps`` steps; per step: every layer's statistics and coverage after the backward."""
     torch.manual_seed(0)
     model = Stack().to(dtype)
-    monitor = Monitor(MonitorConfig(interval=interval, mode=mode, async_transfer=False))
+    monitor = Monitor(MonitorConfig(interval=interval, mode=mode, async_transfer=False, format=format))
     monitor.attach(model)
     run = model if backend is None else torch.compile(model, backend=backend)
     g = torch.Generator().manual_seed(1)
@@ -118,6 +119,20 @@ def test_compiled_step_measures_every_layer_as_eager(mode, backend):
                     torch.testing.assert_close(torch.tensor(sc[name]), torch.tensor(se[name]), rtol=1e-3, atol=1e-12)
         expected = [[1, 1]] * 3 if c["monitored"] else [[0, 0]] * 3
         assert c["coverage"] == e["coverage"] == expected, step
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_step_counts_format_ties_on_the_configured_format(mode):
+    """The format-tie count (rows whose P_bar rounds to 1 at two keys on the grid of
+    ``MonitorConfig.format``) is the eager step's under compile too. Fail before: the operators
+    rebuilt the layer's statistics with the default BF16 format, so a compiled step counted
+    ties on the BF16 grid whatever the configured format."""
+    eager = _run(mode, None, steps=1, format="fp8_e4m3")
+    assert sum(sum(layer["repeated_max_rows_format"]) for layer in eager[0]["stats"]) > 0  # ties to count
+    torch._dynamo.reset()
+    compiled = _run(mode, "aot_eager", steps=1, format="fp8_e4m3")
+    for e, c in zip(eager[0]["stats"], compiled[0]["stats"]):
+        assert c["repeated_max_rows_format"] == e["repeated_max_rows_format"]
 
 
 def test_flipping_the_monitored_flag_recompiles_nothing():
