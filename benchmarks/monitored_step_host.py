@@ -11,8 +11,10 @@ Two measurements, each over monitored and unmonitored steps alike (``interval=2`
 
 ``--statistics stub`` (default) replaces the CPU reference of the statistics pass with what the
 Triton path does on the host besides its launch (the W^Q-error chain's ``reduction`` factors), so
-the counts are those of a CUDA step; ``--statistics reference`` runs the CPU reference (many more
-ops, none of them on a GPU).
+the counts are those of a CUDA step in eager mode; ``--statistics none`` runs no statistics pass and
+feeds no W^Q-error chain, as in a compiled step (where the statistics are a custom operator and the
+chain is not measured); ``--statistics reference`` runs the CPU reference (many more ops, none of
+them on a GPU).
 
     PYTHONPATH=. python benchmarks/monitored_step_host.py [--steps 20] [--json out.json]
 """
@@ -44,7 +46,8 @@ PHASES = (
     ("W^Q gradient push (backward, per layer)", chain.LayerChain, "add_weight_grad"),
     ("Monitor._collect (whole)", monitor.Monitor, "_collect"),
     ("  chains.average", chain.Chains, "average"),
-    ("  stats.packed", kstats.AttentionStats, "packed"),
+    ("  stats packing", kstats.AttentionStats, "packed"),
+    ("  stats packing", kstats.AttentionStats, "packed_all"),
     ("  chains.reading", chain.Chains, "reading"),
     ("  wq.step", wq.WqNorms, "step"),
     ("  chains.update_pairs", chain.Chains, "update_pairs"),
@@ -98,10 +101,16 @@ def _stub_statistics(q, k, v, out, grad_out, stats, *, causal=True, sm_scale=Non
             found.done()
 
 
-def build(stub: bool, batch: int, seq: int):
+def _no_statistics(*args, **kwargs):
+    """A compiled step's chain: nothing fed."""
+
+
+def build(statistics: str, batch: int, seq: int):
     torch.manual_seed(0)
-    if stub:
-        reference.attention_statistics = _stub_statistics
+    if statistics != "reference":
+        reference.attention_statistics = _stub_statistics if statistics == "stub" else _no_statistics
+    if statistics == "none":
+        routing.Router._chain_hooks = lambda self, *args: None  # as compiled code: the chain is not fed
     model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=seq))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     mon = Monitor(MonitorConfig(interval=2, mode="observe"))
@@ -124,19 +133,21 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps of each kind (default 20)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--statistics", choices=("stub", "reference"), default="stub")
+    ap.add_argument("--statistics", choices=("stub", "none", "reference"), default="stub")
     ap.add_argument("--json", help="write the numbers here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     phases = _Phases()
     for label, owner, name in PHASES:
+        if not hasattr(owner, name):  # an older version of the code (comparisons)
+            continue
         original = getattr(owner, name)
         if isinstance(owner, type) and isinstance(owner.__dict__.get(name), staticmethod):
             setattr(owner, name, staticmethod(phases.wrap(label, original)))
         else:
             setattr(owner, name, phases.wrap(label, original))
     # reference.attention_statistics is replaced first, then wrapped: rebuild the wrapper after build()
-    mon, step = build(a.statistics == "stub", a.batch, a.seq)
+    mon, step = build(a.statistics, a.batch, a.seq)
     reference.attention_statistics = phases.wrap("statistics pass (backward, per call)",
                                                  reference.attention_statistics)
     for _ in range(6):  # warm-up, ends before a monitored step
@@ -172,7 +183,7 @@ def main(argv=None) -> int:
     print(f"torch ops dispatched: unmonitored {total_ops['unmonitored']}, monitored {total_ops['monitored']}, "
           f"extra {total_ops['monitored'] - total_ops['unmonitored']}")
     print(f"{'phase of the monitored step':44s} {'ms':>8s} {'ops':>6s}")
-    for label, _, _ in PHASES:
+    for label in dict.fromkeys(label for label, _, _ in PHASES):
         if label in phase_ms or label in counts["monitored"]:
             print(f"{label:44s} {phase_ms.get(label, 0.0):8.3f} {counts['monitored'].get(label, 0):6d}")
     rest = "model, optimizer (rest of the step)"

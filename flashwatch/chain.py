@@ -74,19 +74,25 @@ def _omega(width: int, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def top_pair(weight: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def top_pair(weight: torch.Tensor, v_block: torch.Tensor,
+             top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The top singular pair of each head from a block power iteration's subspace.
 
     Args:
         weight: (N, D, C) query weights.
         v_block: (N, C, k) orthonormal right vectors (``PowerIteration.v``).
+        top: (N, k), the top eigenvector of (W V)^T (W V) for this weight and block when already
+            known (``PowerIteration.top_in_block``, from the step that made ``v_block``); None:
+            computed here.
 
     Returns:
         u (N, D) and v (N, C), unit vectors with W v = sigma u (Rayleigh-Ritz in the block).
     """
     w = weight.detach().float()
-    y = w @ v_block  # (N, D, k)
-    a = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
+    if top is None:
+        y = w @ v_block  # (N, D, k)
+        top = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
+    a = top
     v = (v_block @ a[..., None])[..., 0]
     v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
     u = (w @ v[..., None])[..., 0]
@@ -120,6 +126,7 @@ class LayerChain:
         self.ew_norm = torch.zeros(h, dtype=torch.float64, device=self.device)
         self.rows_calls = 0  # statistics passes added this step
         self.grad_calls = 0
+        self._touched = False  # whether anything may have added into this step's accumulators
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
         self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
@@ -162,6 +169,7 @@ class LayerChain:
         dQ_err = c[..., None] * pk with c = -scale * e_rows, so u^T dG v = sum_rows c (pk . u)(x . v)
         and the sketch dG Omega = sum_rows c pk^T (x Omega), both without forming dQ_err. The
         Triton kernels add the same sums in their epilogue instead (``reduction``)."""
+        self._touched = True
         xv, xo = self._project(x, pk)
         c = (-scale) * e_rows.float()  # (B, H, N)
         self.ugv += (c * self._along_u(pk) * xv).sum(dim=(0, 2))
@@ -177,6 +185,7 @@ class LayerChain:
         into: the same sums as ``add_rows`` with the call's sm_scale, no per-row tensor formed."""
         from .kernels.stats import RowReduction
 
+        self._touched = True
         xv, xo = self._project(x, q)
         return RowReduction(self.u, xv, xo, self.ugv, self.sketch, self._rows_added)
 
@@ -186,6 +195,7 @@ class LayerChain:
     @torch.no_grad()
     def add_query_grad(self, x: torch.Tensor, dq: torch.Tensor) -> None:
         """The true gradient's push from one call's dQ (B, H, N, D) and its projection input x."""
+        self._touched = True
         xv, _ = self._project(x, dq)
         self.push_true -= (self._along_u(dq) * xv).sum(dim=(0, 2)).double()
         self.grad_calls += 1
@@ -197,6 +207,7 @@ class LayerChain:
         if tuple(grad_rows.shape) != (self.num_heads, self.head_dim, self.width):
             raise ValueError(f"W^Q gradient of shape {tuple(grad_rows.shape)}, expected "
                              f"{(self.num_heads, self.head_dim, self.width)}")
+        self._touched = True
         g = grad_rows.to(self.device, torch.float64)
         gv = torch.matmul(g, self.v.double()[..., None])[..., 0]  # (H, D)
         self.push_true -= (gv * self.u.double()).sum(1)
@@ -271,6 +282,11 @@ class LayerChain:
         NaN for a step with no statistics pass (the window state is then left as it was); no
         host synchronisation."""
         h = self.num_heads
+        if self._seen is None and not self._touched:
+            # nothing was added this step (no statistics pass fed the chain, as under torch.compile):
+            # every reading is NaN and the window state stays as it is, known on the host
+            self._end_step()
+            return torch.full((len(FIELDS), h), math.nan, dtype=torch.float64, device=self.device)
         nan = torch.full((h,), math.nan, dtype=torch.float64, device=self.device)
         if self._seen is not None:
             rows_seen, grad_seen = self._seen
@@ -294,12 +310,17 @@ class LayerChain:
         self.ugv = torch.zeros_like(self.ugv)
         self.push_true = torch.zeros_like(self.push_true)
         self.sketch = torch.zeros_like(self.sketch)
+        self._end_step()
+        return out
+
+    def _end_step(self) -> None:
+        """Host state of the next step: no calls counted, no hooks pending, W^Q's hook removed."""
         self.rows_calls = self.grad_calls = 0
+        self._touched = False
         self._seen = None
         self._projected = None
         self.pending_hooks.clear()
         self.unwatch()
-        return out
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k).detach().cpu().clone() for k in ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm")}

@@ -116,23 +116,24 @@ class Collector:
     def heads(self) -> list[int]:
         return [layer.num_heads for layer in self.layers]
 
-    def collect(self, t: int, read: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]], loss: Any,
+    def collect(self, t: int, read: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]], loss: Any,
                 grad_norm: Any, variant_codes: list[int]) -> Pending:
-        """Start monitored step ``t``'s host copy. ``read()`` gives each layer's (len(FIELDS), H)
-        device readings and (H,) W^Q norms; under ``torch.distributed`` a failure there still
-        takes part in the collective (as a "failed" vector)."""
+        """Start monitored step ``t``'s host copy. ``read()`` gives every layer's device readings
+        side by side, (len(FIELDS), total heads) in layer order, and each layer's (H,) W^Q norms;
+        under ``torch.distributed`` a failure there still takes part in the collective (as a
+        "failed" vector)."""
         if self.reducer is not None and self.layers:
             return self._combined(t, read, loss, grad_norm, variant_codes)
-        per_layer, sigmas = read()
-        return self._local(t, per_layer, sigmas, loss, grad_norm)
+        packed, sigmas = read()
+        return self._local(t, packed, sigmas, loss, grad_norm)
 
-    def _local(self, t, per_layer, sigmas, loss, grad_norm) -> Pending:
+    def _local(self, t, packed, sigmas, loss, grad_norm) -> Pending:
         total, nf = sum(self.heads), len(FIELDS)
         parts: list[torch.Tensor] = []
         device = None
         if self.layers:
-            device = per_layer[0].device
-            parts.append(torch.cat([p.to(device) for p in per_layer], dim=1).reshape(-1))  # (F * sum H,)
+            device = packed.device
+            parts.append(packed.reshape(-1))  # (F * sum H,)
             parts.append(torch.cat([s.to(device=device, dtype=torch.float64) for s in sigmas]))  # (sum H,)
         on_device = []  # names of the scalars that ride in the transfer, in order
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
@@ -164,8 +165,8 @@ class Collector:
         r = self.reducer
         device = self.layers[0].stats.device
         try:
-            per_layer, sigmas = read()
-            packed = torch.cat([p.to(device) for p in per_layer], dim=1)
+            packed, sigmas = read()
+            packed = packed.to(device)
             sigma = torch.cat([s.to(device=device, dtype=torch.float64) for s in sigmas])
             local = r.pack(packed, sigma, loss, grad_norm, t, variant_codes)
         except Exception as exc:

@@ -86,6 +86,7 @@ class WqNorms:
         self.skip = skip
         self.model = model
         self.replaced: set[int] = set()  # indices of layers whose module was replaced after attach
+        self._fresh_pairs = None  # pairs made by the last step(pairs=True), until pairs() returns them
         kinds = {layer.index: layer.placement_kind for layer in layers}
         self.unsupported = {i for i, k in kinds.items() if k == "unsupported"} if skip is None else set(kinds)
         if skip is not None:
@@ -140,14 +141,22 @@ class WqNorms:
                             "call monitor.detach() and monitor.attach(model) to follow the new module",
                             layer.index, layer.name)
 
-    def step(self, exact: bool, iters: int, on_error: Callable[[str, BaseException], None]) -> list[torch.Tensor]:
+    def step(self, exact: bool, iters: int, on_error: Callable[[str, BaseException], None],
+             pairs: bool = False) -> list[torch.Tensor]:
         """This step's norms, one (H,) device tensor per layer in layer order (NaN on failure or skip).
+
+        ``pairs``: also make the top singular pairs of the weights just read, which the next
+        ``pairs()`` call returns (call it before the weights change: the W^Q-error chain's next
+        pairs), without reading the weights again.
 
         Collectives for FSDP-sharded layers: every rank of their shard group calls this alike."""
         self._check_live()
+        self._fresh_pairs = None
         out: dict[int, torch.Tensor] = {}
+        weights = []
         for group in self.groups:
             try:
+                weight = None
                 weight = group.weight()
                 storage = group.storages()
                 renewed = storage != group.storage  # a new query weight (or a move): restart exactly
@@ -156,8 +165,14 @@ class WqNorms:
             except Exception as exc:
                 on_error("wq_spectral_norm", exc)
                 sigma = torch.full((sum(layer.num_heads for layer in group.layers),), float("nan"))
+            weights.append(weight)
             for layer, s in zip(group.layers, group.split(sigma)):
                 out[layer.index] = s
+        if pairs:
+            try:
+                self._fresh_pairs = self._pairs(weights)
+            except Exception:  # pairs() computes them again and its caller reports the failure
+                self._fresh_pairs = None
         if self.sharded.members:
             out.update({layer.index: s for layer, s in
                         (self.sharded.exact() if exact else self.sharded.step(iters)).items()})
@@ -172,9 +187,17 @@ class WqNorms:
     def pairs(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Layer index -> (u (H, D), v (H, C)): each head's top singular pair from the current vectors
         (layers held whole on this rank only)."""
+        fresh, self._fresh_pairs = getattr(self, "_fresh_pairs", None), None
+        return fresh if fresh is not None else self._pairs([None] * len(self.groups))
+
+    def _pairs(self, weights: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``pairs()`` from each group's weight as read (None: read now)."""
         out = {}
-        for group in self.groups:
-            u, v = top_pair(group.weight(), group.power.v)
+        for group, weight in zip(self.groups, weights):
+            if weight is None:
+                u, v = top_pair(group.weight(), group.power.v)
+            else:  # the step's own weight: its power step already knows the pair's direction
+                u, v = top_pair(weight, group.power.v, group.power.top_in_block())
             for layer, ul, vl in zip(group.layers, group.split(u), group.split(v)):
                 out[layer.index] = (ul, vl)
         return out
