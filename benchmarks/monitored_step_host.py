@@ -49,6 +49,7 @@ PHASES = (
     ("  stats packing", kstats.AttentionStats, "packed"),
     ("  stats packing", kstats.AttentionStats, "packed_all"),
     ("  chains.reading", chain.Chains, "reading"),
+    ("  chains.reading", chain.Chains, "readings"),
     ("  wq.step", wq.WqNorms, "step"),
     ("  chains.update_pairs", chain.Chains, "update_pairs"),
     ("  collector packing + host copy", collect.Collector, "_local"),

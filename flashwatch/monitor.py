@@ -492,8 +492,8 @@ class Monitor:
             # every layer at once: (len(STAT_FIELDS) + len(CHAIN_FIELDS), total heads), layers side by side
             if self.layers:
                 stats = AttentionStats.packed_all([layer.stats for layer in self.layers])
-                chains = [self._chains.reading(layer, self.config.window).to(stats.device) for layer in self.layers]
-                packed = torch.cat([stats, torch.cat(chains, dim=1)])
+                chains = self._chains.readings(self.layers, self.config.window).to(stats.device)
+                packed = torch.cat([stats, chains])
             else:
                 packed = torch.zeros((len(FIELDS), 0), dtype=torch.float64)
             every = self.config.power_exact_every
