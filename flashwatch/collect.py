@@ -134,7 +134,7 @@ class Collector:
         if self.layers:
             device = packed.device
             parts.append(packed.reshape(-1))  # (F * sum H,)
-            parts.append(torch.cat([s.to(device=device, dtype=torch.float64) for s in sigmas]))  # (sum H,)
+            parts.append(_side_by_side(sigmas, device))  # (sum H,)
         on_device = []  # names of the scalars that ride in the transfer, in order
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             if isinstance(value, torch.Tensor):
@@ -167,7 +167,7 @@ class Collector:
         try:
             packed, sigmas = read()
             packed = packed.to(device)
-            sigma = torch.cat([s.to(device=device, dtype=torch.float64) for s in sigmas])
+            sigma = _side_by_side(sigmas, device)
             local = r.pack(packed, sigma, loss, grad_norm, t, variant_codes)
         except Exception as exc:
             self.on_error("step", exc)
@@ -183,3 +183,9 @@ class Collector:
         for row in CHAIN_MEAN_ROWS:
             values[row] /= self.reducer.world_size
         return Readings(values, red.sigma, red.loss, red.grad_norm, red.loss_given, red.grad_norm_given)
+
+
+def _side_by_side(sigmas: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The layers' (H,) W^Q norms as one float64 vector on ``device``: joined first (float32 and
+    float64 parts join as float64, exactly), then converted once."""
+    return torch.cat([s.to(device) for s in sigmas]).to(torch.float64)

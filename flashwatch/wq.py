@@ -49,11 +49,16 @@ class _Group:
 
     def storages(self) -> list[int]:
         """Where each layer's query weight lives now (a new parameter, or a move, changes it)."""
-        return [layer.query_weight().untyped_storage().data_ptr() for layer in self.layers]
+        return self.read()[1]
 
     def weight(self) -> torch.Tensor:
+        return self.read()[0]
+
+    def read(self) -> tuple[torch.Tensor, list[int]]:
+        """The layers' query weights stacked, (sum H, D, C), and where each lives now (``storages``),
+        each layer's weight looked up once."""
         ws = [layer.query_weight() for layer in self.layers]
-        return ws[0] if len(ws) == 1 else torch.cat(ws)  # (sum H, D, C)
+        return (ws[0] if len(ws) == 1 else torch.cat(ws)), [w.untyped_storage().data_ptr() for w in ws]
 
     def split(self, t: torch.Tensor) -> list[torch.Tensor]:
         return list(t.split([layer.num_heads for layer in self.layers]))
@@ -157,8 +162,7 @@ class WqNorms:
         for group in self.groups:
             try:
                 weight = None
-                weight = group.weight()
-                storage = group.storages()
+                weight, storage = group.read()
                 renewed = storage != group.storage  # a new query weight (or a move): restart exactly
                 group.storage = storage
                 sigma = group.power.exact(weight) if exact or renewed else group.power.step(weight, iters)
