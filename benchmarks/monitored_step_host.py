@@ -16,7 +16,7 @@ feeds no W^Q-error chain, as in a compiled step (where the statistics are a cust
 chain is not measured); ``--statistics reference`` runs the CPU reference (many more ops, none of
 them on a GPU).
 
-    PYTHONPATH=. python benchmarks/monitored_step_host.py [--steps 20] [--json out.json]
+    PYTHONPATH=. python benchmarks/monitored_step_host.py [--steps 20] [--n-embd 192] [--json out.json]
 """
 
 from __future__ import annotations
@@ -106,13 +106,13 @@ def _no_statistics(*args, **kwargs):
     """A compiled step's chain: nothing fed."""
 
 
-def build(statistics: str, batch: int, seq: int):
+def build(statistics: str, batch: int, seq: int, n_embd: int = 768):
     torch.manual_seed(0)
     if statistics != "reference":
         reference.attention_statistics = _stub_statistics if statistics == "stub" else _no_statistics
     if statistics == "none":
         routing.Router._chain_hooks = lambda self, *args: None  # as compiled code: the chain is not fed
-    model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=seq))
+    model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=n_embd, block_size=seq))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     mon = Monitor(MonitorConfig(interval=2, mode="observe"))
     mon.attach(model)
@@ -134,6 +134,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps of each kind (default 20)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--n-embd", type=int, default=768,
+                    help="model width (default 768, GPT-2 small; 192, head dim 16, leaves the CPU almost no "
+                         "arithmetic, so the times are host overhead)")
     ap.add_argument("--statistics", choices=("stub", "none", "reference"), default="stub")
     ap.add_argument("--json", help="write the numbers here")
     a = ap.parse_args(argv)
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
         else:
             setattr(owner, name, phases.wrap(label, original))
     # reference.attention_statistics is replaced first, then wrapped: rebuild the wrapper after build()
-    mon, step = build(a.statistics, a.batch, a.seq)
+    mon, step = build(a.statistics, a.batch, a.seq, a.n_embd)
     reference.attention_statistics = phases.wrap("statistics pass (backward, per call)",
                                                  reference.attention_statistics)
     for _ in range(6):  # warm-up, ends before a monitored step
@@ -178,7 +181,7 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     phase_ms = {k: statistics.median(v) * 1e3 for k, v in per_phase.items()}
     total_ops = {k: sum(v.values()) for k, v in counts.items()}
-    print(f"GPT-2 small structure, batch {a.batch} x {a.seq}, observe mode, eager, CPU, statistics {a.statistics}")
+    print(f"12 layers x 12 heads, d {a.n_embd}, batch {a.batch} x {a.seq}, observe mode, eager, CPU, statistics {a.statistics}")
     print(f"step (median of {a.steps}): unmonitored {med['unmonitored']:.2f} ms, monitored {med['monitored']:.2f} ms, "
           f"extra {med['monitored'] - med['unmonitored']:.2f} ms")
     print(f"torch ops dispatched: unmonitored {total_ops['unmonitored']}, monitored {total_ops['monitored']}, "
