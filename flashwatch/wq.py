@@ -168,7 +168,8 @@ class WqNorms:
                 sigma = group.power.exact(weight) if exact or renewed else group.power.step(weight, iters)
             except Exception as exc:
                 on_error("wq_spectral_norm", exc)
-                sigma = torch.full((sum(layer.num_heads for layer in group.layers),), float("nan"))
+                sigma = torch.full((sum(layer.num_heads for layer in group.layers),), float("nan"),
+                                   device=group.power.v.device)  # made where it is used: no copy from the host
             weights.append(weight)
             for layer, s in zip(group.layers, group.split(sigma)):
                 out[layer.index] = s

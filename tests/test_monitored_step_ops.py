@@ -136,3 +136,23 @@ def test_the_device_half_adds_few_ops_per_layer(monkeypatch):
     two, six = _collect_ops(2, monkeypatch), _collect_ops(6, monkeypatch)
     per_layer = (six - two) / 4
     assert per_layer <= 16, f"{per_layer} torch ops per layer ({two} at 2 layers, {six} at 6)"
+
+
+def test_the_benchmark_runs_and_counts_the_device_half(tmp_path):
+    """benchmarks/monitored_step_host.py (in a process of its own: it replaces functions while it
+    measures) on a narrow model: it times both kinds of step and counts the phases' ops."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "monitored_step_host.py"), "--steps", "1",
+                    "--n-embd", "48", "--seq", "8", "--statistics", "none", "--json", str(out)],
+                   check=True, cwd=root, capture_output=True, timeout=300)
+    got = json.loads(out.read_text())
+    ops = got["ops"]
+    assert sum(ops["monitored"].values()) > sum(ops["unmonitored"].values())
+    assert ops["monitored"]["  chains.reading"] <= 3  # unfed chains: one NaN fill per group
+    assert set(got["step_ms"]) == {"monitored", "unmonitored"}
