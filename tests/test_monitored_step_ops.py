@@ -59,7 +59,16 @@ def test_top_pair_from_the_power_steps_direction_is_bit_identical():
     assert power.top_in_block() is None
 
 
-def _monitor(n_layer: int, feed_chain: bool, monkeypatch):
+@pytest.fixture
+def monitors():
+    """Monitors made by a test, detached at its end (torch's SDPA given back)."""
+    made = []
+    yield made
+    for mon in made:
+        mon.detach()
+
+
+def _monitor(n_layer: int, feed_chain: bool, monkeypatch, made: list):
     if not feed_chain:  # as under torch.compile: no statistics pass feeds the chain
         monkeypatch.setattr(reference, "attention_statistics", lambda *a, **k: None)
         monkeypatch.setattr(routing.Router, "_chain_hooks", lambda self, *a: None)
@@ -67,12 +76,13 @@ def _monitor(n_layer: int, feed_chain: bool, monkeypatch):
     model = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=32, block_size=8))
     mon = Monitor(MonitorConfig(interval=1, mode="observe"))
     mon.attach(model)
+    made.append(mon)
     x = torch.randint(0, 256, (1, 8))
     return mon, model, x
 
 
-def test_pairs_after_the_step_equal_pairs_read_again(monkeypatch):
-    mon, model, x = _monitor(2, True, monkeypatch)
+def test_pairs_after_the_step_equal_pairs_read_again(monkeypatch, monitors):
+    mon, model, x = _monitor(2, True, monkeypatch, monitors)
     model(x, x)[1].backward()
     wq = mon._wq
     wq.step(False, 1, lambda kind, exc: None, pairs=True)
@@ -110,9 +120,9 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _collect_ops(n_layer: int, monkeypatch) -> int:
+def _collect_ops(n_layer: int, monkeypatch, made: list) -> int:
     """Torch ops of a monitored step's device half (``_collect``, ``_reset_stats``), chain unfed."""
-    mon, model, x = _monitor(n_layer, False, monkeypatch)
+    mon, model, x = _monitor(n_layer, False, monkeypatch, made)
     for _ in range(2):
         model(x, x)[1].backward()
         mon.step()
@@ -129,11 +139,11 @@ def _collect_ops(n_layer: int, monkeypatch) -> int:
     return counter.ops
 
 
-def test_the_device_half_adds_few_ops_per_layer(monkeypatch):
+def test_the_device_half_adds_few_ops_per_layer(monkeypatch, monitors):
     """Per layer the device half reads W^Q (a few views), one NaN reading of the unfed chain and
     the splits of the batched results; packing, resetting and the power iteration are batched. The
     per-layer way dispatched about 70 ops per layer here."""
-    two, six = _collect_ops(2, monkeypatch), _collect_ops(6, monkeypatch)
+    two, six = _collect_ops(2, monkeypatch, monitors), _collect_ops(6, monkeypatch, monitors)
     per_layer = (six - two) / 4
     assert per_layer <= 16, f"{per_layer} torch ops per layer ({two} at 2 layers, {six} at 6)"
 
