@@ -74,19 +74,25 @@ def _omega(width: int, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def top_pair(weight: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def top_pair(weight: torch.Tensor, v_block: torch.Tensor,
+             top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The top singular pair of each head from a block power iteration's subspace.
 
     Args:
         weight: (N, D, C) query weights.
         v_block: (N, C, k) orthonormal right vectors (``PowerIteration.v``).
+        top: (N, k), the top eigenvector of (W V)^T (W V) for this weight and block when already
+            known (``PowerIteration.top_in_block``, from the step that made ``v_block``); None:
+            computed here.
 
     Returns:
         u (N, D) and v (N, C), unit vectors with W v = sigma u (Rayleigh-Ritz in the block).
     """
     w = weight.detach().float()
-    y = w @ v_block  # (N, D, k)
-    a = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
+    if top is None:
+        y = w @ v_block  # (N, D, k)
+        top = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
+    a = top
     v = (v_block @ a[..., None])[..., 0]
     v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
     u = (w @ v[..., None])[..., 0]
@@ -120,6 +126,7 @@ class LayerChain:
         self.ew_norm = torch.zeros(h, dtype=torch.float64, device=self.device)
         self.rows_calls = 0  # statistics passes added this step
         self.grad_calls = 0
+        self._touched = False  # whether anything may have added into this step's accumulators
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
         self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
@@ -162,6 +169,7 @@ class LayerChain:
         dQ_err = c[..., None] * pk with c = -scale * e_rows, so u^T dG v = sum_rows c (pk . u)(x . v)
         and the sketch dG Omega = sum_rows c pk^T (x Omega), both without forming dQ_err. The
         Triton kernels add the same sums in their epilogue instead (``reduction``)."""
+        self._touched = True
         xv, xo = self._project(x, pk)
         c = (-scale) * e_rows.float()  # (B, H, N)
         self.ugv += (c * self._along_u(pk) * xv).sum(dim=(0, 2))
@@ -177,6 +185,7 @@ class LayerChain:
         into: the same sums as ``add_rows`` with the call's sm_scale, no per-row tensor formed."""
         from .kernels.stats import RowReduction
 
+        self._touched = True
         xv, xo = self._project(x, q)
         return RowReduction(self.u, xv, xo, self.ugv, self.sketch, self._rows_added)
 
@@ -186,6 +195,7 @@ class LayerChain:
     @torch.no_grad()
     def add_query_grad(self, x: torch.Tensor, dq: torch.Tensor) -> None:
         """The true gradient's push from one call's dQ (B, H, N, D) and its projection input x."""
+        self._touched = True
         xv, _ = self._project(x, dq)
         self.push_true -= (self._along_u(dq) * xv).sum(dim=(0, 2)).double()
         self.grad_calls += 1
@@ -197,6 +207,7 @@ class LayerChain:
         if tuple(grad_rows.shape) != (self.num_heads, self.head_dim, self.width):
             raise ValueError(f"W^Q gradient of shape {tuple(grad_rows.shape)}, expected "
                              f"{(self.num_heads, self.head_dim, self.width)}")
+        self._touched = True
         g = grad_rows.to(self.device, torch.float64)
         gv = torch.matmul(g, self.v.double()[..., None])[..., 0]  # (H, D)
         self.push_true -= (gv * self.u.double()).sum(1)
@@ -264,42 +275,75 @@ class LayerChain:
         self.sketch = t[2 * h: 2 * h + self.sketch.numel()].view_as(self.sketch).float().clone()
         self._seen = (t[-2] > 0, t[-1] > 0)  # device scalars: no host sync
 
-    @torch.no_grad()
     def reading(self, lam: float) -> torch.Tensor:
         """This step's readings (len(FIELDS), H) float64 on the device; starts the next step.
 
         NaN for a step with no statistics pass (the window state is then left as it was); no
         host synchronisation."""
-        h = self.num_heads
-        nan = torch.full((h,), math.nan, dtype=torch.float64, device=self.device)
-        if self._seen is not None:
-            rows_seen, grad_seen = self._seen
-        else:
-            # a fill, not a copy from the host: nothing waits
-            rows_seen = torch.full((), self.rows_calls > 0, dtype=torch.bool, device=self.device)
-            grad_seen = torch.full((), self.grad_calls > 0, dtype=torch.bool, device=self.device)
-        g = self.sketch
-        norm = g.flatten(1).norm(dim=1).double()  # (H,)
-        dot = (g * self.prev).flatten(1).sum(1).double()
-        den = norm * self.prev.flatten(1).norm(dim=1).double()
-        alignment = torch.where(rows_seen & self.has_prev & (den > 0), dot / den.clamp_min(1e-300), nan)
-        self.ew_sum.copy_(torch.where(rows_seen, lam * self.ew_sum + g, self.ew_sum))
-        self.ew_norm.copy_(torch.where(rows_seen, lam * self.ew_norm + norm, self.ew_norm))
-        s_norm = self.ew_sum.flatten(1).norm(dim=1).double()
-        coherence = torch.where(rows_seen & (self.ew_norm > 0), s_norm / self.ew_norm.clamp_min(1e-300), nan)
-        out = torch.stack([torch.where(rows_seen, -self.ugv.double(), nan), torch.where(grad_seen, self.push_true, nan),
-                           alignment, coherence])
-        self.prev.copy_(torch.where(rows_seen, g, self.prev))
-        self.has_prev |= rows_seen
-        self.ugv = torch.zeros_like(self.ugv)
-        self.push_true = torch.zeros_like(self.push_true)
-        self.sketch = torch.zeros_like(self.sketch)
+        return LayerChain.read_all([self], lam)[0]
+
+    @property
+    def fed(self) -> bool:
+        """Whether anything may have reached this step's accumulators (else every reading is NaN)."""
+        return self._seen is not None or self._touched
+
+    @staticmethod
+    @torch.no_grad()
+    def read_all(chains: "list[LayerChain]", lam: float) -> torch.Tensor:
+        """``reading(lam)`` of several chains of one shape and device at once: (len(chains),
+        len(FIELDS), H) float64, each chain's window state updated and its next step started. The
+        same operations as one chain's, on the chains stacked (a monitored step's launches do
+        not grow with the depth of the model)."""
+        first = chains[0]
+        h, device = first.num_heads, first.device
+        if not any(c.fed for c in chains):
+            # nothing was added this step (no statistics pass fed the chains, as under torch.compile):
+            # every reading is NaN and the window state stays as it is, known on the host
+            for c in chains:
+                c._end_step()
+            return torch.full((len(chains), len(FIELDS), h), math.nan, dtype=torch.float64, device=device)
+        seen = [c._seen if c._seen is not None else
+                # a fill, not a copy from the host: nothing waits
+                (torch.full((), c.rows_calls > 0, dtype=torch.bool, device=device),
+                 torch.full((), c.grad_calls > 0, dtype=torch.bool, device=device)) for c in chains]
+        rows_seen = torch.stack([r for r, _ in seen])[:, None]  # (L, 1)
+        grad_seen = torch.stack([g for _, g in seen])[:, None]
+        rows_seen4 = rows_seen[..., None, None]  # (L, 1, 1, 1) against (L, H, D, r)
+
+        def stacked(name: str) -> torch.Tensor:
+            return torch.stack([getattr(c, name) for c in chains])
+
+        g, prev, ew_sum = stacked("sketch"), stacked("prev"), stacked("ew_sum")  # (L, H, D, r)
+        ew_norm, has_prev = stacked("ew_norm"), stacked("has_prev")  # (L, H)
+        nan = torch.full((h,), math.nan, dtype=torch.float64, device=device)
+        norm = g.flatten(2).norm(dim=2).double()  # (L, H)
+        dot = (g * prev).flatten(2).sum(2).double()
+        den = norm * prev.flatten(2).norm(dim=2).double()
+        alignment = torch.where(rows_seen & has_prev & (den > 0), dot / den.clamp_min(1e-300), nan)
+        ew_sum = torch.where(rows_seen4, lam * ew_sum + g, ew_sum)
+        ew_norm = torch.where(rows_seen, lam * ew_norm + norm, ew_norm)
+        s_norm = ew_sum.flatten(2).norm(dim=2).double()
+        coherence = torch.where(rows_seen & (ew_norm > 0), s_norm / ew_norm.clamp_min(1e-300), nan)
+        out = torch.stack([torch.where(rows_seen, -stacked("ugv").double(), nan),
+                           torch.where(grad_seen, stacked("push_true"), nan), alignment, coherence], dim=1)
+        torch._foreach_copy_([c.ew_sum for c in chains], ew_sum.unbind(0))
+        torch._foreach_copy_([c.ew_norm for c in chains], ew_norm.unbind(0))
+        torch._foreach_copy_([c.prev for c in chains], torch.where(rows_seen4, g, prev).unbind(0))
+        torch._foreach_copy_([c.has_prev for c in chains], (has_prev | rows_seen).unbind(0))
+        for name in ("ugv", "push_true", "sketch"):  # the next step's accumulators (read above: stacked copies)
+            torch._foreach_zero_([getattr(c, name) for c in chains])
+        for c in chains:
+            c._end_step()
+        return out
+
+    def _end_step(self) -> None:
+        """Host state of the next step: no calls counted, no hooks pending, W^Q's hook removed."""
         self.rows_calls = self.grad_calls = 0
+        self._touched = False
         self._seen = None
         self._projected = None
         self.pending_hooks.clear()
         self.unwatch()
-        return out
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k).detach().cpu().clone() for k in ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm")}
@@ -378,10 +422,30 @@ class Chains:
     def reading(self, layer: Any, window: int) -> torch.Tensor:
         """The layer's readings (len(FIELDS), H) float64 on its statistics' device (NaN without a
         chain); starts the chain's next step. ``window``: ``MonitorConfig.window`` (lam = 1 - 1/window)."""
-        device = layer.stats.device
-        if layer.chain is not None:
+        return self.readings([layer], window)
+
+    def readings(self, layers: list, window: int) -> torch.Tensor:
+        """The readings of ``layers`` side by side, (len(FIELDS), their total heads) float64 on the
+        first one's statistics device, NaN where a layer has no chain or its chain failed; starts
+        each chain's next step. Chains of one shape and device are read together
+        (``LayerChain.read_all``)."""
+        lam = 1.0 - 1.0 / window
+        device = layers[0].stats.device
+        groups: dict[tuple, list] = {}
+        for layer in layers:
+            c = layer.chain
+            if c is not None:
+                groups.setdefault((c.num_heads, c.head_dim, c.width, c.device), []).append(layer)
+        got: dict[int, torch.Tensor] = {}
+        for members in groups.values():
             try:
-                return layer.chain.reading(1.0 - 1.0 / window).to(device)
+                out = LayerChain.read_all([layer.chain for layer in members], lam)
             except Exception as exc:
                 self.on_error("wq_error_chain", exc)
-        return torch.full((len(FIELDS), layer.num_heads), math.nan, dtype=torch.float64, device=device)
+                continue
+            for layer, reading in zip(members, out.unbind(0)):
+                got[id(layer)] = reading
+        parts = [got[id(layer)].to(device) if id(layer) in got else
+                 torch.full((len(FIELDS), layer.num_heads), math.nan, dtype=torch.float64, device=device)
+                 for layer in layers]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -116,24 +116,25 @@ class Collector:
     def heads(self) -> list[int]:
         return [layer.num_heads for layer in self.layers]
 
-    def collect(self, t: int, read: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]], loss: Any,
+    def collect(self, t: int, read: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]], loss: Any,
                 grad_norm: Any, variant_codes: list[int]) -> Pending:
-        """Start monitored step ``t``'s host copy. ``read()`` gives each layer's (len(FIELDS), H)
-        device readings and (H,) W^Q norms; under ``torch.distributed`` a failure there still
-        takes part in the collective (as a "failed" vector)."""
+        """Start monitored step ``t``'s host copy. ``read()`` gives every layer's device readings
+        side by side, (len(FIELDS), total heads) in layer order, and each layer's (H,) W^Q norms;
+        under ``torch.distributed`` a failure there still takes part in the collective (as a
+        "failed" vector)."""
         if self.reducer is not None and self.layers:
             return self._combined(t, read, loss, grad_norm, variant_codes)
-        per_layer, sigmas = read()
-        return self._local(t, per_layer, sigmas, loss, grad_norm)
+        packed, sigmas = read()
+        return self._local(t, packed, sigmas, loss, grad_norm)
 
-    def _local(self, t, per_layer, sigmas, loss, grad_norm) -> Pending:
+    def _local(self, t, packed, sigmas, loss, grad_norm) -> Pending:
         total, nf = sum(self.heads), len(FIELDS)
         parts: list[torch.Tensor] = []
         device = None
         if self.layers:
-            device = per_layer[0].device
-            parts.append(torch.cat([p.to(device) for p in per_layer], dim=1).reshape(-1))  # (F * sum H,)
-            parts.append(torch.cat([s.to(device=device, dtype=torch.float64) for s in sigmas]))  # (sum H,)
+            device = packed.device
+            parts.append(packed.reshape(-1))  # (F * sum H,)
+            parts.append(_side_by_side(sigmas, device))  # (sum H,)
         on_device = []  # names of the scalars that ride in the transfer, in order
         for name, value in (("loss", loss), ("grad_norm", grad_norm)):
             if isinstance(value, torch.Tensor):
@@ -164,9 +165,9 @@ class Collector:
         r = self.reducer
         device = self.layers[0].stats.device
         try:
-            per_layer, sigmas = read()
-            packed = torch.cat([p.to(device) for p in per_layer], dim=1)
-            sigma = torch.cat([s.to(device=device, dtype=torch.float64) for s in sigmas])
+            packed, sigmas = read()
+            packed = packed.to(device)
+            sigma = _side_by_side(sigmas, device)
             local = r.pack(packed, sigma, loss, grad_norm, t, variant_codes)
         except Exception as exc:
             self.on_error("step", exc)
@@ -182,3 +183,9 @@ class Collector:
         for row in CHAIN_MEAN_ROWS:
             values[row] /= self.reducer.world_size
         return Readings(values, red.sigma, red.loss, red.grad_norm, red.loss_given, red.grad_norm_given)
+
+
+def _side_by_side(sigmas: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The layers' (H,) W^Q norms as one float64 vector on ``device``: joined first (float32 and
+    float64 parts join as float64, exactly), then converted once."""
+    return torch.cat([s.to(device) for s in sigmas]).to(torch.float64)

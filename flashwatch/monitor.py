@@ -60,7 +60,7 @@ from .decisions import Decisions
 from .detectors import Alert
 from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, structural_attention
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
-from .kernels import STAT_FIELDS
+from .kernels import STAT_FIELDS, AttentionStats
 from .routing import Router
 from .snapshot import extra_signals, host_record, snapshot
 from .step_signals import LayerReading, SignalBuilder
@@ -487,15 +487,21 @@ class Monitor:
     def _collect(self, t: int, loss: Any, grad_norm: Any) -> Pending:
         """Every layer's readings, the W^Q norms, loss and gradient norm: packed, combined over
         ranks, their host copy started (``flashwatch.collect``)."""
-        def read() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        def read() -> tuple[torch.Tensor, list[torch.Tensor]]:
             self._chains.average(self._reducer)
-            per_layer = [torch.cat([layer.stats.packed(), self._chains.reading(layer, self.config.window)])
-                         for layer in self.layers]
+            # every layer at once: (len(STAT_FIELDS) + len(CHAIN_FIELDS), total heads), layers side by side
+            if self.layers:
+                stats = AttentionStats.packed_all([layer.stats for layer in self.layers])
+                chains = self._chains.readings(self.layers, self.config.window).to(stats.device)
+                packed = torch.cat([stats, chains])
+            else:
+                packed = torch.zeros((len(FIELDS), 0), dtype=torch.float64)
             every = self.config.power_exact_every
             exact = bool(every) and self.monitored_steps % every == every - 1
-            sigmas = self._wq.step(exact, self.config.power_iters, self._error) if self._wq is not None else []
+            sigmas = self._wq.step(exact, self.config.power_iters, self._error,
+                                   pairs=bool(self._chains.chains)) if self._wq is not None else []
             self._chains.update_pairs(self._wq)
-            return per_layer, sigmas
+            return packed, sigmas
 
         codes = [VARIANT_CODE[layer.variant] for layer in self.layers]
         return self._collector.collect(t, read, loss, grad_norm, codes)
@@ -525,10 +531,9 @@ class Monitor:
         return True
 
     def _reset_stats(self) -> None:
-        for layer in self.layers:
-            if layer.stats is not None:
-                layer.stats.reset()
-            layer.coverage.zero_()
+        AttentionStats.reset_all([layer.stats for layer in self.layers if layer.stats is not None])
+        if self.layers:
+            torch._foreach_zero_([layer.coverage for layer in self.layers])
 
     # --- the monitored step: host half -------------------------------------------------------------
     def _decide(self, pending: Pending, defer: bool = False) -> list[Alert]:

@@ -194,7 +194,12 @@ def top_eigenvalue(gram: torch.Tensor, squarings: int = 6) -> torch.Tensor:
     the largest diagonal entry then gives the eigenvalue. With 6 squarings an eigenvalue gap of
     10% leaves (0.9)^64 ~ 1e-3 of the second direction, and the quotient's error is quadratic in it.
     """
-    y = top_eigenvector(gram, squarings)[..., None]  # (N, k, 1)
+    return rayleigh_quotient(gram, top_eigenvector(gram, squarings))
+
+
+def rayleigh_quotient(gram: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    """y^T G y / y^T y for each (k, k) matrix G and vector y: (N, k, k), (N, k) -> (N,)."""
+    y = vec[..., None]  # (N, k, 1)
     num = (y.transpose(1, 2) @ gram @ y)[:, 0, 0]
     den = (y.transpose(1, 2) @ y)[:, 0, 0].clamp_min(_TINY)
     return num / den
@@ -258,6 +263,7 @@ class PowerIteration:
     @torch.no_grad()
     def step(self, weight: torch.Tensor, iters: int = 1) -> torch.Tensor:
         """Run ``iters`` iterations on the current weight; returns sigma (N,) float32 on the device."""
+        self._top = None
         w = weight.detach().float()
         if self.v.device != w.device:
             self.v, self.sigma = self.v.to(w.device), self.sigma.to(w.device)
@@ -268,8 +274,18 @@ class PowerIteration:
             v = torch.where(ok[:, None, None], q, v)
         y = w @ v  # (N, D, k)
         self.v = v
-        self.sigma = top_eigenvalue(y.transpose(1, 2) @ y).clamp_min(0).sqrt()
+        gram = y.transpose(1, 2) @ y
+        top = top_eigenvector(gram)  # (N, k)
+        self._top = (v, top)
+        self.sigma = rayleigh_quotient(gram, top).clamp_min(0).sqrt()
         return self.sigma
+
+    def top_in_block(self) -> torch.Tensor | None:
+        """The last ``step``'s top eigenvector of (W V)^T (W V), (N, k), for the current ``v``
+        (the top singular pair's coordinates in the block: ``chain.top_pair``); None when ``v``
+        changed since (a restart, a load) or no step ran."""
+        top = getattr(self, "_top", None)
+        return top[1] if top is not None and top[0] is self.v else None
 
     @torch.no_grad()
     def exact(self, weight: torch.Tensor) -> torch.Tensor:

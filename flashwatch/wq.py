@@ -49,11 +49,16 @@ class _Group:
 
     def storages(self) -> list[int]:
         """Where each layer's query weight lives now (a new parameter, or a move, changes it)."""
-        return [layer.query_weight().untyped_storage().data_ptr() for layer in self.layers]
+        return self.read()[1]
 
     def weight(self) -> torch.Tensor:
+        return self.read()[0]
+
+    def read(self) -> tuple[torch.Tensor, list[int]]:
+        """The layers' query weights stacked, (sum H, D, C), and where each lives now (``storages``),
+        each layer's weight looked up once."""
         ws = [layer.query_weight() for layer in self.layers]
-        return ws[0] if len(ws) == 1 else torch.cat(ws)  # (sum H, D, C)
+        return (ws[0] if len(ws) == 1 else torch.cat(ws)), [w.untyped_storage().data_ptr() for w in ws]
 
     def split(self, t: torch.Tensor) -> list[torch.Tensor]:
         return list(t.split([layer.num_heads for layer in self.layers]))
@@ -86,6 +91,7 @@ class WqNorms:
         self.skip = skip
         self.model = model
         self.replaced: set[int] = set()  # indices of layers whose module was replaced after attach
+        self._fresh_pairs = None  # pairs made by the last step(pairs=True), until pairs() returns them
         kinds = {layer.index: layer.placement_kind for layer in layers}
         self.unsupported = {i for i, k in kinds.items() if k == "unsupported"} if skip is None else set(kinds)
         if skip is not None:
@@ -140,24 +146,38 @@ class WqNorms:
                             "call monitor.detach() and monitor.attach(model) to follow the new module",
                             layer.index, layer.name)
 
-    def step(self, exact: bool, iters: int, on_error: Callable[[str, BaseException], None]) -> list[torch.Tensor]:
+    def step(self, exact: bool, iters: int, on_error: Callable[[str, BaseException], None],
+             pairs: bool = False) -> list[torch.Tensor]:
         """This step's norms, one (H,) device tensor per layer in layer order (NaN on failure or skip).
+
+        ``pairs``: also make the top singular pairs of the weights just read, which the next
+        ``pairs()`` call returns (call it before the weights change: the W^Q-error chain's next
+        pairs), without reading the weights again.
 
         Collectives for FSDP-sharded layers: every rank of their shard group calls this alike."""
         self._check_live()
+        self._fresh_pairs = None
         out: dict[int, torch.Tensor] = {}
+        weights = []
         for group in self.groups:
             try:
-                weight = group.weight()
-                storage = group.storages()
+                weight = None
+                weight, storage = group.read()
                 renewed = storage != group.storage  # a new query weight (or a move): restart exactly
                 group.storage = storage
                 sigma = group.power.exact(weight) if exact or renewed else group.power.step(weight, iters)
             except Exception as exc:
                 on_error("wq_spectral_norm", exc)
-                sigma = torch.full((sum(layer.num_heads for layer in group.layers),), float("nan"))
+                sigma = torch.full((sum(layer.num_heads for layer in group.layers),), float("nan"),
+                                   device=group.power.v.device)  # made where it is used: no copy from the host
+            weights.append(weight)
             for layer, s in zip(group.layers, group.split(sigma)):
                 out[layer.index] = s
+        if pairs:
+            try:
+                self._fresh_pairs = self._pairs(weights)
+            except Exception:  # pairs() computes them again and its caller reports the failure
+                self._fresh_pairs = None
         if self.sharded.members:
             out.update({layer.index: s for layer, s in
                         (self.sharded.exact() if exact else self.sharded.step(iters)).items()})
@@ -172,9 +192,17 @@ class WqNorms:
     def pairs(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Layer index -> (u (H, D), v (H, C)): each head's top singular pair from the current vectors
         (layers held whole on this rank only)."""
+        fresh, self._fresh_pairs = getattr(self, "_fresh_pairs", None), None
+        return fresh if fresh is not None else self._pairs([None] * len(self.groups))
+
+    def _pairs(self, weights: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """``pairs()`` from each group's weight as read (None: read now)."""
         out = {}
-        for group in self.groups:
-            u, v = top_pair(group.weight(), group.power.v)
+        for group, weight in zip(self.groups, weights):
+            if weight is None:
+                u, v = top_pair(group.weight(), group.power.v)
+            else:  # the step's own weight: its power step already knows the pair's direction
+                u, v = top_pair(weight, group.power.v, group.power.top_in_block())
             for layer, ul, vl in zip(group.layers, group.split(u), group.split(v)):
                 out[layer.index] = (ul, vl)
         return out

@@ -182,6 +182,25 @@ class AttentionStats:
         return torch.cat([self._counts.to(torch.float64), self._values.to(torch.float64)])
 
     @staticmethod
+    def packed_all(stats: "list[AttentionStats]") -> torch.Tensor:
+        """``packed()`` of several layers side by side: (len(FIELDS), sum of their heads) float64
+        on the first one's device, columns in the order given. Four operations however many
+        layers (a monitored step packs every layer at once)."""
+        device = stats[0].device
+        counts = torch.cat([s._counts.to(device) for s in stats], dim=1)
+        values = torch.cat([s._values.to(device) for s in stats], dim=1)
+        return torch.cat([counts.to(torch.float64), values.to(torch.float64)])
+
+    @staticmethod
+    def reset_all(stats: "list[AttentionStats]") -> None:
+        """``reset()`` of several layers at once (three multi-tensor operations however many layers)."""
+        if not stats:
+            return
+        torch._foreach_zero_([s._counts for s in stats])
+        torch._foreach_zero_([s._values for s in stats])
+        torch._foreach_add_([s.max_logit for s in stats], float("-inf"))  # 0 + -inf: exactly -inf
+
+    @staticmethod
     def max_rows() -> list[int]:
         """Row indices of ``packed()`` that combine with max rather than sum."""
         return [FIELDS.index(name) for name in MAX_FIELDS]

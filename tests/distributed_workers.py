@@ -173,13 +173,15 @@ def _failure(rank: int) -> dict:
     for t in range(2):
         x, y = sample_batch(data, 2, 32, generator=torch.Generator().manual_seed(t + 10 * rank))
         model(x, y)[1].backward()
-        stats = monitor.layers[0].stats
+        saved = AttentionStats.__dict__["packed_all"]
         if rank == 1 and t == 0:
-            def broken():
+            def broken(stats):
                 raise RuntimeError("injected failure on rank 1")
-            stats.packed = broken
-        steps.append(len(monitor.step()))
-        stats.__dict__.pop("packed", None)
+            AttentionStats.packed_all = staticmethod(broken)
+        try:
+            steps.append(len(monitor.step()))
+        finally:
+            AttentionStats.packed_all = saved
     out = {"new_alerts": steps, "errors": monitor.errors, "step": monitor.snapshot()["flashwatch_step"]}
     monitor.detach()
     return out

@@ -92,7 +92,7 @@ def test_unmonitored_steps_touch_nothing_and_monitored_steps_transfer_once(mode,
 
     counts = {"packed": 0, "cpu": 0, "item": 0, "stats_pass": 0}
     inside_step = [False]  # count host reads only inside Monitor.step (the optimizer has its own .item())
-    real_packed, real_cpu, real_item = AttentionStats.packed, torch.Tensor.cpu, torch.Tensor.item
+    real_packed, real_cpu, real_item = AttentionStats.packed_all, torch.Tensor.cpu, torch.Tensor.item
     real_stats, real_step = kernels.attention_statistics, run.monitor.step
 
     def counting(name, fn, only_in_step=False):
@@ -109,7 +109,7 @@ def test_unmonitored_steps_touch_nothing_and_monitored_steps_transfer_once(mode,
         finally:
             inside_step[0] = False
 
-    monkeypatch.setattr(AttentionStats, "packed", counting("packed", real_packed))
+    monkeypatch.setattr(AttentionStats, "packed_all", staticmethod(counting("packed", real_packed)))
     monkeypatch.setattr(torch.Tensor, "cpu", counting("cpu", real_cpu, only_in_step=True))
     monkeypatch.setattr(torch.Tensor, "item", counting("item", real_item, only_in_step=True))
     monkeypatch.setattr(kernels, "attention_statistics", counting("stats_pass", real_stats))
@@ -117,7 +117,7 @@ def test_unmonitored_steps_touch_nothing_and_monitored_steps_transfer_once(mode,
     stats = [layer.stats for layer in run.monitor.layers]
 
     run.train(1)  # step 0: monitored
-    assert counts["packed"] == 2 and counts["cpu"] == 1 and counts["item"] == 0
+    assert counts["packed"] == 1 and counts["cpu"] == 1 and counts["item"] == 0  # every layer packed at once
     assert counts["stats_pass"] == (2 if mode == "observe" else 0)
     versions = [[getattr(s, f)._version for f in ("rows", "max_logit", "delta_error")] for s in stats]
     counts.update(packed=0, cpu=0, item=0, stats_pass=0)
@@ -126,23 +126,25 @@ def test_unmonitored_steps_touch_nothing_and_monitored_steps_transfer_once(mode,
     # no in-place op reached any statistics tensor (their version counters did not move)
     assert versions == [[getattr(s, f)._version for f in ("rows", "max_logit", "delta_error")] for s in stats]
     run.train(1)  # step 3: monitored again
-    assert counts["cpu"] == 1 and counts["packed"] == 2
+    assert counts["cpu"] == 1 and counts["packed"] == 1
 
 
 def test_gradient_accumulation_sums_micro_batches():
     run = Run(MonitorConfig(interval=1, drift_include_fp32=True))
     seen = {}
-    real_reset = AttentionStats.reset
+    real_reset_all = AttentionStats.reset_all
 
-    def keep(self):  # read the statistics the step saw, before they are reset
-        seen.setdefault(id(self), self.as_dict())
-        real_reset(self)
+    def keep(stats):  # read the statistics the step saw, before they are reset
+        for s in stats:
+            seen.setdefault(id(s), s.as_dict())
+        real_reset_all(stats)
 
-    AttentionStats.reset, saved = keep, AttentionStats.reset
+    saved = AttentionStats.__dict__["reset_all"]
+    AttentionStats.reset_all = staticmethod(keep)
     try:
         run.train(1, micro_batches=3)
     finally:
-        AttentionStats.reset = saved
+        AttentionStats.reset_all = saved
     s0 = seen[id(run.monitor.layers[0].stats)]
     assert s0["rows"] == [3 * 4 * 32] * 4  # 3 micro-batches x batch 4 x 32 rows
     # the same micro-batches measured one by one add up to it
