@@ -79,3 +79,15 @@ def interpret_dispatch(triton_interpreter, monkeypatch):
     """Route CPU tensors of flashwatch.kernels.flash_attention to the interpreted kernel."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return triton_interpreter
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters cleared before and after a test that compiles (graph counts and
+    recompiles read per test)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

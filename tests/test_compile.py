@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.kernels import STAT_FIELDS
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("fresh_dynamo")]
 
 BACKENDS = ("aot_eager", "inductor")
 MODES = ("observe", "own_kernel")
@@ -79,13 +79,6 @@ def _run(mode: str, backend: str | None, steps: int = 4, interval: int = 2, dtyp
     monitor.close()
     return seen
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -14,15 +14,8 @@ from torch._dynamo.utils import counters
 
 from flashwatch.kernels import STAT_FIELDS, AttentionStats, flash_attention, ops
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("fresh_dynamo")]
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("variant", ["plain", "fp32_delta"])
