@@ -29,13 +29,16 @@ import torch
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.tinygpt import GPT, GPTConfig
 
-# frames from these folders name a call site; torch's own frames are skipped
-OWN = ("flashwatch", "kernels", "benchmarks")
+import flashwatch
+import flashwatch.kernels
+
+# frames from these folders name a call site (the package, its kernels, this folder); torch's are skipped
+OWN = tuple(str(Path(m).resolve().parent) for m in (flashwatch.__file__, flashwatch.kernels.__file__, __file__))
 
 
 def _site(stack: list[traceback.FrameSummary]) -> str:
     """The innermost frames of our own code that led to a synchronizing call (innermost first)."""
-    ours = [f for f in stack if any(f"/{part}/" in f.filename for part in OWN)]
+    ours = [f for f in stack if str(Path(f.filename).resolve()).startswith(OWN)]
     return " <- ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
                        for f in reversed(ours[-3:])) or "(outside flashwatch)"
 
