@@ -247,6 +247,7 @@ class PowerIteration:
             raise ValueError(f"block must be an int >= 1, got {block!r}")
         w = weight.detach().float()
         k = min(block, w.shape[1], w.shape[2])
+        self._top = None  # (v, top eigenvector) of the last step, for top_in_block
         with torch.no_grad():
             if seed == "svd":
                 _, s, vh = torch.linalg.svd(w, full_matrices=False)  # s (N, r), vh (N, r, C)
@@ -284,8 +285,7 @@ class PowerIteration:
         """The last ``step``'s top eigenvector of (W V)^T (W V), (N, k), for the current ``v``
         (the top singular pair's coordinates in the block: ``chain.top_pair``); None when ``v``
         changed since (a restart, a load) or no step ran."""
-        top = getattr(self, "_top", None)
-        return top[1] if top is not None and top[0] is self.v else None
+        return self._top[1] if self._top is not None and self._top[0] is self.v else None
 
     @torch.no_grad()
     def exact(self, weight: torch.Tensor) -> torch.Tensor:

@@ -192,7 +192,7 @@ class WqNorms:
     def pairs(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Layer index -> (u (H, D), v (H, C)): each head's top singular pair from the current vectors
         (layers held whole on this rank only)."""
-        fresh, self._fresh_pairs = getattr(self, "_fresh_pairs", None), None
+        fresh, self._fresh_pairs = self._fresh_pairs, None
         return fresh if fresh is not None else self._pairs([None] * len(self.groups))
 
     def _pairs(self, weights: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -168,9 +168,7 @@ class AttentionStats:
 
     def reset(self) -> None:
         """Zero every field in place (max_logit back to -inf). No host synchronisation."""
-        self._counts.zero_()
-        self._values.zero_()
-        self.max_logit.fill_(float("-inf"))
+        AttentionStats.reset_all([self])
 
     def packed(self) -> torch.Tensor:
         """All fields as one float64 tensor of shape (len(FIELDS), num_heads), on the device.
@@ -179,7 +177,7 @@ class AttentionStats:
         run a single all-reduce (sums for counts and delta sums, max for max_logit: reduce
         rows ``max_rows()`` with MAX and the others with SUM). Rows follow ``FIELDS``.
         """
-        return torch.cat([self._counts.to(torch.float64), self._values.to(torch.float64)])
+        return AttentionStats.packed_all([self])
 
     @staticmethod
     def packed_all(stats: "list[AttentionStats]") -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashwatch import Monitor, MonitorConfig, routing
 from flashwatch.chain import LayerChain, top_pair
-from flashwatch.kernels import AttentionStats, reference
+from flashwatch.kernels import STAT_FIELDS, AttentionStats, reference
 from flashwatch.signals import PowerIteration
 from flashwatch.tinygpt import GPT, GPTConfig
 
@@ -29,7 +29,8 @@ def _filled(h: int, seed: int) -> AttentionStats:
 
 def test_packed_all_is_each_layers_packed_side_by_side():
     stats = [_filled(h, i) for i, h in enumerate((4, 2, 3))]
-    want = torch.cat([s.packed() for s in stats], dim=1)
+    # built here, not by packed() (which is packed_all of one layer): counts rows, then values rows
+    want = torch.cat([torch.cat([s._counts.double(), s._values.double()]) for s in stats], dim=1)
     got = AttentionStats.packed_all(stats)
     assert got.dtype == torch.float64 and got.shape == want.shape
     assert torch.equal(_bits(got), _bits(want))
@@ -42,6 +43,8 @@ def test_reset_all_is_each_layers_reset():
         s.reset()
     for x, y in zip(a, b):
         assert torch.equal(_bits(x.packed()), _bits(y.packed()))
+        assert not x._counts.any() and torch.equal(x.max_logit, torch.full_like(x.max_logit, float("-inf")))
+        assert not torch.cat([v for name, v in zip(STAT_FIELDS, x.packed()) if name != "max_logit"]).any()
     assert math.isinf(a[0].max_logit[0].item()) and a[0].max_logit[0].item() < 0
     AttentionStats.reset_all([])  # nothing to reset: no error
 
