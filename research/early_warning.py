@@ -4,6 +4,7 @@
     python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md] [--require-complete]
     python -m research.early_warning ratio RESULT.json [--rule chain] [--factor 3]
     python -m research.early_warning auc RUNS... --thresholds THRESHOLDS.json --lead 1000 --out AUC.json
+    python -m research.early_warning landmark RUNS... --thresholds THRESHOLDS.json --lead 1000 --margin 1000 --out L.json
     python -m research.early_warning figure RESULT.json [RESULT.json ...] --rules chain,max_logit --out F.png
 
 RUNS: run folders of the seed-split scenario, or folders holding them. Everything here follows
@@ -407,6 +408,162 @@ def auc_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+# --- the fifth protocol: landmark AUC against runs that stay healthy longer ----------------------
+
+LANDMARK_MARGIN = 1000  # a control is healthy through at least B_i + this many steps
+LANDMARK_MIN_CASES = 6  # a verdict needs this many blow-ups in at least one pair ...
+LANDMARK_MIN_CONTROLS = 4  # ... and this many distinct control runs
+LANDMARK_PRIMARY = "chain"  # the rule the claim is about
+LANDMARK_BASELINE = "qk_clip"  # what QK-Clip users already have: the max logit
+
+
+def landmark_pairs(runs: list[dict], lead: int, margin: int) -> torch.Tensor:
+    """(n, n) bool over ``runs`` (each with ``blowup``: B or None, ``healthy_through``: the last step
+    known healthy): pair (i, j) is valid when run i blew up and run j was still healthy at B_i + margin,
+    so that at the landmark B_i - lead, j was at least lead + margin steps from any blow-up. A run is
+    never its own control (it is not healthy at B_i)."""
+    n = len(runs)
+    ok = torch.zeros(n, n, dtype=torch.bool)
+    for i, a in enumerate(runs):
+        if a["blowup"] is None:
+            continue
+        for j, b in enumerate(runs):
+            ok[i, j] = j != i and b["healthy_through"] >= a["blowup"] + margin
+    return ok
+
+
+def landmark_matrix(runs: list[dict], rule: str, lead: int, valid: torch.Tensor) -> torch.Tensor:
+    """(n, n) float64: for each valid pair, 1 where case i's peak score up to B_i - lead beats control
+    j's peak up to the same step, 0.5 on a tie, 0 below; NaN elsewhere."""
+    n = len(runs)
+    m = torch.full((n, n), math.nan, dtype=torch.float64)
+    for i, j in valid.nonzero().tolist():
+        h = runs[i]["blowup"] - lead
+        a, b = peak_upto(runs[i]["scores"][rule], h), peak_upto(runs[j]["scores"][rule], h)
+        m[i, j] = 1.0 if a > b else 0.5 if a == b else 0.0
+    return m
+
+
+def _pair_mean(m: torch.Tensor) -> float:
+    keep = ~torch.isnan(m)
+    return float(m[keep].mean()) if keep.any() else math.nan
+
+
+def landmark_bootstrap(mats: dict[str, torch.Tensor], resamples: int = AUC_RESAMPLES, seed: int = 0) -> dict:
+    """Per rule the AUC (mean over valid pairs) and a 95% interval from resampling runs with
+    replacement (a run can be a case for one pair and a control for another, so runs, not groups,
+    are resampled; the pairs among the drawn runs are re-formed, a run drawn twice is not its own
+    control). Also each rule's AUC minus the baseline's on the same resamples."""
+    n = next(iter(mats.values())).shape[0]
+    g = torch.Generator().manual_seed(seed)
+    draws = {r: [] for r in mats}
+    diffs = {r: [] for r in mats}
+    for _ in range(resamples):
+        idx = torch.randint(n, (n,), generator=g)
+        vals = {r: _pair_mean(m[idx][:, idx]) for r, m in mats.items()}
+        base = vals.get(LANDMARK_BASELINE, math.nan)
+        for r, v in vals.items():
+            if not math.isnan(v):
+                draws[r].append(v)
+                if not math.isnan(base):
+                    diffs[r].append(v - base)
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    out = {}
+    for r, m in mats.items():
+        auc = _pair_mean(m)
+        base = _pair_mean(mats[LANDMARK_BASELINE]) if LANDMARK_BASELINE in mats else math.nan
+        lo, hi = (torch.tensor(draws[r], dtype=torch.float64).quantile(q).tolist() if draws[r] else (None, None))
+        dlo, dhi = (torch.tensor(diffs[r], dtype=torch.float64).quantile(q).tolist() if diffs[r] else (None, None))
+        out[r] = {"auc": None if math.isnan(auc) else auc, "low": lo, "high": hi,
+                  "minus_baseline": None if math.isnan(auc - base) else auc - base,
+                  "minus_baseline_low": dlo, "minus_baseline_high": dhi}
+    return out
+
+
+def landmark_auc(run_dirs: list[Path], frozen: dict, lead: int = MIN_LEAD, margin: int = LANDMARK_MARGIN,
+                 resamples: int = AUC_RESAMPLES) -> dict:
+    """The fifth protocol's test: per rule, the AUC over (case, control) pairs of the peak score up to
+    the landmark B_i - lead, where the controls of blow-up i are the runs of the same configuration
+    (later blow-ups and survivors) still healthy at B_i + margin, read at the same step. Complete runs
+    with a confirmed blow-up or none enter; the rest are listed as left out."""
+    theta_coh = dict(frozen["thresholds"])["wq_error_coherence"]
+    runs, left_out = [], []
+    for d in run_dirs:
+        o = outcome(d)
+        if o["blowup"] is not None and not o["confirmed"]:
+            left_out.append({"run": str(d), "why": "blow-up not confirmed"})
+            continue
+        if not monitoring(d, o["blowup"])["complete"]:
+            left_out.append({"run": str(d), "why": "monitoring incomplete"})
+            continue
+        healthy = o["blowup"] - 1 if o["blowup"] is not None else o["last_step"]
+        runs.append({"run": str(d), "seed": read_run(d).get("seed"), "blowup": o["blowup"],
+                     "healthy_through": healthy, "scores": scores(d, theta_coh)})
+    valid = landmark_pairs(runs, lead, margin)
+    cases, controls = int(valid.any(1).sum()), int(valid.any(0).sum())
+    enough = cases >= LANDMARK_MIN_CASES and controls >= LANDMARK_MIN_CONTROLS
+    mats = {r: landmark_matrix(runs, r, lead, valid) for r in AUC_RULES}
+    table = landmark_bootstrap(mats, resamples) if valid.any() else {r: {"auc": None} for r in AUC_RULES}
+    for r, row in table.items():
+        row["verdict"] = ("undecided" if not enough or row.get("low") is None
+                          else "separates" if row["low"] > AUC_CLAIM else "does not separate")
+        if r != LANDMARK_BASELINE and enough and row.get("minus_baseline_low") is not None:
+            row["beats_baseline"] = row["minus_baseline_low"] > 0
+    conc = {r: concordance(runs, r, CONCORDANCE_STEP) for r in AUC_RULES}
+    ctable = landmark_bootstrap(conc, resamples) if any((~torch.isnan(m)).any() for m in conc.values()) else {}
+    return {"lead": lead, "margin": margin, "claim_above": AUC_CLAIM, "primary": LANDMARK_PRIMARY,
+            "concordance_step": CONCORDANCE_STEP, "concordance": ctable,
+            "concordance_pairs": int((~torch.isnan(conc[LANDMARK_PRIMARY])).sum()),
+            "baseline": LANDMARK_BASELINE, "resamples": resamples, "runs": len(runs), "pairs": int(valid.sum()),
+            "cases": cases, "controls": controls,
+            "pair_list": [[runs[i]["seed"], runs[j]["seed"]] for i, j in valid.nonzero().tolist()],
+            "left_out": left_out, "commit": _commit(), "evaluated": time.strftime("%Y-%m-%d"), "table": table}
+
+
+CONCORDANCE_STEP = 6000  # the fifth protocol's secondary reading: every test run is still healthy here
+
+
+def concordance(runs: list[dict], rule: str, at: int) -> torch.Tensor:
+    """(n, n) float64 over ``runs`` (each with ``blowup``: B or None, ``healthy_through``): for each
+    pair where both runs were healthy at step ``at`` and run i blew up before run j was last seen
+    healthy, 1 where i's peak score up to ``at`` beats j's, 0.5 on a tie, 0 below; NaN elsewhere
+    (Harrell's concordance, survivors censored at their last step)."""
+    n = len(runs)
+    m = torch.full((n, n), math.nan, dtype=torch.float64)
+    for i, a in enumerate(runs):
+        if a["blowup"] is None or a["blowup"] <= at:
+            continue
+        for j, b in enumerate(runs):
+            if j != i and b["healthy_through"] >= a["blowup"]:
+                x, y = peak_upto(a["scores"][rule], at), peak_upto(b["scores"][rule], at)
+                m[i, j] = 1.0 if x > y else 0.5 if x == y else 0.0
+    return m
+
+
+def landmark_markdown(result: dict) -> str:
+    lines = [f"{result['pairs']} pairs: {result['cases']} blow-ups, each against the runs still healthy "
+             f"{result['margin']:,} steps after it ({result['controls']} distinct); read {result['lead']:,} steps "
+             f"before the blow-up; primary rule `{result['primary']}`, baseline `{result['baseline']}` (the max logit).",
+             "",
+             "| rule | AUC | 95% interval | minus baseline (95% interval) | verdict |",
+             "|---|---|---|---|---|"]
+    for rule, row in result["table"].items():
+        if row.get("auc") is None:
+            lines.append(f"| `{rule}` | - | - | - | {row['verdict']} |")
+            continue
+        diff = ("-" if rule == result["baseline"] or row.get("minus_baseline") is None
+                else f"{row['minus_baseline']:+.3f} ({row['minus_baseline_low']:+.3f} to {row['minus_baseline_high']:+.3f})")
+        lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} | {diff} | {row['verdict']} |")
+    if result.get("concordance"):
+        lines += ["", f"Concordance at step {result['concordance_step']:,} (descriptive; {result['concordance_pairs']} pairs "
+                  "of runs healthy there, the earlier blow-up against the later one or a survivor):", "",
+                  "| rule | concordance | 95% interval |", "|---|---|---|"]
+        for rule, row in result["concordance"].items():
+            if row.get("auc") is not None:
+                lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} |")
+    return "\n".join(lines)
+
+
 def timeline_figure(results: list[tuple[str, dict]], rules: list[str], out: Path) -> None:
     """One panel per test result: a row per run (sorted by blow-up step, survivors last), a line to
     its blow-up (x) or to its last step (survivor), dotted where the Monitor did not measure the run,
@@ -553,6 +710,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="older recordings: keep runs whose monitoring stopped, comparing pairs only where both were measured")
     a.add_argument("--out", required=True)
     a.add_argument("--markdown")
+    lm = sub.add_parser("landmark", help="the fifth protocol's test: AUC against runs that stay healthy longer")
+    lm.add_argument("runs", nargs="+")
+    lm.add_argument("--thresholds", required=True, help="the frozen thresholds (the chain rule needs theta_coherence)")
+    lm.add_argument("--lead", type=int, default=MIN_LEAD)
+    lm.add_argument("--margin", type=int, default=LANDMARK_MARGIN)
+    lm.add_argument("--out", required=True)
+    lm.add_argument("--markdown")
     g = sub.add_parser("figure", help="a timeline per test result: blow-ups, survivors, the rules' first firings")
     g.add_argument("results", nargs="+", help="RESULT.json or TITLE=RESULT.json")
     g.add_argument("--rules", default="chain,repeated_max_bf16_trend,max_logit")
@@ -566,6 +730,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown rule(s) {unknown}; accepted: {', '.join(RULES + BASELINES)}")
         timeline_figure([(title, json.loads(Path(path).read_text())) for title, path in pairs], rules, Path(args.out))
         print(f"wrote {args.out}")
+        return 0
+    if args.command == "landmark":
+        for name, value in (("--lead", args.lead), ("--margin", args.margin)):
+            if value < 0:
+                raise SystemExit(f"{name} must be >= 0 steps, got {value}")
+        result = landmark_auc(_runs(args.runs), json.loads(Path(args.thresholds).read_text()), args.lead, args.margin)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        text = landmark_markdown(result)
+        if args.markdown:
+            Path(args.markdown).write_text(text + "\n")
+        print(text)
         return 0
     if args.command == "auc":
         if args.lead < 0:

@@ -10,6 +10,7 @@ import gzip
 import json
 import subprocess
 import sys
+import math
 from pathlib import Path
 
 import pytest
@@ -564,3 +565,64 @@ def test_a_run_records_the_pinned_commit_of_an_archived_copy(tmp_path):
     import flashwatch
 
     assert v["flashwatch_path"] == str(Path(flashwatch.__file__).resolve().parent)
+
+
+def _stand_in_runs(monkeypatch, runs):
+    """Stand-in run folders for the early-warning analysis: ``runs`` maps a name to (blow-up step
+    or None, last step, score series); every blow-up confirmed, every run completely monitored."""
+    from research import early_warning as ew
+    monkeypatch.setattr(ew, "outcome", lambda d: {"blowup": runs[d.name][0], "confirmed": True,
+                                                  "survivor": runs[d.name][0] is None, "last_step": runs[d.name][1]})
+    monkeypatch.setattr(ew, "monitoring", lambda d, upto: {"complete": True, "measured_through": runs[d.name][1]})
+    monkeypatch.setattr(ew, "scores", lambda d, theta: {r: runs[d.name][2] for r in ew.AUC_RULES})
+    monkeypatch.setattr(ew, "read_run", lambda d: {"seed": d.name})
+    return [Path(n) for n in runs]
+
+
+def test_landmark_controls_are_runs_still_healthy_margin_steps_after_the_blowup(monkeypatch):
+    """The fifth protocol's test on stand-in runs: blow-up i is compared, at B_i - lead, with every run
+    still healthy at B_i + margin (later blow-ups and survivors, never itself); ties count half; the
+    AUC equals a brute-force count, and the interval comes from resampling runs."""
+    from research import early_warning as ew
+    step = lambda f: [(t, f(t)) for t in range(500, 20001, 10)]
+    runs = {  # name: (blow-up, last step, score)
+        "early": (5000, 6000, step(lambda t: 9.0 if t >= 3000 else 0.0)),
+        "mid": (7000, 8000, step(lambda t: t / 1000)),
+        "late": (8500, 9500, step(lambda t: 1.0)),
+        "surv": (None, 20000, step(lambda t: t / 1000)),
+    }
+    dirs = _stand_in_runs(monkeypatch, runs)
+    result = ew.landmark_auc(dirs, {"thresholds": {"wq_error_coherence": 0.5}}, lead=1000, margin=2000, resamples=300)
+    # early (B 5,000): controls healthy at 7,000 -> late (through 8,499) and surv; mid (B 7,000): healthy at
+    # 9,000 -> surv only (late blew up at 8,500); late (B 8,500): surv
+    assert sorted(map(tuple, result["pair_list"])) == [("early", "late"), ("early", "surv"), ("late", "surv"),
+                                                        ("mid", "surv")]
+    assert (result["cases"], result["controls"]) == (3, 2)
+    # at h = 4,000: early 9.0 vs late 1.0 and surv 4.0 -> 1, 1; mid at 6,000: 6.0 vs surv 6.0 -> 0.5;
+    # late at 7,500: 1.0 vs surv 7.5 -> 0
+    row = result["table"]["max_logit"]
+    assert row["auc"] == pytest.approx(2.5 / 4)
+    assert row["low"] <= row["auc"] <= row["high"] and row["verdict"] == "undecided"  # 3 cases, 2 controls
+    assert result["table"]["chain"]["minus_baseline"] == pytest.approx(0.0)  # same series as the baseline here
+    # concordance at 6,000: runs healthy there are mid, late, surv (early blew up at 5,000); pairs
+    # (mid, late), (mid, surv), (late, surv): mid 6.0 vs late 1.0 -> 1, vs surv 6.0 -> 0.5; late 1.0 vs surv 6.0 -> 0
+    assert result["concordance_pairs"] == 3
+    assert result["concordance"]["max_logit"]["auc"] == pytest.approx(1.5 / 3)
+
+
+def test_landmark_bootstrap_against_a_brute_force_resample():
+    """The run-level bootstrap re-forms pairs among the drawn runs: one resample, drawn by hand with the
+    same generator, gives the same mean."""
+    from research import early_warning as ew
+    g = torch.Generator().manual_seed(5)
+    n = 9
+    m = torch.where(torch.rand(n, n, generator=g, dtype=torch.float64) < 0.4,
+                    (torch.rand(n, n, generator=g, dtype=torch.float64) > 0.3).double(), torch.full((n, n), math.nan, dtype=torch.float64))
+    m.fill_diagonal_(math.nan)
+    out = ew.landmark_bootstrap({"qk_clip": m, "chain": 1 - m}, resamples=1)
+    idx = torch.randint(n, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    vals = [m[a, b].item() for a in idx for b in idx if not math.isnan(m[a, b].item())]
+    assert out["qk_clip"]["low"] == pytest.approx(sum(vals) / len(vals))
+    assert out["chain"]["minus_baseline"] == pytest.approx(1 - 2 * ew._pair_mean(m))
+    with pytest.raises(SystemExit, match="--margin must be >= 0"):
+        ew.main(["landmark", "x", "--thresholds", "t.json", "--margin", "-1", "--out", "o.json"])
