@@ -683,6 +683,15 @@ def readme_paragraph(result: dict, configuration: str) -> str:
             + f". Verdict: {verdict}")
 
 
+def _write(result: dict, text: str, out: str, markdown: str | None) -> int:
+    """A result as JSON at ``out``, its table as Markdown (if asked) and on stdout."""
+    Path(out).write_text(json.dumps(result, indent=1, default=str))
+    if markdown:
+        Path(markdown).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m research.early_warning", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -736,23 +745,13 @@ def main(argv: list[str] | None = None) -> int:
             if value < 0:
                 raise SystemExit(f"{name} must be >= 0 steps, got {value}")
         result = landmark_auc(_runs(args.runs), json.loads(Path(args.thresholds).read_text()), args.lead, args.margin)
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-        text = landmark_markdown(result)
-        if args.markdown:
-            Path(args.markdown).write_text(text + "\n")
-        print(text)
-        return 0
+        return _write(result, landmark_markdown(result), args.out, args.markdown)
     if args.command == "auc":
         if args.lead < 0:
             raise SystemExit(f"--lead must be >= 0 steps, got {args.lead}")
         result = time_matched_auc(_runs(args.runs), json.loads(Path(args.thresholds).read_text()), args.lead,
                                   args.allow_incomplete)
-        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-        text = auc_markdown(result)
-        if args.markdown:
-            Path(args.markdown).write_text(text + "\n")
-        print(text)
-        return 0
+        return _write(result, auc_markdown(result), args.out, args.markdown)
     if args.command == "ratio":
         rows = blowup_ratios(json.loads(Path(args.result).read_text()), args.rule, args.factor)
         print(f"| seed | {args.rule} first fires | blow-up | b / f | blow-up by {args.factor:g} x f |")
