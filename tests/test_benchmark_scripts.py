@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 @pytest.mark.parametrize("script", ["host_overhead.py", "host_profile.py", "dq_stats_sweep.py", "profile_kernels.py",
-                                    "profile_monitored_step.py", "sync_points.py"])
+                                    "profile_monitored_step.py", "sync_points.py", "step_kernels.py"])
 def test_gpu_only_benchmark_scripts_exit_2_and_say_they_need_cuda(script):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
@@ -199,3 +199,18 @@ def test_host_half_times_every_phase_of_a_monitored_step_on_the_cpu(tmp_path, ca
         host_half.main(["--heads", "0"])
     logger = logging.getLogger("flashwatch")  # left as it was: later tests read its handlers
     assert (logger.handlers, logger.propagate) == (handlers, propagate)
+
+
+def test_step_kernels_names_a_kernel_by_what_identifies_it():
+    """Template arguments, argument lists and Triton's numeric suffixes go; the rest stays, so one
+    kernel's launches in two arms add up under one name."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_kernels import short_name
+    finally:
+        sys.path.pop(0)
+    assert short_name("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >(int)") == \
+        "void at::native::vectorized_elementwise_kernel"
+    assert short_name("triton_red_fused__to_copy_native_layer_norm_12") == "triton_red_fused__to_copy_native_layer_norm"
+    assert short_name("_attn_fwd_kernel") == "_attn_fwd_kernel"
+    assert short_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"

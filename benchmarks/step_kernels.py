@@ -1,0 +1,125 @@
+"""Where one training step's device time goes, kernel by kernel, in two arms side by side (CUDA):
+GPT-2 small, batch 16 x 1024, bf16, unmonitored steps; torch.profiler over a few steps of each arm,
+device time summed per kernel name and divided by the steps, the kernels sorted by how much more
+time the second arm spends in them.
+
+    PYTHONPATH=. python benchmarks/step_kernels.py                            # SDPA vs own kernel, compiled
+    PYTHONPATH=. python benchmarks/step_kernels.py --eager --json kernels.json
+
+Arms: ``sdpa`` (the model as it is, torch SDPA) and ``own_kernel`` (flashwatch's kernel through a
+Monitor in own-kernel mode whose only monitored step is the first warm-up step). A kernel's name is
+shortened to what identifies it: Triton kernels keep their name without the launch suffixes,
+CUDA library kernels their name up to the first template bracket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashwatch import Monitor, MonitorConfig
+from flashwatch.tinygpt import GPT, GPTConfig
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without template arguments, argument lists or Triton's numeric suffixes."""
+    name = name.split("<", 1)[0].split("(", 1)[0].strip()
+    return re.sub(r"_\d+(_\d+)*$", "", name) or name
+
+
+def profile_arm(arm: str, compiled: bool, args) -> dict:
+    """Device time per kernel name per step (ms) and the steps' mean wall time, unmonitored steps."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=args.seq)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    monitor = None
+    if arm == "own_kernel":  # step 0 is its only monitored step: the profiled steps are unmonitored
+        monitor = Monitor(MonitorConfig(mode="own_kernel", interval=10**9))
+        monitor.attach(model)
+    run = torch.compile(model) if compiled else model
+    x = torch.randint(0, 256, (args.batch, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    y = x.roll(-1, 1)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if monitor is not None:
+            monitor.step(loss=loss.detach())
+
+    try:
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
+            for _ in range(args.steps):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+        per_kernel: dict[str, float] = defaultdict(float)
+        calls: dict[str, int] = defaultdict(int)
+        for e in prof.key_averages():  # CUDA activity only: every row is a kernel, a copy or a fill
+            if e.self_device_time_total > 0:
+                per_kernel[short_name(e.key)] += e.self_device_time_total / 1000 / args.steps  # us -> ms per step
+                calls[short_name(e.key)] += e.count
+        return {"arm": arm + ("@compiled" if compiled else ""), "step_ms": start.elapsed_time(end) / args.steps,
+                "device_ms": sum(per_kernel.values()), "kernels": dict(per_kernel),
+                "calls_per_step": {k: v / args.steps for k, v in calls.items()}}
+    finally:
+        if monitor is not None:
+            monitor.detach()
+            monitor.close()
+
+
+def table(a: dict, b: dict, top: int) -> str:
+    names = set(a["kernels"]) | set(b["kernels"])
+    rows = sorted(names, key=lambda n: abs(b["kernels"].get(n, 0.0) - a["kernels"].get(n, 0.0)), reverse=True)
+    lines = [f"{a['arm']}: step {a['step_ms']:.2f} ms, kernels {a['device_ms']:.2f} ms;  "
+             f"{b['arm']}: step {b['step_ms']:.2f} ms, kernels {b['device_ms']:.2f} ms;  "
+             f"difference: step {b['step_ms'] - a['step_ms']:+.2f} ms, kernels {b['device_ms'] - a['device_ms']:+.2f} ms",
+             f"{'kernel (ms per step)':70s} {a['arm'][:12]:>12s} {b['arm'][:12]:>12s} {'difference':>11s} {'calls':>11s}"]
+    for n in rows[:top]:
+        ta, tb = a["kernels"].get(n, 0.0), b["kernels"].get(n, 0.0)
+        ca, cb = a["calls_per_step"].get(n, 0), b["calls_per_step"].get(n, 0)
+        lines.append(f"{n[:70]:70s} {ta:12.3f} {tb:12.3f} {tb - ta:+11.3f} {ca:5.0f}/{cb:<5.0f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--eager", action="store_true", help="eager arms instead of compiled ones")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=25, help="kernels listed, largest difference first")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    for name in ("batch", "seq", "warmup", "steps", "top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not torch.cuda.is_available():
+        print("step_kernels.py needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    a, b = (profile_arm(arm, not args.eager, args) for arm in ("sdpa", "own_kernel"))
+    print(f"GPT-2 small, batch {args.batch} x {args.seq}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(table(a, b, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                               "args": vars(args), "arms": [a, b]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
