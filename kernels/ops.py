@@ -159,8 +159,14 @@ def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
 def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 and not _uses_triton(q.device) else torch.float32
-    r = q.new_empty((B, H, N, D)) if variant == "fp32_delta" else q.new_empty((0,))
-    return (q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=lse_dtype), r,
+    if _uses_triton(q.device):  # the kernels' output order (triton_attn.out_like); the reference's is contiguous
+        from .triton_attn import out_like
+
+        o = out_like(q)
+    else:
+        o = q.new_empty((B, H, N, D))
+    r = torch.empty_like(o) if variant == "fp32_delta" else q.new_empty((0,))
+    return (o, q.new_empty((B, H, N), dtype=lse_dtype), r,
             q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
 
 

@@ -62,6 +62,14 @@ def _cdiv(a: int, b: int) -> int:
 
 
 
+def out_like(q: torch.Tensor) -> torch.Tensor:
+    """The attention output for q (B, H, N, D): shape (B, H, N, D), memory in (B, N, H, D) order, as
+    torch SDPA's flash and cuDNN paths give it, so that a model's ``o.transpose(1, 2)`` followed by
+    ``.contiguous()`` or ``.view(B, N, H * D)`` copies nothing (the kernels take O's strides)."""
+    B, H, N, D = q.shape
+    return torch.empty((B, N, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+
+
 def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, beta, eps, stats_on,
                 inject_factor, cfg):
     B, H, N, D = q.shape
@@ -83,7 +91,7 @@ def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant,
 
 def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
     B, H, N, D = q.shape
-    o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    o = out_like(q)
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # log2 units
     fp32_delta = variant == "fp32_delta"
     r = torch.empty_like(o) if fp32_delta else o  # R = O_fp32 - O, written only under fp32_delta

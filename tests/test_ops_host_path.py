@@ -49,6 +49,28 @@ def test_compiled_operators_give_the_eager_kernels_bits(variant, interpret_dispa
     assert set(STAT_FIELDS) <= set(reference)
 
 
+@pytest.mark.parametrize("variant", ["plain", "fp32_delta"])
+def test_the_output_is_in_the_memory_order_sdpa_gives(variant, interpret_dispatch):
+    """O (B, H, N, D) is laid out as (B, N, H, D), as torch SDPA's flash and cuDNN paths give it, so a
+    model's ``o.transpose(1, 2).contiguous()`` copies nothing; eager, and compiled (where Inductor
+    checks the real strides against the operator's fake ones). Fail before: O was contiguous."""
+    q, k, v = (torch.randn(1, 2, 24, 16).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    flag = torch.ones((), dtype=torch.int32)
+
+    def run_ops(q, k, v):
+        return ops.attention(q, k, v, flag=flag, stats=AttentionStats(2), coverage=torch.zeros(2, dtype=torch.int64),
+                             causal=True, variant=variant)
+
+    for how, fn in (("eager", lambda q, k, v: flash_attention(q, k, v, variant=variant)),
+                    ("operators, compiled", torch.compile(run_ops, backend="inductor", fullgraph=True))):
+        o = fn(q, k, v)
+        assert o.shape == (1, 2, 24, 16) and o.transpose(1, 2).is_contiguous(), how
+        y = o.transpose(1, 2).contiguous()
+        assert y.data_ptr() == o.data_ptr(), how  # no copy
+        o.float().sum().backward()  # the backward takes O with these strides
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), how
+
+
 def test_operators_have_no_python_version_bump():
     """The operators that mutate the statistics buffers do so without a Python ADInplaceOrView
     kernel: ``custom_op`` registers one for a mutating operator, which walks the schema once
