@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|newtests|bench|ab|sweep|tune|overhead|compiled|ddp|host|lab ...]   (default: tests bench)
+#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|fastdefaults|bench|ab|sweep|tune|overhead|compiled|
+#                                   autotune|kernels|ddp|host|lab ...]   (default: tests bench)
+# alltests: every test marked gpu; fastdefaults: the same with the cached launch and the chain's in-kernel
+# reduction on (the check before they become defaults); autotune: the compiled arms under
+# max-autotune-no-cudagraphs; kernels: one step's device time per kernel, SDPA against the own kernel
 # newtests: every GPU test (kernels, compile, formats, chain, lifecycle, masks, coverage, the launch cache,
 # the Hopper variants, the chain's in-kernel reduction); compiled: the
 # Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode)
@@ -25,6 +29,14 @@ for step in $steps; do
                 tests/test_formats.py tests/test_chain.py tests/test_monitor_lifecycle.py tests/test_masks.py \
                 tests/test_coverage.py tests/test_launch_cache.py tests/test_hopper_variants.py \
                 tests/test_chain_kernel_reduction.py tests/test_resume_gpu.py 2>&1 | tee "$OUT/gpu_newtests.log" | tail -25 ;;
+    alltests) timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ -rfE 2>&1 | tee "$OUT/gpu_alltests.log" | tail -15 ;;
+    fastdefaults) FLASHWATCH_FAST_LAUNCH=1 FLASHWATCH_KERNEL_REDUCTION=1 timeout 540 python3 -m pytest -q -m gpu \
+                -p no:cacheprovider tests/ -rfE 2>&1 | tee "$OUT/gpu_fastdefaults.log" | tail -15 ;;
+    autotune) timeout 560 python3 benchmarks/monitor_overhead.py --only-compiled --compile max-autotune-no-cudagraphs \
+                --json "$OUT/monitor_overhead_autotune.json" 2>&1 | tee "$OUT/monitor_overhead_autotune.log" | grep -v Warning ;;
+    kernels) timeout 300 python3 benchmarks/step_kernels.py --json "$OUT/step_kernels.json" 2>&1 | tee "$OUT/step_kernels.log"
+             timeout 200 python3 benchmarks/step_kernels.py --eager --json "$OUT/step_kernels_eager.json" 2>&1 \
+                | tee "$OUT/step_kernels_eager.log" ;;
     compiled) timeout 560 python3 benchmarks/monitor_overhead.py --compile default --json "$OUT/monitor_overhead_compiled.json" \
                 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
     bench) timeout 400 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
