@@ -66,7 +66,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     process-wide knob ``flashwatch.kernels.faults`` (off by default), read at every call.
 
     Returns:
-        (B, H, N, D) output in q's dtype.
+        (B, H, N, D) output in q's dtype; where the Triton kernel runs, laid out in memory as
+        (B, N, H, D), as SDPA's flash and cuDNN paths give it (``out.transpose(1, 2)`` is contiguous).
 
     Raises:
         TypeError, ValueError: with the argument's name and what is accepted.
