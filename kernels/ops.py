@@ -113,18 +113,32 @@ class _NoAutocast:
 # has nothing to find. The statistics buffers they write into are saved by autograd only to be
 # handed to the backward operator, never to compute a gradient, so their version counters need
 # no bump (the compiler learns of the writes from the schema's (a!) annotations, not from the
-# counters). An operator's name goes with its schema: code Inductor cached calls operators by name.
+# counters).
+#
+# Code that Inductor cached (on disk, across processes) names the operators it calls, and its cache
+# key is the graph's text: it does not see what a fake implementation returns. A change to a fake's
+# output shapes, strides or dtypes that kept the operator's name and schema would let a graph cached
+# by an earlier flashwatch assert the old strides at its first call. So every operator is the
+# overload CONTRACT of its name (``flashwatch::attention_with_stats.v2``), and CONTRACT changes with
+# any such change (v2: O in (B, N, H, D) memory order).
+CONTRACT = "v2"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
 
 def _operator(schema: str, impl, fake):
-    """Define ``flashwatch::<schema>`` with ``impl`` on every device and ``fake`` for tracing;
-    returns the operator (its default overload)."""
-    name = schema[:schema.index("(")]
-    _lib.define(schema)
-    _lib.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"flashwatch::{name}", fake, lib=_lib)
-    return getattr(torch.ops.flashwatch, name).default
+    """Define ``flashwatch::<name>.<CONTRACT>(<arguments>) -> <returns>`` from ``schema``
+    (``"<name>(<arguments>) -> <returns>"``) with ``impl`` on every device and ``fake`` for tracing;
+    returns the operator overload."""
+    name, signature = schema[:schema.index("(")], schema[schema.index("("):]
+    _lib.define(f"{name}.{CONTRACT}{signature}")
+    _lib.impl(f"{name}.{CONTRACT}", impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(qualified(name), fake, lib=_lib)
+    return getattr(getattr(torch.ops.flashwatch, name), CONTRACT)
+
+
+def qualified(name: str) -> str:
+    """The registered operator's qualified name: ``flashwatch::<name>.<CONTRACT>``."""
+    return f"flashwatch::{name}.{CONTRACT}"
 
 
 # --- own kernel ---------------------------------------------------------------------------------
@@ -235,7 +249,7 @@ def _attention_grad(ctx, do, *_unused):
     return (dq, dk, dv) + (None,) * 10
 
 
-torch.library.register_autograd("flashwatch::attention_with_stats", _attention_grad, setup_context=_attention_setup,
+torch.library.register_autograd(qualified("attention_with_stats"), _attention_grad, setup_context=_attention_setup,
                                 lib=_lib)
 
 

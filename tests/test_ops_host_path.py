@@ -76,9 +76,51 @@ def test_operators_have_no_python_version_bump():
     kernel: ``custom_op`` registers one for a mutating operator, which walks the schema once
     per argument on every call (about 50-100 us of host time a call). Fail before: the
     operators were ``custom_op``s."""
-    for name in ("flashwatch::attention_grad", "flashwatch::attention_with_stats", "flashwatch::observe_statistics",
-                 "flashwatch::score_statistics", "flashwatch::unmeasured_call"):
-        assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "ADInplaceOrView"), name
-    schema = torch.ops.flashwatch.attention_grad.default._schema
+    for name in ("attention_grad", "attention_with_stats", "observe_statistics", "score_statistics",
+                 "unmeasured_call"):
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(ops.qualified(name), "ADInplaceOrView"), name
+    schema = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert mutated == ["counts", "values", "coverage"]  # still declared: functionalization sees the writes
+
+
+# What each operator's fake implementation returns for the inputs below, per ops.CONTRACT: code that
+# Inductor cached calls operators by name, so a fake whose outputs change must come with a new
+# CONTRACT (and a new entry here), or a graph cached by an earlier flashwatch asserts the old strides.
+FAKE_OUTPUTS = {
+    "v2": {
+        ("attention_with_stats", "plain"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
+                                            ((2, 4, 8), (32, 8, 1), "float32"), ((0,), (1,), "bfloat16"),
+                                            ((2, 4, 8), (32, 8, 1), "float32"), ((4,), (1,), "float32")],
+        ("attention_with_stats", "fp32_delta"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
+                                                 ((2, 4, 8), (32, 8, 1), "float32"),
+                                                 ((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
+                                                 ((2, 4, 8), (32, 8, 1), "float32"), ((4,), (1,), "float32")],
+        ("attention_grad", "plain"): [((2, 4, 8, 16), (512, 128, 16, 1), "bfloat16"),
+                                      ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16"),
+                                      ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16")],
+    },
+}
+
+
+def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(interpret_dispatch):
+    """Fails when a fake's output shapes, strides or dtypes change while ops.CONTRACT stays: bump it
+    (the operators' overload name, which cached compiled code calls) and record the new outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert ops.CONTRACT in FAKE_OUTPUTS, f"record the fake outputs of contract {ops.CONTRACT} in FAKE_OUTPUTS"
+    describe = lambda ts: [(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch.")) for t in ts]
+    got = {}
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 8, 16, dtype=torch.bfloat16)
+        k, v = (torch.empty(2, 2, 8, 16, dtype=torch.bfloat16) for _ in range(2))
+        flag = torch.zeros((), dtype=torch.int32)
+        counts, values, coverage = torch.zeros(4, 4, dtype=torch.int64), torch.zeros(5, 4), torch.zeros(4, dtype=torch.int64)
+        fwd = getattr(torch.ops.flashwatch.attention_with_stats, ops.CONTRACT)
+        for variant in ("plain", "fp32_delta"):
+            outs = fwd(q, k, v, flag, counts, values, coverage, True, 0.25, variant, 2.0, 1e-3, -0.002)
+            got[("attention_with_stats", variant)] = describe(outs)
+        grad = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)
+        got[("attention_grad", "plain")] = describe(grad(q, [q, k, v, q, q, q, q, q, flag], counts, values, coverage,
+                                                         True, 0.25, 1e-3, -0.002))
+    assert got == FAKE_OUTPUTS[ops.CONTRACT], "a fake's outputs changed: bump ops.CONTRACT and record them here"
