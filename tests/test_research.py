@@ -608,6 +608,8 @@ def test_landmark_controls_are_runs_still_healthy_margin_steps_after_the_blowup(
     # (mid, late), (mid, surv), (late, surv): mid 6.0 vs late 1.0 -> 1, vs surv 6.0 -> 0.5; late 1.0 vs surv 6.0 -> 0
     assert result["concordance_pairs"] == 3
     assert result["concordance"]["max_logit"]["auc"] == pytest.approx(1.5 / 3)
+    assert "Claim 1 (`chain` separates, lower end above 0.7): undecided. Claim 2 (`chain` beats `qk_clip`" \
+        in ew.landmark_markdown(result)
 
 
 def test_landmark_bootstrap_against_a_brute_force_resample():
