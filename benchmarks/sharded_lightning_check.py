@@ -134,8 +134,12 @@ def main(argv=None) -> int:
               f"{a['errors']}/{b['errors']}, worst rel W^Q {worst[METRICS[0]]:.1e}, max logit {worst[METRICS[1]]:.1e}, "
               f"repeated-max abs {max(worst[METRICS[2]], worst[METRICS[3]]):.1e}")
         print("RESULT:", "PASS" if ok else "FAIL", flush=True)
+        monitor.close()
     flag = [ok]
     dist.broadcast_object_list(flag, src=0)
+    # the process group's threads must end before the interpreter does: left to exit, they can abort a
+    # process whose check passed ("terminate called without an active exception")
+    dist.destroy_process_group()
     return 0 if flag[0] else 1
 
 
