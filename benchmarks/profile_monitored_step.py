@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashwatch import Monitor, MonitorConfig
-from flashwatch.tinygpt import GPT, GPTConfig
+from training_step import gpt2_small, make_step
 
 
 def main() -> int:
@@ -19,20 +19,12 @@ def main() -> int:
         print("profile_monitored_step.py needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)).cuda()
+    model = gpt2_small()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     monitor = Monitor(MonitorConfig(interval=2, mode="observe"))
     monitor.attach(model)
     x = torch.randint(0, 256, (16, 1024), device="cuda")
-    y = x.roll(-1, 1)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, y)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        monitor.step(loss=loss.detach())
+    step = make_step(model, model, opt, x, x.roll(-1, 1), monitor)
 
     for _ in range(6):  # warm-up; ends before a monitored step
         step()

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashwatch import Monitor, MonitorConfig
-from flashwatch.tinygpt import GPT, GPTConfig
+from training_step import gpt2_small, make_step
 
 
 def short_name(name: str) -> str:
@@ -37,7 +37,7 @@ def short_name(name: str) -> str:
 def profile_arm(arm: str, compiled: bool, args) -> dict:
     """Device time per kernel name per step (ms) and the steps' mean wall time, unmonitored steps."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=args.seq)).cuda()
+    model = gpt2_small(args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     monitor = None
     if arm == "own_kernel":  # step 0 is its only monitored step: the profiled steps are unmonitored
@@ -45,16 +45,7 @@ def profile_arm(arm: str, compiled: bool, args) -> dict:
         monitor.attach(model)
     run = torch.compile(model) if compiled else model
     x = torch.randint(0, 256, (args.batch, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    y = x.roll(-1, 1)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(x, y)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if monitor is not None:
-            monitor.step(loss=loss.detach())
+    step = make_step(run, model, opt, x, x.roll(-1, 1), monitor)
 
     try:
         for _ in range(args.warmup):

@@ -28,6 +28,7 @@ import torch
 
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.tinygpt import GPT, GPTConfig
+from training_step import make_step
 
 import flashwatch
 import flashwatch.kernels
@@ -70,14 +71,7 @@ def arm(mode: str, compiled: bool, args) -> dict:
             return
         found[current["monitored"]][f"{text.splitlines()[0][:80]} at {_site(traceback.extract_stack()[:-1])}"] += 1
 
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(x, y)[1]
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        monitor.step(loss=loss.detach(), grad_norm=norm)
+    step = make_step(run, model, opt, x, y, monitor, clip=True)
 
     try:
         for _ in range(args.warmup):  # compilation and the first monitored steps synchronize: not counted
