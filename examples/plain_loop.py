@@ -7,6 +7,7 @@ logit, the signed delta error and W^Q's spectral norm per head, and raises alert
     python examples/plain_loop.py                       # observe mode, FP32, 60 steps
     python examples/plain_loop.py --mode own_kernel --bf16 --auto-fix fp32_delta
     python examples/plain_loop.py --jsonl runs/plain    # also write one JSON line per monitored step
+    python examples/plain_loop.py --compile             # torch.compile(model): measured the same way
 
 The four lines that matter::
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import time
 
 import torch
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe")
     p.add_argument("--auto-fix", choices=("fixed", "fp32_delta"), default=None)
     p.add_argument("--bf16", action="store_true", help="train under BF16 autocast")
+    p.add_argument("--compile", action="store_true", help="train torch.compile(model) (attach the Monitor first)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--embd", type=int, default=64)
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     config = MonitorConfig(interval=args.interval, mode=args.mode, auto_fix=args.auto_fix, warmup=4, window=5)
     monitor = Monitor(config, exporters=exporters)
     monitor.attach(model)
+    run = torch.compile(model) if args.compile else model  # after attach: compiled code is measured too
 
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
     start = time.perf_counter()
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(args.steps):
             x, y = sample_batch(data, args.batch, args.block, generator=torch.Generator().manual_seed(step))
             with autocast():
-                _, loss = model(x, y)
+                _, loss = run(x, y)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before clipping
             opt.step()
@@ -89,13 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.steps} steps in {elapsed:.1f} s; monitored steps: {monitor.monitored_steps}; "
           f"alerts: {len(monitor.alerts)}; monitoring errors: {monitor.errors}")
     for layer in monitor.layers:
-        heads = range(layer.num_heads)
-        z = max(abs(snap["flashwatch_delta_drift_z"].get((layer.index, h), 0.0)) for h in heads)
-        ties = max(snap["flashwatch_repeated_max_ratio_bf16"].get((layer.index, h), 0.0) for h in heads)
-        logit = max(snap["flashwatch_max_logit"].get((layer.index, h), 0.0) for h in heads)
-        wq = max(snap["flashwatch_wq_spectral_norm"].get((layer.index, h), 0.0) for h in heads)
-        print(f"layer {layer.index} ({layer.name}, {layer.variant}): max |z| {z:.2f}, BF16 repeated-max "
-              f"{ties:.1%}, max logit {logit:.2f}, W^Q norm {wq:.3f}")
+        def peak(metric: str, fmt: str, absolute: bool = False) -> str:
+            """The layer's largest head value, or "not measured" (never a 0 standing in for no value)."""
+            values = [snap[metric].get((layer.index, h), math.nan) for h in range(layer.num_heads)]
+            finite = [abs(v) if absolute else v for v in values if math.isfinite(v)]
+            return format(max(finite), fmt) if finite else "not measured"
+
+        print(f"layer {layer.index} ({layer.name}, {layer.variant}): max |z| "
+              f"{peak('flashwatch_delta_drift_z', '.2f', absolute=True)}, BF16 repeated-max "
+              f"{peak('flashwatch_repeated_max_ratio_bf16', '.1%')}, max logit {peak('flashwatch_max_logit', '.2f')}, "
+              f"W^Q norm {peak('flashwatch_wq_spectral_norm', '.3f')}")
     monitor.detach()
     return 0
 

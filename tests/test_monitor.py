@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -474,9 +475,10 @@ def test_detach_then_attach_again_continues_the_signals():
 
 @pytest.mark.parametrize("script, args", [
     ("plain_loop.py", ["--steps", "6", "--interval", "2", "--mode", "own_kernel", "--bf16", "--auto-fix", "fixed"]),
+    ("plain_loop.py", ["--steps", "6", "--interval", "2", "--bf16", "--compile"]),
     ("hf_transformers.py", ["--steps", "3", "--interval", "2", "--family", "llama"]),
 ])
-def test_examples_run(script, args, capsys):
+def test_examples_run(script, args, capsys, fresh_dynamo):
     import pathlib
     import runpy
 
@@ -489,7 +491,10 @@ def test_examples_run(script, args, capsys):
         assert main(args) == 0
     finally:
         torch.set_num_threads(n)
-    assert "errors: 0" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "errors: 0" in out
+    if script == "plain_loop.py":  # every layer measured, compiled or not (a missing value reads "not measured")
+        assert re.findall(r"max logit (\S+),", out) and all(v != "not measured" for v in re.findall(r"max logit (.+?),", out))
     assert _sdpa_restored()
 
 
