@@ -6,6 +6,7 @@
     python -m research.early_warning auc RUNS... --thresholds THRESHOLDS.json --lead 1000 --out AUC.json
     python -m research.early_warning landmark RUNS... --thresholds THRESHOLDS.json --lead 1000 --margin 1000 --out L.json
     python -m research.early_warning figure RESULT.json [RESULT.json ...] --rules chain,max_logit --out F.png
+    python -m research.early_warning outcomes RUNS... --out O.json [--markdown O.md]
 
 RUNS: run folders of the seed-split scenario, or folders holding them. Everything here follows
 the protocol: outcomes (blow-up, confirmed, survivor), each rule's per-run score series (the
@@ -256,6 +257,32 @@ def evaluate(run_dirs: list[Path], frozen: dict, require_complete: bool = False)
             "monitoring_incomplete": incomplete, "require_complete": require_complete,
             "excluded_incomplete": incomplete_left_out,
             "post_hoc_threshold_table": _post_hoc(per_run, source)}
+
+
+def outcomes(run_dirs: list[Path]) -> dict:
+    """Each run's outcome and monitoring, and nothing about any rule: what a protocol allows to be
+    reported of its test runs before its analysis (blow-up steps, confirmations, survivors)."""
+    per_run = {}
+    for d in run_dirs:
+        o = outcome(d)
+        per_run[str(d)] = {"seed": read_run(d).get("seed"), "outcome": o, "monitoring": monitoring(d, o["blowup"])}
+    values = per_run.values()
+    counts = {"runs": len(per_run),
+              "survivors": sum(1 for v in values if v["outcome"]["survivor"]),
+              "blowups_confirmed": sum(1 for v in values if v["outcome"]["blowup"] is not None and v["outcome"]["confirmed"]),
+              "blowups_unconfirmed": sum(1 for v in values if v["outcome"]["blowup"] is not None
+                                         and not v["outcome"]["confirmed"]),
+              "monitoring_incomplete": sum(1 for v in values if not v["monitoring"]["complete"])}
+    return {"kind": "outcomes", "evaluated": time.strftime("%Y-%m-%d"), "commit": _commit(), "counts": counts,
+            "runs": per_run}
+
+
+def outcomes_markdown(result: dict) -> str:
+    """The counts, then one line per run (``runs_markdown``'s columns)."""
+    c = result["counts"]
+    head = (f"{c['runs']} runs: {c['blowups_confirmed']} blew up (confirmed), {c['blowups_unconfirmed']} blew up "
+            f"(not confirmed), {c['survivors']} survived; monitoring incomplete in {c['monitoring_incomplete']}.")
+    return head + "\n\n" + runs_markdown(result)
 
 
 def _verdict(n_blowups: int, early: int, n_survivors: int, false_alarms: int) -> str:
@@ -646,7 +673,8 @@ def runs_markdown(result: dict) -> str:
         if o["survivor"]:
             lines.append(f"| {v['seed']} | - (survived) | | {o['last_step'] + 1:,} | {measured} |")
         else:
-            lines.append(f"| {v['seed']} | {o['blowup']:,} | {o['tail_median_loss']:.3f} / "
+            unconfirmed = "" if o.get("confirmed", True) else ", not confirmed"
+            lines.append(f"| {v['seed']} | {o['blowup']:,}{unconfirmed} | {o['tail_median_loss']:.3f} / "
                          f"{o['best_median_before']:.3f} | {o['last_step'] + 1:,} | {measured} |")
     for e in result.get("excluded_unconfirmed", []):
         o = e["outcome"]
@@ -735,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
     lm.add_argument("--margin", type=int, default=LANDMARK_MARGIN)
     lm.add_argument("--out", required=True)
     lm.add_argument("--markdown")
+    oc = sub.add_parser("outcomes", help="each run's outcome and monitoring, no rule (before a protocol's analysis)")
+    oc.add_argument("runs", nargs="+")
+    oc.add_argument("--out", required=True)
+    oc.add_argument("--markdown")
     g = sub.add_parser("figure", help="a timeline per test result: blow-ups, survivors, the rules' first firings")
     g.add_argument("results", nargs="+", help="RESULT.json or TITLE=RESULT.json")
     g.add_argument("--rules", default="chain,repeated_max_bf16_trend,max_logit")
@@ -749,6 +781,9 @@ def main(argv: list[str] | None = None) -> int:
         timeline_figure([(title, json.loads(Path(path).read_text())) for title, path in pairs], rules, Path(args.out))
         print(f"wrote {args.out}")
         return 0
+    if args.command == "outcomes":
+        result = outcomes(_runs(args.runs))
+        return _write(result, outcomes_markdown(result), args.out, args.markdown)
     if args.command == "landmark":
         for name, value in (("--lead", args.lead), ("--margin", args.margin)):
             if value < 0:

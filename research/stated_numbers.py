@@ -22,7 +22,8 @@ TEST_1 = ROOT / "results/seed-split-2026-12-01/test.json"
 TEST_1_TABLE = ROOT / "results/seed-split-2026-12-01/test.md"
 TEST_2 = ROOT / "results/seed-split-2/test.json"
 TEST_2_TABLE = ROOT / "results/seed-split-2/test.md"
-TEST_4_SO_FAR = ROOT / "results/seed-split-4/interim-400-415.json"  # the fourth protocol's runs made so far
+# the fourth protocol's runs made so far: its interim look at 400-415, then the outcomes of later blocks
+TEST_4_SO_FAR = (ROOT / "results/seed-split-4/interim-400-415.json", ROOT / "results/seed-split-5/outcomes-416-423.json")
 TEST_2_SEEDS = 24  # the second protocol's test seeds (300-323)
 README_HEAD = "**What the early warning predicts: not proven.** "
 README_ANCHOR = "**What the early warning predicts:"  # where the paragraph starts, whatever its verdict
@@ -46,14 +47,25 @@ def _monitoring_sentence(*results: dict) -> str:
             "failed every rule could only rise.")
 
 
-def _under_way_sentence(so_far: dict) -> str:
-    """The fourth protocol's runs made so far (every one measured completely), from its interim result."""
-    runs = so_far["runs"].values()
+def _under_way_counts(result: dict) -> tuple[int, int, int]:
+    """(blew up, survived, left out as incompletely monitored) in an interim test result or an
+    ``outcomes`` result of ``research.early_warning``."""
+    runs = list(result["runs"].values())
+    if result.get("kind") == "outcomes":
+        complete = [v for v in runs if v["monitoring"]["complete"]]
+        survived = sum(1 for v in complete if v["outcome"]["survivor"])
+        return len(complete) - survived, survived, len(runs) - len(complete)
     survived = sum(1 for v in runs if v["outcome"]["survivor"])
-    blew = sum(1 for v in runs if not v["outcome"]["survivor"]) + len(so_far["excluded_unconfirmed"])
-    total = survived + blew + len(so_far["excluded_incomplete"])
-    return (f"Under way (complete monitoring, lr 1.5e-3, 20,000 steps): {blew} of {total} runs blew up so far, "
-            f"{survived} survived.")
+    blew = len(runs) - survived + len(result["excluded_unconfirmed"])
+    return blew, survived, len(result["excluded_incomplete"])
+
+
+def _under_way_sentence(*so_far: dict) -> str:
+    """The fourth protocol's runs made so far (every one measured completely), from its interim
+    result and the outcomes of the blocks made after it."""
+    blew, survived, incomplete = (sum(c) for c in zip(*(_under_way_counts(r) for r in so_far)))
+    return (f"Under way (complete monitoring, lr 1.5e-3, 20,000 steps): {blew} of {blew + survived + incomplete} "
+            f"runs blew up so far, {survived} survived.")
 
 
 # the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines
@@ -82,7 +94,7 @@ def readme_block() -> str:
             f"{b2 + s2} runs{so_far}, {b2} blew up and {s2} survived. A rule passes if it warns at least "
             f"{MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm in 7 "
             f"survivors. {verdict} {_monitoring_sentence(r1, r2)} "
-            f"{_under_way_sentence(json.loads(TEST_4_SO_FAR.read_text()))} Every rule: `docs/EXPERIMENTS.md` §9-12.")
+            f"{_under_way_sentence(*(json.loads(f.read_text()) for f in TEST_4_SO_FAR))} Every rule: `docs/EXPERIMENTS.md` §9-12.")
     rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | same, lr 1.75e-3 | false alarms, lr 1.75e-3 |",
             "|---|---|---|---|"]
     for r in README_RULES:

@@ -628,3 +628,24 @@ def test_landmark_bootstrap_against_a_brute_force_resample():
     assert out["chain"]["minus_baseline"] == pytest.approx(1 - 2 * ew._pair_mean(m))
     with pytest.raises(SystemExit, match="--margin must be >= 0"):
         ew.main(["landmark", "x", "--thresholds", "t.json", "--margin", "-1", "--out", "o.json"])
+
+
+def test_outcomes_report_blowups_and_survivors_and_no_rule(monkeypatch):
+    """What a protocol may report before its analysis: counts of confirmed and unconfirmed blow-ups,
+    survivors and incompletely monitored runs, and a line per run; no score is read."""
+    from research import early_warning as ew
+    table = {"a": (7000, True, True), "b": (9000, False, True), "c": (None, False, True), "d": (8000, True, False)}
+    monkeypatch.setattr(ew, "outcome", lambda d: {
+        "blowup": table[d.name][0], "confirmed": table[d.name][1], "survivor": table[d.name][0] is None,
+        "last_step": 19999 if table[d.name][0] is None else table[d.name][0] + 1000,
+        "tail_median_loss": 1.5, "best_median_before": 0.5})
+    monkeypatch.setattr(ew, "monitoring", lambda d, upto: {"complete": table[d.name][2], "measured_through": 4000,
+                                                          "failed_steps": 3, "monitored_steps": 900})
+    monkeypatch.setattr(ew, "read_run", lambda d: {"seed": d.name})
+    monkeypatch.setattr(ew, "scores", lambda *a, **k: pytest.fail("outcomes must not read any rule's score"))
+    result = ew.outcomes([Path(n) for n in table])
+    assert result["counts"] == {"runs": 4, "survivors": 1, "blowups_confirmed": 2, "blowups_unconfirmed": 1,
+                                "monitoring_incomplete": 1}
+    text = ew.outcomes_markdown(result)
+    assert "| b | 9,000, not confirmed |" in text and "| c | - (survived) |" in text
+    assert "| d | 8,000 | 1.500 / 0.500 | 9,001 | 4,000 (3 of 900 failed after) |" in text

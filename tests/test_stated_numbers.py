@@ -32,3 +32,15 @@ def test_the_result_file_records_the_frozen_thresholds_it_used(name):
     assert result["thresholds_commit"] == frozen["commit"]
     assert {k: v["threshold"] for k, v in result["table"].items() if k in frozen["thresholds"]} == \
         {k: v for k, v in frozen["thresholds"].items() if k in result["table"]}
+
+
+def test_the_runs_under_way_add_an_interim_result_and_later_outcomes():
+    """The under-way sentence counts both kinds of file: an interim test (unconfirmed blow-ups listed
+    apart) and an outcomes file (runs monitored incompletely counted in the total, not as blow-ups)."""
+    interim = {"runs": {"a": {"outcome": {"survivor": True}}, "b": {"outcome": {"survivor": False}}},
+               "excluded_unconfirmed": [{"seed": 3}], "excluded_incomplete": [{"seed": 4}]}
+    later = {"kind": "outcomes", "runs": {
+        "c": {"outcome": {"survivor": False}, "monitoring": {"complete": True}},
+        "d": {"outcome": {"survivor": True}, "monitoring": {"complete": True}},
+        "e": {"outcome": {"survivor": False}, "monitoring": {"complete": False}}}}
+    assert stated_numbers._under_way_sentence(interim, later).endswith("3 of 7 runs blew up so far, 2 survived.")
