@@ -71,7 +71,8 @@ log = logging.getLogger("flashwatch")
 __all__ = ["Router", "original_sdpa", "unsupported_reason", "statistics_route"]
 
 class _Current:
-    """The layer whose forward is running: ``current`` (Router, AttentionLayer) | None, and
+    """The layer whose forward is running: ``current`` (Router, AttentionLayer, its projection input
+    X or None) | None, and
     ``stack``, the saved outer values. Both exist from the start, so compiled code reads them
     without a guard on whether they were created yet (which would recompile at the second call)."""
 
@@ -107,8 +108,8 @@ def _sdpa_dispatch(*args, **kwargs):
     current = _state().current
     if current is None:
         return original_sdpa()(*args, **kwargs)
-    router, layer = current
-    return router.call(layer, args, kwargs)
+    router, layer, x = current
+    return router.call(layer, args, kwargs, x)
 
 
 def _install() -> None:
@@ -120,8 +121,13 @@ def _install() -> None:
         _users += 1
 
 
-def _uninstall() -> None:
+def _uninstall(rows_sources: Sequence[int] = ()) -> None:
     global _original_sdpa, _users
+    if rows_sources:
+        from flashwatch.kernels import ops
+
+        for key in rows_sources:
+            ops.unregister_rows_source(key)
     with _install_lock:
         _users -= 1
         if _users > 0:
@@ -165,6 +171,18 @@ def _autocast_inputs(q, k, v):
     except (RuntimeError, TypeError):  # a device type autocast does not know
         pass
     return q, k, v, False
+
+
+def _as_projected(x: Any) -> torch.Tensor | None:
+    """The projection input X as the query projection computes with it: in autocast's dtype where
+    autocast is on (the W^Q gradient is formed from that copy; compiled code then keeps one copy
+    for both, not the higher-precision X as well); None if it is not a tensor."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 class _ChainRows:
@@ -235,6 +253,7 @@ class Router:
         self.monitoring = False
         self._handles: list = []
         self._logged: set = set()
+        self._rows_sources: dict[int, int] = {}  # layer index -> ops.register_rows_source key (compiled code)
         self.installed = False
 
     @property
@@ -253,10 +272,11 @@ class Router:
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
             self._handles.append(layer.module.register_forward_hook(self._exit_hook, always_call=True))
+        self._rows_sources = self._register_rows_sources()
         _install()
         # a router dropped without remove() (model and monitor garbage-collected) still gives
         # torch's SDPA back once the garbage collector frees it
-        self._finalizer = weakref.finalize(self, _uninstall)
+        self._finalizer = weakref.finalize(self, _uninstall, list(self._rows_sources.values()))
         self.installed = True
 
     def remove(self) -> None:
@@ -270,18 +290,48 @@ class Router:
             if layer.chain is not None:
                 layer.chain.unwatch()
         self._finalizer()  # runs _uninstall once (and never again at garbage collection)
+        self._rows_sources = {}
         self.installed = False
+
+    def _register_rows_sources(self) -> dict[int, int]:
+        """For compiled code: per layer with a W^Q-error chain, the source of its calls' rows hooks,
+        which the operators' backward asks on monitored steps (``ops.register_rows_source``). It
+        holds the router weakly and the layer by its position (the registry is global: a strong
+        reference would keep the model and the Monitor alive)."""
+        from flashwatch.kernels import ops
+
+        ref = weakref.ref(self)
+
+        def source_for(position: int):
+            def source(x: torch.Tensor, scale: float):
+                router = ref()
+                layer = router.layers[position] if router is not None else None
+                if layer is None or layer.chain is None:
+                    return None
+                # the true gradient's push: W^Q's gradient hook, registered here, before this
+                # backward accumulates W^Q's gradient (none where W^Q is not a parameter)
+                router._watch_query_weight(layer)
+                return _ChainRows(layer.chain, x, scale, router.on_error)
+            return source
+
+        return {layer.index: ops.register_rows_source(source_for(position))
+                for position, layer in enumerate(self.layers) if layer.chain is not None}
 
     def _enter_hook(self, layer: AttentionLayer):
         def enter(module, args, kwargs):
-            for state in (_shared,) if _compiling() else (_local, _shared):
-                state.stack.append(state.current)
-                state.current = (self, layer)
-            if layer.chain is not None and not _compiling():
+            x = None
+            if layer.chain is not None:
                 # the projection's input X (B, N, C): the module's first input (nanoGPT's x,
-                # Hugging Face's hidden_states); kept on monitored steps only
-                x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
-                watch = self.monitoring and torch.is_grad_enabled() and isinstance(x, torch.Tensor)
+                # Hugging Face's hidden_states)
+                x = _as_projected(args[0] if args else kwargs.get("hidden_states", kwargs.get("x")))
+            compiling = _compiling()
+            for state in (_shared,) if compiling else (_local, _shared):
+                state.stack.append(state.current)
+                # compiled code carries X to the operators on every step (whether a step is
+                # monitored is read when they run); eager code keeps it on monitored steps only
+                state.current = (self, layer, x if compiling else None)
+            if layer.chain is not None and not compiling:
+                watch = self.monitoring and torch.is_grad_enabled() and x is not None
                 layer.chain_input = x.detach() if watch else None
             return None
         return enter
@@ -297,9 +347,9 @@ class Router:
             self._logged.add(key)
             log.warning(message, *args)
 
-    def call(self, layer: AttentionLayer, args: tuple, kwargs: dict):
+    def call(self, layer: AttentionLayer, args: tuple, kwargs: dict, x: Any = None):
         if _compiling():
-            return self._compiled_call(layer, args, kwargs)
+            return self._compiled_call(layer, args, kwargs, x)
         sdpa = original_sdpa()
         if layer.mode != "own_kernel":
             out = sdpa(*args, **kwargs)
@@ -469,9 +519,10 @@ class Router:
         except Exception as exc:
             self.on_error("observe", exc)
 
-    def _compiled_call(self, layer: AttentionLayer, args: tuple, kwargs: dict):
+    def _compiled_call(self, layer: AttentionLayer, args: tuple, kwargs: dict, x: Any = None):
         """The call as torch.compile traces it: custom operators, no Python hooks, no guard on
-        whether the step is monitored (``flag`` is read when the operators run)."""
+        whether the step is monitored (``flag`` is read when the operators run). ``x``: the
+        layer's projection input where it has a W^Q-error chain (the operators' rows hook)."""
         from flashwatch.kernels import ops
 
         sdpa = original_sdpa()
@@ -486,13 +537,19 @@ class Router:
                 with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
                     return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,
                                          causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
-                                         beta=self.beta, eps=self.eps)
+                                         beta=self.beta, eps=self.eps, **self._rows_source(layer, x))
             return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal,
-                                          scale, enable_gqa)
+                                          scale, enable_gqa, x)
         return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                      enable_gqa)
+                                      enable_gqa, x)
 
-    def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    def _rows_source(self, layer: AttentionLayer, x: Any) -> dict:
+        """The operators' arguments for the layer's rows hook (``ops.register_rows_source``): none
+        where it has no W^Q-error chain or the call no projection input."""
+        key = self._rows_sources.get(layer.index, 0)
+        return {"x": x, "rows_source": key} if key and x is not None else {}
+
+    def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, x=None):
         """The model's own SDPA output, marked for the statistics (``ops.observe``), or the
         call counted as not measured in full."""
         from flashwatch.kernels import ops
@@ -509,7 +566,8 @@ class Router:
         if route in ("plain", "masked"):
             return ops.observe(out, q, k, v, flag=self.flag, stats=layer.ensure_stats(q.device),
                                coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
-                               attn_mask=attn_mask if route == "masked" else None, masked=route == "masked")
+                               attn_mask=attn_mask if route == "masked" else None, masked=route == "masked",
+                               **self._rows_source(layer, x))
         message = f"{reason}: {MEASURED[route]}"
         if route == "scores":
             ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),

@@ -31,15 +31,20 @@ Statistics go into ``counts`` and ``values``, the two buffers of an ``AttentionS
 (declared as mutated; ``unit_gap`` is its format's ``AttentionStats.unit_gap``), and ``coverage``, a CPU int64 tensor (2,), counts [attention calls,
 measured calls] of monitored steps. Nothing is read back from the device.
 
-The per-row hook of ``AttentionStats.rows_hook`` (the W^Q-gradient error) is not called from
-these operators.
+The per-row hook of ``AttentionStats.rows_hook`` (the W^Q-gradient error) reaches the operators
+as a *rows source*: a Python callable registered once (``register_rows_source``) and named in the
+graph by its integer key, with the tensor it needs, ``x`` (the projection input of the attention
+call), as an operator argument. When a backward operator runs on a monitored step it asks the
+source for the call's hook, ``source(x, sm_scale)``, and the statistics pass calls it as in eager
+mode. Key 0 (or ``x`` None) means no hook.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,9 +53,39 @@ from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats
 
 log = logging.getLogger("flashwatch")
 
-__all__ = ["attention", "observe", "score_statistics", "unmeasured_call", "stats_buffers"]
+__all__ = ["attention", "observe", "score_statistics", "unmeasured_call", "stats_buffers", "register_rows_source",
+           "unregister_rows_source"]
 
 _logged: set = set()
+_rows_sources: dict = {}  # key (int > 0) -> source(x, sm_scale) -> rows hook or None
+_next_rows_source = itertools.count(1)
+
+
+def register_rows_source(source: Callable[[torch.Tensor, float], Optional[object]]) -> int:
+    """Register ``source(x, sm_scale)``, which returns the ``AttentionStats.rows_hook`` of one call (or
+    None) given its projection input ``x``; returns the key the operators take as ``rows_source``."""
+    key = next(_next_rows_source)
+    _rows_sources[key] = source
+    return key
+
+
+def unregister_rows_source(key: int) -> None:
+    """Forget a rows source (calls that still name it get no hook)."""
+    _rows_sources.pop(key, None)
+
+
+def _rows_hook(key: int, x: Optional[torch.Tensor], sm_scale: float):
+    """The rows hook of one call: its source's, or None (no source, no ``x``, or the source failed,
+    which it reports itself)."""
+    source = _rows_sources.get(key) if key and x is not None else None
+    if source is None:
+        return None
+    try:
+        return source(x, sm_scale)
+    except Exception:
+        _log_once(("rows_source",), "flashwatch: the W^Q-error chain of an attention call could not be set up; "
+                  "training goes on unchanged", exc_info=True)
+        return None
 
 
 def stats_buffers(stats: AttentionStats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,12 +219,13 @@ def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
             q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
 
 
-def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap):
+def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rows_source):
     # saved: [q, k, v, o, lse, r, rowmax, max_logit, flag], as the forward left them
     q, k, v, o, lse, r, rowmax, max_logit, flag = saved
     stats = None
     if _on(flag):
         stats = _view(counts, values, unit_gap)
+        stats._rows_hook = _rows_hook(rows_source, x, sm_scale)
         torch.maximum(stats.max_logit, max_logit, out=stats.max_logit)  # the forward's, folded in now (one launch)
         coverage.add_(1)  # one attention call, measured
     residual = r if r.numel() else None
@@ -203,7 +239,7 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
         return reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
 
 
-def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap):
+def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rows_source):
     q, k, v = saved[:3]
     B, H, N, D = q.shape
     return (q.new_empty((B, H, N, D)), k.new_empty((B, k.shape[1], N, D)), v.new_empty((B, v.shape[1], N, D)))
@@ -212,41 +248,42 @@ def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_sca
 # the backward takes the forward's saved tensors as one list (fewer schema arguments to walk)
 _attention_backward = _operator(
     "attention_grad(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
-    "bool causal, float sm_scale, float eps, float unit_gap) -> (Tensor, Tensor, Tensor)",
+    "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, int rows_source) -> (Tensor, Tensor, Tensor)",
     _attention_backward_impl, _attention_backward_fake)
 
 
 def _attention_with_stats_impl(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
-                               unit_gap):
+                               unit_gap, x, rows_source):
     # the autograd-carrying operator must be functional: the statistics buffers are inputs here
-    # (saved for the backward, which adds into them) and nothing in the forward mutates them
+    # (saved for the backward, which adds into them) and nothing in the forward mutates them; x is
+    # only saved for the backward's rows hook
     return _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
 def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
-                               unit_gap):
+                               unit_gap, x, rows_source):
     return _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
 _attention_with_stats = _operator(
     "attention_with_stats(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, "
-    "Tensor coverage, bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor coverage, bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap, Tensor? x, "
+    "int rows_source) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _attention_with_stats_impl, _attention_with_stats_fake)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap = inputs
+    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap, x, rows_source = inputs
     o, lse, r, rowmax, max_logit = output
-    ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage)
-    ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap = causal, sm_scale, eps, unit_gap
+    ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x)  # x may be None
+    ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap, ctx.rows_source = causal, sm_scale, eps, unit_gap, rows_source
 
 
 def _attention_grad(ctx, do, *_unused):
-    q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage = ctx.saved_tensors
+    q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x = ctx.saved_tensors
     dq, dk, dv = _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values, coverage,
-                                     ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap)
-    return (dq, dk, dv) + (None,) * 10
+                                     ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap, x, ctx.rows_source)
+    return (dq, dk, dv) + (None,) * 12
 
 
 torch.library.register_autograd(qualified("attention_with_stats"), _attention_grad, setup_context=_attention_setup,
@@ -255,25 +292,27 @@ torch.library.register_autograd(qualified("attention_with_stats"), _attention_gr
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor, stats: AttentionStats,
               coverage: torch.Tensor, causal: bool = True, sm_scale: Optional[float] = None,
-              variant: str = "plain", beta: float = 2.0, eps: float = 1e-3) -> torch.Tensor:
+              variant: str = "plain", beta: float = 2.0, eps: float = 1e-3, x: Optional[torch.Tensor] = None,
+              rows_source: int = 0) -> torch.Tensor:
     """``flash_attention`` as a custom operator: statistics into ``stats`` when ``flag`` is set.
 
     Args as ``flashwatch.kernels.flash_attention`` (already checked by the caller), and
-    ``flag`` (CPU 0-d tensor, nonzero on monitored steps), ``coverage`` (CPU int64 (2,)).
+    ``flag`` (CPU 0-d tensor, nonzero on monitored steps), ``coverage`` (CPU int64 (2,)),
+    ``x`` and ``rows_source`` (the call's rows hook on monitored steps: module docstring).
     Returns the (B, H, N, D) output. The call's max logit is added with its backward's
     statistics (a forward without backward adds nothing).
     """
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     out = _attention_with_stats(q, k, v, flag, counts, values, coverage, bool(causal), scale, variant, float(beta),
-                                float(eps), float(stats.unit_gap))
+                                float(eps), float(stats.unit_gap), _detached(x), int(rows_source))
     return out[0]
 
 
 # --- observe -----------------------------------------------------------------------------------
 
 def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked, unit_gap) -> None:
+                             eps, masked, unit_gap, x, rows_source) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -283,7 +322,9 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
     dtype = out.dtype  # autocast cast the inputs inside the model's SDPA: measure what it computed with
     try:
         with _NoAutocast(q.device):
-            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), _view(counts, values, unit_gap))
+            stats = _view(counts, values, unit_gap)
+            stats._rows_hook = _rows_hook(rows_source, x, sm_scale)
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), stats)
             if masked:
                 masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
             else:
@@ -295,14 +336,14 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
 
 
 def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked, unit_gap):
+                             eps, masked, unit_gap, x, rows_source):
     return None
 
 
 _observe_statistics = _operator(
     "observe_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
     "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
-    "float unit_gap) -> ()",
+    "float unit_gap, Tensor? x, int rows_source) -> ()",
     _observe_statistics_impl, _observe_statistics_fake)
 
 
@@ -313,30 +354,38 @@ class _Observe(torch.autograd.Function):
     its input); Dynamo traces this Function's forward and backward into the compiled graphs."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked, unit_gap):
-        ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask)  # attn_mask may be None
+    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, x, causal, sm_scale, eps, masked,
+                unit_gap, rows_source):
+        ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask, x)  # attn_mask, x may be None
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap = causal, sm_scale, eps, masked, unit_gap
+        ctx.rows_source = rows_source
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, flag, counts, values, coverage, attn_mask = ctx.saved_tensors
+        q, k, v, out, flag, counts, values, coverage, attn_mask, x = ctx.saved_tensors
         _observe_statistics(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, ctx.causal,
-                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap)
-        return (grad_out,) + (None,) * 13
+                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap, x, ctx.rows_source)
+        return (grad_out,) + (None,) * 15
 
 
 def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
             stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float] = None,
-            eps: float = 1e-3, attn_mask: Optional[torch.Tensor] = None, masked: bool = False) -> torch.Tensor:
+            eps: float = 1e-3, attn_mask: Optional[torch.Tensor] = None, masked: bool = False,
+            x: Optional[torch.Tensor] = None, rows_source: int = 0) -> torch.Tensor:
     """Mark ``out``, the output of the model's own attention of ``q, k, v``: returns a view of it
     whose backward adds the statistics of that call into ``stats`` when ``flag`` is set (with
-    ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``)."""
+    ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``; with ``x`` and
+    ``rows_source``: the call's rows hook, module docstring)."""
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
-    return _Observe.apply(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask,
-                          bool(causal), scale, float(eps), bool(masked), float(stats.unit_gap))
+    return _Observe.apply(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask, _detached(x),
+                          bool(causal), scale, float(eps), bool(masked), float(stats.unit_gap), int(rows_source))
+
+
+def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return x.detach() if isinstance(x, torch.Tensor) else None
 
 
 # --- calls measured in part -----------------------------------------------------------------------

@@ -82,8 +82,9 @@ def test_chain_readings_match_float64_in_observe_mode(dtype, monkeypatch):
     assert len(calls) == 2
     for i, (q, k, v, out) in enumerate(calls):
         u, vv = pairs[i]
-        push, push_true, _ = _expected(rec[i]["x"], q.detach(), k.detach(), v.detach(), out.detach(), out.grad,
-                                       q.grad, u, vv)
+        # X as the query projection computes with it: rounded to autocast's dtype
+        push, push_true, _ = _expected(rec[i]["x"].to(dtype), q.detach(), k.detach(), v.detach(), out.detach(),
+                                       out.grad, q.grad, u, vv)
         got = torch.tensor([snap["flashwatch_wq_error_push"][(i, h)] for h in range(4)], dtype=F64)
         got_true = torch.tensor([snap["flashwatch_wq_error_push_cumulative"][(i, h)] for h in range(4)], dtype=F64)
         assert torch.allclose(got, push, rtol=2e-3, atol=1e-12 + 2e-3 * push.abs().max()), (i, got, push)
@@ -205,8 +206,8 @@ def test_chain_readings_match_float64_in_own_kernel_mode(monkeypatch):
         scores_ = s * qd @ k.detach().to(F64).transpose(-1, -2)
         p = torch.softmax(scores_.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf), -1)
         (p @ v.detach().to(F64)).backward(out.grad.to(F64))
-        push, push_true, _ = _expected(rec[i]["x"], q.detach(), k.detach(), v.detach(), out.detach(), out.grad,
-                                       qd.grad, u, vv)
+        push, push_true, _ = _expected(rec[i]["x"].to(torch.bfloat16), q.detach(), k.detach(), v.detach(),
+                                       out.detach(), out.grad, qd.grad, u, vv)
         got = torch.tensor([snap["flashwatch_wq_error_push"][(i, h)] for h in range(4)], dtype=F64)
         true = torch.tensor([monitor.signals()["wq_error_push_true"][(i, h)] for h in range(4)], dtype=F64)
         assert torch.allclose(got, push, rtol=2e-3, atol=2e-3 * push.abs().max()), (i, got, push)

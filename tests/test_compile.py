@@ -10,6 +10,8 @@ its guard on the layer), own-kernel mode's autograd.Function broke the graph.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,6 +77,9 @@ def _run(mode: str, backend: str | None, steps: int = 4, interval: int = 2, dtyp
                      "coverage": [layer.coverage.tolist() for layer in monitor.layers]})
         model.zero_grad(set_to_none=True)
         monitor.step()
+        if seen[-1]["monitored"]:  # the W^Q-error chain's readings of that step
+            snap = monitor.snapshot()
+            seen[-1]["chain"] = {name: dict(snap[name]) for name in CHAIN_METRICS}
     monitor.detach()
     monitor.close()
     return seen
@@ -128,6 +133,68 @@ def test_compiled_step_counts_format_ties_on_the_configured_format(mode):
         assert c["repeated_max_rows_format"] == e["repeated_max_rows_format"]
 
 
+CHAIN_METRICS = ("flashwatch_wq_error_push", "flashwatch_wq_error_push_cumulative", "flashwatch_wq_error_push_share",
+                 "flashwatch_wq_error_alignment", "flashwatch_wq_error_coherence")
+
+
+def _run_chain(mode: str, backend: str | None, steps: int = 5) -> list[dict]:
+    """A small GPT (LayerNorm, GELU: the W^Q-error chain's nanoGPT family) trained under BF16 autocast,
+    monitored at interval 2; per monitored step the snapshot's W^Q-error metrics {(layer, head): value}."""
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+    data = stdlib_corpus(20_000)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, dropout=0.0))
+    monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    assert all(layer.chain is not None for layer in monitor.layers)
+    run = model if backend is None else torch.compile(model, backend=backend)
+    seen = []
+    for step in range(steps):
+        x, y = sample_batch(data, 3, 32, generator=torch.Generator().manual_seed(step))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(x, y)[1]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        monitored = monitor.monitoring
+        monitor.step(loss=loss.detach())
+        if monitored:
+            snap = monitor.snapshot()
+            seen.append({name: dict(snap[name]) for name in CHAIN_METRICS})
+    monitor.detach()
+    monitor.close()
+    return seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_step_measures_the_wq_error_chain(mode, backend):
+    """The W^Q-gradient error chain (push, the true gradient's push and their share, alignment,
+    coherence) is measured under compile, every layer and head, with no graph break and no
+    recompile across monitored and unmonitored steps: with ``aot_eager`` (the eager step's
+    arithmetic) equal to the eager readings; with ``inductor`` (fused code that rounds q, k, v
+    differently) finite wherever the eager readings are. Fail before: every reading was NaN
+    under compile."""
+    eager = _run_chain(mode, None)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = _run_chain(mode, backend)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(eager) == len(compiled) == 3
+    assert any(v != 0 for v in eager[0]["flashwatch_wq_error_push"].values())  # an error to measure
+    for step, (e, c) in enumerate(zip(eager, compiled)):
+        for name in CHAIN_METRICS:
+            assert set(c[name]) == set(e[name]) == {(layer, h) for layer in range(2) for h in range(4)}
+            for key, want in e[name].items():
+                got = c[name][key]
+                if backend == "aot_eager":
+                    assert got == pytest.approx(want, rel=1e-5, abs=0, nan_ok=True), (step, name, key)
+                else:
+                    assert math.isnan(got) == math.isnan(want), (step, name, key, want, got)
+
+
 def test_flipping_the_monitored_flag_recompiles_nothing():
     """Monitored and unmonitored steps alternate at interval 1..3; the forward compiles once."""
     torch._dynamo.config.recompile_limit  # exists (the limit a guard on the flag would hit)
@@ -163,7 +230,8 @@ def test_a_fresh_thread_compiles_once():
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_triton_path_under_the_interpreter(mode, interpret_dispatch):
     """The operators' Triton path (the launchers of triton_attn, as on CUDA), run by Triton's CPU
-    interpreter: the compiled step reports exactly the eager step's statistics."""
+    interpreter: the compiled step reports exactly the eager step's statistics and W^Q-error chain
+    (reduced in the kernels' epilogues there)."""
     eager = _run(mode, None, steps=2, dtype=torch.bfloat16)
     torch._dynamo.reset()
     counters.clear()
@@ -173,6 +241,10 @@ def test_compiled_triton_path_under_the_interpreter(mode, interpret_dispatch):
     assert compiled[0]["stats"][0]["rows"] == [32.0, 32.0]
     for e, c in zip(eager, compiled):
         assert c["stats"] == e["stats"] and c["coverage"] == e["coverage"]
+    push = compiled[0]["chain"]["flashwatch_wq_error_push"]
+    assert all(math.isfinite(v) for v in push.values()) and any(v != 0 for v in push.values())
+    for name, readings in eager[0]["chain"].items():  # exactly (the first step's alignment is NaN in both)
+        assert compiled[0]["chain"][name] == pytest.approx(readings, rel=0, abs=0, nan_ok=True), name
 
 
 def _generated_calls(mode: str | None) -> dict[str, dict[str, int]]:

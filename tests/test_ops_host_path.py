@@ -118,9 +118,9 @@ def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(i
         counts, values, coverage = torch.zeros(4, 4, dtype=torch.int64), torch.zeros(5, 4), torch.zeros(4, dtype=torch.int64)
         fwd = getattr(torch.ops.flashwatch.attention_with_stats, ops.CONTRACT)
         for variant in ("plain", "fp32_delta"):
-            outs = fwd(q, k, v, flag, counts, values, coverage, True, 0.25, variant, 2.0, 1e-3, -0.002)
+            outs = fwd(q, k, v, flag, counts, values, coverage, True, 0.25, variant, 2.0, 1e-3, -0.002, None, 0)
             got[("attention_with_stats", variant)] = describe(outs)
         grad = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)
         got[("attention_grad", "plain")] = describe(grad(q, [q, k, v, q, q, q, q, q, flag], counts, values, coverage,
-                                                         True, 0.25, 1e-3, -0.002))
+                                                         True, 0.25, 1e-3, -0.002, None, 0))
     assert got == FAKE_OUTPUTS[ops.CONTRACT], "a fake's outputs changed: bump ops.CONTRACT and record them here"
