@@ -29,8 +29,11 @@ Under ``torch.compile`` the same routing is traced into the compiled graph as cu
 step is monitored is the Router's ``flag`` tensor, read when the operators run, so monitored
 and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls
 measured in part or not at all are counted by ``flashwatch::score_statistics`` and
-``flashwatch::unmeasured_call``. Under compile the W^Q-gradient error chain is not measured
-(its metrics read NaN).
+``flashwatch::unmeasured_call``. For the W^Q-gradient error chain, compiled code carries each
+call's projection input X (on every step: the graph is the same for monitored ones) and the key of
+the layer's rows source (``ops.register_rows_source``), which the backward operators ask for the
+call's rows hook on monitored steps; the source also puts W^Q's gradient hook in place, before
+that backward accumulates W^Q's gradient.
 
 Every layer counts its attention calls on monitored steps (``AttentionLayer.coverage``:
 [calls, calls measured in full]), so a layer whose calls cannot be measured reads coverage 0.

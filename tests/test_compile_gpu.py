@@ -39,6 +39,10 @@ def _run(mode: str, compile_mode: str | None, steps: int = 4):
                      "coverage": [layer.coverage.tolist() for layer in monitor.layers]})
         model.zero_grad(set_to_none=True)
         monitor.step(loss=loss.detach())
+        if seen[-1]["monitored"]:  # the W^Q-error chain's readings of that step
+            snap = monitor.snapshot()
+            seen[-1]["chain"] = {name: dict(snap[name]) for name in ("flashwatch_wq_error_push",
+                                                                     "flashwatch_wq_error_push_share")}
     monitor.detach()
     monitor.close()
     return seen
@@ -71,3 +75,6 @@ def test_compiled_on_cuda_measures_every_layer_once_compiled(mode, compile_mode)
             assert all(v == v for name in STAT_FIELDS for v in sc[name])  # finite or -inf, no NaN
         expected = [[1, 1]] * 4 if c["monitored"] else [[0, 0]] * 4
         assert c["coverage"] == expected, (step, c["coverage"])
+        if c["monitored"]:  # the W^Q-gradient error is measured in compiled code (the kernels' epilogue)
+            for name, readings in c["chain"].items():
+                assert len(readings) == 16 and all(v == v for v in readings.values()), (step, name, readings)
