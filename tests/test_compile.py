@@ -85,18 +85,24 @@ def _run(mode: str, backend: str | None, steps: int = 4, interval: int = 2, dtyp
     return seen
 
 
+def _eager_then_compiled(run, mode: str, backend: str, **kwargs) -> tuple[list, list]:
+    """``run(mode, None)`` then ``run(mode, backend)`` from a fresh Dynamo: the compiled run must
+    make one graph, break it nowhere and never recompile (a guard on the monitored flag or on a
+    layer would raise)."""
+    eager = run(mode, None, **kwargs)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(mode, backend, **kwargs)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    return eager, compiled
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_step_measures_every_layer_as_eager(mode, backend):
-    eager = _run(mode, None)
-    torch._dynamo.reset()
-    counters.clear()
-    # a second compilation of the forward (a guard on the monitored flag, on a layer) raises
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = _run(mode, backend)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1
+    eager, compiled = _eager_then_compiled(_run, mode, backend)
     for step, (e, c) in enumerate(zip(eager, compiled)):
         assert e["monitored"] == c["monitored"] == (step % 2 == 0)
         for layer, (se, sc) in enumerate(zip(e["stats"], c["stats"])):
@@ -175,13 +181,7 @@ def test_compiled_step_measures_the_wq_error_chain(mode, backend):
     arithmetic) equal to the eager readings; with ``inductor`` (fused code that rounds q, k, v
     differently) finite wherever the eager readings are. Fail before: every reading was NaN
     under compile."""
-    eager = _run_chain(mode, None)
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = _run_chain(mode, backend)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1
+    eager, compiled = _eager_then_compiled(_run_chain, mode, backend)
     assert len(eager) == len(compiled) == 3
     assert any(v != 0 for v in eager[0]["flashwatch_wq_error_push"].values())  # an error to measure
     for step, (e, c) in enumerate(zip(eager, compiled)):
@@ -232,12 +232,7 @@ def test_compiled_triton_path_under_the_interpreter(mode, interpret_dispatch):
     """The operators' Triton path (the launchers of triton_attn, as on CUDA), run by Triton's CPU
     interpreter: the compiled step reports exactly the eager step's statistics and W^Q-error chain
     (reduced in the kernels' epilogues there)."""
-    eager = _run(mode, None, steps=2, dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = _run(mode, "aot_eager", steps=2, dtype=torch.bfloat16)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    eager, compiled = _eager_then_compiled(_run, mode, "aot_eager", steps=2, dtype=torch.bfloat16)
     assert compiled[0]["stats"][0]["rows"] == [32.0, 32.0]
     for e, c in zip(eager, compiled):
         assert c["stats"] == e["stats"] and c["coverage"] == e["coverage"]
