@@ -195,6 +195,43 @@ def test_compiled_step_measures_the_wq_error_chain(mode, backend):
                     assert math.isnan(got) == math.isnan(want), (step, name, key, want, got)
 
 
+def _saved_activation_bytes(mode: str | None) -> int:
+    """Bytes of the distinct storages the inductor-compiled small GPT saves for its backward (one
+    BF16-autocast step, ``saved_tensors_hooks``), with a Monitor in ``mode`` or none."""
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, dropout=0.0))
+    monitor = None
+    if mode is not None:
+        monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
+        monitor.attach(model)
+    x, y = sample_batch(stdlib_corpus(20_000), 3, 32, generator=torch.Generator().manual_seed(0))
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.compile(model, backend="inductor")(x, y)[1]
+    loss.backward()
+    if monitor is not None:
+        monitor.detach()
+        monitor.close()
+    return sum(storages.values())
+
+
+def test_compiled_observe_mode_keeps_no_more_activations_than_the_model():
+    """Compiled observe mode keeps the projection input X of each layer for the W^Q-error chain on
+    every step; taken in autocast's dtype, it is the copy the query projection keeps anyway, so the
+    saved activations grow only by the Monitor's few scalar tensors. Fail before (X in FP32, as the
+    layer received it): +49,152 bytes here, 3 x 32 x 64 x 4 per layer."""
+    extra = _saved_activation_bytes("observe") - _saved_activation_bytes(None)
+    assert 0 <= extra < 1024, extra
+
+
 def test_flipping_the_monitored_flag_recompiles_nothing():
     """Monitored and unmonitored steps alternate at interval 1..3; the forward compiles once."""
     torch._dynamo.config.recompile_limit  # exists (the limit a guard on the flag would hit)
