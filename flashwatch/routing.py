@@ -322,20 +322,19 @@ class Router:
 
     def _enter_hook(self, layer: AttentionLayer):
         def enter(module, args, kwargs):
-            x = None
-            if layer.chain is not None:
-                # the projection's input X (B, N, C): the module's first input (nanoGPT's x,
-                # Hugging Face's hidden_states)
-                x = _as_projected(args[0] if args else kwargs.get("hidden_states", kwargs.get("x")))
             compiling = _compiling()
+            x = None
+            # the projection's input X (B, N, C): the module's first input (nanoGPT's x, Hugging
+            # Face's hidden_states). Compiled code carries it to the operators on every step
+            # (whether a step is monitored is read when they run: no guard on it); eager code
+            # takes it on monitored steps only
+            if layer.chain is not None and (compiling or (self.monitoring and torch.is_grad_enabled())):
+                x = _as_projected(args[0] if args else kwargs.get("hidden_states", kwargs.get("x")))
             for state in (_shared,) if compiling else (_local, _shared):
                 state.stack.append(state.current)
-                # compiled code carries X to the operators on every step (whether a step is
-                # monitored is read when they run); eager code keeps it on monitored steps only
                 state.current = (self, layer, x if compiling else None)
             if layer.chain is not None and not compiling:
-                watch = self.monitoring and torch.is_grad_enabled() and x is not None
-                layer.chain_input = x.detach() if watch else None
+                layer.chain_input = x.detach() if x is not None else None
             return None
         return enter
 

@@ -215,3 +215,28 @@ def test_chain_readings_match_float64_in_own_kernel_mode(monkeypatch):
         assert torch.allclose(true, push_true, rtol=0.05, atol=0.05 * push_true.abs().max())
         assert push.abs().max() > 0
     monitor.detach()
+
+
+def test_eager_unmonitored_steps_take_no_copy_of_the_projection_input(monkeypatch):
+    """Eager mode takes X (cast to autocast's dtype: a copy) for the chain on monitored steps only;
+    an unmonitored step's forward makes none."""
+    from flashwatch import routing
+
+    taken = []
+    real = routing._as_projected
+    monkeypatch.setattr(routing, "_as_projected", lambda x: taken.append(1) or real(x))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
+    monitor = Monitor(MonitorConfig(interval=2))
+    monitor.attach(model)
+    per_step = []
+    for step in range(4):
+        x, y = sample_batch(DATA, 2, 32, generator=torch.Generator().manual_seed(step))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, y)[1]
+        loss.backward()
+        per_step.append((monitor.monitoring, len(taken)))
+        taken.clear()
+        monitor.step(loss=loss.detach())
+    assert per_step == [(True, 2), (False, 0), (True, 2), (False, 0)]
+    monitor.detach()
