@@ -9,12 +9,12 @@ operator is opaque to the compiler: Inductor calls it as it is, and it runs the 
 Operators (namespace ``flashwatch``):
 
 - ``attention_with_stats(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta,
-  eps, unit_gap)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s forward
-  (one operator: the Python function ``attention`` calls it); its backward is
+  eps, unit_gap, x, rows_source)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s
+  forward (one operator: the Python function ``attention`` calls it); its backward is
   ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
-  coverage, causal, sm_scale, eps, unit_gap)`` -> (dq, dk, dv), which adds the statistics.
-  Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
-- ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps)`` -> a view of
+  coverage, causal, sm_scale, eps, unit_gap, x, rows_source)`` -> (dq, dk, dv), which adds the
+  statistics. Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
+- ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps, x, rows_source)`` -> a view of
   ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
   nothing, since an operator's output could not alias its input and would cost a copy of
   ``out`` in every step): marks the output of the model's own attention; its backward passes
