@@ -3,7 +3,8 @@
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|fastdefaults|bench|ab|sweep|tune|overhead|compiled|
 #                                   autotune|kernels|ddp|host|lab ...]   (default: tests bench)
-# alltests: every test marked gpu; fastdefaults: the same with the cached launch and the chain's in-kernel
+# alltests: every test marked gpu (gpu_alltests.log; the opt-in Hopper variants apart, gpu_hopper_tests.log);
+# fastdefaults: the default path's with the cached launch and the chain's in-kernel
 # reduction on (the check before they become defaults); autotune: the compiled arms under
 # max-autotune-no-cudagraphs; kernels: one step's device time per kernel, SDPA against the own kernel
 # newtests: every GPU test (kernels, compile, formats, chain, lifecycle, masks, coverage, the launch cache,
