@@ -98,6 +98,13 @@ _shared = _Current()
 def _state() -> _Current:
     return _shared if _compiling() else _local
 _install_lock = threading.Lock()
+# module -> weak reference to the installed router routing it (neither is kept alive by this)
+_routers: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _router_of(module: torch.nn.Module) -> "Router | None":
+    ref = _routers.get(module)
+    return ref() if ref is not None else None
 _original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
 _import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
 _users = 0
@@ -124,8 +131,10 @@ def _install() -> None:
         _users += 1
 
 
-def _uninstall(rows_sources: Sequence[int] = ()) -> None:
+def _uninstall(rows_sources: Sequence[int] = (), handles: Sequence[Any] = ()) -> None:
     global _original_sdpa, _users
+    for handle in handles:  # the router's module hooks
+        handle.remove()
     if rows_sources:
         from flashwatch.kernels import ops
 
@@ -270,31 +279,49 @@ class Router:
 
     # hooks ------------------------------------------------------------------------------------
     def install(self) -> None:
+        """Put the hooks in place and route torch's SDPA. A module routed by another installed
+        router (a Monitor attached earlier and never detached, as when a notebook cell that
+        attaches runs again) is taken over: that router is removed, with a warning, so that one
+        Monitor measures a module and the earlier one stops costing anything."""
         if self.installed:
             return
+        self._take_over([layer.module for layer in self.layers])
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
             self._handles.append(layer.module.register_forward_hook(self._exit_hook, always_call=True))
         self._rows_sources = self._register_rows_sources()
         _install()
-        # a router dropped without remove() (model and monitor garbage-collected) still gives
-        # torch's SDPA back once the garbage collector frees it
-        self._finalizer = weakref.finalize(self, _uninstall, list(self._rows_sources.values()))
+        # the hooks hold the router weakly: a router dropped without remove() (its Monitor dropped,
+        # the model still training) takes its hooks off and gives torch's SDPA back once the
+        # garbage collector frees it
+        self._finalizer = weakref.finalize(self, _uninstall, list(self._rows_sources.values()), list(self._handles))
         self.installed = True
 
     def remove(self) -> None:
         """Remove the hooks and, when no other router is installed, restore torch's SDPA."""
         if not self.installed:
             return
-        for h in self._handles:
-            h.remove()
+        for layer in self.layers:
+            if _router_of(layer.module) is self:
+                del _routers[layer.module]
         self._handles.clear()
         for layer in self.layers:
             if layer.chain is not None:
                 layer.chain.unwatch()
-        self._finalizer()  # runs _uninstall once (and never again at garbage collection)
+        self._finalizer()  # removes the hooks and runs _uninstall once (never again at garbage collection)
         self._rows_sources = {}
         self.installed = False
+
+    def _take_over(self, modules: list) -> None:
+        earlier = {id(r): r for r in map(_router_of, modules) if r is not None and r is not self and r.installed}
+        for other in earlier.values():
+            names = ", ".join(layer.name for layer in other.layers)
+            log.warning("flashwatch: attention layers of this model were still attached by an earlier Monitor (%s); "
+                        "it is detached from them now, since one Monitor measures a model (call monitor.detach() "
+                        "when replacing a Monitor)", names)
+            other.remove()
+        for m in modules:
+            _routers[m] = weakref.ref(self)
 
     def _register_rows_sources(self) -> dict[int, int]:
         """For compiled code: per layer with a W^Q-error chain, the source of its calls' rows hooks,
@@ -321,18 +348,23 @@ class Router:
                 for position, layer in enumerate(self.layers) if layer.chain is not None}
 
     def _enter_hook(self, layer: AttentionLayer):
+        ref = weakref.ref(self)  # weakly: the model's hooks must not keep a dropped Monitor alive
+
         def enter(module, args, kwargs):
+            router = ref()
+            if router is None:
+                return None
             compiling = _compiling()
             x = None
             # the projection's input X (B, N, C): the module's first input (nanoGPT's x, Hugging
             # Face's hidden_states). Compiled code carries it to the operators on every step
             # (whether a step is monitored is read when they run: no guard on it); eager code
             # takes it on monitored steps only
-            if layer.chain is not None and (compiling or (self.monitoring and torch.is_grad_enabled())):
+            if layer.chain is not None and (compiling or (router.monitoring and torch.is_grad_enabled())):
                 x = _as_projected(args[0] if args else kwargs.get("hidden_states", kwargs.get("x")))
             for state in (_shared,) if compiling else (_local, _shared):
                 state.stack.append(state.current)
-                state.current = (self, layer, x if compiling else None)
+                state.current = (router, layer, x if compiling else None)
             if layer.chain is not None and not compiling:
                 layer.chain_input = x.detach() if x is not None else None
             return None

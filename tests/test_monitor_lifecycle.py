@@ -372,3 +372,56 @@ def test_step_after_detach_is_not_called_before_attach(caplog):
     with caplog.at_level(logging.WARNING, logger="flashwatch"):
         run.monitor.step(loss=1.0)
     assert not any("before attach" in r.getMessage() for r in caplog.records)
+
+
+def test_a_second_monitor_on_the_same_model_takes_it_over_from_one_never_detached(caplog):
+    """Attaching a Monitor to a model an earlier one still routes (a notebook cell run twice, the
+    first Monitor's name rebound): the earlier one is detached from those layers with a warning, so
+    its hooks stop running (and costing); the new one measures; the earlier one's detach() later
+    leaves the new one's routing alone. Fail before: both Monitors' hooks stayed on every layer."""
+    import torch.nn.functional as F
+
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+    sdpa = F.scaled_dot_product_attention
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    first = Monitor(MonitorConfig(interval=1))
+    first.attach(model)
+    second = Monitor(MonitorConfig(interval=1))
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        second.attach(model)
+    assert "still attached by an earlier Monitor" in caplog.text
+    for block in model.transformer.h:
+        assert len(block.attn._forward_pre_hooks) == 1 and len(block.attn._forward_hooks) == 1
+    first.detach()  # the earlier one, detached late: nothing of the new one's routing goes
+    x, y = sample_batch(stdlib_corpus(5_000), 2, 16, generator=torch.Generator().manual_seed(0))
+    model(x, y)[1].backward()
+    assert all(layer.stats.rows.sum() > 0 for layer in second.layers)
+    assert all(layer.stats.rows.sum() == 0 for layer in first.layers)
+    second.detach()
+    assert F.scaled_dot_product_attention is sdpa
+    assert all(not block.attn._forward_pre_hooks for block in model.transformer.h)
+
+
+def test_a_dropped_monitor_stops_routing_a_model_that_trains_on():
+    """A Monitor dropped without detach() while its model trains on: once the garbage collector
+    frees it, torch's SDPA is back and its hooks are off the model (they hold it weakly). Fail
+    before: the model's hooks kept it, and its interception, alive for as long as the model."""
+    import gc
+
+    import torch.nn.functional as F
+
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+    sdpa = F.scaled_dot_product_attention
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    x, y = sample_batch(stdlib_corpus(5_000), 2, 16, generator=torch.Generator().manual_seed(0))
+    model(x, y)[1].backward()
+    monitor.step()
+    del monitor
+    gc.collect()
+    assert F.scaled_dot_product_attention is sdpa, "the dropped Monitor still intercepts SDPA"
+    assert all(not block.attn._forward_pre_hooks and not block.attn._forward_hooks for block in model.transformer.h)
+    model(x, y)[1].backward()  # trains on, unmonitored

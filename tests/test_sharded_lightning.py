@@ -94,6 +94,10 @@ def _worker(rank: int, port: int, out: str, mode: str) -> None:
                       callbacks=[watch, record], use_distributed_sampler=mode == "fsdp2")
     trainer.fit(Lit(), loader)
     torch.save({"snapshots": record.snapshots, "batches": record.batches, "errors": watch.monitor.errors}, os.path.join(out, f"rank{rank}.pt"))
+    # the process group's threads must end before the interpreter does: left to exit, they can abort
+    # a rank whose work is done ("terminate called without an active exception", seen once here)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _unsharded(mode: str, r0: dict, r1: dict) -> list[dict]:
