@@ -149,4 +149,11 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Lightning's ModelParallelStrategy over gloo on the CPU can abort a rank in the C++ runtime while
+    # the interpreter shuts down, after all of the work above ("terminate called without an active
+    # exception", exit code -6; on a loaded 2-core machine in about one full test run in three, even
+    # with the group destroyed): the verdict is printed, so leave without that shutdown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
