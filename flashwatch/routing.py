@@ -98,6 +98,9 @@ _shared = _Current()
 def _state() -> _Current:
     return _shared if _compiling() else _local
 _install_lock = threading.Lock()
+_original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
+_import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
+_users = 0
 # module -> weak reference to the installed router routing it (neither is kept alive by this)
 _routers: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -105,9 +108,7 @@ _routers: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.We
 def _router_of(module: torch.nn.Module) -> "Router | None":
     ref = _routers.get(module)
     return ref() if ref is not None else None
-_original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
-_import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
-_users = 0
+
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
@@ -351,20 +352,20 @@ class Router:
         ref = weakref.ref(self)  # weakly: the model's hooks must not keep a dropped Monitor alive
 
         def enter(module, args, kwargs):
-            router = ref()
-            if router is None:
-                return None
+            router = ref()  # None only while its finalizer takes these hooks off: the call is not routed
             compiling = _compiling()
             x = None
             # the projection's input X (B, N, C): the module's first input (nanoGPT's x, Hugging
             # Face's hidden_states). Compiled code carries it to the operators on every step
             # (whether a step is monitored is read when they run: no guard on it); eager code
             # takes it on monitored steps only
-            if layer.chain is not None and (compiling or (router.monitoring and torch.is_grad_enabled())):
+            if router is not None and layer.chain is not None and (
+                    compiling or (router.monitoring and torch.is_grad_enabled())):
                 x = _as_projected(args[0] if args else kwargs.get("hidden_states", kwargs.get("x")))
             for state in (_shared,) if compiling else (_local, _shared):
                 state.stack.append(state.current)
-                state.current = (router, layer, x if compiling else None)
+                # pushed whatever the router: the exit hook pops once per forward
+                state.current = (router, layer, x if compiling else None) if router is not None else None
             if layer.chain is not None and not compiling:
                 layer.chain_input = x.detach() if x is not None else None
             return None
