@@ -28,6 +28,7 @@
 #   bash research/gpu_batch.sh split2-controls # its fp32_delta controls, seeds 300-303
 #   bash research/gpu_batch.sh split3          # the third protocol's runs to 20,000 steps (SPLIT_SEEDS: reruns or 340-347)
 #   bash research/gpu_batch.sh split4          # the fourth protocol's runs, lr 1.5e-3, to 20,000 steps (SPLIT_SEEDS=400-415)
+#   bash research/gpu_batch.sh split6          # the sixth protocol's auto_fix runs: seeds 400-407 at lr 1.5e-3, 13,000 steps
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
 #                                              # one GPU), one piece per call like split-*: the first call
 #                                              # starts with a 20-step CUDA smoke of its arms
@@ -50,7 +51,7 @@ CODE="code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || e
 VERSIONS=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)")
 echo "$CODE"; echo "$VERSIONS"
 case "${1:-1}" in
-split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4)
+split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -63,9 +64,10 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4)
     split2-controls) what=(--arms fp32_delta_lr0.00175 --seeds ${SPLIT_SEEDS:-300-303}); tag=controls2 ;;
     split3) what=(--arms sdpa_observe_lr0.00175 --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=test3 ;;
     split4) what=(--arms sdpa_observe_lr0.0015 --seeds ${SPLIT_SEEDS:-400-415} --max-steps 20000); tag=test4 ;;
+    split6) what=(--arms auto_fix_lr0.0015 --seeds 400-407 --max-steps 13000); tag=test6 ;;
   esac
-  if [ "$tag" = test4 ] && [ ! -d "$SPLIT_RUNS/$tag" ]; then
-    # the fourth protocol counts only runs measured at every monitored step: check on this GPU first
+  if { [ "$tag" = test4 ] || [ "$tag" = test6 ]; } && [ ! -d "$SPLIT_RUNS/$tag" ]; then
+    # the fourth and sixth protocols count only runs measured at every monitored step: check on this GPU first
     # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)
     python3 -m pytest -q -p no:cacheprovider tests/test_resume_gpu.py > /tmp/resume-check.log 2>&1 \
       || { tail -30 /tmp/resume-check.log; echo "resume check failed: not starting the runs"; exit 1; }

@@ -649,3 +649,62 @@ def test_outcomes_report_blowups_and_survivors_and_no_rule(monkeypatch):
     text = ew.outcomes_markdown(result)
     assert "| b | 9,000, not confirmed |" in text and "| c | - (survived) |" in text
     assert "| d | 8,000 | 1.500 / 0.500 | 9,001 | 4,000 (3 of 900 failed after) |" in text
+
+
+def _recorded_run(folder: Path, seed: int, losses, switch_at: int | None = None, slower_after: float = 0.0) -> Path:
+    """A run folder as the worker writes it: steps.csv (0.06 s a step, ``slower_after`` more per
+    step after ``switch_at``) and run.json (seed, the auto_fix switches)."""
+    folder.mkdir(parents=True)
+    t, lines = 0.0, ["step,loss,grad_norm,lr,time_s"]
+    for step, loss in enumerate(losses):
+        t += 0.06 + (slower_after if switch_at is not None and step > switch_at else 0.0)
+        lines.append(f"{step},{loss},1.0,0.0015,{t:.3f}")
+    (folder / "steps.csv").write_text("\n".join(lines) + "\n")
+    switches = [] if switch_at is None else [{"step": switch_at, "layer": 1, "rule": "delta_drift", "to": "fp32_delta"}]
+    (folder / "run.json").write_text(json.dumps({"seed": seed, "switches": switches}))
+    return folder
+
+
+def _curve(n: int, blowup: int | None = None, level: float = 1.0) -> list[float]:
+    """A flat loss of ``level`` (a little noise), five times higher from ``blowup`` on."""
+    g = torch.Generator().manual_seed(n + (blowup or 0))
+    noise = (torch.rand(n, generator=g) * 0.02).tolist()
+    return [(5.0 if blowup is not None and s >= blowup else level) + noise[s] for s in range(n)]
+
+
+def test_auto_fix_effect_pairs_seeds_and_counts_prevented_blowups(tmp_path):
+    """Seven twins blow up at 9,000; six auto_fix runs survive 13,000 steps, one blows up at 11,000:
+    6 of 7 prevented, the claim (>= 80% of >= 5) shown; the loss ratio over the window before the
+    blow-ups, the survivor's late ratio and the speed around the switch come from the recordings.
+    A fix run cut before 13,000 steps leaves the verdict undecided."""
+    from research import auto_fix_effect as afe
+
+    twins, fixes = tmp_path / "twins", tmp_path / "fixes"
+    for seed in range(400, 407):
+        _recorded_run(twins / f"s{seed}", seed, _curve(10_500, blowup=9_000))
+        fix_blowup = 11_000 if seed == 406 else None
+        _recorded_run(fixes / f"s{seed}", seed, _curve(13_000 if fix_blowup is None else 12_200, blowup=fix_blowup,
+                                                       level=1.02), switch_at=3_000, slower_after=0.01)
+    _recorded_run(twins / "s407", 407, _curve(20_000))
+    _recorded_run(fixes / "s407", 407, _curve(13_000, level=1.02), switch_at=5_000, slower_after=0.01)
+    _recorded_run(twins / "s408", 408, _curve(20_000))  # no auto_fix run: left out
+    result = afe.evaluate(sorted(fixes.iterdir()), sorted(twins.iterdir()))
+    assert (result["cases"], result["prevented"], result["verdict"]) == (7, 6, "shown")
+    assert result["unpaired_seeds"] == [408]
+    by_seed = {r["seed"]: r for r in result["pairs"]}
+    assert by_seed[406]["prevented"] is False and by_seed[406]["fix"]["blowup"] is not None
+    assert by_seed[407]["case"] is False and by_seed[407]["prevented"] is None
+    assert by_seed[407]["late_loss_ratio"] == pytest.approx(1.02, abs=0.005)
+    assert by_seed[400]["switched_before_twin_blowup"] and by_seed[400]["first_switch"] == 3_000
+    assert result["loss_ratio_mean"] == pytest.approx(1.02, abs=0.005)
+    assert by_seed[400]["ms_per_step_before_switch"] == pytest.approx(60.0, abs=0.01)
+    assert by_seed[400]["ms_per_step_after_switch"] == pytest.approx(70.0, abs=0.01)
+    assert "6 of 7" in afe.markdown(result) and "| 406 | blew up at 9,000 |" in afe.markdown(result)
+
+    cut = tmp_path / "cut"
+    for seed in range(400, 407):
+        _recorded_run(cut / f"s{seed}", seed, _curve(12_000, level=1.02), switch_at=3_000)
+    result = afe.evaluate(sorted(cut.iterdir()), sorted(twins.iterdir()))
+    assert result["verdict"] == "undecided" and len(result["incomplete_fix_runs"]) == 7
+    with pytest.raises(SystemExit, match="no seed has a run in both groups"):
+        afe.main([str(cut / "s400"), "--twins", str(twins / "s408"), "--out", str(tmp_path / "r.json")])

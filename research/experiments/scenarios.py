@@ -307,6 +307,10 @@ SEED_SPLIT = Scenario(
         Arm(f"sdpa_observe_lr{SPLIT_LR_4:g}", f"as sdpa_observe, at lr {SPLIT_LR_4:g}", "failure",
             monitor={"mode": "observe"}, lr=SPLIT_LR_4,
             note="the configuration of the fourth pre-registered test (research/preregistration/)"),
+        Arm(f"auto_fix_lr{SPLIT_LR_4:g}", f"as sdpa_observe_lr{SPLIT_LR_4:g}, with auto_fix='fp32_delta'", "rescued",
+            monitor={"mode": "observe", "auto_fix": "fp32_delta"}, lr=SPLIT_LR_4,
+            note="the sixth pre-registered test (research/preregistration/): the fourth protocol's seeds again, "
+                 "a layer flagged by the default auto_fix rules moved to the fp32_delta kernel"),
     ),
     default_arms=("sdpa_observe",),
 )
