@@ -58,6 +58,24 @@ def test_compiled_on_cuda_measures_every_layer_once_compiled(mode, compile_mode)
         compiled = _run(mode, compile_mode)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
+    _assert_measured_as_eager(eager, compiled)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reduce_overhead_measures_every_monitored_step(mode):
+    """CUDA graphs (``mode="reduce-overhead"``): whether Inductor records them with the Monitor's
+    operators inside (they read a CPU flag, so a replayed graph could not tell monitored steps
+    from others), every monitored step must still be measured as in eager mode and no other
+    step counted. What Inductor did is printed (``-s``): its CUDA-graph skips, if any."""
+    eager = _run(mode, None, steps=8)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _run(mode, "reduce-overhead", steps=8)
+    print(f"reduce-overhead, {mode}: inductor counters {dict(counters['inductor'])}")
+    _assert_measured_as_eager(eager, compiled)
+
+
+def _assert_measured_as_eager(eager, compiled):
     for step, (e, c) in enumerate(zip(eager, compiled)):
         for layer, (se, sc) in enumerate(zip(e["stats"], c["stats"])):
             if not c["monitored"]:
