@@ -25,6 +25,7 @@ TEST_2_TABLE = ROOT / "results/seed-split-2/test.md"
 # the fourth protocol's runs made so far: its interim look at 400-415, then the outcomes of later blocks
 TEST_4_SO_FAR = (ROOT / "results/seed-split-4/interim-400-415.json", ROOT / "results/seed-split-5/outcomes-416-423.json")
 TEST_2_SEEDS = 24  # the second protocol's test seeds (300-323)
+AUTO_FIX = ROOT / "results/seed-split-6/auto-fix.json"  # the sixth protocol's result (research.auto_fix_effect)
 README_HEAD = "**What the early warning predicts: not proven.** "
 README_ANCHOR = "**What the early warning predicts:"  # where the paragraph starts, whatever its verdict
 TABLES = {9: (TEST_1_TABLE, "<!-- test.md: generated"), 10: (TEST_2_TABLE, "<!-- test-2.md: generated")}
@@ -42,9 +43,7 @@ def _monitoring_sentence(*results: dict) -> str:
     cut = sorted(v["monitoring"]["measured_through"] for v in runs if not v["monitoring"]["complete"])
     if not cut:
         return "Every run was measured at every monitored step."
-    return (f"{len(cut)} of the {len(runs)} runs were measured only to their first resume (steps "
-            f"{cut[0]:,}-{cut[-1]:,}; a defect, fixed): detections are lower bounds, and the false alarms that "
-            "failed every rule could only rise.")
+    return f"{len(cut)} of the {len(runs)} runs were measured only to steps {cut[0]:,}-{cut[-1]:,} (a defect, fixed)."
 
 
 def _under_way_counts(result: dict) -> tuple[int, int, int]:
@@ -66,6 +65,22 @@ def _under_way_sentence(*so_far: dict) -> str:
     blew, survived, incomplete = (sum(c) for c in zip(*(_under_way_counts(r) for r in so_far)))
     return (f"Under way (complete monitoring, lr 1.5e-3, 20,000 steps): {blew} of {blew + survived + incomplete} "
             f"runs blew up so far, {survived} survived.")
+
+
+def _auto_fix_sentence(result: dict) -> str:
+    """What auto_fix did on the seeds of the sixth protocol, from ``research.auto_fix_effect``'s result."""
+    pairs = result["pairs"]
+    first = [p["first_switch"] for p in pairs if p["first_switch"] is not None]
+    layers = sorted({p["switches"][0]["layer"] for p in pairs if p["switches"]})
+    rules = sorted({p["switches"][0]["rule"] for p in pairs if p["switches"]})
+    healthy = sum(1 for p in pairs if p["fix"]["survivor"])
+    ratios = [p["loss_ratio"] for p in pairs if p["loss_ratio"] is not None]
+    where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
+    return (f"**Acting on them** (a sixth test, {len(pairs)} of those seeds): "
+            f"`auto_fix=\"fp32_delta\"` switched {where} in {len(first)} of {len(pairs)} runs (steps "
+            f"{min(first):,}-{max(first):,}, on {', '.join(f'`{r}`' for r in rules)}) and {len(pairs) - healthy} of "
+            f"{len(pairs)} blew up in {result['definitions']['min_steps']:,} steps, where their SDPA twins had "
+            f"{result['cases']} confirmed blow-ups; loss {min(ratios):.3f}-{max(ratios):.3f}x the twins'.")
 
 
 # the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines
@@ -94,7 +109,8 @@ def readme_block() -> str:
             f"{b2 + s2} runs{so_far}, {b2} blew up and {s2} survived. A rule passes if it warns at least "
             f"{MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm in 7 "
             f"survivors. {verdict} {_monitoring_sentence(r1, r2)} "
-            f"{_under_way_sentence(*(json.loads(f.read_text()) for f in TEST_4_SO_FAR))} Every rule: `docs/EXPERIMENTS.md` §9-12.")
+            f"{_under_way_sentence(*(json.loads(f.read_text()) for f in TEST_4_SO_FAR))} "
+            f"{_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} Every rule: `docs/EXPERIMENTS.md` §9-13.")
     rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | same, lr 1.75e-3 | false alarms, lr 1.75e-3 |",
             "|---|---|---|---|"]
     for r in README_RULES:

@@ -44,3 +44,16 @@ def test_the_runs_under_way_add_an_interim_result_and_later_outcomes():
         "d": {"outcome": {"survivor": True}, "monitoring": {"complete": True}},
         "e": {"outcome": {"survivor": False}, "monitoring": {"complete": False}}}}
     assert stated_numbers._under_way_sentence(interim, later).endswith("3 of 7 runs blew up so far, 2 survived.")
+
+
+def test_the_auto_fix_sentence_follows_its_result_file(tmp_path, monkeypatch):
+    """The README's auto_fix sentence is read from the sixth protocol's result: a run that blew up
+    in the file shows in the sentence."""
+    result = json.loads(stated_numbers.AUTO_FIX.read_text())
+    assert "0 of 8 blew up" in stated_numbers.readme_block()
+    result["pairs"][0]["fix"]["survivor"] = False
+    changed = tmp_path / "auto-fix.json"
+    changed.write_text(json.dumps(result))
+    monkeypatch.setattr(stated_numbers, "AUTO_FIX", changed)
+    assert "1 of 8 blew up" in stated_numbers.readme_block()
+    assert stated_numbers.differences()
