@@ -160,12 +160,20 @@ CONTRACT = "v2"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
 
+# Every operator is tagged CUDA-graph-unsafe: it reads the CPU flag of the step (a graph replayed
+# from CUDA graphs would repeat whichever step it recorded) and hands tensors to the Monitor that
+# outlive the call (inside Inductor's CUDA-graph memory pool these made `mode="reduce-overhead"`
+# fail with "tensor(s) in the cudagraph pool not tracked as outputs"). With the tag, Inductor runs
+# the operators between the graphs it records (graph partitions) instead of inside them.
+_TAGS = tuple(t for t in (getattr(torch._C.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
 def _operator(schema: str, impl, fake):
     """Define ``flashwatch::<name>.<CONTRACT>(<arguments>) -> <returns>`` from ``schema``
     (``"<name>(<arguments>) -> <returns>"``) with ``impl`` on every device and ``fake`` for tracing;
     returns the operator overload."""
     name, signature = schema[:schema.index("(")], schema[schema.index("("):]
-    _lib.define(f"{name}.{CONTRACT}{signature}")
+    _lib.define(f"{name}.{CONTRACT}{signature}", tags=_TAGS)
     _lib.impl(f"{name}.{CONTRACT}", impl, "CompositeExplicitAutograd")
     torch.library.register_fake(qualified(name), fake, lib=_lib)
     return getattr(getattr(torch.ops.flashwatch, name), CONTRACT)

@@ -372,3 +372,34 @@ def test_observe_adds_no_forward_work_to_the_compiled_step():
     assert observed["backward"]["flashwatch"] == layers
     assert observed["backward"]["kernels"] == base["backward"]["kernels"]
     assert observed["backward"]["operators"] == base["backward"]["operators"] + layers
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_monitor_operator_is_left_out_of_cuda_graphs(mode):
+    """Under CUDA graphs (``mode="reduce-overhead"``) Inductor must run flashwatch's operators
+    between the graphs it records: they read the step's CPU flag and hand tensors to the Monitor
+    that outlive the call. Checked with Inductor's own test for a node it keeps out of CUDA graphs,
+    on every flashwatch node of the forward and backward graphs AOT autograd makes. Fail before:
+    untagged, the operators went into the graphs, and training stopped with "tensor(s) in the
+    cudagraph pool not tracked as outputs" (both modes, one H200)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def flashwatch_op(target):
+        return isinstance(target, torch._ops.OpOverload) and target.namespace == "flashwatch"
+
+    _run(mode, aot_autograd(fw_compiler=keep, bw_compiler=keep), steps=2)
+    nodes = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    direct = [n for n in nodes if flashwatch_op(n.target)]
+    # an operator that writes into its arguments comes wrapped (auto_functionalized); Inductor
+    # unwraps it before it looks, so the wrapped operator is the one to check
+    wrapped = [n.args[0] for n in nodes if "auto_functionalized" in str(n.target) and flashwatch_op(n.args[0])]
+    assert len(graphs) == 2 and direct + wrapped, [str(gm.graph) for gm in graphs]
+    assert all(is_cudagraph_unsafe_fx_node(n) for n in direct), [str(n.target) for n in direct]
+    assert all(torch._C.Tag.cudagraph_unsafe in op.tags for op in wrapped), [str(op) for op in wrapped]
