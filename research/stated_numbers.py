@@ -43,7 +43,8 @@ def _monitoring_sentence(*results: dict) -> str:
     cut = sorted(v["monitoring"]["measured_through"] for v in runs if not v["monitoring"]["complete"])
     if not cut:
         return "Every run was measured at every monitored step."
-    return f"{len(cut)} of the {len(runs)} runs were measured only to steps {cut[0]:,}-{cut[-1]:,} (a defect, fixed)."
+    return (f"{len(cut)} of the {len(runs)} runs were measured only to steps {cut[0]:,}-{cut[-1]:,} (a defect, fixed): "
+            "detections are lower bounds.")
 
 
 def _under_way_counts(result: dict) -> tuple[int, int, int]:
