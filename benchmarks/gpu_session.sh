@@ -2,14 +2,15 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|fastdefaults|bench|ab|sweep|tune|overhead|compiled|
-#                                   autotune|kernels|ddp|host|lab ...]   (default: tests bench)
+#                                   autotune|kernels|graphs|ddp|host|lab ...]   (default: tests bench)
 # alltests: every test marked gpu (gpu_alltests.log; the opt-in Hopper variants apart, gpu_hopper_tests.log);
 # fastdefaults: the default path's with the cached launch and the chain's in-kernel
 # reduction on (the check before they become defaults); autotune: the compiled arms under
 # max-autotune-no-cudagraphs; kernels: one step's device time per kernel, SDPA against the own kernel
 # newtests: every GPU test (kernels, compile, formats, chain, lifecycle, masks, coverage, the launch cache,
 # the Hopper variants, the chain's in-kernel reduction); compiled: the
-# Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode)
+# Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode); graphs: CUDA graphs
+# (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings
 # ab: benchmarks/kernel_ab.py against kernels/_ab_before (a copy of an earlier revision's kernels/
 # folder; or kernels/_ab_before.py, an earlier single-file kernels/triton_attn.py), then every
 # kernels/_ab_before_* beside it; git-ignored, so pass them in the device tool's carry
@@ -50,6 +51,10 @@ for step in $steps; do
     kernels) timeout 300 python3 benchmarks/step_kernels.py --json "$OUT/step_kernels.json" 2>&1 | tee "$OUT/step_kernels.log"
              timeout 200 python3 benchmarks/step_kernels.py --eager --json "$OUT/step_kernels_eager.json" 2>&1 \
                 | tee "$OUT/step_kernels_eager.log" ;;
+    graphs) timeout 200 python3 -m pytest -q -s -p no:cacheprovider -rfE tests/test_compile_gpu.py -k reduce_overhead \
+              > "$OUT/gpu_reduce_overhead.log" 2>&1; tail -4 "$OUT/gpu_reduce_overhead.log"
+            timeout 380 python3 benchmarks/monitor_overhead.py --only-compiled --compile reduce-overhead \
+              --json "$OUT/monitor_overhead_graphs.json" 2>&1 | tee "$OUT/monitor_overhead_graphs.log" | grep -v Warning ;;
     compiled) timeout 560 python3 benchmarks/monitor_overhead.py --compile default --json "$OUT/monitor_overhead_compiled.json" \
                 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
     bench) timeout 400 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
