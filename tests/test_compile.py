@@ -403,3 +403,29 @@ def test_every_monitor_operator_is_left_out_of_cuda_graphs(mode):
     assert len(graphs) == 2 and direct + wrapped, [str(gm.graph) for gm in graphs]
     assert all(is_cudagraph_unsafe_fx_node(n) for n in direct), [str(n.target) for n in direct]
     assert all(torch._C.Tag.cudagraph_unsafe in op.tags for op in wrapped), [str(op) for op in wrapped]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dynamic_shapes_compile_once_and_count_each_steps_rows(mode):
+    """``torch.compile(dynamic=True)`` with a sequence length that changes from step to step (as
+    in packed or bucketed batches): one graph, no break, and each monitored step counts the rows
+    of its own batch (B x T per head)."""
+    torch.manual_seed(0)
+    model = Stack()
+    monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    run = torch.compile(model, backend="aot_eager", dynamic=True)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T in (16, 24, 8, 32, 24, 8):
+            run(torch.randn(2, T, 32, generator=g)).sum().backward()
+            rows.append((T, monitor.monitoring, [layer.stats.as_dict()["rows"] for layer in monitor.layers]))
+            model.zero_grad(set_to_none=True)
+            monitor.step()
+    monitor.detach()
+    monitor.close()
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    for T, monitored, per_layer in rows:
+        expected = [2.0 * T] * 2 if monitored else [0.0] * 2
+        assert per_layer == [expected] * 3, (T, monitored, per_layer)
