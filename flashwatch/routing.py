@@ -44,8 +44,8 @@ Cautions:
   attribute at call time (``F.scaled_dot_product_attention(...)``, as nanoGPT and Hugging Face
   SDPA attention do); a name imported earlier with ``from torch.nn.functional import ...``
   is not reached. The Monitor warns when an attached layer saw no call on a monitored step.
-- Activation checkpointing re-runs the forward in the backward: statistics of such layers
-  are counted twice (the ratios stay right; sums double).
+- Activation checkpointing re-runs the forward in the backward; that adds nothing: the
+  statistics are taken in the backward, and the forward's max logit is a maximum.
 - Statistics are collected only where autograd records (``torch.is_grad_enabled()``), so
   evaluation passes under ``no_grad`` never count.
 - In ``own_kernel`` mode a failure of flashwatch's kernel in the forward falls back to SDPA

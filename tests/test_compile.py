@@ -429,3 +429,47 @@ def test_dynamic_shapes_compile_once_and_count_each_steps_rows(mode):
     for T, monitored, per_layer in rows:
         expected = [2.0 * T] * 2 if monitored else [0.0] * 2
         assert per_layer == [expected] * 3, (T, monitored, per_layer)
+
+
+class CheckpointedStack(Stack):
+    """The same layers under activation checkpointing: each block's forward runs again in the backward."""
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def _readings(model_class, mode: str, backend: str | None) -> list:
+    """Every layer's statistics and every metric of the snapshot after two monitored steps."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = model_class()
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    run = model if backend is None else torch.compile(model, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        run(torch.randn(2, 16, 32, generator=g)).sum().backward()
+        stats = [layer.stats.as_dict() for layer in monitor.layers]
+        model.zero_grad(set_to_none=True)
+        monitor.step()
+    snapshot = {k: dict(v) for k, v in monitor.snapshot().items() if isinstance(v, dict)}
+    monitor.detach()
+    monitor.close()
+    return [stats, snapshot]
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("mode", MODES)
+def test_activation_checkpointing_is_measured_as_without_it(mode, backend):
+    """The recomputed forward adds nothing: the statistics are taken in the backward (the forward's
+    max logit is a maximum), so every reading equals the run without checkpointing."""
+    plain = _readings(Stack, mode, backend)
+    checkpointed = _readings(CheckpointedStack, mode, backend)
+    assert checkpointed[0] == plain[0]
+    assert checkpointed[1].keys() == plain[1].keys()
+    for name, per_head in plain[1].items():
+        assert checkpointed[1][name] == pytest.approx(per_head, rel=1e-6, abs=1e-12, nan_ok=True), name
