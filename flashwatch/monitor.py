@@ -61,7 +61,7 @@ from .detectors import Alert
 from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, structural_attention
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
 from .kernels import STAT_FIELDS, AttentionStats
-from .routing import Router
+from .routing import CHECKPOINT_FLAG, Router, checkpoint_fallbacks
 from .snapshot import extra_signals, host_record, snapshot
 from .step_signals import LayerReading, SignalBuilder
 from .vocabulary import VARIANT_CODE, VARIANT_LABELS
@@ -409,6 +409,13 @@ class Monitor:
         self._decisions.apply_due(self.layers)
         decided = self._drain()  # an earlier monitored step whose values were still on their way (CUDA)
         if self._monitoring:
+            if "checkpoint_fallback" not in self._warned and self._router is not None and checkpoint_fallbacks():
+                self._warn_once("checkpoint_fallback", "flashwatch: torch.compile ran a frame of this model eagerly: "
+                                "under activation checkpointing it does not compile code that changes outside state, "
+                                "as flashwatch's layer hooks do (their state needs no replay in the recomputed "
+                                "forward). Set %s = True to compile it; check that your own checkpointed code has no "
+                                "side effect that must run again in the backward. It is measured either way.",
+                                CHECKPOINT_FLAG)
             pending = None
             coverage = [tuple(layer.coverage.tolist()) for layer in self.layers]  # CPU counters: no sync
             try:

@@ -174,6 +174,25 @@ def _compiling() -> bool:
     return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
+# Dynamo's name for the reason it gives up a frame when code inside activation checkpointing
+# (torch.utils.checkpoint under torch.compile) changes state from outside it, as the layer hooks'
+# routing state does: the frame then runs eagerly (measured, but not compiled)
+CHECKPOINT_SIDE_EFFECT = "HOP: Unsafe side effect"
+CHECKPOINT_FLAG = "torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def checkpoint_fallbacks() -> int:
+    """How many times Dynamo gave up compiling code under activation checkpointing because of a
+    side effect in it (its own counter; 0 where torch has none). The hooks' routing state is such
+    a side effect; it needs no replay in the recomputed forward (compiled code carries the layer
+    to the operators), so ``CHECKPOINT_FLAG = True`` lets Dynamo compile those frames."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # a torch without Dynamo
+        return 0
+    return sum(n for reason, n in counters["unimplemented"].items() if str(reason).startswith(CHECKPOINT_SIDE_EFFECT))
+
+
 def _autocast_inputs(q, k, v):
     """Cast q, k, v as autocast would for SDPA (to the autocast dtype) when autocast is on."""
     dev = q.device.type

@@ -466,10 +466,33 @@ def _readings(model_class, mode: str, backend: str | None) -> list:
 @pytest.mark.parametrize("mode", MODES)
 def test_activation_checkpointing_is_measured_as_without_it(mode, backend):
     """The recomputed forward adds nothing: the statistics are taken in the backward (the forward's
-    max logit is a maximum), so every reading equals the run without checkpointing."""
+    max logit is a maximum), so every reading equals the run without checkpointing. Compiled with
+    the Dynamo flag the Monitor's warning names (below), the checkpointed model is one graph."""
+    from flashwatch.routing import CHECKPOINT_FLAG
+
     plain = _readings(Stack, mode, backend)
-    checkpointed = _readings(CheckpointedStack, mode, backend)
+    counters.clear()
+    with torch._dynamo.config.patch({CHECKPOINT_FLAG.rsplit(".", 1)[1]: True}):
+        checkpointed = _readings(CheckpointedStack, mode, backend)
+    if backend is not None:
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert checkpointed[0] == plain[0]
     assert checkpointed[1].keys() == plain[1].keys()
     for name, per_head in plain[1].items():
         assert checkpointed[1][name] == pytest.approx(per_head, rel=1e-6, abs=1e-12, nan_ok=True), name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpointed_model_compiled_without_the_flag_is_measured_and_warned_about(mode, caplog):
+    """Without the flag Dynamo runs the checkpointed frame eagerly (the hooks change outside state
+    under activation checkpointing): the readings are still right, and the Monitor says once why
+    the model is not compiled and what lets it be."""
+    from flashwatch.routing import CHECKPOINT_FLAG
+
+    plain = _readings(Stack, mode, None)
+    counters.clear()
+    with caplog.at_level("WARNING", logger="flashwatch"):
+        checkpointed = _readings(CheckpointedStack, mode, "aot_eager")
+    assert checkpointed[0] == plain[0]
+    said = [r.getMessage() for r in caplog.records if CHECKPOINT_FLAG in r.getMessage()]
+    assert len(said) == 1 and "ran a frame of this model eagerly" in said[0], said
