@@ -193,6 +193,32 @@ def checkpoint_fallbacks() -> int:
     return sum(n for reason, n in counters["unimplemented"].items() if str(reason).startswith(CHECKPOINT_SIDE_EFFECT))
 
 
+def _push(states, current) -> None:
+    for state in states:
+        state.stack.append(state.current)
+        state.current = current
+
+
+def _pop(states) -> None:
+    for state in states:
+        state.current = state.stack.pop() if state.stack else None
+
+
+def _outside_checkpointing(change, *args) -> None:
+    """Make ``change`` (of the hooks' routing state) while torch.compile traces, such that Dynamo
+    accepts it inside activation checkpointing, which otherwise refuses code that changes outside
+    state and runs the whole frame eagerly. The change needs no replay when the checkpointed
+    forward is recomputed: compiled code carries the layer to the operators as an argument.
+    Where this torch has no such allowance, the frame runs eagerly (measured, not compiled) and
+    the Monitor says so (``checkpoint_fallbacks``)."""
+    allow = getattr(getattr(torch, "_dynamo", None) and torch._dynamo.utils,
+                    "_disable_side_effect_safety_checks_for_current_subtracer", None)
+    if allow is None:
+        change(*args)
+    else:
+        allow(change, *args)
+
+
 def _autocast_inputs(q, k, v):
     """Cast q, k, v as autocast would for SDPA (to the autocast dtype) when autocast is on."""
     dev = q.device.type
@@ -381,10 +407,12 @@ class Router:
             if router is not None and layer.chain is not None and (
                     compiling or (router.monitoring and torch.is_grad_enabled())):
                 x = _as_projected(args[0] if args else kwargs.get("hidden_states", kwargs.get("x")))
-            for state in (_shared,) if compiling else (_local, _shared):
-                state.stack.append(state.current)
-                # pushed whatever the router: the exit hook pops once per forward
-                state.current = (router, layer, x if compiling else None) if router is not None else None
+            # pushed whatever the router: the exit hook pops once per forward
+            current = (router, layer, x if compiling else None) if router is not None else None
+            if compiling:
+                _outside_checkpointing(_push, (_shared,), current)
+            else:
+                _push((_local, _shared), current)
             if layer.chain is not None and not compiling:
                 layer.chain_input = x.detach() if x is not None else None
             return None
@@ -392,8 +420,10 @@ class Router:
 
     @staticmethod
     def _exit_hook(module, args, output):
-        for state in (_shared,) if _compiling() else (_local, _shared):
-            state.current = state.stack.pop() if state.stack else None
+        if _compiling():
+            _outside_checkpointing(_pop, (_shared,))
+        else:
+            _pop((_local, _shared))
 
     # the call -----------------------------------------------------------------------------------
     def _log_once(self, key: tuple, message: str, *args) -> None:
