@@ -20,9 +20,24 @@ MODES = ("observe", "own_kernel")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 
-def _run(mode: str, compile_mode: str | None, steps: int = 4):
+class _Checkpointed(torch.nn.Module):
+    """A block run under activation checkpointing (its forward runs again in the backward)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def _run(mode: str, compile_mode: str | None, steps: int = 4, checkpointed: bool = False):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256)).cuda()
+    if checkpointed:
+        model.transformer.h = torch.nn.ModuleList(_Checkpointed(b) for b in model.transformer.h)
     monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
     monitor.attach(model)
     run = model if compile_mode is None else torch.compile(
@@ -72,6 +87,20 @@ def test_reduce_overhead_measures_every_monitored_step(mode):
     counters.clear()
     compiled = _run(mode, "reduce-overhead", steps=8)
     print(f"reduce-overhead, {mode}: inductor counters {dict(counters['inductor'])}")
+    _assert_measured_as_eager(eager, compiled)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpointed_model_compiles_to_one_graph_measured_as_eager(mode):
+    """Activation checkpointing under torch.compile on CUDA: one graph, no break, every monitored
+    step measured as in the eager run without checkpointing."""
+    eager = _run(mode, None)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = _run(mode, "default", checkpointed=True)
+    assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
+    assert counters["stats"]["unique_graphs"] == 1
     _assert_measured_as_eager(eager, compiled)
 
 
