@@ -69,6 +69,7 @@ class AttentionLayer:
     low_precision: bool | None = None
     chain: Any = field(default=None, repr=False)
     chain_input: Any = field(default=None, repr=False)
+    key: Any = field(default=None, repr=False)  # the compiled operators' key of this layer (kernels.ops.register_layer)
     format: str = "bf16"
     placement: Any = field(default=None, repr=False)
     head_offset: int = 0

@@ -61,7 +61,7 @@ from .detectors import Alert
 from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, structural_attention
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
 from .kernels import STAT_FIELDS, AttentionStats
-from .routing import CHECKPOINT_FLAG, Router, checkpoint_fallbacks
+from .routing import CHECKPOINT_FLAG, Router, checkpoint_fallbacks, clear_routing_state
 from .snapshot import extra_signals, host_record, snapshot
 from .step_signals import LayerReading, SignalBuilder
 from .vocabulary import VARIANT_CODE, VARIANT_LABELS
@@ -402,6 +402,8 @@ class Monitor:
             self._warn_once("unattached", "flashwatch: Monitor.step() was called before attach(model): only the loss "
                             "and gradient norm are tracked until monitor.attach(model) is called")
         t = self.global_step
+        if self._router is not None:
+            clear_routing_state()  # no forward runs between optimizer steps (one that raised left its layer pushed)
         ran = [layer.variant for layer in self.layers]  # what step t ran, before a decision below switches one
         # what a flush between the steps decided: acted on now, as if decided here
         new, self._due_alerts = self._due_alerts, []

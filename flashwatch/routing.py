@@ -30,10 +30,10 @@ step is monitored is the Router's ``flag`` tensor, read when the operators run, 
 and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls
 measured in part or not at all are counted by ``flashwatch::score_statistics`` and
 ``flashwatch::unmeasured_call``. For the W^Q-gradient error chain, compiled code carries each
-call's projection input X (on every step: the graph is the same for monitored ones) and the key of
-the layer's rows source (``ops.register_rows_source``), which the backward operators ask for the
-call's rows hook on monitored steps; the source also puts W^Q's gradient hook in place, before
-that backward accumulates W^Q's gradient.
+call's projection input X (on every step: the graph is the same for monitored ones) and the layer's
+key (``ops.register_layer``: a tensor, so that a block compiled once serves every block), whose
+rows source the backward operators ask for the call's rows hook on monitored steps; the source
+also puts W^Q's gradient hook in place, before that backward accumulates W^Q's gradient.
 
 Every layer counts its attention calls on monitored steps (``AttentionLayer.coverage``:
 [calls, calls measured in full]), so a layer whose calls cannot be measured reads coverage 0.
@@ -71,7 +71,7 @@ from .families import FAMILIES
 
 log = logging.getLogger("flashwatch")
 
-__all__ = ["Router", "original_sdpa", "unsupported_reason", "statistics_route"]
+__all__ = ["Router", "original_sdpa", "unsupported_reason", "statistics_route", "clear_routing_state"]
 
 class _Current:
     """The layer whose forward is running: ``current`` (Router, AttentionLayer, its projection input
@@ -97,6 +97,17 @@ _shared = _Current()
 
 def _state() -> _Current:
     return _shared if _compiling() else _local
+
+
+def clear_routing_state() -> None:
+    """Forget which layer is running in this thread: called between optimizer steps, when no
+    forward runs. The exit hook is not called when an eager forward raises (it is not registered
+    with ``always_call``: that would make Dynamo guard on each module's hook id and compile a model
+    compiled block by block once per block), so a forward that raised leaves its layer pushed until
+    then. (Compiled code's shared state needs no clearing: Dynamo applies a traced frame's writes
+    only when the frame completes, and a completed frame pushed and popped alike.)"""
+    _local.stack.clear()
+    _local.current = None
 _install_lock = threading.Lock()
 _original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
 _import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
@@ -132,15 +143,15 @@ def _install() -> None:
         _users += 1
 
 
-def _uninstall(rows_sources: Sequence[int] = (), handles: Sequence[Any] = ()) -> None:
+def _uninstall(keys: Sequence[torch.Tensor] = (), handles: Sequence[Any] = ()) -> None:
     global _original_sdpa, _users
     for handle in handles:  # the router's module hooks
         handle.remove()
-    if rows_sources:
+    if keys:
         from flashwatch.kernels import ops
 
-        for key in rows_sources:
-            ops.unregister_rows_source(key)
+        for key in keys:
+            ops.unregister_layer(key)
     with _install_lock:
         _users -= 1
         if _users > 0:
@@ -311,7 +322,7 @@ class Router:
         self.monitoring = False
         self._handles: list = []
         self._logged: set = set()
-        self._rows_sources: dict[int, int] = {}  # layer index -> ops.register_rows_source key (compiled code)
+        self._keys: list = []  # the layers' keys of the compiled operators (ops.register_layer)
         self.installed = False
 
     @property
@@ -334,13 +345,13 @@ class Router:
         self._take_over([layer.module for layer in self.layers])
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
-            self._handles.append(layer.module.register_forward_hook(self._exit_hook, always_call=True))
-        self._rows_sources = self._register_rows_sources()
+            self._handles.append(layer.module.register_forward_hook(self._exit_hook))
+        self._keys = self._register_layers()
         _install()
         # the hooks hold the router weakly: a router dropped without remove() (its Monitor dropped,
         # the model still training) takes its hooks off and gives torch's SDPA back once the
         # garbage collector frees it
-        self._finalizer = weakref.finalize(self, _uninstall, list(self._rows_sources.values()), list(self._handles))
+        self._finalizer = weakref.finalize(self, _uninstall, list(self._keys), list(self._handles))
         self.installed = True
 
     def remove(self) -> None:
@@ -355,7 +366,9 @@ class Router:
             if layer.chain is not None:
                 layer.chain.unwatch()
         self._finalizer()  # removes the hooks and runs _uninstall once (never again at garbage collection)
-        self._rows_sources = {}
+        self._keys = []
+        for layer in self.layers:
+            layer.key = None
         self.installed = False
 
     def _take_over(self, modules: list) -> None:
@@ -369,11 +382,14 @@ class Router:
         for m in modules:
             _routers[m] = weakref.ref(self)
 
-    def _register_rows_sources(self) -> dict[int, int]:
-        """For compiled code: per layer with a W^Q-error chain, the source of its calls' rows hooks,
-        which the operators' backward asks on monitored steps (``ops.register_rows_source``). It
-        holds the router weakly and the layer by its position (the registry is global: a strong
-        reference would keep the model and the Monitor alive)."""
+    def _register_layers(self) -> list:
+        """For compiled code: each layer's key (``ops.register_layer``), a tensor the operators
+        take, so that no argument differs between layers but tensors (one compilation serves every
+        block of a model compiled block by block); with it the layer's name for the operators'
+        logs and, where the layer has a W^Q-error chain, the source of its calls' rows hooks, which
+        the operators' backward asks on monitored steps. The source holds the router weakly and
+        the layer by its position (the registry is global: a strong reference would keep the model
+        and the Monitor alive). Returns the keys."""
         from flashwatch.kernels import ops
 
         ref = weakref.ref(self)
@@ -390,8 +406,10 @@ class Router:
                 return _ChainRows(layer.chain, x, scale, router.on_error)
             return source
 
-        return {layer.index: ops.register_rows_source(source_for(position))
-                for position, layer in enumerate(self.layers) if layer.chain is not None}
+        for position, layer in enumerate(self.layers):
+            layer.key = ops.register_layer(f"{layer.index} ({layer.name})",
+                                           source_for(position) if layer.chain is not None else None)
+        return [layer.key for layer in self.layers]
 
     def _enter_hook(self, layer: AttentionLayer):
         ref = weakref.ref(self)  # weakly: the model's hooks must not keep a dropped Monitor alive
@@ -621,17 +639,16 @@ class Router:
                 with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
                     return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,
                                          causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
-                                         beta=self.beta, eps=self.eps, **self._rows_source(layer, x))
+                                         beta=self.beta, eps=self.eps, **self._layer_arguments(layer, x))
             return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal,
                                           scale, enable_gqa, x)
         return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal, scale,
                                       enable_gqa, x)
 
-    def _rows_source(self, layer: AttentionLayer, x: Any) -> dict:
-        """The operators' arguments for the layer's rows hook (``ops.register_rows_source``): none
-        where it has no W^Q-error chain or the call no projection input."""
-        key = self._rows_sources.get(layer.index, 0)
-        return {"x": x, "rows_source": key} if key and x is not None else {}
+    def _layer_arguments(self, layer: AttentionLayer, x: Any) -> dict:
+        """The operators' arguments naming the layer (its key, ``ops.register_layer``) and, where it
+        has a W^Q-error chain, the call's projection input for its rows hook."""
+        return {"x": x if layer.chain is not None else None, "layer": layer.key}
 
     def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, x=None):
         """The model's own SDPA output, marked for the statistics (``ops.observe``), or the
@@ -651,12 +668,12 @@ class Router:
             return ops.observe(out, q, k, v, flag=self.flag, stats=layer.ensure_stats(q.device),
                                coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
                                attn_mask=attn_mask if route == "masked" else None, masked=route == "masked",
-                               **self._rows_source(layer, x))
+                               **self._layer_arguments(layer, x))
         message = f"{reason}: {MEASURED[route]}"
         if route == "scores":
             ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),
                                  coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
-                                 layer=layer.index, reason=message)
+                                 layer=layer.key, reason=message)
         else:
-            ops.unmeasured_call(self.flag, layer.coverage, layer.index, message)
+            ops.unmeasured_call(self.flag, layer.coverage, layer.key, message)
         return out

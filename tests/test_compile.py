@@ -499,3 +499,66 @@ def test_where_dynamo_runs_a_checkpointed_frame_eagerly_the_monitor_says_so(mode
     assert checkpointed[0] == plain[0]
     said = [r.getMessage() for r in caplog.records if CHECKPOINT_FLAG in r.getMessage()]
     assert len(said) == 1 and "ran a frame of this model eagerly" in said[0], said
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_compiled_block_by_block_compiles_once(mode):
+    """``torch.compile`` applied to each transformer block (as torchtitan does): the blocks share
+    one compilation, as without the Monitor, and every block is measured as in eager mode. Fail
+    before: a guard on each layer's index (an integer operator argument) and on each module's
+    exit-hook id compiled every block apart, and past Dynamo's recompile limit (8) the remaining
+    blocks ran uncompiled."""
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=10, n_head=2, n_embd=32, block_size=32, dropout=0.0))
+        monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
+        monitor.attach(model)
+        if compiled:
+            for i, block in enumerate(model.transformer.h):
+                model.transformer.h[i] = torch.compile(block, backend="aot_eager")
+        g = torch.Generator().manual_seed(0)
+        seen = []
+        for _ in range(3):
+            x = torch.randint(0, 256, (2, 32), generator=g)
+            model(x, x)[1].backward()
+            seen.append([layer.stats.as_dict()["repeated_max_rows"] for layer in monitor.layers])
+            model.zero_grad(set_to_none=True)
+            monitor.step()
+        snapshot = {k: dict(v) for k, v in monitor.snapshot().items() if k.startswith("flashwatch_wq_error")}
+        monitor.detach()
+        monitor.close()
+        return seen, snapshot, counters["stats"]["unique_graphs"]
+
+    eager, eager_chain, _ = run(False)
+    compiled, compiled_chain, graphs = run(True)
+    assert graphs == 1, graphs
+    assert compiled == eager
+    for name, per_head in eager_chain.items():
+        assert compiled_chain[name] == pytest.approx(per_head, rel=1e-5, abs=1e-12, nan_ok=True), name
+
+
+def test_a_forward_that_raised_leaves_no_layer_routed_after_the_step():
+    """The exit hook does not run when a forward raises; the next ``Monitor.step()`` forgets the
+    layer the failed forward left pushed, so later attention calls outside it are not counted
+    as its."""
+    from flashwatch import routing
+
+    class Failing(Attention):
+        def forward(self, x):
+            super().forward(x)
+            raise RuntimeError("the model's own error")
+
+    model = nn.Sequential(Failing(32, 2))
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    monitor.attach(model)
+    with pytest.raises(RuntimeError, match="the model's own error"):
+        model(torch.randn(2, 16, 32))
+    assert routing._local.current is not None  # left pushed by the failed forward
+    monitor.step()
+    assert routing._local.current is None and routing._local.stack == []
+    monitor.detach()
+    monitor.close()
