@@ -33,15 +33,18 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def _run(mode: str, compile_mode: str | None, steps: int = 4, checkpointed: bool = False):
+def _run(mode: str, compile_mode: str | None, steps: int = 4, checkpointed: bool = False, per_block: bool = False):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256)).cuda()
     if checkpointed:
         model.transformer.h = torch.nn.ModuleList(_Checkpointed(b) for b in model.transformer.h)
     monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
     monitor.attach(model)
-    run = model if compile_mode is None else torch.compile(
+    run = model if compile_mode is None or per_block else torch.compile(
         model, mode=None if compile_mode == "default" else compile_mode)
+    if per_block:  # each block compiled on its own, as torchtitan does
+        for i, block in enumerate(model.transformer.h):
+            model.transformer.h[i] = torch.compile(block)
     g = torch.Generator(device="cuda").manual_seed(1)
     seen = []
     for _ in range(steps):
@@ -101,6 +104,18 @@ def test_a_checkpointed_model_compiles_to_one_graph_measured_as_eager(mode):
         compiled = _run(mode, "default", checkpointed=True)
     assert not counters["graph_break"] and not counters["unimplemented"], dict(counters["unimplemented"])
     assert counters["stats"]["unique_graphs"] == 1
+    _assert_measured_as_eager(eager, compiled)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_compiled_block_by_block_compiles_once_on_cuda(mode):
+    """Each block compiled apart: one compilation serves the four blocks, every monitored step
+    measured as in eager mode."""
+    eager = _run(mode, None)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _run(mode, "default", per_block=True)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     _assert_measured_as_eager(eager, compiled)
 
 
