@@ -88,32 +88,19 @@ def test_operators_have_no_python_version_bump():
 # Inductor cached calls operators by name, so a fake whose outputs change must come with a new
 # CONTRACT (and a new entry here), or a graph cached by an earlier flashwatch asserts the old strides.
 # v3 changed a schema (the layer's key a tensor), not the outputs.
-FAKE_OUTPUTS = {
-    "v2": {
-        ("attention_with_stats", "plain"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
-                                            ((2, 4, 8), (32, 8, 1), "float32"), ((0,), (1,), "bfloat16"),
-                                            ((2, 4, 8), (32, 8, 1), "float32"), ((4,), (1,), "float32")],
-        ("attention_with_stats", "fp32_delta"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
-                                                 ((2, 4, 8), (32, 8, 1), "float32"),
-                                                 ((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
-                                                 ((2, 4, 8), (32, 8, 1), "float32"), ((4,), (1,), "float32")],
-        ("attention_grad", "plain"): [((2, 4, 8, 16), (512, 128, 16, 1), "bfloat16"),
-                                      ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16"),
-                                      ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16")],
-    },
-    "v3": {
-        ("attention_with_stats", "plain"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
-                                            ((2, 4, 8), (32, 8, 1), "float32"), ((0,), (1,), "bfloat16"),
-                                            ((2, 4, 8), (32, 8, 1), "float32"), ((4,), (1,), "float32")],
-        ("attention_with_stats", "fp32_delta"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
-                                                 ((2, 4, 8), (32, 8, 1), "float32"),
-                                                 ((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
-                                                 ((2, 4, 8), (32, 8, 1), "float32"), ((4,), (1,), "float32")],
-        ("attention_grad", "plain"): [((2, 4, 8, 16), (512, 128, 16, 1), "bfloat16"),
-                                      ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16"),
-                                      ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16")],
-    },
+_OUTPUTS_V2 = {
+    ("attention_with_stats", "plain"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
+                                        ((2, 4, 8), (32, 8, 1), "float32"), ((0,), (1,), "bfloat16"),
+                                        ((2, 4, 8), (32, 8, 1), "float32"), ((4,), (1,), "float32")],
+    ("attention_with_stats", "fp32_delta"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
+                                             ((2, 4, 8), (32, 8, 1), "float32"),
+                                             ((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
+                                             ((2, 4, 8), (32, 8, 1), "float32"), ((4,), (1,), "float32")],
+    ("attention_grad", "plain"): [((2, 4, 8, 16), (512, 128, 16, 1), "bfloat16"),
+                                  ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16"),
+                                  ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16")],
 }
+FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2}
 
 
 def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(interpret_dispatch):
