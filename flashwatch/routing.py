@@ -108,6 +108,8 @@ def clear_routing_state() -> None:
     only when the frame completes, and a completed frame pushed and popped alike.)"""
     _local.stack.clear()
     _local.current = None
+
+
 _install_lock = threading.Lock()
 _original_sdpa: Callable | None = None  # what _install replaced (torch's SDPA unless someone wrapped it first)
 _import_time_sdpa = F.scaled_dot_product_attention  # for a dispatcher still held after every router left
@@ -215,7 +217,7 @@ def _pop(states) -> None:
         state.current = state.stack.pop() if state.stack else None
 
 
-def _outside_checkpointing(change, *args) -> None:
+def _allowed_under_checkpoint(change, *args) -> None:
     """Make ``change`` (of the hooks' routing state) while torch.compile traces, such that Dynamo
     accepts it inside activation checkpointing, which otherwise refuses code that changes outside
     state and runs the whole frame eagerly. The change needs no replay when the checkpointed
@@ -428,7 +430,7 @@ class Router:
             # pushed whatever the router: the exit hook pops once per forward
             current = (router, layer, x if compiling else None) if router is not None else None
             if compiling:
-                _outside_checkpointing(_push, (_shared,), current)
+                _allowed_under_checkpoint(_push, (_shared,), current)
             else:
                 _push((_local, _shared), current)
             if layer.chain is not None and not compiling:
@@ -439,7 +441,7 @@ class Router:
     @staticmethod
     def _exit_hook(module, args, output):
         if _compiling():
-            _outside_checkpointing(_pop, (_shared,))
+            _allowed_under_checkpoint(_pop, (_shared,))
         else:
             _pop((_local, _shared))
 

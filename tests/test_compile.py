@@ -491,7 +491,7 @@ def test_where_dynamo_runs_a_checkpointed_frame_eagerly_the_monitor_says_so(mode
     from flashwatch.routing import CHECKPOINT_FLAG
 
     plain = _readings(Stack, mode, None)
-    monkeypatch.setattr(routing, "_outside_checkpointing", lambda change, *args: change(*args))
+    monkeypatch.setattr(routing, "_allowed_under_checkpoint", lambda change, *args: change(*args))
     counters.clear()
     with caplog.at_level("WARNING", logger="flashwatch"):
         checkpointed = _readings(CheckpointedStack, mode, "aot_eager")
