@@ -145,15 +145,21 @@ def _install() -> None:
         _users += 1
 
 
-def _uninstall(keys: Sequence[torch.Tensor] = (), handles: Sequence[Any] = ()) -> None:
+def _uninstall(keys: Sequence[int] = (), handles: Sequence[Any] = ()) -> None:
+    """Take a router's hooks off, forget its layers' keys (the integers), and give torch's SDPA back
+    when no router is left. Runs from a finalizer too (at any time, even while a fake-tensor mode
+    traces): what fails here is logged, and the count of routers is kept right whatever happens."""
     global _original_sdpa, _users
-    for handle in handles:  # the router's module hooks
-        handle.remove()
-    if keys:
-        from flashwatch.kernels import ops
+    try:
+        for handle in handles:  # the router's module hooks
+            handle.remove()
+        if keys:
+            from flashwatch.kernels import ops
 
-        for key in keys:
-            ops.unregister_layer(key)
+            for key in keys:
+                ops.unregister_layer(key)
+    except Exception:
+        log.warning("flashwatch: taking a Monitor's hooks off failed", exc_info=True)
     with _install_lock:
         _users -= 1
         if _users > 0:
@@ -324,7 +330,7 @@ class Router:
         self.monitoring = False
         self._handles: list = []
         self._logged: set = set()
-        self._keys: list = []  # the layers' keys of the compiled operators (ops.register_layer)
+        self._keys: list[int] = []  # the layers' keys of the compiled operators (ops.register_layer), as integers
         self.installed = False
 
     @property
@@ -411,7 +417,7 @@ class Router:
         for position, layer in enumerate(self.layers):
             layer.key = ops.register_layer(f"{layer.index} ({layer.name})",
                                            source_for(position) if layer.chain is not None else None)
-        return [layer.key for layer in self.layers]
+        return [int(layer.key) for layer in self.layers]  # read now: _uninstall may run while a fake mode traces
 
     def _enter_hook(self, layer: AttentionLayer):
         ref = weakref.ref(self)  # weakly: the model's hooks must not keep a dropped Monitor alive

@@ -74,8 +74,10 @@ def register_layer(label: str, source: Optional[Callable[[torch.Tensor, float], 
     return torch.tensor(key, dtype=torch.int64)
 
 
-def unregister_layer(key: torch.Tensor) -> None:
-    """Forget a layer (calls that still name it get no hook and an unnamed log line)."""
+def unregister_layer(key: int) -> None:
+    """Forget a layer (calls that still name it get no hook and an unnamed log line). ``key``: the
+    integer its tensor holds, read when it was registered (this is called from finalizers, which may
+    run while a fake-tensor mode traces, where reading a tensor's value fails)."""
     _layers.pop(int(key), None)
 
 

@@ -425,3 +425,24 @@ def test_a_dropped_monitor_stops_routing_a_model_that_trains_on():
     assert F.scaled_dot_product_attention is sdpa, "the dropped Monitor still intercepts SDPA"
     assert all(not block.attn._forward_pre_hooks and not block.attn._forward_hooks for block in model.transformer.h)
     model(x, y)[1].backward()  # trains on, unmonitored
+
+
+def test_a_monitor_taken_off_while_a_fake_tensor_mode_traces_gives_sdpa_back():
+    """A router's hooks may come off at any time (its finalizer runs when the garbage collector
+    frees it), also while torch.compile traces under a fake-tensor mode. Taking them off reads no
+    tensor, and torch's SDPA is given back. Fail before: reading a layer's key tensor failed there,
+    the count of routers stayed up, SDPA stayed wrapped, and a later SDPA shim went unmeasured."""
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    before = F.scaled_dot_product_attention
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8)))
+    assert F.scaled_dot_product_attention is not before
+    with FakeTensorMode():
+        monitor._router._finalizer()  # what the garbage collector runs for a router freed there
+    assert F.scaled_dot_product_attention is before
+    monitor.detach()
+    monitor.close()
