@@ -77,7 +77,7 @@ def _auto_fix_sentence(result: dict) -> str:
     healthy = sum(1 for p in pairs if p["fix"]["survivor"])
     ratios = [p["loss_ratio"] for p in pairs if p["loss_ratio"] is not None]
     where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
-    return (f"**Acting on them** (a sixth test, {len(pairs)} of those seeds): "
+    return (f"**Acting on them** (pre-registered, {len(pairs)} of those seeds, one H200, {result['evaluated']}): "
             f"`auto_fix=\"fp32_delta\"` switched {where} in {len(first)} of {len(pairs)} runs (steps "
             f"{min(first):,}-{max(first):,}, on {', '.join(f'`{r}`' for r in rules)}) and {len(pairs) - healthy} of "
             f"{len(pairs)} blew up in {result['definitions']['min_steps']:,} steps, where their SDPA twins had "
