@@ -230,8 +230,9 @@ def _allowed_under_checkpoint(change, *args) -> None:
     forward is recomputed: compiled code carries the layer to the operators as an argument.
     Where this torch has no such allowance, the frame runs eagerly (measured, not compiled) and
     the Monitor says so (``checkpoint_fallbacks``)."""
-    allow = getattr(getattr(torch, "_dynamo", None) and torch._dynamo.utils,
-                    "_disable_side_effect_safety_checks_for_current_subtracer", None)
+    import torch._dynamo.utils  # imported already while torch.compile traces, the only time this runs
+
+    allow = getattr(torch._dynamo.utils, "_disable_side_effect_safety_checks_for_current_subtracer", None)
     if allow is None:
         change(*args)
     else:
@@ -654,9 +655,10 @@ class Router:
                                       enable_gqa, x)
 
     def _layer_arguments(self, layer: AttentionLayer, x: Any) -> dict:
-        """The operators' arguments naming the layer (its key, ``ops.register_layer``) and, where it
-        has a W^Q-error chain, the call's projection input for its rows hook."""
-        return {"x": x if layer.chain is not None else None, "layer": layer.key}
+        """The operators' arguments naming the layer (its key, ``ops.register_layer``) and the call's
+        projection input for its rows hook (None where the layer has no W^Q-error chain: the enter
+        hook takes X only for such layers)."""
+        return {"x": x, "layer": layer.key}
 
     def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, x=None):
         """The model's own SDPA output, marked for the statistics (``ops.observe``), or the
