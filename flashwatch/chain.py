@@ -52,6 +52,7 @@ singular pairs at every monitored step.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -130,7 +131,7 @@ class LayerChain:
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
         self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
-        self._projected = None  # (x, x . v, x Omega) of the current call (see _project)
+        self._projected = None  # (weakref to x, x . v, x Omega) of the current call (see _project)
         self._both = None  # [v^T | Omega] (C, H + r) for _project
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
@@ -148,14 +149,19 @@ class LayerChain:
 
     def _project(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x . v_h (B, H, N), x Omega (B, N, r)) for one call's projection input x (B, N, C), made once
-        per call: the rows hook and the query's gradient hook of a call share the same x."""
-        if self._projected is None or self._projected[0] is not x:
+        per call: the rows hook and the query's gradient hook of a call share the same x.
+
+        x is remembered weakly: x is the model's activation, which its backward frees; holding it
+        past the call would change when the model's memory is freed (under CUDA graphs,
+        ``torch.compile(mode="reduce-overhead")``, a graph recorded on an unmonitored step refuses
+        to replay when a tensor it freed then is still alive)."""
+        if self._projected is None or self._projected[0]() is not x:
             xf = self._check(x, t)
             h = self.num_heads
             if self._both is None:
                 self._both = torch.cat([self.v.T, self.omega], dim=1)  # (C, H + r)
             y = xf @ self._both  # (B, N, H + r): one product for both
-            self._projected = (x, y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous())
+            self._projected = (weakref.ref(x), y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous())
         return self._projected[1], self._projected[2]
 
     def _along_u(self, t: torch.Tensor) -> torch.Tensor:

@@ -404,6 +404,8 @@ class Monitor:
         t = self.global_step
         if self._router is not None:
             clear_routing_state()  # no forward runs between optimizer steps (one that raised left its layer pushed)
+            for layer in self.layers:  # nor the projection input it took
+                layer.chain_input = None
         ran = [layer.variant for layer in self.layers]  # what step t ran, before a decision below switches one
         # what a flush between the steps decided: acted on now, as if decided here
         new, self._due_alerts = self._due_alerts, []

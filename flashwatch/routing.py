@@ -450,7 +450,12 @@ class Router:
         if _compiling():
             _allowed_under_checkpoint(_pop, (_shared,))
         else:
+            current = _local.current
             _pop((_local, _shared))
+            if current is not None:
+                # the call has taken X (its rows hook holds it until the backward): keeping it here
+                # would hold the activation past the backward that frees it
+                current[1].chain_input = None
 
     # the call -----------------------------------------------------------------------------------
     def _log_once(self, key: tuple, message: str, *args) -> None:

@@ -405,6 +405,53 @@ def test_every_monitor_operator_is_left_out_of_cuda_graphs(mode):
     assert all(torch._C.Tag.cudagraph_unsafe in op.tags for op in wrapped), [str(op) for op in wrapped]
 
 
+@pytest.mark.parametrize("backend", (None,) + BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_monitor_keeps_no_activation_alive_after_the_backward(mode, backend, monkeypatch):
+    """The projection inputs the W^Q-error chain reads on a monitored step (the model's
+    activations) are freed when the model's backward frees them, not when the Monitor's step ends:
+    CUDA graphs (``mode="reduce-overhead"``) refuse to replay a graph recorded on an unmonitored
+    step when a tensor that died during its recording is still alive. Fail before: the chain kept
+    the last call's input until ``Monitor.step`` (own-kernel mode stopped training under
+    reduce-overhead on one H200: "graph recording observed an input tensor deallocate during graph
+    recording that did not occur during replay")."""
+    import gc
+    import weakref
+
+    from flashwatch import routing
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+    seen = []
+
+    class Recorded(routing._ChainRows):
+        def __init__(self, chain, x, scale, on_error):
+            seen.append(weakref.ref(x))
+            super().__init__(chain, x, scale, on_error)
+
+    monkeypatch.setattr(routing, "_ChainRows", Recorded)
+    data = stdlib_corpus(20_000)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, dropout=0.0))
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    run = model if backend is None else torch.compile(model, backend=backend)
+    for step in range(3):
+        x, y = sample_batch(data, 3, 32, generator=torch.Generator().manual_seed(step))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = run(x, y)[1]
+        loss.backward()
+        measured = loss.detach()
+        del loss
+        gc.collect()
+        assert len(seen) == 2 * (step + 1), "every layer's call of a monitored step has a rows hook"
+        assert all(ref() is None for ref in seen), f"step {step}: an activation outlived the backward"
+        model.zero_grad(set_to_none=True)
+        monitor.step(loss=measured)
+    assert monitor.snapshot()["flashwatch_wq_error_push"], "the chain was measured"
+    monitor.detach()
+    monitor.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_dynamic_shapes_compile_once_and_count_each_steps_rows(mode):
     """``torch.compile(dynamic=True)`` with a sequence length that changes from step to step (as
