@@ -744,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--markdown")
     t.add_argument("--require-complete", action="store_true",
                    help="leave out runs whose monitoring failed before their blow-up or end (the fourth protocol)")
+    t.add_argument("--protocol", help="the protocol file this test was registered in, recorded in the result with "
+                   "its commit (the result's 'protocol' is the one that froze the thresholds)")
     q = sub.add_parser("ratio", help="blow-up step over a rule's first firing step, per run of a test result")
     q.add_argument("result")
     q.add_argument("--rule", default="chain", choices=RULES + BASELINES)
@@ -815,10 +817,14 @@ def main(argv: list[str] | None = None) -> int:
         for r, v in result["thresholds"].items():
             print(f"{r:28s} {v:.6g}")
         return 0
+    if args.protocol and not Path(args.protocol).is_file():
+        raise SystemExit(f"--protocol {args.protocol}: no such file (a protocol under research/preregistration/)")
     frozen = json.loads(Path(args.thresholds).read_text())
     result = evaluate(_runs(args.runs), frozen, require_complete=args.require_complete)
     result["thresholds_file"] = args.thresholds
     result["thresholds_file_commit"] = _file_commit(Path(args.thresholds))
+    if args.protocol:
+        result["test_protocol"], result["test_protocol_commit"] = args.protocol, _file_commit(Path(args.protocol))
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     text = markdown(result)
     if args.markdown:

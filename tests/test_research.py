@@ -518,6 +518,12 @@ def test_auc_interval_and_verdict_against_a_brute_force_count():
         ew.main(["auc", "x", "--thresholds", "t.json", "--lead", "-5", "--out", "o.json"])
 
 
+def test_a_test_names_its_protocol_file_or_is_refused(tmp_path):
+    from research import early_warning as ew
+    with pytest.raises(SystemExit, match="--protocol nope.md: no such file"):
+        ew.main(["test", "x", "--thresholds", "t.json", "--out", str(tmp_path / "o.json"), "--protocol", "nope.md"])
+
+
 def test_the_fourth_protocol_leaves_incomplete_runs_out_of_every_count(monkeypatch):
     """evaluate(require_complete=True): a run whose monitoring failed before its blow-up (or end)
     is listed apart and counted nowhere; without the flag it is counted, its monitoring reported."""
