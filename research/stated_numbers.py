@@ -22,8 +22,7 @@ TEST_1 = ROOT / "results/seed-split-2026-12-01/test.json"
 TEST_1_TABLE = ROOT / "results/seed-split-2026-12-01/test.md"
 TEST_2 = ROOT / "results/seed-split-2/test.json"
 TEST_2_TABLE = ROOT / "results/seed-split-2/test.md"
-# the fourth protocol's runs made so far: its interim look at 400-415, then the outcomes of later blocks
-TEST_4_SO_FAR = (ROOT / "results/seed-split-4/interim-400-415.json", ROOT / "results/seed-split-5/outcomes-416-423.json")
+TEST_4 = ROOT / "results/seed-split-4/test.json"  # the fourth protocol's test (lr 1.5e-3, complete monitoring)
 TEST_2_SEEDS = 24  # the second protocol's test seeds (300-323)
 AUTO_FIX = ROOT / "results/seed-split-6/auto-fix.json"  # the sixth protocol's result (research.auto_fix_effect)
 README_HEAD = "**What the early warning predicts: not proven.** "
@@ -42,30 +41,24 @@ def _monitoring_sentence(*results: dict) -> str:
     runs = [v for r in results for v in r["runs"].values()]
     cut = sorted(v["monitoring"]["measured_through"] for v in runs if not v["monitoring"]["complete"])
     if not cut:
-        return "Every run was measured at every monitored step."
-    return (f"{len(cut)} of the {len(runs)} runs were measured only to steps {cut[0]:,}-{cut[-1]:,} (a defect, fixed): "
-            "detections are lower bounds.")
+        return "every run measured at every monitored step"
+    return (f"{len(cut)} of these {len(runs)} runs were measured only to steps {cut[0]:,}-{cut[-1]:,}, a defect, fixed: "
+            "detections are lower bounds")
 
 
-def _under_way_counts(result: dict) -> tuple[int, int, int]:
-    """(blew up, survived, left out as incompletely monitored) in an interim test result or an
-    ``outcomes`` result of ``research.early_warning``."""
-    runs = list(result["runs"].values())
-    if result.get("kind") == "outcomes":
-        complete = [v for v in runs if v["monitoring"]["complete"]]
-        survived = sum(1 for v in complete if v["outcome"]["survivor"])
-        return len(complete) - survived, survived, len(runs) - len(complete)
-    survived = sum(1 for v in runs if v["outcome"]["survivor"])
-    blew = len(runs) - survived + len(result["excluded_unconfirmed"])
-    return blew, survived, len(result["excluded_incomplete"])
-
-
-def _under_way_sentence(*so_far: dict) -> str:
-    """The fourth protocol's runs made so far (every one measured completely), from its interim
-    result and the outcomes of the blocks made after it."""
-    blew, survived, incomplete = (sum(c) for c in zip(*(_under_way_counts(r) for r in so_far)))
-    return (f"Under way (complete monitoring, lr 1.5e-3, 20,000 steps): {blew} of {blew + survived + incomplete} "
-            f"runs blew up so far, {survived} survived.")
+def _third_test_sentence(result: dict) -> str:
+    """The fourth protocol's test (the README's third), from its result: outcomes, verdict, and
+    what `chain` and the max logit did."""
+    t = result["table"]
+    chain, logit = t["chain"], t["max_logit"]
+    n_b, n_s = chain["blowups"], chain["survivors"]
+    verdicts = {t[r]["verdict"] for r in RULES}
+    verdict = ("undecided (a verdict needs 6 survivors)" if verdicts <= {"undecided", "fail"} and n_s < 6
+               else "see `docs/EXPERIMENTS.md` §12")
+    return (f"At lr 1.5e-3 ({result['evaluated']}, 20,000 steps, every step measured): {n_b} blew up, {n_s} "
+            f"survived: {verdict}; `chain` warned at least {MIN_LEAD:,} steps ahead of {_early(chain)}/{n_b} and "
+            f"fired on {chain['false_alarms']}/{n_s} survivors, the max logit (150) {_early(logit)}/{n_b} and "
+            f"{logit['false_alarms']}/{n_s}.")
 
 
 def _auto_fix_sentence(result: dict) -> str:
@@ -93,25 +86,24 @@ README_NAMES = {"chain": "`chain`: `delta_drift` and `wq_error_coherence` on one
 
 
 def readme_block() -> str:
-    """The README's early-warning paragraph and table (both registered tests); every number read
-    from the two result files. The paragraph is wrapped at 118 columns, as the README's prose."""
+    """The README's early-warning paragraph and table (the registered tests); every number read
+    from their result files. The paragraph is wrapped at 118 columns, as the README's prose."""
     r1, r2 = json.loads(TEST_1.read_text()), json.loads(TEST_2.read_text())
     t1, t2 = r1["table"], r2["table"]
     b1, s1 = t1["chain"]["blowups"], t1["chain"]["survivors"]
     b2, s2 = t2["chain"]["blowups"], t2["chain"]["survivors"]
     so_far = "" if b2 + s2 >= TEST_2_SEEDS else f" so far (of {TEST_2_SEEDS})"
-    passed = [r for r in RULES if "pass" in (t1[r]["verdict"], t2[r]["verdict"])]
+    t4 = json.loads(TEST_4.read_text())
+    passed = [r for r in RULES if "pass" in (t1[r]["verdict"], t2[r]["verdict"], t4["table"][r]["verdict"])]
     verdict = (f"Passed: {', '.join(f'`{r}`' for r in passed)} (now critical)." if passed else
                "No rule passed, so every alert is a warning: it says the rounding mechanism is at work in "
                "this run, not that this run will blow up.")
-    text = (README_HEAD + "Two pre-registered tests (`research/preregistration/`, one H200, 2026-12-01) on runs "
-            "that differ only by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds): "
-            f"at lr 2e-3, {b1 + s1} runs, {b1} blew up and {s1} survived 10,000 steps; at lr 1.75e-3, "
-            f"{b2 + s2} runs{so_far}, {b2} blew up and {s2} survived. A rule passes if it warns at least "
-            f"{MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm in 7 "
-            f"survivors. {verdict} {_monitoring_sentence(r1, r2)} "
-            f"{_under_way_sentence(*(json.loads(f.read_text()) for f in TEST_4_SO_FAR))} "
-            f"{_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} Every rule: `docs/EXPERIMENTS.md` §9-13.")
+    text = (README_HEAD + "Pre-registered tests (`research/preregistration/`, one H200) on runs that differ only "
+            "by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds); a rule passes if it warns at least "
+            f"{MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm in 7 survivors. "
+            f"At lr 2e-3 (2026-12-01), {b1 + s1} runs: {b1} blew up, {s1} survived 10,000 steps; at lr 1.75e-3, "
+            f"{b2 + s2} runs{so_far}: {b2} and {s2} ({_monitoring_sentence(r1, r2)}). {_third_test_sentence(t4)} "
+            f"{verdict} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} Every rule: `docs/EXPERIMENTS.md` §9-13.")
     rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | same, lr 1.75e-3 | false alarms, lr 1.75e-3 |",
             "|---|---|---|---|"]
     for r in README_RULES:

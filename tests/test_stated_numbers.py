@@ -25,7 +25,7 @@ def test_the_readme_paragraph_follows_the_result_file(tmp_path, monkeypatch):
     assert stated_numbers.differences()
 
 
-@pytest.mark.parametrize("name", ["TEST_1", "TEST_2"])
+@pytest.mark.parametrize("name", ["TEST_1", "TEST_2", "TEST_4"])
 def test_the_result_file_records_the_frozen_thresholds_it_used(name):
     result = json.loads(getattr(stated_numbers, name).read_text())
     frozen = json.loads((ROOT / "research/preregistration/early-warning-thresholds.json").read_text())
@@ -34,16 +34,19 @@ def test_the_result_file_records_the_frozen_thresholds_it_used(name):
         {k: v for k, v in frozen["thresholds"].items() if k in result["table"]}
 
 
-def test_the_runs_under_way_add_an_interim_result_and_later_outcomes():
-    """The under-way sentence counts both kinds of file: an interim test (unconfirmed blow-ups listed
-    apart) and an outcomes file (runs monitored incompletely counted in the total, not as blow-ups)."""
-    interim = {"runs": {"a": {"outcome": {"survivor": True}}, "b": {"outcome": {"survivor": False}}},
-               "excluded_unconfirmed": [{"seed": 3}], "excluded_incomplete": [{"seed": 4}]}
-    later = {"kind": "outcomes", "runs": {
-        "c": {"outcome": {"survivor": False}, "monitoring": {"complete": True}},
-        "d": {"outcome": {"survivor": True}, "monitoring": {"complete": True}},
-        "e": {"outcome": {"survivor": False}, "monitoring": {"complete": False}}}}
-    assert stated_numbers._under_way_sentence(interim, later).endswith("3 of 7 runs blew up so far, 2 survived.")
+def test_the_third_test_sentence_follows_its_result_file(tmp_path, monkeypatch):
+    """The fourth protocol's sentence reads its counts and verdict from the result: a changed count
+    changes the README paragraph, and a passing rule is not called undecided."""
+    result = json.loads(stated_numbers.TEST_4.read_text())
+    result["table"]["chain"]["lead_ge_1000"] = 17
+    changed = tmp_path / "test.json"
+    changed.write_text(json.dumps(result))
+    monkeypatch.setattr(stated_numbers, "TEST_4", changed)
+    n_b, n_s = result["table"]["chain"]["blowups"], result["table"]["chain"]["survivors"]
+    assert f"ahead of 17/{n_b} and" in " ".join(stated_numbers.readme_block().split())
+    assert stated_numbers.differences()
+    result["table"]["chain"]["verdict"] = "pass"
+    assert "undecided" not in stated_numbers._third_test_sentence(result)
 
 
 def test_the_auto_fix_sentence_follows_its_result_file(tmp_path, monkeypatch):
