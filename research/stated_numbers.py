@@ -104,11 +104,13 @@ def readme_block() -> str:
             f"At lr 2e-3 (2026-12-01), {b1 + s1} runs: {b1} blew up, {s1} survived 10,000 steps; at lr 1.75e-3, "
             f"{b2 + s2} runs{so_far}: {b2} and {s2} ({_monitoring_sentence(r1, r2)}). {_third_test_sentence(t4)} "
             f"{verdict} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} Every rule: `docs/EXPERIMENTS.md` §9-13.")
-    rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | same, lr 1.75e-3 | false alarms, lr 1.75e-3 |",
-            "|---|---|---|---|"]
+    t3 = t4["table"]
+    b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
+    rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3 | false alarms, lr 1.75e-3 "
+            "| lr 1.5e-3 |", "|---|---|---|---|---|---|"]
     for r in README_RULES:
         rows.append(f"| {README_NAMES.get(r, f'`{r}`')} | {_early(t1[r])}/{b1} | {_early(t2[r])}/{b2} | "
-                    f"{t2[r]['false_alarms']}/{s2} |")
+                    f"{_early(t3[r])}/{b3} | {t2[r]['false_alarms']}/{s2} | {t3[r]['false_alarms']}/{s3} |")
     paragraph = textwrap.fill(text, 118, break_on_hyphens=False, break_long_words=False)
     return paragraph + "\n\n" + "\n".join(rows)
 
