@@ -405,6 +405,25 @@ def test_every_monitor_operator_is_left_out_of_cuda_graphs(mode):
     assert all(torch._C.Tag.cudagraph_unsafe in op.tags for op in wrapped), [str(op) for op in wrapped]
 
 
+def _reachable_tensors(root) -> list:
+    """Every tensor reachable from ``root`` through object references (modules, classes and module
+    namespaces not entered: they reach the whole process)."""
+    import gc
+    import types
+
+    seen, stack, found = set(), [root], []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (types.ModuleType, type)) or (
+                isinstance(obj, dict) and "__builtins__" in obj):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        stack.extend(gc.get_referents(obj))
+    return found
+
+
 @pytest.mark.parametrize("backend", (None,) + BACKENDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_the_monitor_keeps_no_activation_alive_after_the_backward(mode, backend, monkeypatch):
@@ -445,6 +464,13 @@ def test_the_monitor_keeps_no_activation_alive_after_the_backward(mode, backend,
         gc.collect()
         assert len(seen) == 2 * (step + 1), "every layer's call of a monitored step has a rows hook"
         assert all(ref() is None for ref in seen), f"step {step}: an activation outlived the backward"
+        # nor any other tensor of the model's activation shapes (batch 3, 32 positions: q, k, v, the
+        # attention output, its gradient) that the Monitor reaches; the chain's own products of the
+        # last call's X (x . v, x Omega: made by the Monitor, kept for the query's gradient hook) aside
+        own = {id(t) for layer in monitor.layers if layer.chain._projected for t in layer.chain._projected[1:]}
+        alive = [tuple(t.shape) for t in _reachable_tensors(monitor) if t.dim() >= 3 and t.shape[0] == 3
+                 and 32 in t.shape[1:] and id(t) not in own]
+        assert not alive, f"step {step}: tensors of activation shape alive after the backward: {alive}"
         model.zero_grad(set_to_none=True)
         monitor.step(loss=measured)
     assert monitor.snapshot()["flashwatch_wq_error_push"], "the chain was measured"
