@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|fastdefaults|bench|ab|sweep|tune|overhead|compiled|
-#                                   autotune|kernels|graphs|ddp|host|lab ...]   (default: tests bench)
+#                                   autotune|kernels|graphs|profile|ddp|host|lab ...]   (default: tests bench)
 # alltests: every test marked gpu (gpu_alltests.log; the opt-in Hopper variants apart, gpu_hopper_tests.log);
 # fastdefaults: the default path's with the cached launch and the chain's in-kernel
 # reduction on (the check before they become defaults); autotune: the compiled arms under
@@ -10,7 +10,8 @@
 # newtests: every GPU test (kernels, compile, formats, chain, lifecycle, masks, coverage, the launch cache,
 # the Hopper variants, the chain's in-kernel reduction); compiled: the
 # Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode); graphs: CUDA graphs
-# (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings
+# (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings;
+# profile: where an eager monitored step's extra device time goes (torch.profiler, observe mode)
 # ab: benchmarks/kernel_ab.py against kernels/_ab_before (a copy of an earlier revision's kernels/
 # folder; or kernels/_ab_before.py, an earlier single-file kernels/triton_attn.py), then every
 # kernels/_ab_before_* beside it; git-ignored, so pass them in the device tool's carry
@@ -65,6 +66,7 @@ for step in $steps; do
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;
     host) timeout 200 python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/host_overhead.log" ;;
+    profile) timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 | tee "$OUT/profile_monitored_step.log" | tail -30 ;;
     lab) timeout 200 python3 -m research.lab --device cuda --json "$OUT/lab.json" 2>&1 | tee "$OUT/lab.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac
