@@ -27,7 +27,9 @@ TEST_2_SEEDS = 24  # the second protocol's test seeds (300-323)
 AUTO_FIX = ROOT / "results/seed-split-6/auto-fix.json"  # the sixth protocol's result (research.auto_fix_effect)
 README_HEAD = "**What the early warning predicts: not proven.** "
 README_ANCHOR = "**What the early warning predicts:"  # where the paragraph starts, whatever its verdict
-TABLES = {9: (TEST_1_TABLE, "<!-- test.md: generated"), 10: (TEST_2_TABLE, "<!-- test-2.md: generated")}
+TEST_4_TABLE = ROOT / "results/seed-split-4/test.md"
+TABLES = {9: (TEST_1_TABLE, "<!-- test.md: generated"), 10: (TEST_2_TABLE, "<!-- test-2.md: generated"),
+          12: (TEST_4_TABLE, "<!-- test-4.md: generated")}
 TABLE_END = "<!-- end test.md -->"
 
 
