@@ -2,6 +2,7 @@
 ``auto_fix`` prevent the blow-ups of the seed-split configuration, and what does it cost?
 
     python -m research.auto_fix_effect FIX_RUNS... --twins TWIN_RUNS... --out R.json [--markdown R.md]
+        [--label NAME --min-cases N --min-prevented SHARE]   (other treatments: the seventh protocol's controls)
 
 FIX_RUNS: runs of the arm ``auto_fix_lr0.0015``; TWIN_RUNS: the same seeds' runs of
 ``sdpa_observe_lr0.0015`` (the fourth protocol's), folders or folders holding them. Runs are
@@ -79,8 +80,11 @@ def pair(fix_dir: Path, twin_dir: Path) -> dict:
     return row
 
 
-def evaluate(fix_dirs: list[Path], twin_dirs: list[Path]) -> dict:
-    """Pair the runs by seed and apply the protocol's claim."""
+def evaluate(fix_dirs: list[Path], twin_dirs: list[Path], label: str = "auto_fix", min_cases: int = MIN_CASES,
+             min_prevented: float = MIN_PREVENTED) -> dict:
+    """Pair the runs by seed and apply the protocol's claim: ``label`` names the treatment of the
+    fix runs (auto_fix, or a control arm), the claim needs ``min_prevented`` of at least
+    ``min_cases`` confirmed twin blow-ups prevented."""
     twins = {read_run(d).get("seed"): d for d in twin_dirs}
     fixes = {read_run(d).get("seed"): d for d in fix_dirs}
     unpaired = sorted(set(twins) ^ set(fixes), key=str)
@@ -89,13 +93,13 @@ def evaluate(fix_dirs: list[Path], twin_dirs: list[Path]) -> dict:
     prevented = sum(1 for r in cases if r["prevented"])
     incomplete = [r["seed"] for r in rows if not r["fix_complete"]]
     ratios = [r["loss_ratio"] for r in rows if r["loss_ratio"] is not None]
-    if incomplete or len(cases) < MIN_CASES:
+    if incomplete or len(cases) < min_cases:
         verdict = "undecided"
     else:
-        verdict = "shown" if prevented >= MIN_PREVENTED * len(cases) else "not shown"
-    return {"kind": "auto_fix_effect", "evaluated": time.strftime("%Y-%m-%d"), "commit": _commit(),
+        verdict = "shown" if prevented >= min_prevented * len(cases) else "not shown"
+    return {"kind": "auto_fix_effect", "label": label, "evaluated": time.strftime("%Y-%m-%d"), "commit": _commit(),
             "definitions": {"min_steps": MIN_STEPS, "loss_window": LOSS_WINDOW, "late_window": LATE_WINDOW,
-                            "speed_span": SPEED_SPAN, "min_prevented": MIN_PREVENTED, "min_cases": MIN_CASES},
+                            "speed_span": SPEED_SPAN, "min_prevented": min_prevented, "min_cases": min_cases},
             "pairs": rows, "unpaired_seeds": unpaired, "incomplete_fix_runs": incomplete,
             "cases": len(cases), "prevented": prevented, "verdict": verdict,
             "switched_runs": sum(1 for r in rows if r["first_switch"] is not None),
@@ -106,12 +110,13 @@ def evaluate(fix_dirs: list[Path], twin_dirs: list[Path]) -> dict:
 def markdown(result: dict) -> str:
     """The verdict line, then one row per seed."""
     fmt = lambda x, f="{:,}": "-" if x is None else f.format(x)
-    head = (f"auto_fix prevented {result['prevented']} of {result['cases']} confirmed blow-ups of the twins: "
+    label = result.get("label", "auto_fix")
+    head = (f"{label} prevented {result['prevented']} of {result['cases']} confirmed blow-ups of the twins: "
             f"**{result['verdict']}** (the claim needs >= {result['definitions']['min_prevented']:.0%} of at least "
             f"{result['definitions']['min_cases']}). Switched in {result['switched_runs']} of {len(result['pairs'])} runs. "
             f"Loss over steps {result['definitions']['loss_window'][0]:,}-{result['definitions']['loss_window'][1]:,}, "
             f"fix / twin: mean {fmt(result['loss_ratio_mean'], '{:.4f}')}.")
-    lines = [head, "", "| seed | twin (SDPA) | auto_fix run | first switch (layers) | loss ratio | late loss ratio "
+    lines = [head, "", f"| seed | twin (SDPA) | {label} run | first switch (layers) | loss ratio | late loss ratio "
              "| ms/step before / after switch |", "|---|---|---|---|---|---|---|"]
     for r in result["pairs"]:
         def told(o):
@@ -130,12 +135,19 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m research.auto_fix_effect", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="the auto_fix runs")
+    p.add_argument("runs", nargs="+", help="the auto_fix runs (or a control arm's: --label)")
     p.add_argument("--twins", nargs="+", required=True, help="the same seeds' SDPA runs")
     p.add_argument("--out", required=True)
     p.add_argument("--markdown")
+    p.add_argument("--label", default="auto_fix", help="the treatment's name in the result (default auto_fix)")
+    p.add_argument("--min-cases", type=int, default=MIN_CASES, help=f"cases the claim needs (default {MIN_CASES})")
+    p.add_argument("--min-prevented", type=float, default=MIN_PREVENTED,
+                   help=f"share of the cases to prevent (default {MIN_PREVENTED})")
     args = p.parse_args(argv)
-    result = evaluate(_runs(args.runs), _runs(args.twins))
+    if args.min_cases < 1 or not 0.0 < args.min_prevented <= 1.0:
+        raise SystemExit(f"--min-cases must be >= 1 and --min-prevented in (0, 1] "
+                         f"(got {args.min_cases} and {args.min_prevented})")
+    result = evaluate(_runs(args.runs), _runs(args.twins), args.label, args.min_cases, args.min_prevented)
     if not result["pairs"]:
         raise SystemExit(f"no seed has a run in both groups (auto_fix runs' and twins' seeds differ: "
                          f"{result['unpaired_seeds']})")

@@ -29,6 +29,7 @@
 #   bash research/gpu_batch.sh split3          # the third protocol's runs to 20,000 steps (SPLIT_SEEDS: reruns or 340-347)
 #   bash research/gpu_batch.sh split4          # the fourth protocol's runs, lr 1.5e-3, to 20,000 steps (SPLIT_SEEDS=400-415)
 #   bash research/gpu_batch.sh split6          # the sixth protocol's auto_fix runs: seeds 400-407 at lr 1.5e-3, 13,000 steps
+#   bash research/gpu_batch.sh split7          # the seventh protocol's controls: FP32 and fp32_delta, seeds 400,402,404,406, lr 1.5e-3
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
 #                                              # one GPU), one piece per call like split-*: the first call
 #                                              # starts with a 20-step CUDA smoke of its arms
@@ -51,7 +52,7 @@ CODE="code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || e
 VERSIONS=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)")
 echo "$CODE"; echo "$VERSIONS"
 case "${1:-1}" in
-split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6)
+split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -65,9 +66,10 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
     split3) what=(--arms sdpa_observe_lr0.00175 --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=test3 ;;
     split4) what=(--arms sdpa_observe_lr0.0015 --seeds ${SPLIT_SEEDS:-400-415} --max-steps 20000); tag=test4 ;;
     split6) what=(--arms auto_fix_lr0.0015 --seeds 400-407 --max-steps 13000); tag=test6 ;;
+    split7) what=(--arms fp32_lr0.0015,fp32_delta_lr0.0015 --seeds 400,402,404,406 --max-steps 13000); tag=test7 ;;
   esac
-  if { [ "$tag" = test4 ] || [ "$tag" = test6 ]; } && [ ! -d "$SPLIT_RUNS/$tag" ]; then
-    # the fourth and sixth protocols count only runs measured at every monitored step: check on this GPU first
+  if { [ "$tag" = test4 ] || [ "$tag" = test6 ] || [ "$tag" = test7 ]; } && [ ! -d "$SPLIT_RUNS/$tag" ]; then
+    # the fourth, sixth and seventh protocols count only runs measured at every monitored step: check on this GPU first
     # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)
     python3 -m pytest -q -p no:cacheprovider tests/test_resume_gpu.py > /tmp/resume-check.log 2>&1 \
       || { tail -30 /tmp/resume-check.log; echo "resume check failed: not starting the runs"; exit 1; }
@@ -83,7 +85,7 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
   # the recordings without checkpoints (what the claims need), every call, so nothing is lost; one
   # archive per ten seeds (seed20*, seed21*, ...), each under the 16 MiB a returned file may have
   # (20,000-step runs: one archive per three runs)
-  if [ "$tag" = test3 ] || [ "$tag" = test4 ]; then
+  if [ "$tag" = test3 ] || [ "$tag" = test4 ] || [ "$tag" = test7 ]; then
     (cd "$SPLIT_RUNS/$tag" && ls -d */*/seed* | xargs -n 3 | while read -r group; do
        tar czf "$OUT/seed-split-$tag-runs-$(echo $group | sed 's#[^ ]*/seed##g; s# #-#g').tgz" --exclude=checkpoint.pt $group
      done)

@@ -714,3 +714,25 @@ def test_auto_fix_effect_pairs_seeds_and_counts_prevented_blowups(tmp_path):
     assert result["verdict"] == "undecided" and len(result["incomplete_fix_runs"]) == 7
     with pytest.raises(SystemExit, match="no seed has a run in both groups"):
         afe.main([str(cut / "s400"), "--twins", str(twins / "s408"), "--out", str(tmp_path / "r.json")])
+
+
+def test_a_control_arm_is_judged_with_its_own_label_and_bounds(tmp_path):
+    """The seventh protocol's controls: four twins blow up, four control runs (no switches) survive
+    13,000 steps: 4 of 4 prevented is "shown" under --min-cases 4 --min-prevented 1.0 and
+    "undecided" under the sixth protocol's defaults (5 cases); one blow-up among them is "not
+    shown"; the label names the treatment in the table; bad bounds are refused."""
+    from research import auto_fix_effect as afe
+
+    twins, controls = tmp_path / "twins", tmp_path / "controls"
+    for seed in (400, 402, 404, 406):
+        _recorded_run(twins / f"s{seed}", seed, _curve(10_500, blowup=9_000))
+        _recorded_run(controls / f"s{seed}", seed, _curve(13_000))
+    result = afe.evaluate(sorted(controls.iterdir()), sorted(twins.iterdir()), "fp32", 4, 1.0)
+    assert (result["cases"], result["prevented"], result["verdict"], result["switched_runs"]) == (4, 4, "shown", 0)
+    assert result["label"] == "fp32" and "| seed | twin (SDPA) | fp32 run |" in afe.markdown(result)
+    assert afe.evaluate(sorted(controls.iterdir()), sorted(twins.iterdir()))["verdict"] == "undecided"
+    _recorded_run(tmp_path / "late" / "s406", 406, _curve(12_000, blowup=10_000))
+    mixed = [controls / f"s{s}" for s in (400, 402, 404)] + [tmp_path / "late" / "s406"]
+    assert afe.evaluate(mixed, sorted(twins.iterdir()), "fp32", 4, 1.0)["verdict"] == "not shown"
+    with pytest.raises(SystemExit, match="--min-prevented in"):
+        afe.main([str(controls), "--twins", str(twins), "--out", str(tmp_path / "r.json"), "--min-prevented", "0"])

@@ -311,6 +311,12 @@ SEED_SPLIT = Scenario(
             monitor={"mode": "observe", "auto_fix": "fp32_delta"}, lr=SPLIT_LR_4,
             note="the sixth pre-registered test (research/preregistration/): the fourth protocol's seeds again, "
                  "a layer flagged by the default auto_fix rules moved to the fp32_delta kernel"),
+        Arm(f"fp32_lr{SPLIT_LR_4:g}", f"as fp32, at lr {SPLIT_LR_4:g}", "healthy", precision="fp32",
+            monitor={"mode": "observe"}, lr=SPLIT_LR_4,
+            note="the seventh pre-registered test's FP32 control (research/preregistration/)"),
+        Arm(f"fp32_delta_lr{SPLIT_LR_4:g}", f"as fp32_delta, at lr {SPLIT_LR_4:g}", "healthy",
+            monitor=_own("fp32_delta"), lr=SPLIT_LR_4,
+            note="the seventh pre-registered test's fp32_delta control (research/preregistration/)"),
     ),
     default_arms=("sdpa_observe",),
 )
