@@ -45,8 +45,11 @@ class AttentionLayer:
             step (counted by the router, also inside compiled graphs; reset by the Monitor).
         low_precision: whether the last measured call's output was BF16/FP16 (None before any).
         chain: the layer's W^Q-error accumulators (``flashwatch.chain.LayerChain``), None where
-            that chain is not defined (rotary queries, explicitly named modules, sharded weights).
+            that chain is not defined (explicitly named modules, sharded weights).
         chain_input: the module's input at the current monitored call (the projection input X).
+        chain_rotation: that call's rotary position embeddings (cos, sin) where the family's
+            queries are rotated (None otherwise, or where the call names none).
+        rotary: whether the family rotates its queries (``Family.rotary``).
         placement: how this rank holds W^Q in a sharded model (``flashwatch.sharded.QueryPlacement``,
             from the query-weight function's ``placement``), None for a whole weight.
         head_offset: the global index of this rank's first head (tensor parallelism: ``num_heads``
@@ -69,6 +72,8 @@ class AttentionLayer:
     low_precision: bool | None = None
     chain: Any = field(default=None, repr=False)
     chain_input: Any = field(default=None, repr=False)
+    chain_rotation: Any = field(default=None, repr=False)
+    rotary: bool = field(default=False, init=False, repr=False)
     key: Any = field(default=None, repr=False)  # the compiled operators' key of this layer (kernels.ops.register_layer)
     format: str = "bf16"
     placement: Any = field(default=None, repr=False)
@@ -76,6 +81,7 @@ class AttentionLayer:
     total_heads: int = 0
 
     def __post_init__(self):
+        self.rotary = any(f.rotary for f in FAMILIES if f.name == self.family)
         if self.placement is None:
             self.placement = getattr(self.query_weight_fn, "placement", None)
         if self.placement is not None and self.placement.kind == "tensor_parallel":

@@ -40,9 +40,12 @@ receives (``add_rows``, the same formula). The true gradient's push is one (D, C
 matrix-vector product per head and backward, on W^Q's gradient.
 
 The pair (u, v) is the power iteration's as of the previous monitored step (the vectors move
-slowly; the first monitored step uses the exact pair from attach). Only defined where the
-query the attention sees is the projection's output (``flashwatch.families``: not for rotary
-queries), and where a rank holds W^Q whole (not for sharded models); other layers read NaN.
+slowly; the first monitored step uses the exact pair from attach). Defined where the query the
+attention sees is the projection's output, or that output turned by rotary position embeddings
+(RoPE, ``flashwatch.families``) whose rotation the call names: each row's error is turned back
+(``unrotate``) before it is mapped onto W^Q, on the PyTorch path (eager code only: compiled code
+does not carry the rotation to the operators, so its rotary layers read NaN). Not defined where
+a rank holds W^Q in pieces (sharded models): those layers read NaN.
 
 ``LayerChain`` holds one layer's accumulators; ``Chains`` is the Monitor's view of all its
 layers' chains: made at attach, averaged over data-parallel ranks, read, and given the next
@@ -60,13 +63,41 @@ import torch
 from .families import FAMILIES
 from .signals import top_eigenvector
 
-__all__ = ["FIELDS", "SKETCH_DIM", "CHAIN_FAMILIES", "LayerChain", "Chains", "top_pair"]
+__all__ = ["FIELDS", "SKETCH_DIM", "CHAIN_FAMILIES", "LayerChain", "Chains", "top_pair", "unrotate",
+           "check_rotation"]
 
 FIELDS = ("push", "push_true", "alignment", "coherence")
 SKETCH_DIM = 64  # r: a random cosine reads about N(0, 1/64), sd 0.125
 _SEED = 20260101  # fixed: Omega is part of the definition, so a resumed run uses the same one
-# model families whose query is the projection's output of the module's input (dQ maps onto W^Q)
-CHAIN_FAMILIES = frozenset(f.name for f in FAMILIES if not f.rotary)
+# model families whose query is the projection's output of the module's input, possibly rotated
+# (dQ, turned back where rotated, maps onto W^Q)
+CHAIN_FAMILIES = frozenset(f.name for f in FAMILIES)
+
+
+def unrotate(t: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The gradient of the query before rotary position embeddings from its gradient after them.
+
+    Hugging Face's RoPE turns a query row q (head dim D, halves q1, q2) into q cos + [-q2, q1] sin
+    with ``rotation = (cos, sin)``, each (B or 1, N, D); its transpose maps a gradient row g to
+    g cos + [(g sin)2, -(g sin)1]. ``t``: (B, H, N, D) rows after the rotation; returns them before
+    it, in float32."""
+    cos, sin = (r.float()[:, None] for r in rotation)  # (B or 1, 1, N, D)
+    t = t.float()
+    y = sin * t
+    half = t.shape[-1] // 2
+    return cos * t + torch.cat([y[..., half:], -y[..., :half]], dim=-1)
+
+
+def check_rotation(rotation: Any, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``rotation`` as (cos, sin) if it is one for N = ``n`` positions of head dim ``d`` (each
+    (B or 1, n, d), d even), else None."""
+    if not (isinstance(rotation, (tuple, list)) and len(rotation) == 2
+            and all(isinstance(r, torch.Tensor) for r in rotation)):
+        return None
+    cos, sin = rotation
+    if cos.shape != sin.shape or cos.dim() != 3 or tuple(cos.shape[1:]) != (n, d) or d % 2:
+        return None
+    return cos.detach(), sin.detach()
 
 
 def _omega(width: int, device: torch.device) -> torch.Tensor:
@@ -169,13 +200,17 @@ class LayerChain:
         return torch.matmul(t.float(), self.u[None, :, :, None])[..., 0]
 
     @torch.no_grad()
-    def add_rows(self, x: torch.Tensor, e_rows: torch.Tensor, pk: torch.Tensor, scale: float) -> None:
+    def add_rows(self, x: torch.Tensor, e_rows: torch.Tensor, pk: torch.Tensor, scale: float,
+                 rotation: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """One call's rows: e_rows (B, H, N), pk (B, H, N, D), x (B, N, C) (the PyTorch paths).
 
         dQ_err = c[..., None] * pk with c = -scale * e_rows, so u^T dG v = sum_rows c (pk . u)(x . v)
         and the sketch dG Omega = sum_rows c pk^T (x Omega), both without forming dQ_err. The
-        Triton kernels add the same sums in their epilogue instead (``reduction``)."""
+        Triton kernels add the same sums in their epilogue instead (``reduction``). A rotated
+        query (``rotation``: the call's RoPE (cos, sin)) has its rows turned back first."""
         self._touched = True
+        if rotation is not None:
+            pk = unrotate(pk, rotation)
         xv, xo = self._project(x, pk)
         c = (-scale) * e_rows.float()  # (B, H, N)
         self.ugv += (c * self._along_u(pk) * xv).sum(dim=(0, 2))
@@ -199,9 +234,13 @@ class LayerChain:
         self.rows_calls += 1
 
     @torch.no_grad()
-    def add_query_grad(self, x: torch.Tensor, dq: torch.Tensor) -> None:
-        """The true gradient's push from one call's dQ (B, H, N, D) and its projection input x."""
+    def add_query_grad(self, x: torch.Tensor, dq: torch.Tensor,
+                       rotation: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The true gradient's push from one call's dQ (B, H, N, D) and its projection input x
+        (dQ turned back first where the query was rotated: ``rotation``, as ``add_rows``)."""
         self._touched = True
+        if rotation is not None:
+            dq = unrotate(dq, rotation)
         xv, _ = self._project(x, dq)
         self.push_true -= (self._along_u(dq) * xv).sum(dim=(0, 2)).double()
         self.grad_calls += 1

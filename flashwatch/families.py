@@ -27,7 +27,8 @@ Families:
 
 ``rotary`` says whether the query the attention sees is the projection's output turned by a
 position-dependent rotation; quantities that map the query gradient back onto W^Q through
-the projection's input (the W^Q-gradient error) are only defined without one.
+the projection's input (the W^Q-gradient error) turn it back first, with the rotation the call
+names (``flashwatch.chain.unrotate``).
 """
 
 from __future__ import annotations

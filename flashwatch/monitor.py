@@ -282,8 +282,13 @@ class Monitor:
         no_chain = [f"{l.index}={l.name} ({l.family})" for l in self.layers if l.chain is None]
         if no_chain and sharding is None:
             log.info("flashwatch: the W^Q-error metrics (flashwatch_wq_error_*) are NaN for layers %s: they need a "
-                     "query that is the projection's output of the module's input (nanoGPT-style or Hugging Face "
-                     "GPT-2 attention; not rotary queries, not explicitly named modules)", ", ".join(no_chain))
+                     "query that is the projection's output of the module's input (nanoGPT-style, Hugging Face "
+                     "GPT-2 or Llama-style attention; not explicitly named modules)", ", ".join(no_chain))
+        rotary = [f"{l.index}={l.name}" for l in self.layers if l.chain is not None and l.rotary]
+        if rotary:
+            log.info("flashwatch: layers %s rotate their queries (RoPE): their W^Q-error metrics are measured in "
+                     "eager code from each call's position_embeddings, and read NaN under torch.compile",
+                     ", ".join(rotary))
 
     def detach(self) -> None:
         """Remove every hook and restore ``torch.nn.functional.scaled_dot_product_attention``.
@@ -404,8 +409,8 @@ class Monitor:
         t = self.global_step
         if self._router is not None:
             clear_routing_state()  # no forward runs between optimizer steps (one that raised left its layer pushed)
-            for layer in self.layers:  # nor the projection input it took
-                layer.chain_input = None
+            for layer in self.layers:  # nor the projection input and rotation it took
+                layer.chain_input = layer.chain_rotation = None
         ran = [layer.variant for layer in self.layers]  # what step t ran, before a decision below switches one
         # what a flush between the steps decided: acted on now, as if decided here
         new, self._due_alerts = self._due_alerts, []

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 from .attach import AttentionLayer
 from .call_support import MEASURED, statistics_route, unsupported_reason
+from .chain import check_rotation
 from .families import FAMILIES
 
 log = logging.getLogger("flashwatch")
@@ -268,16 +269,19 @@ class _ChainRows:
     it with the rows (``LayerChain.add_rows``); the Triton kernels take its ``reduction`` and
     reduce the rows in-kernel. Failures are reported and never reach the backward."""
 
-    def __init__(self, chain: Any, x: torch.Tensor, scale: float, on_error: Callable):
-        self.chain, self.x, self.scale, self.on_error = chain, x, scale, on_error
+    def __init__(self, chain: Any, x: torch.Tensor, scale: float, on_error: Callable,
+                 rotation: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.chain, self.x, self.scale, self.on_error, self.rotation = chain, x, scale, on_error, rotation
 
     def __call__(self, e_rows, pk):
         try:
-            self.chain.add_rows(self.x, e_rows, pk, self.scale)
+            self.chain.add_rows(self.x, e_rows, pk, self.scale, self.rotation)
         except Exception as exc:
             self.on_error("wq_error_chain", exc)
 
     def reduction(self, q):
+        if self.rotation is not None:
+            return None  # the kernels reduce unrotated rows only: they store the rows for __call__
         try:
             found = self.chain.reduction(self.x, q)
             found.check(q)  # a mismatch (a model moved since attach) is reported here, not in the backward
@@ -431,9 +435,21 @@ class Router:
             # Face's hidden_states). Compiled code carries it to the operators on every step
             # (whether a step is monitored is read when they run: no guard on it); eager code
             # takes it on monitored steps only
+            # (a rotated query needs the call's rotation, which compiled code does not carry to
+            # the operators: no chain there)
             if router is not None and layer.chain is not None and (
-                    compiling or (router.monitoring and torch.is_grad_enabled())):
+                    not layer.rotary if compiling else (router.monitoring and torch.is_grad_enabled())):
                 x = _as_projected(args[0] if args else kwargs.get("hidden_states", kwargs.get("x")))
+            rotation = None
+            if layer.rotary and x is not None and not compiling:
+                rotation = check_rotation(kwargs.get("position_embeddings", args[1] if len(args) > 1 else None),
+                                          x.shape[1] if x.dim() == 3 else -1, layer.chain.head_dim)
+                if rotation is None:
+                    router._log_once(("rotation", layer.index),
+                                     "flashwatch: layer %d (%s): the W^Q-error metrics of a rotary layer need the "
+                                     "call's position_embeddings=(cos, sin), each (batch or 1, positions, head dim); "
+                                     "this call names none: they read NaN", layer.index, layer.name)
+                    x = None
             # pushed whatever the router: the exit hook pops once per forward
             current = (router, layer, x if compiling else None) if router is not None else None
             if compiling:
@@ -442,6 +458,7 @@ class Router:
                 _push((_local, _shared), current)
             if layer.chain is not None and not compiling:
                 layer.chain_input = x.detach() if x is not None else None
+                layer.chain_rotation = rotation
             return None
         return enter
 
@@ -455,7 +472,7 @@ class Router:
             if current is not None:
                 # the call has taken X (its rows hook holds it until the backward): keeping it here
                 # would hold the activation past the backward that frees it
-                current[1].chain_input = None
+                current[1].chain_input = current[1].chain_rotation = None
 
     # the call -----------------------------------------------------------------------------------
     def _log_once(self, key: tuple, message: str, *args) -> None:
@@ -517,7 +534,7 @@ class Router:
         push is read (W^Q's gradient hook, once per step; else a hook on this call's query
         gradient) and return the rows hook of the statistics pass; None otherwise. Failures
         are reported and never reach the backward."""
-        chain, x = layer.chain, layer.chain_input
+        chain, x, rotation = layer.chain, layer.chain_input, layer.chain_rotation
         if chain is None or x is None or not isinstance(query, torch.Tensor) or not query.requires_grad:
             return None
         s = float(scale) if scale is not None else head_dim ** -0.5
@@ -525,14 +542,14 @@ class Router:
 
         def on_query_grad(dq):
             try:
-                chain.add_query_grad(x, dq)
+                chain.add_query_grad(x, dq, rotation)
             except Exception as exc:
                 on_error("wq_error_chain", exc)
             return None
 
         if not self._watch_query_weight(layer):
             query.register_hook(on_query_grad)
-        return _ChainRows(chain, x, s, on_error)
+        return _ChainRows(chain, x, s, on_error, rotation)
 
     def _watch_query_weight(self, layer: AttentionLayer) -> bool:
         """W^Q's gradient hook for this monitored step (``LayerChain.watch_weight``); False where

@@ -159,16 +159,125 @@ def test_top_pair_is_the_top_singular_pair():
     assert torch.allclose(got.abs(), sigma, rtol=1e-4)
 
 
-def test_rotary_family_reads_nan():
+def _llama(layers: int = 2):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(cfg)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _unrotate64(g, cos, sin):
+    """float64 transpose of Hugging Face's RoPE (q cos + rotate_half(q) sin) applied to a gradient g
+    (B, H, N, D), written as the explicit matrix J = diag(cos) + diag(sin) M, M = rotate_half."""
+    d = g.shape[-1]
+    m = torch.zeros(d, d, dtype=F64)
+    m[: d // 2, d // 2:] = -torch.eye(d // 2, dtype=F64)  # rotate_half(q) = [-q2, q1] = M q
+    m[d // 2:, : d // 2] = torch.eye(d // 2, dtype=F64)
+    cos, sin = cos.to(F64)[:, None, :, :], sin.to(F64)[:, None, :, :]  # (B, 1, N, D)
+    # J^T g = cos g + M^T (sin g)
+    return cos * g + (sin * g) @ m
+
+
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_rotary_queries_chain_matches_float64(mode, monkeypatch):
+    """Llama-style attention (RoPE, grouped-query): the error rows are turned back through the
+    call's rotation before they meet X; push and the true gradient's push match a float64
+    computation from the recorded q, k, v, O, dO, X and (cos, sin). Fail before: NaN."""
+    from flashwatch import routing
+
+    model = _llama()
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode))
+    monitor.attach(model)
+    assert all(layer.chain is not None and layer.rotary for layer in monitor.layers)
+    pairs = {i: (layer.chain.u.clone(), layer.chain.v.clone()) for i, layer in enumerate(monitor.layers)}
+    rec, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        def pre(module, args, kwargs, i=i):
+            cos, sin = kwargs["position_embeddings"]
+            rec[i] = {"x": kwargs["hidden_states"].detach().clone(), "cos": cos.detach().clone(),
+                      "sin": sin.detach().clone()}
+        handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
+    calls = []
+    real = routing.original_sdpa()
+
+    def spy(q, k, v, *args, **kw):
+        q.retain_grad()
+        out = real(q, k, v, *args, **kw)
+        out.retain_grad()
+        calls.append((q, k, v, out))
+        return out
+
+    monkeypatch.setattr(routing, "_original_sdpa", spy)
+    ids = torch.randint(0, 100, (3, 24), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    for h in handles:
+        h.remove()
+    monitor.step(loss=loss.detach())
+    snap = monitor.snapshot()
+    if mode == "own_kernel":  # the kernel runs the attention: its inputs are recorded by the rows, not the spy
+        assert not calls
+        assert all(not math.isnan(snap["flashwatch_wq_error_push"][(i, h)]) for i in range(2) for h in range(4))
+    for i, (q, k, v, out) in enumerate(calls):
+        u, vv = pairs[i]
+        rep = q.shape[1] // k.shape[1]
+        # the rotated q, k are FP32 (cos, sin are); autocast rounds them inside SDPA, and the
+        # statistics take them as the kernel did: in the output's dtype
+        qb = q.detach().to(out.dtype)
+        kd, vd = (t.detach().to(out.dtype).repeat_interleave(rep, dim=1) for t in (k, v))
+        push, _, dg_rot = _expected(rec[i]["x"].to(torch.bfloat16), qb, kd, vd, out.detach(), out.grad,
+                                    q.grad, u, vv)
+        # _expected maps the rotated rows straight onto X; turn them back first, as the chain must
+        s = q.shape[-1] ** -0.5
+        qd, kd64, vd64, od, dod = (t.to(F64) for t in (qb, kd, vd, out.detach(), out.grad))
+        n = q.shape[2]
+        p = torch.softmax((s * qd @ kd64.transpose(-1, -2)).masked_fill(
+            ~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf), dim=-1)
+        err = (dod * od).sum(-1) - (p * (dod @ vd64.transpose(-1, -2))).sum(-1)
+        dq_err = _unrotate64(-s * err[..., None] * (p @ kd64), rec[i]["cos"], rec[i]["sin"])
+        dg = torch.einsum("bhnd,bnc->hdc", dq_err, rec[i]["x"].to(torch.bfloat16).to(F64))
+        push = -torch.einsum("hd,hdc,hc->h", u.to(F64), dg, vv.to(F64))
+        got = torch.tensor([snap["flashwatch_wq_error_push"][(i, h)] for h in range(4)], dtype=F64)
+        assert torch.allclose(got, push, rtol=2e-3, atol=1e-12 + 2e-3 * push.abs().max()), (i, got, push)
+        # without turning the rows back the reading would differ: the test can tell
+        push_rot = -torch.einsum("hd,hdc,hc->h", u.to(F64), dg_rot, vv.to(F64))
+        assert not torch.allclose(push_rot, push, rtol=2e-3, atol=2e-3 * push.abs().max())
+        # the true gradient's push from W^Q's own gradient equals the float64 one from dQ turned back
+        g = model.model.layers[i].self_attn.q_proj.weight.grad.view(4, 16, 64).to(F64)
+        push_true_w = -torch.einsum("hd,hdc,hc->h", u.to(F64), g, vv.to(F64))
+        g64 = torch.einsum("bhnd,bnc->hdc", _unrotate64(q.grad.to(F64), rec[i]["cos"], rec[i]["sin"]),
+                           rec[i]["x"].to(torch.bfloat16).to(F64))
+        push_true = -torch.einsum("hd,hdc,hc->h", u.to(F64), g64, vv.to(F64))
+        assert torch.allclose(push_true_w, push_true, rtol=0.05, atol=0.05 * push_true.abs().max())
+        share = torch.tensor([snap["flashwatch_wq_error_push_share"][(i, h)] for h in range(4)], dtype=F64)
+        assert torch.allclose(share, push / push_true_w.abs(), rtol=5e-3, atol=1e-9)
+    if mode == "observe":
+        assert len(calls) == 2
+    monkeypatch.undo()
+    monitor.detach()
+
+
+def test_a_rotary_call_without_its_rotation_reads_nan(caplog):
+    """A rotary layer called without position_embeddings: its W^Q-error metrics read NaN (not
+    measured, not 0), the other statistics are measured, and the log says why once."""
+    model = _llama(layers=1)
     monitor = Monitor(MonitorConfig(interval=1))
     monitor.attach(model)
-    assert monitor.layers[0].chain is None
+    attn = model.model.layers[0].self_attn
+    real_forward = attn.forward
+    # a model whose attention takes its rotation under another name (rope=), renamed before
+    # flashwatch's hook sees the call
+    attn.forward = lambda hidden_states, rope=None, **kw: real_forward(hidden_states, position_embeddings=rope, **kw)
+    attn.register_forward_pre_hook(
+        lambda m, args, kwargs: (args, {**{k: v for k, v in kwargs.items() if k != "position_embeddings"},
+                                        "rope": kwargs["position_embeddings"]}), with_kwargs=True, prepend=True)
     ids = torch.randint(0, 100, (2, 16))
-    model(ids, labels=ids).loss.backward()
+    with caplog.at_level("WARNING", logger="flashwatch"):
+        model(ids, labels=ids).loss.backward()
+    assert sum("need the call's position_embeddings" in r.getMessage() for r in caplog.records) == 1
     monitor.step()
     snap = monitor.snapshot()
     assert all(math.isnan(v) for v in snap["flashwatch_wq_error_push"].values())

@@ -240,6 +240,43 @@ def test_compiled_hugging_face_gpt2_measures_the_wq_error_chain():
             assert c[name] == pytest.approx(e[name], rel=1e-5, abs=0, nan_ok=True), name
 
 
+def test_compiled_rotary_attention_reads_the_chain_as_not_measured():
+    """Llama-style attention (RoPE) under ``torch.compile``: compiled code does not carry the
+    call's rotation to the operators, so the W^Q-error metrics read NaN (not measured, never a
+    number from unrotated rows) while the other statistics are measured, with no graph break
+    added to the model's own and no recompile. (Eager code measures them: tests/test_chain.py.)"""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")
+
+    def run(attach: bool) -> dict:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+        monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+        if attach:
+            monitor.attach(model)
+        compiled = torch.compile(model, backend="aot_eager")
+        for step in range(2):
+            ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(step))
+            compiled(ids, labels=ids).loss.backward()
+            monitor.step()
+        snap = monitor.snapshot()
+        monitor.detach()
+        monitor.close()
+        return snap
+
+    counters.clear()
+    run(False)
+    own_breaks = sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        snap = run(True)
+    assert sum(counters["graph_break"].values()) == own_breaks
+    assert all(math.isnan(v) for v in snap["flashwatch_wq_error_push"].values())
+    assert all(math.isfinite(v) for v in snap["flashwatch_max_logit"].values())
+
+
 def _saved_activation_bytes(mode: str | None) -> int:
     """Bytes of the distinct storages the inductor-compiled small GPT saves for its backward (one
     BF16-autocast step, ``saved_tensors_hooks``), with a Monitor in ``mode`` or none."""
@@ -443,9 +480,9 @@ def test_the_monitor_keeps_no_activation_alive_after_the_backward(mode, backend,
     seen = []
 
     class Recorded(routing._ChainRows):
-        def __init__(self, chain, x, scale, on_error):
+        def __init__(self, chain, x, *args):
             seen.append(weakref.ref(x))
-            super().__init__(chain, x, scale, on_error)
+            super().__init__(chain, x, *args)
 
     monkeypatch.setattr(routing, "_ChainRows", Recorded)
     data = stdlib_corpus(20_000)
