@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     for (layer, head), sigma in snap["flashwatch_wq_spectral_norm"].items():
         print(f"layer {layer} head {head}: W^Q norm {sigma:.3f}, drift z "
               f"{snap['flashwatch_delta_drift_z'][(layer, head)]:+.2f}, max logit "
-              f"{snap['flashwatch_max_logit'][(layer, head)]:.2f}")
+              f"{snap['flashwatch_max_logit'][(layer, head)]:.2f}, W^Q-error coherence "
+              f"{snap['flashwatch_wq_error_coherence'][(layer, head)]:.2f}")
     monitor.close()
     monitor.detach()
     return 0
