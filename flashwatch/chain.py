@@ -43,9 +43,9 @@ The pair (u, v) is the power iteration's as of the previous monitored step (the 
 slowly; the first monitored step uses the exact pair from attach). Defined where the query the
 attention sees is the projection's output, or that output turned by rotary position embeddings
 (RoPE, ``flashwatch.families``) whose rotation the call names: each row's error is turned back
-(``unrotate``) before it is mapped onto W^Q, on the PyTorch path (eager code only: compiled code
-does not carry the rotation to the operators, so its rotary layers read NaN). Not defined where
-a rank holds W^Q in pieces (sharded models): those layers read NaN.
+(``unrotate``) before it is mapped onto W^Q, on the PyTorch path (the kernels store such rows
+instead of reducing them). Not defined where a rank holds W^Q in pieces (sharded models): those
+layers read NaN.
 
 ``LayerChain`` holds one layer's accumulators; ``Chains`` is the Monitor's view of all its
 layers' chains: made at attach, averaged over data-parallel ranks, read, and given the next

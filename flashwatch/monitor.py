@@ -286,9 +286,8 @@ class Monitor:
                      "GPT-2 or Llama-style attention; not explicitly named modules)", ", ".join(no_chain))
         rotary = [f"{l.index}={l.name}" for l in self.layers if l.chain is not None and l.rotary]
         if rotary:
-            log.info("flashwatch: layers %s rotate their queries (RoPE): their W^Q-error metrics are measured in "
-                     "eager code from each call's position_embeddings, and read NaN under torch.compile",
-                     ", ".join(rotary))
+            log.info("flashwatch: layers %s rotate their queries (RoPE): their W^Q-error metrics turn each row back "
+                     "through the call's position_embeddings", ", ".join(rotary))
 
     def detach(self) -> None:
         """Remove every hook and restore ``torch.nn.functional.scaled_dot_product_attention``.

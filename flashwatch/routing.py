@@ -133,8 +133,8 @@ def _sdpa_dispatch(*args, **kwargs):
     current = _state().current
     if current is None:
         return original_sdpa()(*args, **kwargs)
-    router, layer, x = current
-    return router.call(layer, args, kwargs, x)
+    router, layer, x, rotation = current
+    return router.call(layer, args, kwargs, x, rotation)
 
 
 def _install() -> None:
@@ -408,15 +408,19 @@ class Router:
         ref = weakref.ref(self)
 
         def source_for(position: int):
-            def source(x: torch.Tensor, scale: float):
+            def source(x: torch.Tensor, scale: float, rotation: torch.Tensor | None = None):
                 router = ref()
                 layer = router.layers[position] if router is not None else None
                 if layer is None or layer.chain is None:
                     return None
+                if layer.rotary and rotation is None:
+                    router._log_rotation_missing(layer)
+                    return None
                 # the true gradient's push: W^Q's gradient hook, registered here, before this
                 # backward accumulates W^Q's gradient (none where W^Q is not a parameter)
                 router._watch_query_weight(layer)
-                return _ChainRows(layer.chain, x, scale, router.on_error)
+                return _ChainRows(layer.chain, x, scale, router.on_error,
+                                  (rotation[0], rotation[1]) if rotation is not None else None)
             return source
 
         for position, layer in enumerate(self.layers):
@@ -435,23 +439,22 @@ class Router:
             # Face's hidden_states). Compiled code carries it to the operators on every step
             # (whether a step is monitored is read when they run: no guard on it); eager code
             # takes it on monitored steps only
-            # (a rotated query needs the call's rotation, which compiled code does not carry to
-            # the operators: no chain there)
             if router is not None and layer.chain is not None and (
-                    not layer.rotary if compiling else (router.monitoring and torch.is_grad_enabled())):
+                    compiling or (router.monitoring and torch.is_grad_enabled())):
                 x = _as_projected(args[0] if args else kwargs.get("hidden_states", kwargs.get("x")))
+            # a rotated query (RoPE): the call's rotation, which the rows are turned back through
+            # (compiled code carries it to the operators, cos and sin stacked; where the call names
+            # none, the operators' rows source says so when it runs)
             rotation = None
-            if layer.rotary and x is not None and not compiling:
+            if layer.rotary and x is not None:
                 rotation = check_rotation(kwargs.get("position_embeddings", args[1] if len(args) > 1 else None),
                                           x.shape[1] if x.dim() == 3 else -1, layer.chain.head_dim)
-                if rotation is None:
-                    router._log_once(("rotation", layer.index),
-                                     "flashwatch: layer %d (%s): the W^Q-error metrics of a rotary layer need the "
-                                     "call's position_embeddings=(cos, sin), each (batch or 1, positions, head dim); "
-                                     "this call names none: they read NaN", layer.index, layer.name)
+                if rotation is None and not compiling:
+                    router._log_rotation_missing(layer)
                     x = None
             # pushed whatever the router: the exit hook pops once per forward
-            current = (router, layer, x if compiling else None) if router is not None else None
+            carried = (x, torch.stack(rotation) if rotation is not None else None) if compiling else (None, None)
+            current = (router, layer) + carried if router is not None else None
             if compiling:
                 _allowed_under_checkpoint(_push, (_shared,), current)
             else:
@@ -480,9 +483,15 @@ class Router:
             self._logged.add(key)
             log.warning(message, *args)
 
-    def call(self, layer: AttentionLayer, args: tuple, kwargs: dict, x: Any = None):
+    def _log_rotation_missing(self, layer: AttentionLayer) -> None:
+        self._log_once(("rotation", layer.index),
+                       "flashwatch: layer %d (%s): the W^Q-error metrics of a rotary layer need the call's "
+                       "position_embeddings=(cos, sin), each (batch or 1, positions, head dim); this call names "
+                       "none: they read NaN", layer.index, layer.name)
+
+    def call(self, layer: AttentionLayer, args: tuple, kwargs: dict, x: Any = None, rotation: Any = None):
         if _compiling():
-            return self._compiled_call(layer, args, kwargs, x)
+            return self._compiled_call(layer, args, kwargs, x, rotation)
         sdpa = original_sdpa()
         if layer.mode != "own_kernel":
             out = sdpa(*args, **kwargs)
@@ -652,7 +661,7 @@ class Router:
         except Exception as exc:
             self.on_error("observe", exc)
 
-    def _compiled_call(self, layer: AttentionLayer, args: tuple, kwargs: dict, x: Any = None):
+    def _compiled_call(self, layer: AttentionLayer, args: tuple, kwargs: dict, x: Any = None, rotation: Any = None):
         """The call as torch.compile traces it: custom operators, no Python hooks, no guard on
         whether the step is monitored (``flag`` is read when the operators run). ``x``: the
         layer's projection input where it has a W^Q-error chain (the operators' rows hook)."""
@@ -670,19 +679,20 @@ class Router:
                 with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
                     return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,
                                          causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
-                                         beta=self.beta, eps=self.eps, **self._layer_arguments(layer, x))
+                                         beta=self.beta, eps=self.eps, **self._layer_arguments(layer, x, rotation))
             return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal,
-                                          scale, enable_gqa, x)
+                                          scale, enable_gqa, x, rotation)
         return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                      enable_gqa, x)
+                                      enable_gqa, x, rotation)
 
-    def _layer_arguments(self, layer: AttentionLayer, x: Any) -> dict:
+    def _layer_arguments(self, layer: AttentionLayer, x: Any, rotation: Any) -> dict:
         """The operators' arguments naming the layer (its key, ``ops.register_layer``) and the call's
-        projection input for its rows hook (None where the layer has no W^Q-error chain: the enter
-        hook takes X only for such layers)."""
-        return {"x": x, "layer": layer.key}
+        projection input and query rotation for its rows hook (None where the layer has no W^Q-error
+        chain: the enter hook takes X only for such layers; the rotation only for rotary ones)."""
+        return {"x": x, "rotation": rotation, "layer": layer.key}
 
-    def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, x=None):
+    def _compiled_observe(self, layer, out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, x=None,
+                          rotation=None):
         """The model's own SDPA output, marked for the statistics (``ops.observe``), or the
         call counted as not measured in full."""
         from flashwatch.kernels import ops
@@ -700,7 +710,7 @@ class Router:
             return ops.observe(out, q, k, v, flag=self.flag, stats=layer.ensure_stats(q.device),
                                coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
                                attn_mask=attn_mask if route == "masked" else None, masked=route == "masked",
-                               **self._layer_arguments(layer, x))
+                               **self._layer_arguments(layer, x, rotation))
         message = f"{reason}: {MEASURED[route]}"
         if route == "scores":
             ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),

@@ -9,12 +9,12 @@ operator is opaque to the compiler: Inductor calls it as it is, and it runs the 
 Operators (namespace ``flashwatch``):
 
 - ``attention_with_stats(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta,
-  eps, unit_gap, x, layer)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s
+  eps, unit_gap, x, rotation, layer)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s
   forward (one operator: the Python function ``attention`` calls it); its backward is
   ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
-  coverage, causal, sm_scale, eps, unit_gap, x, layer)`` -> (dq, dk, dv), which adds the
+  coverage, causal, sm_scale, eps, unit_gap, x, rotation, layer)`` -> (dq, dk, dv), which adds the
   statistics. Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
-- ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps, x, layer)`` -> a view of
+- ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps, x, rotation, layer)`` -> a view of
   ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
   nothing, since an operator's output could not alias its input and would cost a copy of
   ``out`` in every step): marks the output of the model's own attention; its backward passes
@@ -33,10 +33,12 @@ measured calls] of monitored steps. Nothing is read back from the device.
 
 The per-row hook of ``AttentionStats.rows_hook`` (the W^Q-gradient error) reaches the operators
 through the layer's *key*: a CPU int64 0-d tensor from ``register_layer(label, source)``, which
-also names the layer in the operators' log lines, and the tensor the hook needs, ``x`` (the
-projection input of the attention call), both operator arguments. When a backward operator runs
-on a monitored step it asks the layer's source for the call's hook, ``source(x, sm_scale)``, and
-the statistics pass calls it as in eager mode; no key, no source or no ``x`` means no hook. The key
+also names the layer in the operators' log lines, and the tensors the hook needs, ``x`` (the
+projection input of the attention call) and, for a rotated query, ``rotation`` (its rotary
+position embeddings cos and sin stacked, (2, B or 1, N, D)), all operator arguments. When a
+backward operator runs on a monitored step it asks the layer's source for the call's hook,
+``source(x, sm_scale, rotation)``, and the statistics pass calls it as in eager mode; no key, no
+source or no ``x`` means no hook. The key
 is a tensor, not an integer, so that no operator argument differs between layers but tensors:
 code compiled once for one transformer block (``torch.compile(block)`` for each block) serves
 every block without a recompilation.
@@ -64,11 +66,13 @@ _layers: dict = {}  # key (int > 0) -> (label, source(x, sm_scale) -> rows hook 
 _next_layer = itertools.count(1)
 
 
-def register_layer(label: str, source: Optional[Callable[[torch.Tensor, float], Optional[object]]] = None
+def register_layer(label: str,
+                   source: Optional[Callable[[torch.Tensor, float, Optional[torch.Tensor]], Optional[object]]] = None
                    ) -> torch.Tensor:
-    """Register a layer: ``label`` names it in the operators' log lines, ``source(x, sm_scale)`` (or
-    None) returns the ``AttentionStats.rows_hook`` of one of its calls given the call's projection
-    input ``x``. Returns its key, the tensor the operators take as ``layer``."""
+    """Register a layer: ``label`` names it in the operators' log lines, ``source(x, sm_scale,
+    rotation)`` (or None) returns the ``AttentionStats.rows_hook`` of one of its calls given the
+    call's projection input ``x`` and its query's rotation (None: not rotated). Returns its key,
+    the tensor the operators take as ``layer``."""
     key = next(_next_layer)
     _layers[key] = (label, source)
     return torch.tensor(key, dtype=torch.int64)
@@ -85,14 +89,15 @@ def _label(key: Optional[torch.Tensor]) -> str:
     return _layers.get(int(key), ("(unregistered)", None))[0] if key is not None else "(unregistered)"
 
 
-def _rows_hook(key: Optional[torch.Tensor], x: Optional[torch.Tensor], sm_scale: float):
+def _rows_hook(key: Optional[torch.Tensor], x: Optional[torch.Tensor], sm_scale: float,
+               rotation: Optional[torch.Tensor] = None):
     """The rows hook of one call: its layer's source's, or None (no layer, no source, no ``x``, or
     the source failed, which it reports itself)."""
     source = _layers.get(int(key), (None, None))[1] if key is not None and x is not None else None
     if source is None:
         return None
     try:
-        return source(x, sm_scale)
+        return source(x, sm_scale, rotation)
     except Exception:
         _log_once(("rows_source",), "flashwatch: the W^Q-error chain of an attention call could not be set up; "
                   "training goes on unchanged", exc_info=True)
@@ -167,8 +172,8 @@ class _NoAutocast:
 # by an earlier flashwatch assert the old strides at its first call. So every operator is the
 # overload CONTRACT of its name (``flashwatch::attention_with_stats.v2``), and CONTRACT changes with
 # any such change and with any change of a schema (v2: O in (B, N, H, D) memory order; v3: the
-# layer's key a tensor, not an integer).
-CONTRACT = "v3"
+# layer's key a tensor, not an integer; v4: the query's rotation an argument).
+CONTRACT = "v4"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
 
@@ -239,13 +244,14 @@ def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
             q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
 
 
-def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, layer):
+def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rotation,
+                              layer):
     # saved: [q, k, v, o, lse, r, rowmax, max_logit, flag], as the forward left them
     q, k, v, o, lse, r, rowmax, max_logit, flag = saved
     stats = None
     if _on(flag):
         stats = _view(counts, values, unit_gap)
-        stats._rows_hook = _rows_hook(layer, x, sm_scale)
+        stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation)
         torch.maximum(stats.max_logit, max_logit, out=stats.max_logit)  # the forward's, folded in now (one launch)
         coverage.add_(1)  # one attention call, measured
     residual = r if r.numel() else None
@@ -259,7 +265,8 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
         return reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
 
 
-def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, layer):
+def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rotation,
+                              layer):
     q, k, v = saved[:3]
     B, H, N, D = q.shape
     return (q.new_empty((B, H, N, D)), k.new_empty((B, k.shape[1], N, D)), v.new_empty((B, v.shape[1], N, D)))
@@ -268,43 +275,44 @@ def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_sca
 # the backward takes the forward's saved tensors as one list (fewer schema arguments to walk)
 _attention_backward = _operator(
     "attention_grad(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
-    "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, Tensor? layer) -> (Tensor, Tensor, Tensor)",
+    "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer) "
+    "-> (Tensor, Tensor, Tensor)",
     _attention_backward_impl, _attention_backward_fake)
 
 
 def _attention_with_stats_impl(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
-                               unit_gap, x, layer):
+                               unit_gap, x, rotation, layer):
     # the autograd-carrying operator must be functional: the statistics buffers are inputs here
-    # (saved for the backward, which adds into them) and nothing in the forward mutates them; x is
-    # only saved for the backward's rows hook
+    # (saved for the backward, which adds into them) and nothing in the forward mutates them; x and
+    # rotation are only saved for the backward's rows hook
     return _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
 def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
-                               unit_gap, x, layer):
+                               unit_gap, x, rotation, layer):
     return _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
 
 
 _attention_with_stats = _operator(
     "attention_with_stats(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, "
     "Tensor coverage, bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap, Tensor? x, "
-    "Tensor? layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? rotation, Tensor? layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _attention_with_stats_impl, _attention_with_stats_fake)
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap, x, layer = inputs
+    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap, x, rotation, layer = inputs
     o, lse, r, rowmax, max_logit = output
-    # x and layer may be None
-    ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, layer)
+    # x, rotation and layer may be None
+    ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation, layer)
     ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap = causal, sm_scale, eps, unit_gap
 
 
 def _attention_grad(ctx, do, *_unused):
-    q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, layer = ctx.saved_tensors
+    q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation, layer = ctx.saved_tensors
     dq, dk, dv = _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values, coverage,
-                                     ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap, x, layer)
-    return (dq, dk, dv) + (None,) * 12
+                                     ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap, x, rotation, layer)
+    return (dq, dk, dv) + (None,) * 13
 
 
 torch.library.register_autograd(qualified("attention_with_stats"), _attention_grad, setup_context=_attention_setup,
@@ -314,26 +322,27 @@ torch.library.register_autograd(qualified("attention_with_stats"), _attention_gr
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor, stats: AttentionStats,
               coverage: torch.Tensor, causal: bool = True, sm_scale: Optional[float] = None,
               variant: str = "plain", beta: float = 2.0, eps: float = 1e-3, x: Optional[torch.Tensor] = None,
-              layer: Optional[torch.Tensor] = None) -> torch.Tensor:
+              rotation: Optional[torch.Tensor] = None, layer: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``flash_attention`` as a custom operator: statistics into ``stats`` when ``flag`` is set.
 
     Args as ``flashwatch.kernels.flash_attention`` (already checked by the caller), and
     ``flag`` (CPU 0-d tensor, nonzero on monitored steps), ``coverage`` (CPU int64 (2,)),
-    ``x`` and ``layer`` (the layer's key: the call's rows hook on monitored steps, module docstring).
+    ``x``, ``rotation`` and ``layer`` (the layer's key: the call's rows hook on monitored steps,
+    module docstring).
     Returns the (B, H, N, D) output. The call's max logit is added with its backward's
     statistics (a forward without backward adds nothing).
     """
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     out = _attention_with_stats(q, k, v, flag, counts, values, coverage, bool(causal), scale, variant, float(beta),
-                                float(eps), float(stats.unit_gap), _detached(x), layer)
+                                float(eps), float(stats.unit_gap), _detached(x), _detached(rotation), layer)
     return out[0]
 
 
 # --- observe -----------------------------------------------------------------------------------
 
 def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked, unit_gap, x, layer) -> None:
+                             eps, masked, unit_gap, x, rotation, layer) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -344,7 +353,7 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
     try:
         with _NoAutocast(q.device):
             stats = _view(counts, values, unit_gap)
-            stats._rows_hook = _rows_hook(layer, x, sm_scale)
+            stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation)
             args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), stats)
             if masked:
                 masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
@@ -357,14 +366,14 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
 
 
 def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked, unit_gap, x, layer):
+                             eps, masked, unit_gap, x, rotation, layer):
     return None
 
 
 _observe_statistics = _operator(
     "observe_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
     "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
-    "float unit_gap, Tensor? x, Tensor? layer) -> ()",
+    "float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer) -> ()",
     _observe_statistics_impl, _observe_statistics_fake)
 
 
@@ -375,34 +384,36 @@ class _Observe(torch.autograd.Function):
     its input); Dynamo traces this Function's forward and backward into the compiled graphs."""
 
     @staticmethod
-    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, x, causal, sm_scale, eps, masked,
-                unit_gap, layer):
-        # attn_mask, x and layer may be None
-        ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask, x, layer)
+    def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, x, rotation, causal, sm_scale, eps,
+                masked, unit_gap, layer):
+        # attn_mask, x, rotation and layer may be None
+        ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask, x, rotation, layer)
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap = causal, sm_scale, eps, masked, unit_gap
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, flag, counts, values, coverage, attn_mask, x, layer = ctx.saved_tensors
+        q, k, v, out, flag, counts, values, coverage, attn_mask, x, rotation, layer = ctx.saved_tensors
         _observe_statistics(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, ctx.causal,
-                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap, x, layer)
-        return (grad_out,) + (None,) * 15
+                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap, x, rotation, layer)
+        return (grad_out,) + (None,) * 16
 
 
 def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
             stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float] = None,
             eps: float = 1e-3, attn_mask: Optional[torch.Tensor] = None, masked: bool = False,
-            x: Optional[torch.Tensor] = None, layer: Optional[torch.Tensor] = None) -> torch.Tensor:
+            x: Optional[torch.Tensor] = None, rotation: Optional[torch.Tensor] = None,
+            layer: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mark ``out``, the output of the model's own attention of ``q, k, v``: returns a view of it
     whose backward adds the statistics of that call into ``stats`` when ``flag`` is set (with
-    ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``; with ``x`` and
-    ``layer``, the layer's key: the call's rows hook, module docstring)."""
+    ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``; with ``x``,
+    ``rotation`` and ``layer``, the layer's key: the call's rows hook, module docstring)."""
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
     return _Observe.apply(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask, _detached(x),
-                          bool(causal), scale, float(eps), bool(masked), float(stats.unit_gap), layer)
+                          _detached(rotation), bool(causal), scale, float(eps), bool(masked), float(stats.unit_gap),
+                          layer)
 
 
 def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

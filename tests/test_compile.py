@@ -240,41 +240,47 @@ def test_compiled_hugging_face_gpt2_measures_the_wq_error_chain():
             assert c[name] == pytest.approx(e[name], rel=1e-5, abs=0, nan_ok=True), name
 
 
-def test_compiled_rotary_attention_reads_the_chain_as_not_measured():
-    """Llama-style attention (RoPE) under ``torch.compile``: compiled code does not carry the
-    call's rotation to the operators, so the W^Q-error metrics read NaN (not measured, never a
-    number from unrotated rows) while the other statistics are measured, with no graph break
-    added to the model's own and no recompile. (Eager code measures them: tests/test_chain.py.)"""
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_rotary_attention_measures_the_chain_as_eager(mode):
+    """Llama-style attention (RoPE, grouped-query) compiled with ``aot_eager``: the call's rotation
+    reaches the operators, and the W^Q-error readings (rows turned back through it) equal the
+    eager ones, with no graph break added to the model's own and no recompile. Fail before: NaN."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")
 
-    def run(attach: bool) -> dict:
+    def run(attach: bool, backend: str | None) -> list[dict]:
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(cfg)
-        monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
         if attach:
             monitor.attach(model)
-        compiled = torch.compile(model, backend="aot_eager")
+        compiled = model if backend is None else torch.compile(model, backend=backend)
+        seen = []
         for step in range(2):
             ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(step))
             compiled(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
             monitor.step()
-        snap = monitor.snapshot()
+            snap = monitor.snapshot()
+            seen.append({name: dict(snap[name]) for name in CHAIN_METRICS})
         monitor.detach()
         monitor.close()
-        return snap
+        return seen
 
     counters.clear()
-    run(False)
+    run(False, "aot_eager")
     own_breaks = sum(counters["graph_break"].values())
+    eager = run(True, None)
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        snap = run(True)
+        compiled = run(True, "aot_eager")
     assert sum(counters["graph_break"].values()) == own_breaks
-    assert all(math.isnan(v) for v in snap["flashwatch_wq_error_push"].values())
-    assert all(math.isfinite(v) for v in snap["flashwatch_max_logit"].values())
+    assert all(math.isfinite(v) and v != 0 for v in compiled[0]["flashwatch_wq_error_push"].values())
+    for e, c in zip(eager, compiled):
+        for name in CHAIN_METRICS:
+            assert c[name] == pytest.approx(e[name], rel=1e-5, abs=0, nan_ok=True), name
 
 
 def _saved_activation_bytes(mode: str | None) -> int:

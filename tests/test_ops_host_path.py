@@ -87,7 +87,7 @@ def test_operators_have_no_python_version_bump():
 # What each operator's fake implementation returns for the inputs below, per ops.CONTRACT: code that
 # Inductor cached calls operators by name, so a fake whose outputs change must come with a new
 # CONTRACT (and a new entry here), or a graph cached by an earlier flashwatch asserts the old strides.
-# v3 changed a schema (the layer's key a tensor), not the outputs.
+# v3 and v4 changed a schema (the layer's key a tensor; the query's rotation), not the outputs.
 _OUTPUTS_V2 = {
     ("attention_with_stats", "plain"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
                                         ((2, 4, 8), (32, 8, 1), "float32"), ((0,), (1,), "bfloat16"),
@@ -100,7 +100,7 @@ _OUTPUTS_V2 = {
                                   ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16"),
                                   ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16")],
 }
-FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2}
+FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2}
 
 
 def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(interpret_dispatch):
@@ -118,9 +118,9 @@ def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(i
         counts, values, coverage = torch.zeros(4, 4, dtype=torch.int64), torch.zeros(5, 4), torch.zeros(4, dtype=torch.int64)
         fwd = getattr(torch.ops.flashwatch.attention_with_stats, ops.CONTRACT)
         for variant in ("plain", "fp32_delta"):
-            outs = fwd(q, k, v, flag, counts, values, coverage, True, 0.25, variant, 2.0, 1e-3, -0.002, None, None)
+            outs = fwd(q, k, v, flag, counts, values, coverage, True, 0.25, variant, 2.0, 1e-3, -0.002, None, None, None)
             got[("attention_with_stats", variant)] = describe(outs)
         grad = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)
         got[("attention_grad", "plain")] = describe(grad(q, [q, k, v, q, q, q, q, q, flag], counts, values, coverage,
-                                                         True, 0.25, 1e-3, -0.002, None, None))
+                                                         True, 0.25, 1e-3, -0.002, None, None, None))
     assert got == FAKE_OUTPUTS[ops.CONTRACT], "a fake's outputs changed: bump ops.CONTRACT and record them here"
