@@ -88,14 +88,16 @@ def unrotate(t: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> to
     return cos * t + torch.cat([y[..., half:], -y[..., :half]], dim=-1)
 
 
-def check_rotation(rotation: Any, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``rotation`` as (cos, sin) if it is one for N = ``n`` positions of head dim ``d`` (each
-    (B or 1, n, d), d even), else None."""
+def check_rotation(rotation: Any, x: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``rotation`` as (cos, sin) if it is one for the call whose projection input is ``x``
+    (B, N, C) and whose head dim is ``d``: each (B or 1, N, d), d even; else None (another
+    convention, such as complex frequencies or a rotation of part of the head, is not read)."""
     if not (isinstance(rotation, (tuple, list)) and len(rotation) == 2
-            and all(isinstance(r, torch.Tensor) for r in rotation)):
+            and all(isinstance(r, torch.Tensor) for r in rotation)) or x.dim() != 3:
         return None
     cos, sin = rotation
-    if cos.shape != sin.shape or cos.dim() != 3 or tuple(cos.shape[1:]) != (n, d) or d % 2:
+    if (cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, x.shape[0])
+            or tuple(cos.shape[1:]) != (x.shape[1], d) or d % 2 or not cos.is_floating_point()):
         return None
     return cos.detach(), sin.detach()
 

@@ -447,8 +447,8 @@ class Router:
             # none, the operators' rows source says so when it runs)
             rotation = None
             if layer.rotary and x is not None:
-                rotation = check_rotation(kwargs.get("position_embeddings", args[1] if len(args) > 1 else None),
-                                          x.shape[1] if x.dim() == 3 else -1, layer.chain.head_dim)
+                rotation = check_rotation(kwargs.get("position_embeddings", args[1] if len(args) > 1 else None), x,
+                                          layer.chain.head_dim)
                 if rotation is None and not compiling:
                     router._log_rotation_missing(layer)
                     x = None

@@ -349,3 +349,21 @@ def test_eager_unmonitored_steps_take_no_copy_of_the_projection_input(monkeypatc
         monitor.step(loss=loss.detach())
     assert per_step == [(True, 2), (False, 0), (True, 2), (False, 0)]
     monitor.detach()
+
+
+def test_only_a_rotation_of_the_calls_shape_is_read():
+    """check_rotation takes (cos, sin) of (B or 1, N, D) for the call's X (B, N, C) and head dim D;
+    complex frequencies, a rotation of part of the head, another batch or positions: None."""
+    from flashwatch.chain import check_rotation
+
+    x = torch.zeros(3, 5, 8)
+    cos, sin = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
+    assert check_rotation((cos, sin), x, 4) is not None
+    assert check_rotation((cos[:1], sin[:1]), x, 4) is not None  # one rotation for every sequence
+    assert check_rotation(torch.polar(torch.ones(3, 5, 2), torch.zeros(3, 5, 2)), x, 4) is None
+    assert check_rotation((torch.randn(3, 5, 2), torch.randn(3, 5, 2)), x, 4) is None  # part of the head
+    assert check_rotation((torch.randn(2, 5, 4), torch.randn(2, 5, 4)), x, 4) is None  # another batch
+    assert check_rotation((torch.randn(3, 6, 4), torch.randn(3, 6, 4)), x, 4) is None  # other positions
+    assert check_rotation((cos, sin), x, 3) is None and check_rotation(None, x, 4) is None
+    c64 = torch.complex(cos, sin)
+    assert check_rotation((c64, c64), x, 4) is None
