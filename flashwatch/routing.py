@@ -76,8 +76,8 @@ __all__ = ["Router", "original_sdpa", "unsupported_reason", "statistics_route", 
 
 class _Current:
     """The layer whose forward is running: ``current`` (Router, AttentionLayer, its projection input
-    X or None) | None, and
-    ``stack``, the saved outer values. Both exist from the start, so compiled code reads them
+    X or None, its query's rotation (cos and sin stacked) or None; the last two in compiled code
+    only) | None, and ``stack``, the saved outer values. Both exist from the start, so compiled code reads them
     without a guard on whether they were created yet (which would recompile at the second call)."""
 
     def __init__(self):
