@@ -367,3 +367,19 @@ def test_only_a_rotation_of_the_calls_shape_is_read():
     assert check_rotation((cos, sin), x, 3) is None and check_rotation(None, x, 4) is None
     c64 = torch.complex(cos, sin)
     assert check_rotation((c64, c64), x, 4) is None
+
+
+def test_unrotate_inverts_hugging_faces_rotary_embedding():
+    """RoPE turns each pair of a row by an angle, so its transpose turns it back: unrotate of a
+    rotated row is the row (float64, random angles, half-split layout as Hugging Face's)."""
+    from flashwatch.chain import unrotate
+
+    g = torch.Generator().manual_seed(5)
+    b, h, n, d = 2, 3, 7, 8
+    angles = torch.rand(b, n, d // 2, generator=g, dtype=F64) * 2 * math.pi
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # (B, N, D), halves repeated
+    q = torch.randn(b, h, n, d, generator=g, dtype=F64)
+    half = d // 2
+    rotated = q * cos[:, None] + torch.cat([-q[..., half:], q[..., :half]], -1) * sin[:, None]
+    assert torch.allclose(unrotate(rotated, (cos, sin)).double(), q, atol=1e-6)  # unrotate computes in float32
+    assert not torch.allclose(rotated, q, atol=1e-3)
