@@ -180,24 +180,26 @@ def _unrotate64(g, cos, sin):
     return cos * g + (sin * g) @ m
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
-def test_rotary_queries_chain_matches_float64(mode, monkeypatch):
+def test_rotary_queries_chain_matches_float64(mode, device, monkeypatch):
     """Llama-style attention (RoPE, grouped-query): the error rows are turned back through the
     call's rotation before they meet X; push and the true gradient's push match a float64
-    computation from the recorded q, k, v, O, dO, X and (cos, sin). Fail before: NaN."""
+    computation from the recorded q, k, v, O, dO, X and (cos, sin). Fail before: NaN. On CUDA the
+    rows come from the Triton kernels (stored, then turned back)."""
     from flashwatch import routing
 
-    model = _llama()
-    monitor = Monitor(MonitorConfig(interval=1, mode=mode))
+    model = _llama().to(device)
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
     monitor.attach(model)
     assert all(layer.chain is not None and layer.rotary for layer in monitor.layers)
-    pairs = {i: (layer.chain.u.clone(), layer.chain.v.clone()) for i, layer in enumerate(monitor.layers)}
+    pairs = {i: (layer.chain.u.cpu().clone(), layer.chain.v.cpu().clone()) for i, layer in enumerate(monitor.layers)}
     rec, handles = {}, []
     for i, layer in enumerate(model.model.layers):
         def pre(module, args, kwargs, i=i):
             cos, sin = kwargs["position_embeddings"]
-            rec[i] = {"x": kwargs["hidden_states"].detach().clone(), "cos": cos.detach().clone(),
-                      "sin": sin.detach().clone()}
+            rec[i] = {"x": kwargs["hidden_states"].detach().clone().cpu(), "cos": cos.detach().clone().cpu(),
+                      "sin": sin.detach().clone().cpu()}
         handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
     calls = []
     real = routing.original_sdpa()
@@ -210,8 +212,8 @@ def test_rotary_queries_chain_matches_float64(mode, monkeypatch):
         return out
 
     monkeypatch.setattr(routing, "_original_sdpa", spy)
-    ids = torch.randint(0, 100, (3, 24), generator=torch.Generator().manual_seed(1))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    ids = torch.randint(0, 100, (3, 24), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         loss = model(ids, labels=ids).loss
     loss.backward()
     for h in handles:
@@ -221,18 +223,19 @@ def test_rotary_queries_chain_matches_float64(mode, monkeypatch):
     if mode == "own_kernel":  # the kernel runs the attention: its inputs are recorded by the rows, not the spy
         assert not calls
         assert all(not math.isnan(snap["flashwatch_wq_error_push"][(i, h)]) for i in range(2) for h in range(4))
-    for i, (q, k, v, out) in enumerate(calls):
+    for i, recorded in enumerate(calls):
+        qgrad, ograd = recorded[0].grad.cpu(), recorded[3].grad.cpu()
+        q, k, v, out = (t.detach().cpu() for t in recorded)
         u, vv = pairs[i]
         rep = q.shape[1] // k.shape[1]
         # the rotated q, k are FP32 (cos, sin are); autocast rounds them inside SDPA, and the
         # statistics take them as the kernel did: in the output's dtype
         qb = q.detach().to(out.dtype)
         kd, vd = (t.detach().to(out.dtype).repeat_interleave(rep, dim=1) for t in (k, v))
-        push, _, dg_rot = _expected(rec[i]["x"].to(torch.bfloat16), qb, kd, vd, out.detach(), out.grad,
-                                    q.grad, u, vv)
+        push, _, dg_rot = _expected(rec[i]["x"].to(torch.bfloat16), qb, kd, vd, out, ograd, qgrad, u, vv)
         # _expected maps the rotated rows straight onto X; turn them back first, as the chain must
         s = q.shape[-1] ** -0.5
-        qd, kd64, vd64, od, dod = (t.to(F64) for t in (qb, kd, vd, out.detach(), out.grad))
+        qd, kd64, vd64, od, dod = (t.to(F64) for t in (qb, kd, vd, out, ograd))
         n = q.shape[2]
         p = torch.softmax((s * qd @ kd64.transpose(-1, -2)).masked_fill(
             ~torch.ones(n, n, dtype=torch.bool).tril(), -math.inf), dim=-1)
@@ -246,9 +249,9 @@ def test_rotary_queries_chain_matches_float64(mode, monkeypatch):
         push_rot = -torch.einsum("hd,hdc,hc->h", u.to(F64), dg_rot, vv.to(F64))
         assert not torch.allclose(push_rot, push, rtol=2e-3, atol=2e-3 * push.abs().max())
         # the true gradient's push from W^Q's own gradient equals the float64 one from dQ turned back
-        g = model.model.layers[i].self_attn.q_proj.weight.grad.view(4, 16, 64).to(F64)
+        g = model.model.layers[i].self_attn.q_proj.weight.grad.cpu().view(4, 16, 64).to(F64)
         push_true_w = -torch.einsum("hd,hdc,hc->h", u.to(F64), g, vv.to(F64))
-        g64 = torch.einsum("bhnd,bnc->hdc", _unrotate64(q.grad.to(F64), rec[i]["cos"], rec[i]["sin"]),
+        g64 = torch.einsum("bhnd,bnc->hdc", _unrotate64(qgrad.to(F64), rec[i]["cos"], rec[i]["sin"]),
                            rec[i]["x"].to(torch.bfloat16).to(F64))
         push_true = -torch.einsum("hd,hdc,hc->h", u.to(F64), g64, vv.to(F64))
         assert torch.allclose(push_true_w, push_true, rtol=0.05, atol=0.05 * push_true.abs().max())
