@@ -36,7 +36,8 @@ class AttentionLayer:
         name: the module's name in ``model.named_modules()``.
         module: the attention module.
         num_heads: query heads H.
-        family: ``"nanogpt"``, ``"hf_gpt2"``, ``"hf_llama"`` or ``"explicit"``.
+        family: ``"nanogpt"``, ``"hf_gpt2"``, ``"hf_llama"`` or ``"explicit"`` (a query-weight function
+            the user named, unless it names its family: ``flashwatch.sharded.QueryWeight``).
         mode: ``"own_kernel"`` or ``"observe"`` (auto_fix can move an observed layer to own_kernel).
         variant: the kernel variant in own_kernel mode; ``"sdpa"`` while observed.
         stats: the layer's ``AttentionStats`` (device tensors; reset after every monitored step).
@@ -45,7 +46,7 @@ class AttentionLayer:
             step (counted by the router, also inside compiled graphs; reset by the Monitor).
         low_precision: whether the last measured call's output was BF16/FP16 (None before any).
         chain: the layer's W^Q-error accumulators (``flashwatch.chain.LayerChain``), None where
-            that chain is not defined (explicitly named modules, sharded weights).
+            that chain is not defined (explicitly named modules, tensor-parallel weights).
         chain_input: the module's input at the current monitored call (the projection input X).
         chain_rotation: that call's rotary position embeddings (cos, sin) where the family's
             queries are rotated (None otherwise, or where the call names none).
@@ -157,7 +158,8 @@ def find_attention(model: nn.Module, attention: Mapping[str, QueryWeightFn] | No
                 raise ValueError(f"attention[{name!r}] must be a function module -> (H, D, C) query weight, "
                                  f"got {type(fn).__name__}")
             heads = _check_weight(name, fn(modules[name]))
-            found.append((name, modules[name], heads, fn, "explicit"))
+            # a function recognised from the model's structure (a sharded model's) names its family
+            found.append((name, modules[name], heads, fn, getattr(fn, "family", None) or "explicit"))
         return found
     for name, module, family, shape in known_attention(model, heads_from_call=True):
         fn = _family_weight_fn(family, shape)

@@ -44,8 +44,9 @@ slowly; the first monitored step uses the exact pair from attach). Defined where
 attention sees is the projection's output, or that output turned by rotary position embeddings
 (RoPE, ``flashwatch.families``) whose rotation the call names: each row's error is turned back
 (``unrotate``) before it is mapped onto W^Q, on the PyTorch path (the kernels store such rows
-instead of reducing them). Not defined where a rank holds W^Q in pieces (sharded models): those
-layers read NaN.
+instead of reducing them). Under FSDP the pair comes from the power iteration on the shards
+(``pair_from_products``) and the true gradient's push from the query's gradient; not defined under
+tensor parallelism or a layout the shards cannot be read in: those layers read NaN.
 
 ``LayerChain`` holds one layer's accumulators; ``Chains`` is the Monitor's view of all its
 layers' chains: made at attach, averaged over data-parallel ranks, read, and given the next
@@ -63,8 +64,8 @@ import torch
 from .families import FAMILIES
 from .signals import top_eigenvector
 
-__all__ = ["FIELDS", "SKETCH_DIM", "CHAIN_FAMILIES", "LayerChain", "Chains", "top_pair", "unrotate",
-           "check_rotation"]
+__all__ = ["FIELDS", "SKETCH_DIM", "CHAIN_FAMILIES", "LayerChain", "Chains", "top_pair", "pair_from_products",
+           "unrotate", "check_rotation"]
 
 FIELDS = ("push", "push_true", "alignment", "coherence")
 SKETCH_DIM = 64  # r: a random cosine reads about N(0, 1/64), sd 0.125
@@ -130,6 +131,20 @@ def top_pair(weight: torch.Tensor, v_block: torch.Tensor,
     v = (v_block @ a[..., None])[..., 0]
     v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
     u = (w @ v[..., None])[..., 0]
+    u = u / u.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return u, v
+
+
+@torch.no_grad()
+def pair_from_products(y: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_pair`` from y = W V (N, D, k) and V (N, C, k) instead of W: with a the top eigenvector
+    of y^T y, v = V a and u = y a = W v, normalised (where W is held in pieces, as FSDP's shards,
+    y is what the power iteration completes on every rank)."""
+    y = y.float()
+    a = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
+    v = (v_block.float() @ a[..., None])[..., 0]
+    v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    u = (y @ a[..., None])[..., 0]
     u = u / u.norm(dim=1, keepdim=True).clamp_min(1e-30)
     return u, v
 
@@ -419,11 +434,14 @@ class Chains:
         self.layers, self.on_error = layers, on_error
 
     @staticmethod
-    def make(family: str, num_heads: int, weight: torch.Tensor, sharded: bool) -> LayerChain | None:
-        """A layer's chain for its query weight (heads, D, C), or None where it is not defined."""
-        if sharded or family not in CHAIN_FAMILIES:
+    def make(family: str, shape: tuple[int, int, int], device: torch.device, placement: str) -> LayerChain | None:
+        """A layer's chain for its query weight of ``shape`` (heads, D, C) on ``device``, or None where
+        it is not defined: a family without one, or a ``placement`` (``AttentionLayer.placement_kind``)
+        other than a whole weight or FSDP's shards (every rank computes every head's full rows, so
+        the ranks' accumulators average as under DDP; tensor parallelism splits the heads)."""
+        if placement not in ("whole", "fsdp") or family not in CHAIN_FAMILIES:
             return None
-        return LayerChain(num_heads, weight.shape[1], weight.shape[2], weight.device)
+        return LayerChain(shape[0], shape[1], shape[2], device)
 
     @property
     def chains(self) -> list[LayerChain]:

@@ -157,7 +157,7 @@ def structural_attention(model: nn.Module) -> dict[str, Any]:
 
     found: dict[str, Any] = {}
     for name, module, family, shape in known_attention(model):
-        found[name] = QueryWeight(placement_of(model, module, family, shape), _device_of(module))
+        found[name] = QueryWeight(placement_of(model, module, family, shape), _device_of(module), family.name)
     return found
 
 

@@ -228,7 +228,8 @@ class Monitor:
                                    variant=self.config.variant if own else "sdpa", format=self.config.format)
             w = layer.query_weight()
             layer.ensure_stats(w.device)
-            layer.chain = Chains.make(family, heads, w, sharded=sharding is not None)
+            shape = layer.placement.shape if layer.placement is not None else tuple(w.shape)
+            layer.chain = Chains.make(family, shape, w.device, layer.placement_kind)
             layers.append(layer)
         self.sharding = sharding
         wq = WqNorms(layers, self.config.power_block, model=model, on_error=self._error)

@@ -562,9 +562,10 @@ class Router:
 
     def _watch_query_weight(self, layer: AttentionLayer) -> bool:
         """W^Q's gradient hook for this monitored step (``LayerChain.watch_weight``); False where
-        it cannot apply (the query's gradient is read instead)."""
+        it cannot apply (the query's gradient is read instead: so also for a sharded weight, whose
+        gradient a rank sees in pieces)."""
         family = next((f for f in FAMILIES if f.name == layer.family), None)
-        if family is None:
+        if family is None or layer.placement is not None:
             return False
         try:
             param, transposed = family.query_param(layer.module)

@@ -74,10 +74,11 @@ class QueryWeight:
     """``attach(model, attention={name: QueryWeight})`` entry for a sharded model: a query-weight
     function that carries its ``placement``. It returns a zero-stride placeholder of the local
     heads' shape (no memory, no weight read), or, under tensor parallelism, the local heads'
-    weight (a view of the local shard)."""
+    weight (a view of the local shard). ``family``: the model family the module was recognised
+    as (``flashwatch.families``), which the layer keeps."""
 
-    def __init__(self, placement: QueryPlacement, device: torch.device):
-        self.placement, self.device = placement, device
+    def __init__(self, placement: QueryPlacement, device: torch.device, family: str | None = None):
+        self.placement, self.device, self.family = placement, device, family
 
     def __call__(self, module: nn.Module) -> torch.Tensor:
         p = self.placement

@@ -136,6 +136,7 @@ class _Member:
         self.placement: QueryPlacement = layer.placement
         self.h, self.d, self.c = self.placement.shape
         self.power: PowerIteration | None = None
+        self.y: torch.Tensor | None = None  # W V (H, D, k) for the current vectors: the W^Q-error chain's pair
 
     def blocks(self) -> list[Block]:
         p = self.placement
@@ -201,6 +202,7 @@ class ShardedPowerIteration:
         for group, members in self._groups:
             for m, w in zip(members, self._full(members, group)):
                 m.power = PowerIteration(w, block=self.block, seed="svd")
+                m.y = w @ m.power.v
 
     def exact(self) -> dict[Any, torch.Tensor]:
         """Exact norms by SVD of the assembled weights; the vectors restart from them."""
@@ -208,6 +210,7 @@ class ShardedPowerIteration:
         for group, members in self._groups:
             for m, w in zip(members, self._full(members, group)):
                 out[m.layer] = m.power.exact(w)
+                m.y = w.to(m.power.v.device) @ m.power.v
         return out
 
     # the monitored step --------------------------------------------------------------------------
@@ -235,8 +238,16 @@ class ShardedPowerIteration:
             for m, v, y in zip(members, vs, ys):
                 m.power.v = v
                 m.power.sigma = top_eigenvalue(y.transpose(1, 2) @ y).clamp_min(0).sqrt()
+                m.y = y
                 out[m.layer] = m.power.sigma
         return out
+
+    def pairs(self) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's top singular pairs (u (H, D), v (H, C)) from its current vectors and their
+        products (``flashwatch.chain.pair_from_products``), identical on every rank; no collective."""
+        from .chain import pair_from_products
+
+        return {m.layer: pair_from_products(m.y, m.power.v) for m in self.members if m.y is not None}
 
     def _part(self, fn, blocks, m: _Member, rows: int, k: int, device: torch.device) -> torch.Tensor:
         if blocks is not None:

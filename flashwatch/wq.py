@@ -121,8 +121,9 @@ class WqNorms:
                         "loss and gradient norm are monitored as usual.",
                         ", ".join(f"{l.index}={l.name}" for l in bad),
                         bad[0].placement.reason if bad[0].placement is not None else sharding)
-        if any(layer.placement_kind != "whole" for layer in self.layers):
-            log.info("flashwatch: the W^Q-error metrics (flashwatch_wq_error_*) are NaN for sharded layers")
+        if any(layer.placement_kind not in ("whole", "fsdp") for layer in self.layers):
+            log.info("flashwatch: the W^Q-error metrics (flashwatch_wq_error_*) are NaN for tensor-parallel layers "
+                     "and layouts whose W^Q cannot be read")
 
     @property
     def unmeasured(self) -> set[int]:
@@ -191,9 +192,11 @@ class WqNorms:
     @torch.no_grad()
     def pairs(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Layer index -> (u (H, D), v (H, C)): each head's top singular pair from the current vectors
-        (layers held whole on this rank only)."""
+        (layers held whole on this rank, and FSDP-sharded layers from their power iteration's products)."""
         fresh, self._fresh_pairs = self._fresh_pairs, None
-        return fresh if fresh is not None else self._pairs([None] * len(self.groups))
+        out = fresh if fresh is not None else self._pairs([None] * len(self.groups))
+        out.update({layer.index: pair for layer, pair in self.sharded.pairs().items()})
+        return out
 
     def _pairs(self, weights: list) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """``pairs()`` from each group's weight as read (None: read now)."""

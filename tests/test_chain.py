@@ -386,3 +386,20 @@ def test_unrotate_inverts_hugging_faces_rotary_embedding():
     rotated = q * cos[:, None] + torch.cat([-q[..., half:], q[..., :half]], -1) * sin[:, None]
     assert torch.allclose(unrotate(rotated, (cos, sin)).double(), q, atol=1e-6)  # unrotate computes in float32
     assert not torch.allclose(rotated, q, atol=1e-3)
+
+
+def test_the_pair_from_the_products_is_the_pair_from_the_weight():
+    """Where W is held in pieces (FSDP), the pair comes from y = W V and V alone: the same unit
+    vectors as top_pair from W (up to a shared sign), and W v = sigma u."""
+    from flashwatch.chain import pair_from_products
+    from flashwatch.signals import PowerIteration
+
+    torch.manual_seed(4)
+    w = torch.randn(3, 16, 48)
+    v_block = PowerIteration(w, block=4, seed="svd").v
+    u1, v1 = top_pair(w, v_block)
+    u2, v2 = pair_from_products(w @ v_block, v_block)
+    sign = torch.sign((v1 * v2).sum(1, keepdim=True))
+    assert torch.allclose(v2 * sign, v1, atol=1e-5) and torch.allclose(u2 * sign, u1, atol=1e-5)
+    sigma = spectral_norm_exact(w)
+    assert torch.allclose(torch.einsum("nd,ndc,nc->n", u2, w, v2).abs(), sigma, rtol=1e-4)
