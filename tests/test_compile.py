@@ -195,6 +195,52 @@ def test_compiled_step_measures_the_wq_error_chain(mode, backend):
                     assert math.isnan(got) == math.isnan(want), (step, name, key, want, got)
 
 
+def _hf_chain_eager_and_compiled(make_model, mode: str, length: int, autocast: bool) -> tuple[list, list]:
+    """A Hugging Face model from ``make_model()`` (seeded), trained two monitored steps on (2,
+    ``length``) token batches, eager and compiled with ``aot_eager``: (the eager W^Q-error readings,
+    the compiled ones). The compiled run adds no graph break to those of the model's own code
+    (compiled without the Monitor) and runs under Dynamo's error on recompilation."""
+
+    def run(attach: bool, backend: str | None) -> list[dict]:
+        torch.manual_seed(0)
+        model = make_model()
+        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+        if attach:
+            monitor.attach(model)
+        compiled = model if backend is None else torch.compile(model, backend=backend)
+        seen = []
+        for step in range(2):
+            ids = torch.randint(0, 100, (2, length), generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = compiled(ids, labels=ids).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            monitor.step(loss=loss.detach())
+            snap = monitor.snapshot()
+            seen.append({name: dict(snap[name]) for name in CHAIN_METRICS})
+        monitor.detach()
+        monitor.close()
+        return seen
+
+    counters.clear()
+    run(False, "aot_eager")  # the model's own graph breaks
+    own_breaks = sum(counters["graph_break"].values())
+    eager = run(True, None)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(True, "aot_eager")
+    assert sum(counters["graph_break"].values()) == own_breaks
+    return eager, compiled
+
+
+def _assert_chain_as_eager(eager: list, compiled: list) -> None:
+    assert all(math.isfinite(v) and v != 0 for v in compiled[0]["flashwatch_wq_error_push"].values())
+    for e, c in zip(eager, compiled):
+        for name in CHAIN_METRICS:
+            assert c[name] == pytest.approx(e[name], rel=1e-5, abs=0, nan_ok=True), name
+
+
 def test_compiled_hugging_face_gpt2_measures_the_wq_error_chain():
     """Hugging Face GPT-2 (its Conv1D query projection, hidden_states as the attention's input)
     compiled with ``aot_eager``: the W^Q-error readings equal the eager ones, and the Monitor adds
@@ -202,42 +248,8 @@ def test_compiled_hugging_face_gpt2_measures_the_wq_error_chain():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=64, attn_pdrop=0.0,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="sdpa")
-
-    def run(mode: str | None, backend: str | None) -> list[dict]:
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(cfg)
-        monitor = Monitor(MonitorConfig(interval=1, mode=mode or "observe", async_transfer=False))
-        if mode is not None:
-            monitor.attach(model)
-        compiled = model if backend is None else torch.compile(model, backend=backend)
-        seen = []
-        for step in range(2 if mode is not None else 1):
-            ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(step))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = compiled(ids, labels=ids).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-            if mode is not None:
-                monitor.step(loss=loss.detach())
-                snap = monitor.snapshot()
-                seen.append({name: dict(snap[name]) for name in CHAIN_METRICS})
-        monitor.detach()
-        monitor.close()
-        return seen
-
-    counters.clear()
-    run(None, "aot_eager")  # the model's own graph breaks
-    own_breaks = sum(counters["graph_break"].values())
-    eager = run("observe", None)
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = run("observe", "aot_eager")
-    assert sum(counters["graph_break"].values()) == own_breaks
-    assert all(math.isfinite(v) and v != 0 for v in compiled[0]["flashwatch_wq_error_push"].values())
-    for e, c in zip(eager, compiled):
-        for name in CHAIN_METRICS:
-            assert c[name] == pytest.approx(e[name], rel=1e-5, abs=0, nan_ok=True), name
+    eager, compiled = _hf_chain_eager_and_compiled(lambda: transformers.GPT2LMHeadModel(cfg), "observe", 32, True)
+    _assert_chain_as_eager(eager, compiled)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -248,39 +260,8 @@ def test_compiled_rotary_attention_measures_the_chain_as_eager(mode):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")
-
-    def run(attach: bool, backend: str | None) -> list[dict]:
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(cfg)
-        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
-        if attach:
-            monitor.attach(model)
-        compiled = model if backend is None else torch.compile(model, backend=backend)
-        seen = []
-        for step in range(2):
-            ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(step))
-            compiled(ids, labels=ids).loss.backward()
-            model.zero_grad(set_to_none=True)
-            monitor.step()
-            snap = monitor.snapshot()
-            seen.append({name: dict(snap[name]) for name in CHAIN_METRICS})
-        monitor.detach()
-        monitor.close()
-        return seen
-
-    counters.clear()
-    run(False, "aot_eager")
-    own_breaks = sum(counters["graph_break"].values())
-    eager = run(True, None)
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = run(True, "aot_eager")
-    assert sum(counters["graph_break"].values()) == own_breaks
-    assert all(math.isfinite(v) and v != 0 for v in compiled[0]["flashwatch_wq_error_push"].values())
-    for e, c in zip(eager, compiled):
-        for name in CHAIN_METRICS:
-            assert c[name] == pytest.approx(e[name], rel=1e-5, abs=0, nan_ok=True), name
+    eager, compiled = _hf_chain_eager_and_compiled(lambda: transformers.LlamaForCausalLM(cfg), mode, 16, False)
+    _assert_chain_as_eager(eager, compiled)
 
 
 def _saved_activation_bytes(mode: str | None) -> int:
