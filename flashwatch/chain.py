@@ -127,12 +127,8 @@ def top_pair(weight: torch.Tensor, v_block: torch.Tensor,
     if top is None:
         y = w @ v_block  # (N, D, k)
         top = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
-    a = top
-    v = (v_block @ a[..., None])[..., 0]
-    v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    u = (w @ v[..., None])[..., 0]
-    u = u / u.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    return u, v
+    v = _unit((v_block @ top[..., None])[..., 0])
+    return _unit((w @ v[..., None])[..., 0]), v
 
 
 @torch.no_grad()
@@ -141,12 +137,13 @@ def pair_from_products(y: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Te
     of y^T y, v = V a and u = y a = W v, normalised (where W is held in pieces, as FSDP's shards,
     y is what the power iteration completes on every rank)."""
     y = y.float()
-    a = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
-    v = (v_block.float() @ a[..., None])[..., 0]
-    v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    u = (y @ a[..., None])[..., 0]
-    u = u / u.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    return u, v
+    a = top_eigenvector(y.transpose(1, 2) @ y)[..., None]  # (N, k, 1); no eigh: nothing makes the host wait
+    return _unit((y @ a)[..., 0]), _unit((v_block.float() @ a)[..., 0])
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """Each row of t (N, n) scaled to norm 1 (a zero row stays zero)."""
+    return t / t.norm(dim=1, keepdim=True).clamp_min(1e-30)
 
 
 class LayerChain:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from .chain import pair_from_products
 from .sharded import QueryPlacement
 from .signals import PowerIteration, orthonormalize, top_eigenvalue
 
@@ -245,8 +246,6 @@ class ShardedPowerIteration:
     def pairs(self) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's top singular pairs (u (H, D), v (H, C)) from its current vectors and their
         products (``flashwatch.chain.pair_from_products``), identical on every rank; no collective."""
-        from .chain import pair_from_products
-
         return {m.layer: pair_from_products(m.y, m.power.v) for m in self.members if m.y is not None}
 
     def _part(self, fn, blocks, m: _Member, rows: int, k: int, device: torch.device) -> torch.Tensor:
