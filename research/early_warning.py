@@ -576,8 +576,20 @@ def _landmark_claims(result: dict) -> str:
             f"Claim 2 (`{rule}` beats `{result['baseline']}`, lower end of the difference above 0): {second}.")
 
 
+def _verdict(result: dict, rule: str) -> str:
+    """The primary rule's verdict; every other rule's reading is reported with no claim (the protocol
+    tests one rule: a claim for each of 13 would make chance passes likely)."""
+    verdict = result["table"][rule]["verdict"]
+    if rule == result["primary"] or verdict == "undecided":
+        return verdict
+    return f"lower end {'above' if verdict == 'separates' else 'not above'} {result['claim_above']} (no claim)"
+
+
 def landmark_markdown(result: dict) -> str:
-    lines = [f"{result['pairs']} pairs: {result['cases']} blow-ups, each against the runs still healthy "
+    registered = ([f"Registered in `{result['test_protocol']}` (commit {result['test_protocol_commit']}); thresholds "
+                   f"`{result['thresholds_file']}` (commit {result['thresholds_file_commit']}); code {result['commit']}.", ""]
+                  if result.get("test_protocol") else [])
+    lines = registered + [f"{result['pairs']} pairs: {result['cases']} blow-ups, each against the runs still healthy "
              f"{result['margin']:,} steps after it ({result['controls']} distinct); read {result['lead']:,} steps "
              f"before the blow-up; primary rule `{result['primary']}`, baseline `{result['baseline']}` (the max logit).",
              "", _landmark_claims(result), "",
@@ -585,11 +597,11 @@ def landmark_markdown(result: dict) -> str:
              "|---|---|---|---|---|"]
     for rule, row in result["table"].items():
         if row.get("auc") is None:
-            lines.append(f"| `{rule}` | - | - | - | {row['verdict']} |")
+            lines.append(f"| `{rule}` | - | - | - | {_verdict(result, rule)} |")
             continue
         diff = ("-" if rule == result["baseline"] or row.get("minus_baseline") is None
                 else f"{row['minus_baseline']:+.3f} ({row['minus_baseline_low']:+.3f} to {row['minus_baseline_high']:+.3f})")
-        lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} | {diff} | {row['verdict']} |")
+        lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} | {diff} | {_verdict(result, rule)} |")
     if result.get("concordance"):
         lines += ["", f"Concordance at step {result['concordance_step']:,} (descriptive; {result['concordance_pairs']} pairs "
                   "of runs healthy there, the earlier blow-up against the later one or a survivor):", "",
@@ -765,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     lm.add_argument("--margin", type=int, default=LANDMARK_MARGIN)
     lm.add_argument("--out", required=True)
     lm.add_argument("--markdown")
+    lm.add_argument("--protocol", help="the protocol file this test was registered in, recorded in the result with its commit")
     oc = sub.add_parser("outcomes", help="each run's outcome and monitoring, no rule (before a protocol's analysis)")
     oc.add_argument("runs", nargs="+")
     oc.add_argument("--out", required=True)
@@ -790,7 +803,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, value in (("--lead", args.lead), ("--margin", args.margin)):
             if value < 0:
                 raise SystemExit(f"{name} must be >= 0 steps, got {value}")
+        if args.protocol and not Path(args.protocol).is_file():
+            raise SystemExit(f"--protocol {args.protocol}: no such file (a protocol under research/preregistration/)")
         result = landmark_auc(_runs(args.runs), json.loads(Path(args.thresholds).read_text()), args.lead, args.margin)
+        result["thresholds_file"], result["thresholds_file_commit"] = args.thresholds, _file_commit(Path(args.thresholds))
+        if args.protocol:
+            result["test_protocol"], result["test_protocol_commit"] = args.protocol, _file_commit(Path(args.protocol))
         return _write(result, landmark_markdown(result), args.out, args.markdown)
     if args.command == "auc":
         if args.lead < 0:

@@ -616,6 +616,14 @@ def test_landmark_controls_are_runs_still_healthy_margin_steps_after_the_blowup(
     assert result["concordance"]["max_logit"]["auc"] == pytest.approx(1.5 / 3)
     assert "Claim 1 (`chain` separates, lower end above 0.7): undecided. Claim 2 (`chain` beats `qk_clip`" \
         in ew.landmark_markdown(result)
+    # with enough cases, only the primary rule's row carries a verdict; the others are marked as no claim
+    for rule, row in result["table"].items():
+        row["verdict"] = "separates" if rule in ("chain", "max_logit") else "does not separate"
+    text = ew.landmark_markdown(result)
+    row = lambda rule: next(l for l in text.splitlines() if l.startswith(f"| `{rule}` |"))
+    assert row("chain").endswith("| separates |")
+    assert row("max_logit").endswith("| lower end above 0.7 (no claim) |")
+    assert row("zclip").endswith("| lower end not above 0.7 (no claim) |")
 
 
 def test_landmark_bootstrap_against_a_brute_force_resample():
@@ -634,6 +642,8 @@ def test_landmark_bootstrap_against_a_brute_force_resample():
     assert out["chain"]["minus_baseline"] == pytest.approx(1 - 2 * ew._pair_mean(m))
     with pytest.raises(SystemExit, match="--margin must be >= 0"):
         ew.main(["landmark", "x", "--thresholds", "t.json", "--margin", "-1", "--out", "o.json"])
+    with pytest.raises(SystemExit, match="--protocol nope.md: no such file"):
+        ew.main(["landmark", "x", "--thresholds", "t.json", "--out", "o.json", "--protocol", "nope.md"])
 
 
 def test_outcomes_report_blowups_and_survivors_and_no_rule(monkeypatch):
