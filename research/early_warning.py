@@ -576,7 +576,7 @@ def _landmark_claims(result: dict) -> str:
             f"Claim 2 (`{rule}` beats `{result['baseline']}`, lower end of the difference above 0): {second}.")
 
 
-def _verdict(result: dict, rule: str) -> str:
+def _landmark_row_verdict(result: dict, rule: str) -> str:
     """The primary rule's verdict; every other rule's reading is reported with no claim (the protocol
     tests one rule: a claim for each of 13 would make chance passes likely)."""
     verdict = result["table"][rule]["verdict"]
@@ -597,11 +597,11 @@ def landmark_markdown(result: dict) -> str:
              "|---|---|---|---|---|"]
     for rule, row in result["table"].items():
         if row.get("auc") is None:
-            lines.append(f"| `{rule}` | - | - | - | {_verdict(result, rule)} |")
+            lines.append(f"| `{rule}` | - | - | - | {_landmark_row_verdict(result, rule)} |")
             continue
         diff = ("-" if rule == result["baseline"] or row.get("minus_baseline") is None
                 else f"{row['minus_baseline']:+.3f} ({row['minus_baseline_low']:+.3f} to {row['minus_baseline_high']:+.3f})")
-        lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} | {diff} | {_verdict(result, rule)} |")
+        lines.append(f"| `{rule}` | {row['auc']:.3f} | {row['low']:.3f}-{row['high']:.3f} | {diff} | {_landmark_row_verdict(result, rule)} |")
     if result.get("concordance"):
         lines += ["", f"Concordance at step {result['concordance_step']:,} (descriptive; {result['concordance_pairs']} pairs "
                   "of runs healthy there, the earlier blow-up against the later one or a survivor):", "",
