@@ -25,11 +25,12 @@ TEST_2_TABLE = ROOT / "results/seed-split-2/test.md"
 TEST_4 = ROOT / "results/seed-split-4/test.json"  # the fourth protocol's test (lr 1.5e-3, complete monitoring)
 TEST_2_SEEDS = 24  # the second protocol's test seeds (300-323)
 AUTO_FIX = ROOT / "results/seed-split-6/auto-fix.json"  # the sixth protocol's result (research.auto_fix_effect)
-README_HEAD = "**What the early warning predicts: not proven.** "
+LANDMARK = ROOT / "results/seed-split-5/landmark.json"  # the fifth protocol's test (research.early_warning landmark)
+LANDMARK_TABLE = ROOT / "results/seed-split-5/landmark.md"
 README_ANCHOR = "**What the early warning predicts:"  # where the paragraph starts, whatever its verdict
 TEST_4_TABLE = ROOT / "results/seed-split-4/test.md"
 TABLES = {9: (TEST_1_TABLE, "<!-- test.md: generated"), 10: (TEST_2_TABLE, "<!-- test-2.md: generated"),
-          12: (TEST_4_TABLE, "<!-- test-4.md: generated")}
+          12: (TEST_4_TABLE, "<!-- test-4.md: generated"), 14: (LANDMARK_TABLE, "<!-- landmark.md: generated")}
 TABLE_END = "<!-- end test.md -->"
 
 
@@ -44,23 +45,43 @@ def _monitoring_sentence(*results: dict) -> str:
     cut = sorted(v["monitoring"]["measured_through"] for v in runs if not v["monitoring"]["complete"])
     if not cut:
         return "every run measured at every monitored step"
-    return (f"{len(cut)} of these {len(runs)} runs were measured only to steps {cut[0]:,}-{cut[-1]:,}, a defect, fixed: "
-            "detections are lower bounds")
+    return f"{len(cut)} of these {len(runs)} measured only to steps {cut[0]:,}-{cut[-1]:,}: detections are lower bounds"
 
 
 def _third_test_sentence(result: dict) -> str:
-    """The fourth protocol's test (the README's third), from its result: outcomes, verdict, and
-    what `chain` and the max logit did."""
+    """The fourth protocol's test (the README's third): outcomes and verdict, from its result (its
+    counts per rule are the README table's lr 1.5e-3 columns)."""
     t = result["table"]
-    chain, logit = t["chain"], t["max_logit"]
-    n_b, n_s = chain["blowups"], chain["survivors"]
+    n_b, n_s = t["chain"]["blowups"], t["chain"]["survivors"]
     verdicts = {t[r]["verdict"] for r in RULES}
     verdict = ("undecided (a verdict needs 6 survivors)" if verdicts <= {"undecided", "fail"} and n_s < 6
                else "see `docs/EXPERIMENTS.md` §12")
-    return (f"At lr 1.5e-3 ({result['evaluated']}, 20,000 steps, every step measured): {n_b} blew up, {n_s} "
-            f"survived: {verdict}; `chain` warned at least {MIN_LEAD:,} steps ahead of {_early(chain)}/{n_b} and "
-            f"fired on {chain['false_alarms']}/{n_s} survivors, the max logit (150) {_early(logit)}/{n_b} and "
-            f"{logit['false_alarms']}/{n_s}.")
+    return f"At lr 1.5e-3 (20,000 steps, every step measured): {n_b} blew up, {n_s} survived: {verdict}."
+
+
+def _landmark_claims(result: dict) -> tuple[bool, bool]:
+    """The fifth protocol's two claims about its primary rule: (separates, beats the max logit)."""
+    row = result["table"][result["primary"]]
+    return row["verdict"] == "separates", bool(row.get("beats_baseline"))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _landmark_sentence(result: dict) -> str:
+    """The fifth protocol's test (threshold-free: which runs are nearer their blow-up), from its result."""
+    row, base = result["table"][result["primary"]], result["table"][result["baseline"]]
+    separates, beats = _landmark_claims(result)
+    gap = result["lead"] + result["margin"]
+    verdict = {(True, True): "shown", (True, False): "shown, but not better than the max logit"}.get(
+        (separates, beats), "not shown")
+    return (f"*As a ranking: {verdict}* ({result['evaluated']}, lr 1.5e-3, {result['runs']} new runs): "
+            f"{result['lead']:,} steps before each of {result['cases']} blow-ups, `chain`'s score was above that of runs "
+            f"still {gap:,} steps from theirs in {_pct(row['auc'])} of {result['pairs']} pairs (95% interval "
+            f"{_pct(row['low'])}-{_pct(row['high'])}), the max logit's in {_pct(base['auc'])} ({_pct(base['low'])}-"
+            f"{_pct(base['high'])}): `chain` {'does' if beats else 'is not shown to do'} better (difference "
+            f"{row['minus_baseline']:+.2f}, {row['minus_baseline_low']:+.2f} to {row['minus_baseline_high']:+.2f}).")
 
 
 def _auto_fix_sentence(result: dict) -> str:
@@ -72,7 +93,7 @@ def _auto_fix_sentence(result: dict) -> str:
     healthy = sum(1 for p in pairs if p["fix"]["survivor"])
     ratios = [p["loss_ratio"] for p in pairs if p["loss_ratio"] is not None]
     where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
-    return (f"**Acting on them** (pre-registered, {len(pairs)} of those seeds, one H200, {result['evaluated']}): "
+    return (f"**Acting on them** (pre-registered, {len(pairs)} of those seeds): "
             f"`auto_fix=\"fp32_delta\"` switched {where} in {len(first)} of {len(pairs)} runs (steps "
             f"{min(first):,}-{max(first):,}, on {', '.join(f'`{r}`' for r in rules)}) and {len(pairs) - healthy} of "
             f"{len(pairs)} blew up in {result['definitions']['min_steps']:,} steps, where their SDPA twins had "
@@ -83,7 +104,7 @@ def _auto_fix_sentence(result: dict) -> str:
 # (every rule's row: docs/EXPERIMENTS.md sections 9-10)
 README_RULES = ("chain", "repeated_max_bf16_trend", "repeated_max_rise", "max_logit", "delta_drift", "qk_clip_100",
                 "zclip_2.5")
-README_NAMES = {"chain": "`chain`: `delta_drift` and `wq_error_coherence` on one head",
+README_NAMES = {"chain": "`chain`",
                 "qk_clip_100": "QK-Clip, max logit > 100 (baseline)", "zclip_2.5": "ZClip, gradient-norm z > 2.5 (baseline)"}
 
 
@@ -100,12 +121,18 @@ def readme_block() -> str:
     verdict = (f"Passed: {', '.join(f'`{r}`' for r in passed)} (now critical)." if passed else
                "No rule passed, so every alert is a warning: it says the rounding mechanism is at work in "
                "this run, not that this run will blow up.")
-    text = (README_HEAD + "Pre-registered tests (`research/preregistration/`, one H200) on runs that differ only "
-            "by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds); a rule passes if it warns at least "
-            f"{MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm in 7 survivors. "
-            f"At lr 2e-3 (2026-12-01), {b1 + s1} runs: {b1} blew up, {s1} survived 10,000 steps; at lr 1.75e-3, "
-            f"{b2 + s2} runs{so_far}: {b2} and {s2} ({_monitoring_sentence(r1, r2)}). {_third_test_sentence(t4)} "
-            f"{verdict} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} Every rule: `docs/EXPERIMENTS.md` §9-13.")
+    landmark = json.loads(LANDMARK.read_text())
+    ranks = _landmark_claims(landmark)[0]
+    head = (f"**What the early warning predicts: {'a ranking is shown' if ranks else 'not proven'}"
+            f"{', an alarm is not' if ranks and not passed else ''}.** ")
+    text = (head + "Pre-registered tests (`research/preregistration/`, one H200) on runs that differ only "
+            "by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds; `chain`: `delta_drift` and W^Q-error "
+            f"coherence on one head). {_landmark_sentence(landmark)} *As an alarm*, a rule passes if it "
+            f"warns at least {MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm "
+            f"in 7 survivors. At lr 2e-3 (2026-12-01), {b1 + s1} runs: {b1} blew up, {s1} survived 10,000 steps; at "
+            f"lr 1.75e-3, {b2 + s2} runs{so_far}: {b2} and {s2} ({_monitoring_sentence(r1, r2)}). "
+            f"{_third_test_sentence(t4)} {verdict} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} "
+            "Every rule: `docs/EXPERIMENTS.md` §9-14.")
     t3 = t4["table"]
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
     rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3 | false alarms, lr 1.75e-3 "

@@ -43,7 +43,7 @@ def test_the_third_test_sentence_follows_its_result_file(tmp_path, monkeypatch):
     changed.write_text(json.dumps(result))
     monkeypatch.setattr(stated_numbers, "TEST_4", changed)
     n_b, n_s = result["table"]["chain"]["blowups"], result["table"]["chain"]["survivors"]
-    assert f"ahead of 17/{n_b} and" in " ".join(stated_numbers.readme_block().split())
+    assert f"| `chain` | 17/23 | 17/18 | 17/{n_b} |" in stated_numbers.readme_block()
     assert stated_numbers.differences()
     result["table"]["chain"]["verdict"] = "pass"
     assert "undecided" not in stated_numbers._third_test_sentence(result)
@@ -60,3 +60,21 @@ def test_the_auto_fix_sentence_follows_its_result_file(tmp_path, monkeypatch):
     monkeypatch.setattr(stated_numbers, "AUTO_FIX", changed)
     assert "1 of 8 blew up" in stated_numbers.readme_block()
     assert stated_numbers.differences()
+
+
+def test_the_ranking_sentence_follows_the_fifth_protocols_result(tmp_path, monkeypatch):
+    """The README's ranking sentence and heading are read from the landmark result: a changed AUC
+    shows, and a primary rule that does not separate turns the heading back to 'not proven'."""
+    result = json.loads(stated_numbers.LANDMARK.read_text())
+    assert "a ranking is shown" in stated_numbers.readme_block()
+    result["table"]["chain"]["auc"] = 0.81
+    changed = tmp_path / "landmark.json"
+    changed.write_text(json.dumps(result))
+    monkeypatch.setattr(stated_numbers, "LANDMARK", changed)
+    block = " ".join(stated_numbers.readme_block().split())
+    assert "in 81% of" in block and stated_numbers.differences()
+    result["table"]["chain"]["verdict"], result["table"]["chain"]["beats_baseline"] = "does not separate", False
+    changed.write_text(json.dumps(result))
+    block = " ".join(stated_numbers.readme_block().split())
+    assert block.startswith("**What the early warning predicts: not proven.**")
+    assert "*As a ranking: not shown*" in block and "`chain` is not shown to do better" in block
