@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -206,3 +208,28 @@ def test_prometheus_config_scrapes_the_demo_port_and_loads_the_rules():
     assert ds["datasources"][0]["type"] == "prometheus"
     prov = yaml.safe_load((DASHBOARDS / "provisioning/dashboards/flashwatch.yml").read_text())
     assert prov["providers"][0]["type"] == "file"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (make prometheus)")
+def test_the_guides_chain_score_expression_is_the_smaller_of_its_two_terms(tmp_path):
+    """docs/GUIDE.md's PromQL for the run's `chain` score: per head the smaller of coherence / 0.52
+    and |drift z| / 4.5, then the run's largest head (a max instead of the min would read 2.0)."""
+    guide = (DASHBOARDS.parent / "docs/GUIDE.md").read_text()
+    expr = guide.split("```promql\n", 1)[1].split("```", 1)[0]
+    assert "flashwatch_wq_error_coherence / 0.52" in expr and "abs(flashwatch_delta_drift_z) / 4.5" in expr
+    rule = "\n".join("      " + line for line in expr.strip().splitlines())
+    (tmp_path / "rules.yml").write_text(
+        "groups:\n- name: guide\n  rules:\n  - record: run:flashwatch_chain_score:max\n    expr: |\n" + rule + "\n")
+    heads = {("0", "0"): (0.26, -9), ("0", "1"): (1.04, 2.25), ("1", "0"): (0.78, 9)}  # min: 0.5, 0.5, 1.5
+    series = "".join(
+        f"  - series: 'flashwatch_wq_error_coherence{{job=\"j\",instance=\"i\",layer=\"{l}\",head=\"{h}\"}}'\n"
+        f"    values: '{c} {c}'\n"
+        f"  - series: 'flashwatch_delta_drift_z{{job=\"j\",instance=\"i\",layer=\"{l}\",head=\"{h}\"}}'\n"
+        f"    values: '{z} {z}'\n" for (l, h), (c, z) in heads.items())
+    (tmp_path / "test.yml").write_text(
+        "rule_files: [rules.yml]\nevaluation_interval: 1m\ntests:\n- interval: 1m\n  input_series:\n" + series +
+        "  promql_expr_test:\n  - expr: run:flashwatch_chain_score:max\n    eval_time: 1m\n    exp_samples:\n"
+        "    - labels: 'run:flashwatch_chain_score:max{job=\"j\",instance=\"i\"}'\n      value: 1.5\n")
+    out = subprocess.run(["promtool", "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
