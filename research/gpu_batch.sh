@@ -30,6 +30,8 @@
 #   bash research/gpu_batch.sh split4          # the fourth protocol's runs, lr 1.5e-3, to 20,000 steps (SPLIT_SEEDS=400-415)
 #   bash research/gpu_batch.sh split6          # the sixth protocol's auto_fix runs: seeds 400-407 at lr 1.5e-3, 13,000 steps
 #   bash research/gpu_batch.sh split7          # the seventh protocol's controls: FP32 and fp32_delta, seeds 400,402,404,406, lr 1.5e-3
+#   SPLIT8_LR=0.00125 SPLIT_SEEDS=500-507 bash research/gpu_batch.sh split8-pilot   # the eighth protocol's pilot
+#   SPLIT8_LR=... SPLIT_SEEDS=600-607 bash research/gpu_batch.sh split8             # its test, block by block
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
 #                                              # one GPU), one piece per call like split-*: the first call
 #                                              # starts with a 20-step CUDA smoke of its arms
@@ -52,7 +54,7 @@ CODE="code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || e
 VERSIONS=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)")
 echo "$CODE"; echo "$VERSIONS"
 case "${1:-1}" in
-split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7)
+split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -67,9 +69,14 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
     split4) what=(--arms sdpa_observe_lr0.0015 --seeds ${SPLIT_SEEDS:-400-415} --max-steps 20000); tag=test4 ;;
     split6) what=(--arms auto_fix_lr0.0015 --seeds 400-407 --max-steps 13000); tag=test6 ;;
     split7) what=(--arms fp32_lr0.0015,fp32_delta_lr0.0015 --seeds 400,402,404,406 --max-steps 13000); tag=test7 ;;
+    # the eighth protocol: the pilot (SPLIT_SEEDS=500-507 at lr 1.25e-3, then 510-517 at 1e-3), then its test at
+    # the rate the pilot chose (SPLIT8_LR=0.00125 or 0.001, SPLIT_SEEDS=600-607 ... 624-631)
+    split8-pilot) what=(--arms sdpa_observe_lr${SPLIT8_LR:?name the rate: 0.00125 or 0.001} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=pilot8 ;;
+    split8) what=(--arms sdpa_observe_lr${SPLIT8_LR:?name the rate the pilot chose} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=test8 ;;
   esac
-  if { [ "$tag" = test4 ] || [ "$tag" = test6 ] || [ "$tag" = test7 ]; } && [ ! -d "$SPLIT_RUNS/$tag" ]; then
-    # the fourth, sixth and seventh protocols count only runs measured at every monitored step: check on this GPU first
+  if { [ "$tag" = test4 ] || [ "$tag" = test6 ] || [ "$tag" = test7 ] || [ "$tag" = pilot8 ] || [ "$tag" = test8 ]; } \
+      && [ ! -d "$SPLIT_RUNS/$tag" ]; then
+    # the fourth protocol and those after it count only runs measured at every monitored step: check on this GPU first
     # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)
     python3 -m pytest -q -p no:cacheprovider tests/test_resume_gpu.py > /tmp/resume-check.log 2>&1 \
       || { tail -30 /tmp/resume-check.log; echo "resume check failed: not starting the runs"; exit 1; }
@@ -85,7 +92,7 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
   # the recordings without checkpoints (what the claims need), every call, so nothing is lost; one
   # archive per ten seeds (seed20*, seed21*, ...), each under the 16 MiB a returned file may have
   # (20,000-step runs: one archive per three runs)
-  if [ "$tag" = test3 ] || [ "$tag" = test4 ] || [ "$tag" = test7 ]; then
+  if [ "$tag" = test3 ] || [ "$tag" = test4 ] || [ "$tag" = test7 ] || [ "$tag" = pilot8 ] || [ "$tag" = test8 ]; then
     (cd "$SPLIT_RUNS/$tag" && ls -d */*/seed* | xargs -n 3 | while read -r group; do
        tar czf "$OUT/seed-split-$tag-runs-$(echo $group | sed 's#[^ ]*/seed##g; s# #-#g').tgz" --exclude=checkpoint.pt $group
      done)

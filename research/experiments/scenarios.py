@@ -284,6 +284,7 @@ REAL_NUMERIC = Scenario(
 SPLIT_LR = 2e-3  # where seeds split between blow-up and survival (research/preregistration/early-warning-protocol.md)
 SPLIT_LR_2 = 1.75e-3  # the second protocol's rate (research/preregistration/early-warning-protocol-2.md)
 SPLIT_LR_4 = 1.5e-3  # the fourth protocol's rate (research/preregistration/early-warning-protocol-4.md)
+SPLIT_LRS_8 = (1.25e-3, 1e-3)  # the eighth protocol's pilot rates (research/preregistration/early-warning-protocol-8.md)
 
 SEED_SPLIT = Scenario(
     name="seed-split", device="cuda",
@@ -317,6 +318,9 @@ SEED_SPLIT = Scenario(
         Arm(f"fp32_delta_lr{SPLIT_LR_4:g}", f"as fp32_delta, at lr {SPLIT_LR_4:g}", "healthy",
             monitor=_own("fp32_delta"), lr=SPLIT_LR_4,
             note="the seventh pre-registered test's fp32_delta control (research/preregistration/)"),
+        *(Arm(f"sdpa_observe_lr{lr:g}", f"as sdpa_observe, at lr {lr:g}", "failure", monitor={"mode": "observe"},
+              lr=lr, note="the eighth pre-registered protocol's pilot and test rates (research/preregistration/)")
+          for lr in SPLIT_LRS_8),
     ),
     default_arms=("sdpa_observe",),
 )
