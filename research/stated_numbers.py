@@ -89,13 +89,12 @@ def _auto_fix_sentence(result: dict) -> str:
     pairs = result["pairs"]
     first = [p["first_switch"] for p in pairs if p["first_switch"] is not None]
     layers = sorted({p["switches"][0]["layer"] for p in pairs if p["switches"]})
-    rules = sorted({p["switches"][0]["rule"] for p in pairs if p["switches"]})
     healthy = sum(1 for p in pairs if p["fix"]["survivor"])
     ratios = [p["loss_ratio"] for p in pairs if p["loss_ratio"] is not None]
     where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
     return (f"**Acting on them** (pre-registered, {len(pairs)} of those seeds): "
             f"`auto_fix=\"fp32_delta\"` switched {where} in {len(first)} of {len(pairs)} runs (steps "
-            f"{min(first):,}-{max(first):,}, on {', '.join(f'`{r}`' for r in rules)}) and {len(pairs) - healthy} of "
+            f"{min(first):,}-{max(first):,}) and {len(pairs) - healthy} of "
             f"{len(pairs)} blew up in {result['definitions']['min_steps']:,} steps, where their SDPA twins had "
             f"{result['cases']} confirmed blow-ups; loss {min(ratios):.3f}-{max(ratios):.3f}x the twins'.")
 
@@ -119,20 +118,20 @@ def readme_block() -> str:
     t4 = json.loads(TEST_4.read_text())
     passed = [r for r in RULES if "pass" in (t1[r]["verdict"], t2[r]["verdict"], t4["table"][r]["verdict"])]
     verdict = (f"Passed: {', '.join(f'`{r}`' for r in passed)} (now critical)." if passed else
-               "No rule passed, so every alert is a warning: it says the rounding mechanism is at work in "
-               "this run, not that this run will blow up.")
+               "No rule has passed as an alarm, so every alert is a warning: it says the rounding mechanism "
+               "is at work in this run, not that this run will blow up.")
     landmark = json.loads(LANDMARK.read_text())
     ranks = _landmark_claims(landmark)[0]
     head = (f"**What the early warning predicts: {'a ranking is shown' if ranks else 'not proven'}"
             f"{', an alarm is not' if ranks and not passed else ''}.** ")
-    text = (head + "Pre-registered tests (`research/preregistration/`, one H200) on runs that differ only "
-            "by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds; `chain`: `delta_drift` and W^Q-error "
+    text = (head + f"{verdict} Pre-registered tests (`research/preregistration/`, one H200) on runs that differ "
+            "only by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds; `chain`: `delta_drift` and W^Q-error "
             f"coherence on one head). {_landmark_sentence(landmark)} *As an alarm*, a rule passes if it "
             f"warns at least {MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm "
             f"in 7 survivors. At lr 2e-3 (2026-12-01), {b1 + s1} runs: {b1} blew up, {s1} survived 10,000 steps; at "
             f"lr 1.75e-3, {b2 + s2} runs{so_far}: {b2} and {s2} ({_monitoring_sentence(r1, r2)}). "
-            f"{_third_test_sentence(t4)} {verdict} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} "
-            "Every rule: `docs/EXPERIMENTS.md` §9-14.")
+            f"{_third_test_sentence(t4)} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} "
+            "Every rule: `docs/EXPERIMENTS.md` §9-14; the score in PromQL: `docs/GUIDE.md`.")
     t3 = t4["table"]
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
     rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3 | false alarms, lr 1.75e-3 "
