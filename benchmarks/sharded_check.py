@@ -110,19 +110,25 @@ def batch(data, args, step: int, ranks, device):
 
 
 def train(model, monitor, data, args, ranks, device, steps):
+    """``steps`` monitored steps; per step the snapshot's METRICS. The Monitor is closed and detached
+    at the end (every rank that trains closes its own, so no collective is left waiting)."""
     monitor.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     records = []
-    for t in range(steps):
-        x, y = batch(data, args, t, ranks, device)
-        loss = model(x, y)[1]
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        monitor.step(loss=loss.detach())
-        monitor.flush()
-        snap = monitor.snapshot()
-        records.append({m: {f"{k[0]},{k[1]}": v for k, v in snap[m].items()} for m in METRICS})
+    try:
+        for t in range(steps):
+            x, y = batch(data, args, t, ranks, device)
+            loss = model(x, y)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            monitor.step(loss=loss.detach())
+            monitor.flush()
+            snap = monitor.snapshot()
+            records.append({m: {f"{k[0]},{k[1]}": v for k, v in snap[m].items()} for m in METRICS})
+    finally:
+        monitor.close()
+        monitor.detach()
     return records, opt
 
 

@@ -13,6 +13,7 @@ the found layers is ``flashwatch.routing``.
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -25,6 +26,21 @@ from .families import FAMILIES, Family, describe, match, nanogpt_width
 QueryWeightFn = Callable[[nn.Module], torch.Tensor]  # module -> (H, D, C)
 
 __all__ = ["AttentionLayer", "find_attention", "known_attention", "select_layers", "QueryWeightFn"]
+
+
+def _rotates_queries(module: nn.Module) -> bool:
+    """Whether a module of a rotary family turns its queries: Hugging Face's Llama-style attention
+    takes ``position_embeddings=(cos, sin)`` in its forward (earlier versions held a ``rotary_emb``).
+    A forward that could take them unnamed (``*args``, ``**kwargs``) or whose parameters cannot be
+    read counts as rotating: its chain reads NaN, with a note, where a call names no rotation,
+    rather than an error computed without it."""
+    if hasattr(module, "rotary_emb"):
+        return True
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return "position_embeddings" in params or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
 
 
 @dataclass(eq=False)  # identity: a layer is one module
@@ -50,7 +66,9 @@ class AttentionLayer:
         chain_input: the module's input at the current monitored call (the projection input X).
         chain_rotation: that call's rotary position embeddings (cos, sin) where the family's
             queries are rotated (None otherwise, or where the call names none).
-        rotary: whether the family rotates its queries (``Family.rotary``).
+        rotary: whether the module rotates its queries: its family does (``Family.rotary``) and
+            its forward takes the call's ``position_embeddings`` or it holds a ``rotary_emb``
+            (a module of Llama's layout without either does not rotate, so its X meets dQ as is).
         placement: how this rank holds W^Q in a sharded model (``flashwatch.sharded.QueryPlacement``,
             from the query-weight function's ``placement``), None for a whole weight.
         head_offset: the global index of this rank's first head (tensor parallelism: ``num_heads``
@@ -82,7 +100,7 @@ class AttentionLayer:
     total_heads: int = 0
 
     def __post_init__(self):
-        self.rotary = any(f.rotary for f in FAMILIES if f.name == self.family)
+        self.rotary = any(f.rotary for f in FAMILIES if f.name == self.family) and _rotates_queries(self.module)
         if self.placement is None:
             self.placement = getattr(self.query_weight_fn, "placement", None)
         if self.placement is not None and self.placement.kind == "tensor_parallel":

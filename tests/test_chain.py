@@ -288,6 +288,80 @@ def test_a_rotary_call_without_its_rotation_reads_nan(caplog):
     monitor.detach()
 
 
+class _UnrotatedLlamaAttention(torch.nn.Module):
+    """Llama's module layout (q_proj, k_proj, v_proj, o_proj, num_heads, head_dim) without RoPE: its
+    forward takes no position_embeddings, so its queries are the projection's output as is."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(width, width, bias=False)
+                                                              for _ in range(4))
+        self.num_heads, self.head_dim = heads, width // heads
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_a_llama_layout_without_rotary_is_measured_unrotated(monkeypatch, caplog):
+    """A module with Llama's layout whose forward takes no rotation (torchtitan-style toy models,
+    benchmarks/sharded_check.py) is not rotary: its W^Q-gradient error is measured, equal to the
+    float64 one from the recorded call, with no note about a missing rotation. Fail before: NaN."""
+    from flashwatch import routing
+
+    torch.manual_seed(0)
+    attn = torch.nn.ModuleList([_UnrotatedLlamaAttention(64, 4)])
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    monitor.attach(attn)
+    layer = monitor.layers[0]
+    assert layer.family == "hf_llama" and not layer.rotary and layer.chain is not None
+    u, vv = layer.chain.u.clone(), layer.chain.v.clone()
+    calls, real = [], routing.original_sdpa()
+
+    def spy(q, k, v, *args, **kw):
+        q.retain_grad()
+        out = real(q, k, v, *args, **kw)
+        out.retain_grad()
+        calls.append((q, k, v, out))
+        return out
+
+    monkeypatch.setattr(routing, "_original_sdpa", spy)
+    x = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(1))
+    with caplog.at_level("WARNING", logger="flashwatch"), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attn[0](x)
+    y.float().square().mean().backward()
+    monitor.step()
+    snap = monitor.snapshot()
+    assert not any("position_embeddings" in r.getMessage() for r in caplog.records)
+    (q, k, v, out), = calls
+    push, _, _ = _expected(x.to(torch.bfloat16), q.detach(), k.detach(), v.detach(), out.detach(), out.grad,
+                           q.grad, u, vv)
+    got = torch.tensor([snap["flashwatch_wq_error_push"][(0, h)] for h in range(4)], dtype=F64)
+    assert torch.allclose(got, push, rtol=2e-3, atol=1e-12 + 2e-3 * push.abs().max()), (got, push)
+    assert push.abs().max() > 0
+    monkeypatch.undo()
+    monitor.detach()
+
+
+def test_a_llama_layout_that_could_take_a_rotation_unnamed_counts_as_rotary():
+    """A forward that takes ``*args``/``**kwargs`` could be handed a rotation: flashwatch cannot tell, so
+    it counts the layer as rotary (NaN with a note where no rotation comes, never an unrotated error)."""
+    from flashwatch.attach import _rotates_queries
+
+    class Wrapped(_UnrotatedLlamaAttention):
+        def forward(self, x, **kwargs):
+            return super().forward(x)
+
+    assert not _rotates_queries(_UnrotatedLlamaAttention(64, 4))
+    assert _rotates_queries(Wrapped(64, 4))
+    held = _UnrotatedLlamaAttention(64, 4)
+    held.rotary_emb = torch.nn.Identity()  # Hugging Face's Llama before position_embeddings
+    assert _rotates_queries(held)
+
+
 def test_chain_readings_match_float64_in_own_kernel_mode(monkeypatch):
     """Own-kernel mode: the rows come from the kernel's backward (one hook per call, in reverse order)."""
     import flashwatch.kernels as kernels
