@@ -285,6 +285,49 @@ def outcomes_markdown(result: dict) -> str:
     return head + "\n\n" + runs_markdown(result)
 
 
+# --- the eighth protocol's pilot: which rate the alarm test runs at ------------------------------
+
+PILOT_RATES = (1.25e-3, 1e-3)  # in the protocol's order: the first runs first and wins ties
+PILOT_HORIZON = 20_000  # a pilot survivor ran this many steps without a blow-up
+PILOT_MIN_GROUP = 2  # a rate qualifies with at least this many confirmed blow-ups and survivors
+PILOT_EARLY = (3, 4, 5)  # survivors of 8 complete first-rate runs that choose it at once
+
+
+def pilot_counts(result: dict) -> dict:
+    """From an ``outcomes`` result: complete runs, their confirmed blow-ups and their survivors
+    (no blow-up through PILOT_HORIZON steps), as the eighth protocol counts them."""
+    done = [v for v in result["runs"].values() if v["monitoring"]["complete"]]
+    blowups = sum(1 for v in done if v["outcome"]["blowup"] is not None and v["outcome"]["confirmed"])
+    survivors = sum(1 for v in done if v["outcome"]["survivor"] and v["outcome"]["last_step"] >= PILOT_HORIZON - 1)
+    return {"complete": len(done), "blowups": blowups, "survivors": survivors,
+            "qualifies": blowups >= PILOT_MIN_GROUP and survivors >= PILOT_MIN_GROUP}
+
+
+def choose_rate(pilots: dict[float, dict]) -> dict:
+    """The eighth protocol's rule (research/preregistration/early-warning-protocol-8.md) on the pilots'
+    ``outcomes`` results by rate: ``{"decision": "test", "rate": r}``, ``{"decision": "run the next
+    pilot", "rate": r}`` or ``{"decision": "no test"}``, with each rate's counts."""
+    first, second = PILOT_RATES
+    if first not in pilots:
+        raise ValueError(f"the pilot at lr {first:g} runs first; got pilots at {sorted(pilots)}")
+    unknown = sorted(set(pilots) - set(PILOT_RATES))
+    if unknown:
+        raise ValueError(f"no pilot at lr {', '.join(f'{r:g}' for r in unknown)} in this protocol; its rates: "
+                         f"{', '.join(f'{r:g}' for r in PILOT_RATES)}")
+    counts = {r: pilot_counts(pilots[r]) for r in pilots}
+    c1 = counts[first]
+    if c1["qualifies"] and c1["complete"] == 8 and c1["survivors"] in PILOT_EARLY:
+        return {"decision": "test", "rate": first, "counts": counts, "why": "the first rate left 3-5 survivors of 8"}
+    if second not in pilots:
+        return {"decision": "run the next pilot", "rate": second, "counts": counts}
+    qualifying = [r for r in PILOT_RATES if counts[r]["qualifies"]]
+    if not qualifying:
+        return {"decision": "no test", "counts": counts, "why": "no rate had 2 confirmed blow-ups and 2 survivors"}
+    # nearest share of survivors to one half; a tie goes to the first rate (min keeps the first of equals)
+    rate = min(qualifying, key=lambda r: abs(counts[r]["survivors"] / counts[r]["complete"] - 0.5))
+    return {"decision": "test", "rate": rate, "counts": counts, "why": "the qualifying rate nearest one half"}
+
+
 def _verdict(n_blowups: int, early: int, n_survivors: int, false_alarms: int) -> str:
     """"pass" or "fail" by the protocol's criteria; "undecided" while a group the verdict depends on
     has fewer than MIN_GROUP runs (the protocol adds seeds until both groups have MIN_GROUP)."""
@@ -778,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     lm.add_argument("--out", required=True)
     lm.add_argument("--markdown")
     lm.add_argument("--protocol", help="the protocol file this test was registered in, recorded in the result with its commit")
+    pl = sub.add_parser("pilot", help="the eighth protocol's choice of rate from its pilots' outcomes results")
+    pl.add_argument("pilots", nargs="+", metavar="RATE=OUTCOMES.json")
     oc = sub.add_parser("outcomes", help="each run's outcome and monitoring, no rule (before a protocol's analysis)")
     oc.add_argument("runs", nargs="+")
     oc.add_argument("--out", required=True)
@@ -795,6 +840,22 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown rule(s) {unknown}; accepted: {', '.join(RULES + BASELINES)}")
         timeline_figure([(title, json.loads(Path(path).read_text())) for title, path in pairs], rules, Path(args.out))
         print(f"wrote {args.out}")
+        return 0
+    if args.command == "pilot":
+        pilots = {}
+        for item in args.pilots:
+            rate, sep, path = item.partition("=")
+            try:
+                pilots[float(rate)] = json.loads(Path(path).read_text())
+            except (ValueError, OSError) as e:
+                raise SystemExit(f"{item}: expected RATE=OUTCOMES.json (e.g. 0.00125=pilot.json): {e}")
+            if not sep or pilots[float(rate)].get("kind") != "outcomes":
+                raise SystemExit(f"{item}: expected RATE=OUTCOMES.json, a result of 'early_warning outcomes'")
+        try:
+            choice = choose_rate(pilots)
+        except ValueError as e:
+            raise SystemExit(str(e))
+        print(json.dumps(choice, indent=1, default=str))
         return 0
     if args.command == "outcomes":
         result = outcomes(_runs(args.runs))

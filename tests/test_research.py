@@ -746,3 +746,43 @@ def test_a_control_arm_is_judged_with_its_own_label_and_bounds(tmp_path):
     assert afe.evaluate(mixed, sorted(twins.iterdir()), "fp32", 4, 1.0)["verdict"] == "not shown"
     with pytest.raises(SystemExit, match="--min-prevented in"):
         afe.main([str(controls), "--twins", str(twins), "--out", str(tmp_path / "r.json"), "--min-prevented", "0"])
+
+
+def _pilot(survivors: int, blowups: int, incomplete: int = 0, short: int = 0) -> dict:
+    """An 'outcomes' result: ``survivors`` runs to 20,000 steps, ``blowups`` confirmed blow-ups,
+    ``incomplete`` survivors whose monitoring failed, ``short`` runs without a blow-up cut at 15,000."""
+    runs = {}
+    for i in range(survivors + blowups + incomplete + short):
+        blowup = 9000 if survivors <= i < survivors + blowups else None
+        last = 14999 if i >= survivors + blowups + incomplete else (10000 if blowup else 19999)
+        runs[f"s{i}"] = {"seed": i, "outcome": {"blowup": blowup, "confirmed": blowup is not None,
+                                                "survivor": blowup is None, "last_step": last},
+                         "monitoring": {"complete": not (survivors + blowups <= i < survivors + blowups + incomplete)}}
+    return {"kind": "outcomes", "runs": runs}
+
+
+def test_the_eighth_protocols_pilot_rule_picks_the_rate():
+    """The rule written in early-warning-protocol-8.md: 1.25e-3 at once with 3-5 survivors of 8 complete
+    runs; else the 1e-3 pilot, then the qualifying rate (>= 2 confirmed blow-ups, >= 2 survivors to
+    20,000 steps) nearest one half, a tie to 1.25e-3; none qualifying: no test."""
+    from research import early_warning as ew
+
+    assert ew.choose_rate({1.25e-3: _pilot(4, 4)})["rate"] == 1.25e-3
+    assert ew.choose_rate({1.25e-3: _pilot(3, 5)})["decision"] == "test"
+    nxt = ew.choose_rate({1.25e-3: _pilot(1, 7)})
+    assert (nxt["decision"], nxt["rate"]) == ("run the next pilot", 1e-3)
+    # 6 of 8 survive: not chosen at once; 1e-3 with 4 of 8 is nearer one half
+    assert ew.choose_rate({1.25e-3: _pilot(6, 2), 1e-3: _pilot(4, 4)})["rate"] == 1e-3
+    # a tie (2 of 8 and 6 of 8 are equally far from one half) goes to 1.25e-3
+    assert ew.choose_rate({1.25e-3: _pilot(2, 6), 1e-3: _pilot(6, 2)})["rate"] == 1.25e-3
+    # an incomplete run does not count, and a run cut before 20,000 steps is no survivor
+    counts = ew.pilot_counts(_pilot(3, 4, incomplete=1))
+    assert (counts["complete"], counts["survivors"], counts["blowups"]) == (7, 3, 4)
+    assert ew.choose_rate({1.25e-3: _pilot(3, 4, incomplete=1)})["decision"] == "run the next pilot"
+    assert ew.pilot_counts(_pilot(1, 5, short=2))["survivors"] == 1
+    assert ew.choose_rate({1.25e-3: _pilot(0, 8), 1e-3: _pilot(8, 0)})["decision"] == "no test"
+    assert ew.choose_rate({1.25e-3: _pilot(1, 7), 1e-3: _pilot(2, 6)})["rate"] == 1e-3
+    with pytest.raises(ValueError, match="runs first"):
+        ew.choose_rate({1e-3: _pilot(4, 4)})
+    with pytest.raises(SystemExit, match="expected RATE=OUTCOMES.json"):
+        ew.main(["pilot", "0.00125"])
