@@ -131,6 +131,18 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+# names under which attention modules keep a normalisation of the query after its projection
+# (QK-norm: Hugging Face's Qwen3, Gemma 3, OLMo 2, Cohere; nanoGPT variants)
+QUERY_NORM_NAMES = ("q_norm", "q_layernorm", "query_norm", "q_ln", "qk_norm")
+
+
+def query_norm(module: nn.Module) -> str | None:
+    """The name of a module that normalises the query between its projection and the attention
+    (QK-norm), or None. With one, the query the attention sees is not W^Q x (or its rotation), so
+    the W^Q-gradient error, which maps the query's gradient straight onto W^Q, is not defined."""
+    return next((n for n in QUERY_NORM_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
+
+
 def match(module: nn.Module) -> tuple[Family, Shape] | None:
     """The first family that recognises ``module``, with its (H, D, C); None if none does."""
     for family in FAMILIES:

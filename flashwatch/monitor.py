@@ -60,6 +60,7 @@ from .decisions import Decisions
 from .detectors import Alert
 from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, structural_attention
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
+from .families import query_norm
 from .kernels import STAT_FIELDS, AttentionStats
 from .routing import CHECKPOINT_FLAG, Router, checkpoint_fallbacks, clear_routing_state
 from .snapshot import extra_signals, host_record, snapshot
@@ -230,6 +231,12 @@ class Monitor:
             layer.ensure_stats(w.device)
             shape = layer.placement.shape if layer.placement is not None else tuple(w.shape)
             layer.chain = Chains.make(family, shape, w.device, layer.placement_kind)
+            norm = query_norm(module)
+            if layer.chain is not None and norm is not None:
+                layer.chain = None
+                log.warning("flashwatch: layer %d (%s): its query passes through %s (QK-norm) after the projection, "
+                            "so the W^Q-gradient error metrics are not defined there and read NaN; every other "
+                            "statistic is measured", i, name, norm)
             layers.append(layer)
         self.sharding = sharding
         wq = WqNorms(layers, self.config.power_block, model=model, on_error=self._error)

@@ -477,3 +477,38 @@ def test_the_pair_from_the_products_is_the_pair_from_the_weight():
     assert torch.allclose(v2 * sign, v1, atol=1e-5) and torch.allclose(u2 * sign, u1, atol=1e-5)
     sigma = spectral_norm_exact(w)
     assert torch.allclose(torch.einsum("nd,ndc,nc->n", u2, w, v2).abs(), sigma, rtol=1e-4)
+
+
+def test_a_query_behind_qk_norm_has_no_w_q_error_reading(caplog):
+    """Qwen3-style attention normalises the query after its projection (q_norm): the query the
+    attention sees is not W^Q x, so the W^Q-gradient error is not defined there. It reads NaN with a
+    note at attach (it used to be computed as if the norm were not there); every other statistic is
+    measured."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3Config"):
+        pytest.skip("this transformers has no Qwen3")
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=100, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg)
+    monitor = Monitor(MonitorConfig(interval=1))
+    with caplog.at_level("WARNING", logger="flashwatch"):
+        monitor.attach(model)
+    assert [layer.family for layer in monitor.layers] == ["hf_llama"] * 2
+    assert all(layer.chain is None for layer in monitor.layers)
+    assert sum("q_norm (QK-norm)" in r.getMessage() for r in caplog.records) == 2
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    monitor.step(loss=loss.detach())
+    snap = monitor.snapshot()
+    assert all(math.isnan(v) for v in snap["flashwatch_wq_error_push"].values())
+    assert all(math.isfinite(v) for v in snap["flashwatch_max_logit"].values())
+    assert all(math.isfinite(v) for v in snap["flashwatch_wq_spectral_norm"].values())
+    monitor.detach()
+    # the structural test itself: Llama's attention has no query norm
+    from flashwatch.families import query_norm
+
+    assert query_norm(_llama(layers=1).model.layers[0].self_attn) is None
+    assert query_norm(model.model.layers[0].self_attn) == "q_norm"
