@@ -168,6 +168,24 @@ def _llama(layers: int = 2):
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _spy_on_sdpa(monkeypatch) -> list:
+    """SDPA as the router calls it, keeping q's and the output's gradients: the list it returns
+    fills with each call's (q, k, v, out)."""
+    from flashwatch import routing
+
+    calls, real = [], routing.original_sdpa()
+
+    def spy(q, k, v, *args, **kw):
+        q.retain_grad()
+        out = real(q, k, v, *args, **kw)
+        out.retain_grad()
+        calls.append((q, k, v, out))
+        return out
+
+    monkeypatch.setattr(routing, "_original_sdpa", spy)
+    return calls
+
+
 def _unrotate64(g, cos, sin):
     """float64 transpose of Hugging Face's RoPE (q cos + rotate_half(q) sin) applied to a gradient g
     (B, H, N, D), written as the explicit matrix J = diag(cos) + diag(sin) M, M = rotate_half."""
@@ -187,8 +205,6 @@ def test_rotary_queries_chain_matches_float64(mode, device, monkeypatch):
     call's rotation before they meet X; push and the true gradient's push match a float64
     computation from the recorded q, k, v, O, dO, X and (cos, sin). Fail before: NaN. On CUDA the
     rows come from the Triton kernels (stored, then turned back)."""
-    from flashwatch import routing
-
     model = _llama().to(device)
     monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
     monitor.attach(model)
@@ -201,17 +217,7 @@ def test_rotary_queries_chain_matches_float64(mode, device, monkeypatch):
             rec[i] = {"x": kwargs["hidden_states"].detach().clone().cpu(), "cos": cos.detach().clone().cpu(),
                       "sin": sin.detach().clone().cpu()}
         handles.append(layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
-    calls = []
-    real = routing.original_sdpa()
-
-    def spy(q, k, v, *args, **kw):
-        q.retain_grad()
-        out = real(q, k, v, *args, **kw)
-        out.retain_grad()
-        calls.append((q, k, v, out))
-        return out
-
-    monkeypatch.setattr(routing, "_original_sdpa", spy)
+    calls = _spy_on_sdpa(monkeypatch)
     ids = torch.randint(0, 100, (3, 24), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.autocast(device, dtype=torch.bfloat16):
         loss = model(ids, labels=ids).loss
@@ -310,8 +316,6 @@ def test_a_llama_layout_without_rotary_is_measured_unrotated(monkeypatch, caplog
     """A module with Llama's layout whose forward takes no rotation (torchtitan-style toy models,
     benchmarks/sharded_check.py) is not rotary: its W^Q-gradient error is measured, equal to the
     float64 one from the recorded call, with no note about a missing rotation. Fail before: NaN."""
-    from flashwatch import routing
-
     torch.manual_seed(0)
     attn = torch.nn.ModuleList([_UnrotatedLlamaAttention(64, 4)])
     monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
@@ -319,16 +323,7 @@ def test_a_llama_layout_without_rotary_is_measured_unrotated(monkeypatch, caplog
     layer = monitor.layers[0]
     assert layer.family == "hf_llama" and not layer.rotary and layer.chain is not None
     u, vv = layer.chain.u.clone(), layer.chain.v.clone()
-    calls, real = [], routing.original_sdpa()
-
-    def spy(q, k, v, *args, **kw):
-        q.retain_grad()
-        out = real(q, k, v, *args, **kw)
-        out.retain_grad()
-        calls.append((q, k, v, out))
-        return out
-
-    monkeypatch.setattr(routing, "_original_sdpa", spy)
+    calls = _spy_on_sdpa(monkeypatch)
     x = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(1))
     with caplog.at_level("WARNING", logger="flashwatch"), torch.autocast("cpu", dtype=torch.bfloat16):
         y = attn[0](x)
