@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from flashwatch.replay.records import read_run, read_steps
-from research.early_warning import _commit, _runs, outcome
+from research.early_warning import _commit, _file_commit, _runs, outcome
 
 MIN_STEPS = 13_000  # a fix run that never blew up must have trained this far to count as prevented
 LOSS_WINDOW = (7_000, 8_000)  # [start, end): before the earliest twin blow-up (8,396)
@@ -111,7 +111,9 @@ def markdown(result: dict) -> str:
     """The verdict line, then one row per seed."""
     fmt = lambda x, f="{:,}": "-" if x is None else f.format(x)
     label = result.get("label", "auto_fix")
-    head = (f"{label} prevented {result['prevented']} of {result['cases']} confirmed blow-ups of the twins: "
+    registered = (f"Registered in `{result['test_protocol']}` (commit {result['test_protocol_commit']}); code "
+                  f"{result['commit']}.\n\n" if result.get("test_protocol") else "")
+    head = registered + (f"{label} prevented {result['prevented']} of {result['cases']} confirmed blow-ups of the twins: "
             f"**{result['verdict']}** (the claim needs >= {result['definitions']['min_prevented']:.0%} of at least "
             f"{result['definitions']['min_cases']}). Switched in {result['switched_runs']} of {len(result['pairs'])} runs. "
             f"Loss over steps {result['definitions']['loss_window'][0]:,}-{result['definitions']['loss_window'][1]:,}, "
@@ -143,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-cases", type=int, default=MIN_CASES, help=f"cases the claim needs (default {MIN_CASES})")
     p.add_argument("--min-prevented", type=float, default=MIN_PREVENTED,
                    help=f"share of the cases to prevent (default {MIN_PREVENTED})")
+    p.add_argument("--protocol", help="the protocol file this analysis was registered in, recorded with its commit")
     args = p.parse_args(argv)
+    if args.protocol and not Path(args.protocol).is_file():
+        raise SystemExit(f"--protocol {args.protocol}: no such file (a protocol under research/preregistration/)")
     if args.min_cases < 1 or not 0.0 < args.min_prevented <= 1.0:
         raise SystemExit(f"--min-cases must be >= 1 and --min-prevented in (0, 1] "
                          f"(got {args.min_cases} and {args.min_prevented})")
@@ -151,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if not result["pairs"]:
         raise SystemExit(f"no seed has a run in both groups (auto_fix runs' and twins' seeds differ: "
                          f"{result['unpaired_seeds']})")
+    if args.protocol:
+        result["test_protocol"], result["test_protocol_commit"] = args.protocol, _file_commit(Path(args.protocol))
     text = markdown(result)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     if args.markdown:

@@ -746,6 +746,19 @@ def test_a_control_arm_is_judged_with_its_own_label_and_bounds(tmp_path):
     assert afe.evaluate(mixed, sorted(twins.iterdir()), "fp32", 4, 1.0)["verdict"] == "not shown"
     with pytest.raises(SystemExit, match="--min-prevented in"):
         afe.main([str(controls), "--twins", str(twins), "--out", str(tmp_path / "r.json"), "--min-prevented", "0"])
+    # the protocol the analysis was registered in goes into the result with its commit
+    with pytest.raises(SystemExit, match="--protocol nope.md: no such file"):
+        afe.main([str(controls), "--twins", str(twins), "--out", str(tmp_path / "r.json"), "--protocol", "nope.md"])
+    protocol = Path(__file__).resolve().parents[1] / "research/preregistration/early-warning-protocol-7.md"
+    afe.main([str(controls), "--twins", str(twins), "--out", str(tmp_path / "r.json"), "--label", "fp32",
+              "--min-cases", "4", "--min-prevented", "1.0", "--protocol", str(protocol),
+              "--markdown", str(tmp_path / "r.md")])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["test_protocol"] == str(protocol) and saved["verdict"] == "shown"
+    if (protocol.parents[2] / ".git").exists():  # the commit is read from git: none outside a checkout
+        assert len(saved["test_protocol_commit"]) == 40
+        assert (tmp_path / "r.md").read_text().startswith(f"Registered in `{protocol}` (commit "
+                                                           f"{saved['test_protocol_commit']})")
 
 
 def _pilot(survivors: int, blowups: int, incomplete: int = 0, short: int = 0) -> dict:
