@@ -69,6 +69,9 @@ class AttentionLayer:
         rotary: whether the module rotates its queries: its family does (``Family.rotary``) and
             its forward takes the call's ``position_embeddings`` or it holds a ``rotary_emb``
             (a module of Llama's layout without either does not rotate, so its X meets dQ as is).
+        query_checked: whether the query of a monitored eager call was compared with W^Q X (once).
+        query_mismatch: that comparison found the query is not W^Q X (a functional QK-norm, a
+            query scale, an unannounced rotation): the W^Q-error readings are NaN from then on.
         placement: how this rank holds W^Q in a sharded model (``flashwatch.sharded.QueryPlacement``,
             from the query-weight function's ``placement``), None for a whole weight.
         head_offset: the global index of this rank's first head (tensor parallelism: ``num_heads``
@@ -93,6 +96,8 @@ class AttentionLayer:
     chain_input: Any = field(default=None, repr=False)
     chain_rotation: Any = field(default=None, repr=False)
     rotary: bool = field(default=False, init=False, repr=False)
+    query_checked: bool = field(default=False, repr=False)
+    query_mismatch: bool = field(default=False, repr=False)
     key: Any = field(default=None, repr=False)  # the compiled operators' key of this layer (kernels.ops.register_layer)
     format: str = "bf16"
     placement: Any = field(default=None, repr=False)

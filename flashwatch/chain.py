@@ -89,6 +89,25 @@ def unrotate(t: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> to
     return cos * t + torch.cat([y[..., half:], -y[..., :half]], dim=-1)
 
 
+QUERY_TOLERANCE = 0.05  # the largest relative residual of a query that is W^Q x (BF16 rounding: ~0.005)
+
+
+@torch.no_grad()
+def query_residual(query: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   rotation: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+    """How far the query an attention call receives is from W^Q x, the relation the W^Q-gradient
+    error rests on: ||r - mean r|| / ||W^Q x - mean W^Q x||, r = query (turned back through
+    ``rotation``) - W^Q x, the means over batch and positions (a bias is a constant r). ``query``:
+    (B, H, N, D); ``x``: (B, N, C); ``weight``: (H, D, C). About 0.005 under BF16; a query
+    normalised, scaled or rotated on its way (QK-norm, a query scale) gives a large value."""
+    lin = torch.einsum("bnc,hdc->bhnd", x.float(), weight.float())
+    q = unrotate(query, rotation) if rotation is not None else query.float()  # RoPE is orthogonal: R^T = R^-1
+    r = q - lin
+    r = r - r.mean(dim=(0, 2), keepdim=True)
+    spread = lin - lin.mean(dim=(0, 2), keepdim=True)
+    return float(r.norm() / spread.norm().clamp_min(1e-30))
+
+
 def check_rotation(rotation: Any, x: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``rotation`` as (cos, sin) if it is one for the call whose projection input is ``x``
     (B, N, C) and whose head dim is ``d``: each (B or 1, N, d), d even; else None (another
@@ -488,7 +507,8 @@ class Chains:
 
     def readings(self, layers: list, window: int) -> torch.Tensor:
         """The readings of ``layers`` side by side, (len(FIELDS), their total heads) float64 on the
-        first one's statistics device, NaN where a layer has no chain or its chain failed; starts
+        first one's statistics device, NaN where a layer has no chain, its chain failed or its query
+        is not W^Q x (``AttentionLayer.query_mismatch``); starts
         each chain's next step. Chains of one shape and device are read together
         (``LayerChain.read_all``)."""
         lam = 1.0 - 1.0 / window
@@ -496,7 +516,7 @@ class Chains:
         groups: dict[tuple, list] = {}
         for layer in layers:
             c = layer.chain
-            if c is not None:
+            if c is not None and not layer.query_mismatch:  # a query that is not W^Q x: NaN
                 groups.setdefault((c.num_heads, c.head_dim, c.width, c.device), []).append(layer)
         got: dict[int, torch.Tensor] = {}
         for members in groups.values():

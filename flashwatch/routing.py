@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 from .attach import AttentionLayer
 from .call_support import MEASURED, statistics_route, unsupported_reason
-from .chain import check_rotation
+from .chain import QUERY_TOLERANCE, check_rotation, query_residual
 from .families import FAMILIES
 
 log = logging.getLogger("flashwatch")
@@ -546,6 +546,10 @@ class Router:
         chain, x, rotation = layer.chain, layer.chain_input, layer.chain_rotation
         if chain is None or x is None or not isinstance(query, torch.Tensor) or not query.requires_grad:
             return None
+        if not layer.query_checked:
+            self._check_query(layer, query, x, rotation)
+        if layer.query_mismatch:
+            return None
         s = float(scale) if scale is not None else head_dim ** -0.5
         on_error = self.on_error
 
@@ -559,6 +563,27 @@ class Router:
         if not self._watch_query_weight(layer):
             query.register_hook(on_query_grad)
         return _ChainRows(chain, x, s, on_error, rotation)
+
+    def _check_query(self, layer: AttentionLayer, query: torch.Tensor, x: torch.Tensor, rotation: Any) -> None:
+        """Once per layer, at its first monitored eager call: is the query the attention receives
+        W^Q x (turned by the call's rotation)? If not, the layer's W^Q-error readings are NaN from
+        now on, and the log says why. Only a rank's whole weight is compared (a shard would need a
+        collective); the decision changes readings only, never a collective."""
+        layer.query_checked = True
+        if layer.placement is not None:
+            return
+        try:
+            residual = query_residual(query.detach(), x, layer.query_weight().detach(), rotation)
+        except Exception as exc:
+            self.on_error("wq_error_chain", exc)
+            return
+        if not residual <= QUERY_TOLERANCE:  # NaN too
+            layer.query_mismatch = True
+            self._log_once(("query", layer.index),
+                           "flashwatch: layer %d (%s): the query its attention receives is not W^Q x (relative "
+                           "residual %.3g > %g: a QK-norm, a query scale or a rotation flashwatch was not given); "
+                           "its W^Q-error metrics read NaN, every other statistic is measured", layer.index,
+                           layer.name, residual, QUERY_TOLERANCE)
 
     def _watch_query_weight(self, layer: AttentionLayer) -> bool:
         """W^Q's gradient hook for this monitored step (``LayerChain.watch_weight``); False where

@@ -507,3 +507,42 @@ def test_a_query_behind_qk_norm_has_no_w_q_error_reading(caplog):
 
     assert query_norm(_llama(layers=1).model.layers[0].self_attn) is None
     assert query_norm(model.model.layers[0].self_attn) == "q_norm"
+
+
+@pytest.mark.parametrize("change", ["rms_norm", "scale"])
+def test_a_query_changed_by_plain_code_reads_nan(change, caplog):
+    """A query normalised or scaled by function calls between its projection and the attention (no
+    module to see at attach) is caught at the first monitored call: the query SDPA receives is
+    compared with W^Q X once; it is not, so the W^Q-error metrics read NaN, with one note, and
+    every other statistic is measured. The unchanged module passes the same comparison."""
+    import torch.nn.functional as F
+
+    class Changed(_UnrotatedLlamaAttention):
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (p(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
+            q = F.rms_norm(q, (self.head_dim,)) if change == "rms_norm" else q * 0.5
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([Changed(64, 4), _UnrotatedLlamaAttention(64, 4)])
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    monitor.attach(model)
+    x = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        with caplog.at_level("WARNING", logger="flashwatch"), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model[1](model[0](x))
+        y.float().square().mean().backward()
+        monitor.step()
+    changed, plain = monitor.layers
+    assert changed.query_checked and changed.query_mismatch
+    assert plain.query_checked and not plain.query_mismatch
+    assert sum("is not W^Q x" in r.getMessage() for r in caplog.records) == 1
+    snap = monitor.snapshot()
+    for name in ("flashwatch_wq_error_push", "flashwatch_wq_error_push_share", "flashwatch_wq_error_coherence"):
+        assert all(math.isnan(snap[name][(0, h)]) for h in range(4)), name
+    assert all(math.isfinite(snap["flashwatch_wq_error_push"][(1, h)]) for h in range(4))
+    assert all(math.isfinite(snap["flashwatch_max_logit"][(0, h)]) for h in range(4))
+    monitor.detach()
