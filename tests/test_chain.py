@@ -546,3 +546,29 @@ def test_a_query_changed_by_plain_code_reads_nan(change, caplog):
     assert all(math.isfinite(snap["flashwatch_wq_error_push"][(1, h)]) for h in range(4))
     assert all(math.isfinite(snap["flashwatch_max_logit"][(0, h)]) for h in range(4))
     monitor.detach()
+
+
+def test_query_residual_against_exact_constructions():
+    """chain.query_residual on queries built from W^Q x exactly (float64 inputs): a bias is a
+    constant residual (0), a query rotated by Hugging Face's RoPE reads 0 when the rotation is given
+    and not when it is not, a scale c reads |1 - c| exactly, a per-row norm reads far above the
+    tolerance."""
+    from flashwatch.chain import QUERY_TOLERANCE, query_residual
+
+    g = torch.Generator().manual_seed(0)
+    b_, n, h, d, c = 2, 12, 3, 8, 16
+    x = torch.randn(b_, n, c, generator=g, dtype=F64)
+    w = torch.randn(h, d, c, generator=g, dtype=F64)
+    bias = torch.randn(1, h, 1, d, generator=g, dtype=F64)
+    lin = torch.einsum("bnc,hdc->bhnd", x, w)
+    assert query_residual(lin + bias, x, w) < 1e-6
+    assert query_residual(0.5 * lin, x, w) == pytest.approx(0.5, rel=1e-6)
+    normed = (lin + bias) / (lin + bias).norm(dim=-1, keepdim=True)
+    assert query_residual(normed, x, w) > 10 * QUERY_TOLERANCE
+    # RoPE as Hugging Face applies it: q cos + rotate_half(q) sin, rotate_half(q) = [-q2, q1]
+    angle = torch.rand(1, n, d // 2, generator=g, dtype=F64) * 6.3
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    q = lin + bias
+    rotated = q * cos[:, None] + torch.cat([-q[..., d // 2:], q[..., : d // 2]], -1) * sin[:, None]
+    assert query_residual(rotated, x, w, (cos, sin)) < 1e-6
+    assert query_residual(rotated, x, w) > 10 * QUERY_TOLERANCE
