@@ -408,13 +408,18 @@ class Router:
         ref = weakref.ref(self)
 
         def source_for(position: int):
-            def source(x: torch.Tensor, scale: float, rotation: torch.Tensor | None = None):
+            def source(x: torch.Tensor, scale: float, rotation: torch.Tensor | None = None,
+                       query: torch.Tensor | None = None):
                 router = ref()
                 layer = router.layers[position] if router is not None else None
                 if layer is None or layer.chain is None:
                     return None
                 if layer.rotary and rotation is None:
                     router._log_rotation_missing(layer)
+                    return None
+                if query is not None and not layer.query_checked:
+                    router._check_query(layer, query, x, (rotation[0], rotation[1]) if rotation is not None else None)
+                if layer.query_mismatch:
                     return None
                 # the true gradient's push: W^Q's gradient hook, registered here, before this
                 # backward accumulates W^Q's gradient (none where W^Q is not a parameter)
@@ -565,10 +570,11 @@ class Router:
         return _ChainRows(chain, x, s, on_error, rotation)
 
     def _check_query(self, layer: AttentionLayer, query: torch.Tensor, x: torch.Tensor, rotation: Any) -> None:
-        """Once per layer, at its first monitored eager call: is the query the attention receives
-        W^Q x (turned by the call's rotation)? If not, the layer's W^Q-error readings are NaN from
-        now on, and the log says why. Only a rank's whole weight is compared (a shard would need a
-        collective); the decision changes readings only, never a collective."""
+        """Once per layer, at its first monitored call (eager: in the forward; compiled: when the
+        statistics operator runs): is the query the attention receives W^Q x (turned by the call's
+        rotation)? If not, the layer's W^Q-error readings are NaN from now on, and the log says
+        why. Only a rank's whole weight is compared (a shard would need a collective); the
+        decision changes readings only, never a collective."""
         layer.query_checked = True
         if layer.placement is not None:
             return

@@ -37,7 +37,8 @@ also names the layer in the operators' log lines, and the tensors the hook needs
 projection input of the attention call) and, for a rotated query, ``rotation`` (its rotary
 position embeddings cos and sin stacked, (2, B or 1, N, D)), all operator arguments. When a
 backward operator runs on a monitored step it asks the layer's source for the call's hook,
-``source(x, sm_scale, rotation)``, and the statistics pass calls it as in eager mode; no key, no
+``source(x, sm_scale, rotation, query)`` (``query``: the query the call received, which the source
+compares once with W^Q x), and the statistics pass calls it as in eager mode; no key, no
 source or no ``x`` means no hook. The key
 is a tensor, not an integer, so that no operator argument differs between layers but tensors:
 code compiled once for one transformer block (``torch.compile(block)`` for each block) serves
@@ -67,11 +68,13 @@ _next_layer = itertools.count(1)
 
 
 def register_layer(label: str,
-                   source: Optional[Callable[[torch.Tensor, float, Optional[torch.Tensor]], Optional[object]]] = None
+                   source: Optional[Callable[[torch.Tensor, float, Optional[torch.Tensor], Optional[torch.Tensor]],
+                                             Optional[object]]] = None
                    ) -> torch.Tensor:
     """Register a layer: ``label`` names it in the operators' log lines, ``source(x, sm_scale,
-    rotation)`` (or None) returns the ``AttentionStats.rows_hook`` of one of its calls given the
-    call's projection input ``x`` and its query's rotation (None: not rotated). Returns its key,
+    rotation, query)`` (or None) returns the ``AttentionStats.rows_hook`` of one of its calls given
+    the call's projection input ``x``, its query's rotation (None: not rotated) and the query the
+    call received (None where not known). Returns its key,
     the tensor the operators take as ``layer``."""
     key = next(_next_layer)
     _layers[key] = (label, source)
@@ -90,14 +93,15 @@ def _label(key: Optional[torch.Tensor]) -> str:
 
 
 def _rows_hook(key: Optional[torch.Tensor], x: Optional[torch.Tensor], sm_scale: float,
-               rotation: Optional[torch.Tensor] = None):
+               rotation: Optional[torch.Tensor] = None, query: Optional[torch.Tensor] = None):
     """The rows hook of one call: its layer's source's, or None (no layer, no source, no ``x``, or
-    the source failed, which it reports itself)."""
+    the source failed, which it reports itself). ``query``: the query the call received, which
+    the source compares once with W^Q x."""
     source = _layers.get(int(key), (None, None))[1] if key is not None and x is not None else None
     if source is None:
         return None
     try:
-        return source(x, sm_scale, rotation)
+        return source(x, sm_scale, rotation, query)
     except Exception:
         _log_once(("rows_source",), "flashwatch: the W^Q-error chain of an attention call could not be set up; "
                   "training goes on unchanged", exc_info=True)
@@ -251,7 +255,7 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
     stats = None
     if _on(flag):
         stats = _view(counts, values, unit_gap)
-        stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation)
+        stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation, q)
         torch.maximum(stats.max_logit, max_logit, out=stats.max_logit)  # the forward's, folded in now (one launch)
         coverage.add_(1)  # one attention call, measured
     residual = r if r.numel() else None
@@ -353,7 +357,7 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
     try:
         with _NoAutocast(q.device):
             stats = _view(counts, values, unit_gap)
-            stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation)
+            stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation, q)
             args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), stats)
             if masked:
                 masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)

@@ -659,3 +659,38 @@ def test_a_forward_that_raised_leaves_no_layer_routed_after_the_step():
     assert routing._local.current is None and routing._local.stack == []
     monitor.detach()
     monitor.close()
+
+
+def test_a_compiled_query_changed_by_plain_code_reads_nan(caplog):
+    """Compiled code compares the query too: the statistics operator hands the call's query to the
+    layer's rows source, which compares it once with W^Q X. A functional RMS norm on the query reads
+    NaN with one note; the unchanged module beside it keeps its readings (one graph, as eager)."""
+    from test_chain import _UnrotatedLlamaAttention
+
+    class Normed(_UnrotatedLlamaAttention):
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (p(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
+            y = F.scaled_dot_product_attention(F.rms_norm(q, (self.head_dim,)), k, v, is_causal=True)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Normed(64, 4), _UnrotatedLlamaAttention(64, 4))
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    monitor.attach(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 24, 64, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        with caplog.at_level("WARNING", logger="flashwatch"), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = compiled(x)
+        y.float().square().mean().backward()
+        monitor.step()
+    normed, plain = monitor.layers
+    assert normed.query_mismatch and plain.query_checked and not plain.query_mismatch
+    assert sum("is not W^Q x" in r.getMessage() for r in caplog.records) == 1
+    snap = monitor.snapshot()
+    assert all(math.isnan(snap["flashwatch_wq_error_push"][(0, h)]) for h in range(4))
+    assert all(math.isfinite(snap["flashwatch_wq_error_push"][(1, h)]) for h in range(4))
+    monitor.detach()
+    torch._dynamo.reset()
