@@ -139,7 +139,9 @@ QUERY_NORM_NAMES = ("q_norm", "q_layernorm", "query_norm", "q_ln", "qk_norm")
 def query_norm(module: nn.Module) -> str | None:
     """The name of a module that normalises the query between its projection and the attention
     (QK-norm), or None. With one, the query the attention sees is not W^Q x (or its rotation), so
-    the W^Q-gradient error, which maps the query's gradient straight onto W^Q, is not defined."""
+    the W^Q-gradient error, which maps the query's gradient straight onto W^Q, is not defined.
+    Known at attach from the module alone, so it holds for sharded weights too, where the run-time
+    comparison of the query with W^Q x (``Router._query_is_projection``) does not run."""
     return next((n for n in QUERY_NORM_NAMES if isinstance(getattr(module, n, None), nn.Module)), None)
 
 

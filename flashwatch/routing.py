@@ -417,15 +417,13 @@ class Router:
                 if layer.rotary and rotation is None:
                     router._log_rotation_missing(layer)
                     return None
-                if query is not None and not layer.query_checked:
-                    router._check_query(layer, query, x, (rotation[0], rotation[1]) if rotation is not None else None)
-                if layer.query_mismatch:
+                turn = (rotation[0], rotation[1]) if rotation is not None else None  # (cos, sin), as eager
+                if not router._query_is_projection(layer, query, x, turn):
                     return None
                 # the true gradient's push: W^Q's gradient hook, registered here, before this
                 # backward accumulates W^Q's gradient (none where W^Q is not a parameter)
                 router._watch_query_weight(layer)
-                return _ChainRows(layer.chain, x, scale, router.on_error,
-                                  (rotation[0], rotation[1]) if rotation is not None else None)
+                return _ChainRows(layer.chain, x, scale, router.on_error, turn)
             return source
 
         for position, layer in enumerate(self.layers):
@@ -551,9 +549,7 @@ class Router:
         chain, x, rotation = layer.chain, layer.chain_input, layer.chain_rotation
         if chain is None or x is None or not isinstance(query, torch.Tensor) or not query.requires_grad:
             return None
-        if not layer.query_checked:
-            self._check_query(layer, query, x, rotation)
-        if layer.query_mismatch:
+        if not self._query_is_projection(layer, query, x, rotation):
             return None
         s = float(scale) if scale is not None else head_dim ** -0.5
         on_error = self.on_error
@@ -569,12 +565,18 @@ class Router:
             query.register_hook(on_query_grad)
         return _ChainRows(chain, x, s, on_error, rotation)
 
-    def _check_query(self, layer: AttentionLayer, query: torch.Tensor, x: torch.Tensor, rotation: Any) -> None:
-        """Once per layer, at its first monitored call (eager: in the forward; compiled: when the
-        statistics operator runs): is the query the attention receives W^Q x (turned by the call's
-        rotation)? If not, the layer's W^Q-error readings are NaN from now on, and the log says
-        why. Only a rank's whole weight is compared (a shard would need a collective); the
-        decision changes readings only, never a collective."""
+    def _query_is_projection(self, layer: AttentionLayer, query: Any, x: torch.Tensor, rotation: Any) -> bool:
+        """Whether the layer's W^Q-error chain may take this call: False once its query was found not
+        to be W^Q x. The comparison runs once per layer, at its first monitored call with a query
+        (eager: in the forward; compiled: when the statistics operator runs), on the call's query
+        turned back by its rotation; a mismatch makes the layer's W^Q-error readings NaN from then
+        on, and the log says why. Only a rank's whole weight is compared (a shard would need a
+        collective); the decision changes readings only, never a collective."""
+        if not layer.query_checked and isinstance(query, torch.Tensor):
+            self._compare_query(layer, query, x, rotation)
+        return not layer.query_mismatch
+
+    def _compare_query(self, layer: AttentionLayer, query: torch.Tensor, x: torch.Tensor, rotation: Any) -> None:
         layer.query_checked = True
         if layer.placement is not None:
             return

@@ -610,12 +610,18 @@ def concordance(runs: list[dict], rule: str, at: int) -> torch.Tensor:
     return m
 
 
-def _landmark_claims(result: dict) -> str:
-    """The protocol's two claims about the primary rule, as the result decides them."""
-    row, rule = result["table"].get(result["primary"], {}), result["primary"]
+def landmark_claims(result: dict) -> tuple[str, str]:
+    """The fifth protocol's two claims about the primary rule, as a landmark result decides them:
+    ("separates" | "does not separate" | "undecided", "made" | "not made" | "undecided")."""
+    row = result["table"].get(result["primary"], {})
     beats = row.get("beats_baseline")
-    second = "undecided" if beats is None else "made" if beats else "not made"
-    return (f"Claim 1 (`{rule}` separates, lower end above {result['claim_above']}): {row.get('verdict', 'undecided')}. "
+    return row.get("verdict", "undecided"), "undecided" if beats is None else "made" if beats else "not made"
+
+
+def _landmark_claims_text(result: dict) -> str:
+    first, second = landmark_claims(result)
+    rule = result["primary"]
+    return (f"Claim 1 (`{rule}` separates, lower end above {result['claim_above']}): {first}. "
             f"Claim 2 (`{rule}` beats `{result['baseline']}`, lower end of the difference above 0): {second}.")
 
 
@@ -635,7 +641,7 @@ def landmark_markdown(result: dict) -> str:
     lines = registered + [f"{result['pairs']} pairs: {result['cases']} blow-ups, each against the runs still healthy "
              f"{result['margin']:,} steps after it ({result['controls']} distinct); read {result['lead']:,} steps "
              f"before the blow-up; primary rule `{result['primary']}`, baseline `{result['baseline']}` (the max logit).",
-             "", _landmark_claims(result), "",
+             "", _landmark_claims_text(result), "",
              "| rule | AUC | 95% interval | minus baseline (95% interval) | verdict |",
              "|---|---|---|---|---|"]
     for rule, row in result["table"].items():

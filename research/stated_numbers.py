@@ -15,7 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from research.early_warning import MIN_DETECTED, MIN_LEAD, RULES
+from research.early_warning import MIN_DETECTED, MIN_LEAD, RULES, landmark_claims
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_1 = ROOT / "results/seed-split-2026-12-01/test.json"
@@ -60,9 +60,10 @@ def _third_test_sentence(result: dict) -> str:
 
 
 def _landmark_claims(result: dict) -> tuple[bool, bool]:
-    """The fifth protocol's two claims about its primary rule: (separates, beats the max logit)."""
-    row = result["table"][result["primary"]]
-    return row["verdict"] == "separates", bool(row.get("beats_baseline"))
+    """The fifth protocol's two claims about its primary rule, made or not: (separates, beats the
+    max logit), from ``research.early_warning.landmark_claims``."""
+    first, second = landmark_claims(result)
+    return first == "separates", second == "made"
 
 
 def _pct(x: float) -> str:
