@@ -30,6 +30,7 @@
 #   bash research/gpu_batch.sh split4          # the fourth protocol's runs, lr 1.5e-3, to 20,000 steps (SPLIT_SEEDS=400-415)
 #   bash research/gpu_batch.sh split6          # the sixth protocol's auto_fix runs: seeds 400-407 at lr 1.5e-3, 13,000 steps
 #   bash research/gpu_batch.sh split7          # the seventh protocol's controls: FP32 and fp32_delta, seeds 400,402,404,406, lr 1.5e-3
+#                                              # (SPLIT7_ARMS=fp32_delta_lr0.0015 or fp32_lr0.0015: one arm per GPU run)
 #   SPLIT8_LR=0.00125 SPLIT_SEEDS=500-507 bash research/gpu_batch.sh split8-pilot   # the eighth protocol's pilot
 #   SPLIT8_LR=... SPLIT_SEEDS=600-607 bash research/gpu_batch.sh split8             # its test, block by block
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
@@ -68,7 +69,7 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
     split3) what=(--arms sdpa_observe_lr0.00175 --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=test3 ;;
     split4) what=(--arms sdpa_observe_lr0.0015 --seeds ${SPLIT_SEEDS:-400-415} --max-steps 20000); tag=test4 ;;
     split6) what=(--arms auto_fix_lr0.0015 --seeds 400-407 --max-steps 13000); tag=test6 ;;
-    split7) what=(--arms fp32_lr0.0015,fp32_delta_lr0.0015 --seeds 400,402,404,406 --max-steps 13000); tag=test7 ;;
+    split7) what=(--arms ${SPLIT7_ARMS:-fp32_lr0.0015,fp32_delta_lr0.0015} --seeds 400,402,404,406 --max-steps 13000); tag=test7 ;;
     # the eighth protocol: the pilot (SPLIT_SEEDS=500-507 at lr 1.25e-3, then 510-517 at 1e-3), then its test at
     # the rate the pilot chose (SPLIT8_LR=0.00125 or 0.001, SPLIT_SEEDS=600-607 ... 624-631)
     split8-pilot) what=(--arms sdpa_observe_lr${SPLIT8_LR:?name the rate: 0.00125 or 0.001} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=pilot8 ;;
