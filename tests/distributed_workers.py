@@ -11,7 +11,9 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
+import traceback
 
 import pytest
 import torch
@@ -48,11 +50,35 @@ def _free_ports(n: int = 1) -> int:
     raise RuntimeError("no free ports")
 
 
+def _rank_main(rank, fn, *args):
+    """One rank: ``fn(rank, *args)``, then leave without the interpreter's shutdown. The CPU gloo
+    backend can abort a rank in the C++ runtime at process exit, after all of its work ("terminate
+    called without an active exception", SIGABRT; seen about once in three full test runs on a
+    loaded 2-core machine, in different tests): the workers have saved what the tests read by then,
+    so the exit code says only whether ``fn`` raised."""
+    code = 1
+    try:
+        fn(rank, *args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        except Exception:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _run_ranks(fn, args, *, nprocs=2, timeout=90.0):
-    """Spawn ``fn(rank, *args)`` in ``nprocs`` processes; fail the test if they outlive ``timeout``."""
+    """Spawn ``fn(rank, *args)`` in ``nprocs`` processes; fail the test if one raises or they outlive
+    ``timeout``."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    ctx = mp.start_processes(_rank_main, args=(fn, *args), nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
@@ -262,3 +288,11 @@ def _assert_combined(r0: dict, r1: dict, where: str) -> None:
     assert torch.equal(r0["stats"][SUM_ROWS], l0[SUM_ROWS] + l1[SUM_ROWS]), where
     assert torch.equal(r0["stats"][MAX_ROWS], torch.maximum(l0[MAX_ROWS], l1[MAX_ROWS])), where
     assert r0["loss"] == r1["loss"] == (r0["local"]["loss"] + r1["local"]["loss"]) / 2, where
+
+
+def _raising_worker(rank: int, out: str) -> None:
+    """Rank 1 raises after rank 0 has written its file: what ``_run_ranks`` must not hide."""
+    if rank == 1:
+        raise ValueError("rank 1 failed on purpose")
+    with open(os.path.join(out, "rank0.txt"), "w") as f:
+        f.write("done")
