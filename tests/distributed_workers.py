@@ -291,7 +291,8 @@ def _assert_combined(r0: dict, r1: dict, where: str) -> None:
 
 
 def _raising_worker(rank: int, out: str) -> None:
-    """Rank 1 raises after rank 0 has written its file: what ``_run_ranks`` must not hide."""
+    """Rank 1 raises (rank 0 may be stopped before it writes, as the first failure ends the ranks):
+    what ``_run_ranks`` must not hide."""
     if rank == 1:
         raise ValueError("rank 1 failed on purpose")
     with open(os.path.join(out, "rank0.txt"), "w") as f:
