@@ -13,7 +13,8 @@
 # the Hopper variants, the chain's in-kernel reduction); compiled: the
 # Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode); graphs: CUDA graphs
 # (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings;
-# profile: where an eager monitored step's extra device time goes (torch.profiler, observe mode)
+# profile: where an eager monitored step's extra device time goes (torch.profiler, observe mode), the
+# chain's rows stored, then reduced in the kernels
 # ab: benchmarks/kernel_ab.py against kernels/_ab_before (a copy of an earlier revision's kernels/
 # folder; or kernels/_ab_before.py, an earlier single-file kernels/triton_attn.py), then every
 # kernels/_ab_before_* beside it; git-ignored, so pass them in the device tool's carry
@@ -72,7 +73,9 @@ for step in $steps; do
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;
     host) timeout 200 python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/host_overhead.log" ;;
-    profile) timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 | tee "$OUT/profile_monitored_step.log" | tail -30 ;;
+    profile) timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 | tee "$OUT/profile_monitored_step.log" | tail -8
+             FLASHWATCH_KERNEL_REDUCTION=1 timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 \
+               | tee "$OUT/profile_monitored_step_reduction.log" | tail -8 ;;
     lab) timeout 200 python3 -m research.lab --device cuda --json "$OUT/lab.json" 2>&1 | tee "$OUT/lab.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -5,8 +5,12 @@ statistics kernels, and call ``finish()`` after the launch. Two modes:
 
 - store (a plain hook): fresh (delta_error_rows (B, H, N), pk (B, H, N, D)) FP32 buffers that
   the kernel fills, then ``hook(delta_error_rows, pk)``;
-- reduce (the hook's ``reduction(q)`` returns a ``stats.RowReduction``): the kernel reduces the
-  rows into the reduction's per-head sums in its epilogue; no per-row buffer exists.
+- reduce (the hook's ``reduction(q)`` returns a ``stats.RowReduction``): each program of the
+  kernel reduces its block of rows in its epilogue into one slot of two partial-sum buffers, a
+  scalar and a (D, r) sketch per (batch, head, row block): 4 * B * H * cdiv(N, BLOCK_M) * (D r + 1)
+  bytes, against 4 * B * H * N * (D + 1) for the rows; ``finish()`` sums them over batch and
+  blocks into the reduction's per-head sums (plain stores and two sums: no float atomics, no
+  contention between programs, the same order in every run); no per-row buffer exists.
 
 Where reduce mode is used (``KERNEL_REDUCTION``, from the environment variable
 FLASHWATCH_KERNEL_REDUCTION at import): "1" everywhere, "0" nowhere, unset: in Triton's CPU
@@ -38,29 +42,40 @@ def reduction_enabled(q: torch.Tensor) -> bool:
 
 
 class RowOutputs:
-    """What a launch with per-row outputs needs; ``hook`` None: store buffers only (tuning)."""
+    """What a launch with per-row outputs needs; ``hook`` None: store buffers only (tuning).
 
-    def __init__(self, q: torch.Tensor, hook: Optional[RowsHook] = None):
+    ``block_m``: the launch's BLOCK_M (rows per program), which sizes reduce mode's partial sums."""
+
+    def __init__(self, q: torch.Tensor, hook: Optional[RowsHook], block_m: int):
         self.hook = hook
+        B, H, N, D = q.shape
         offer = getattr(hook, "reduction", None) if reduction_enabled(q) else None
         self.reduction: Optional[RowReduction] = offer(q) if callable(offer) else None
         if self.reduction is not None:
             self.reduction.check(q)
             r = self.reduction
+            blocks = -(-N // block_m)
+            # one slot per program, (B, H, blocks) order; every slot is written by its program
+            self.part_ugv = torch.empty((B, H, blocks), dtype=torch.float32, device=q.device)
+            self.part_sketch = torch.empty((B, H, blocks) + tuple(r.sketch.shape[1:]), dtype=torch.float32,
+                                           device=q.device)
             # ERR_ROWS and PK are never written in reduce mode: any FP32 pointer will do
-            self.args = (r.ugv, r.ugv, r.u, r.xv, r.xo, r.ugv, r.sketch)
+            self.args = (self.part_ugv,) * 2 + (r.u, r.xv, r.xo, self.part_ugv, self.part_sketch)
             self.flags = dict(ROWS=True, REDUCE=True, SKETCH_R=r.xo.shape[-1])
         else:
-            B, H, N, D = q.shape
             self.err = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
             self.pk = torch.empty((B, H, N, D), dtype=torch.float32, device=q.device)
             self.args = (self.err, self.pk) + (self.err,) * 5
             self.flags = dict(ROWS=True, REDUCE=False)
 
     def finish(self) -> None:
-        """After the launch: the hook's call (store mode) or the reduction's ``done()``."""
+        """After the launch: the hook's call (store mode), or the partial sums added into the
+        reduction's per-head sums and its ``done()``."""
         if self.reduction is not None:
-            self.reduction.done()
+            r = self.reduction
+            r.ugv.add_(self.part_ugv.sum(dim=(0, 2)))
+            r.sketch.add_(self.part_sketch.sum(dim=(0, 2)))
+            r.done()
         elif self.hook is not None:
             self.hook(self.err, self.pk)
 

@@ -59,8 +59,8 @@ class RowReduction(NamedTuple):
 
     Fields (FP32, contiguous, on q's device): ``u`` (H, D), ``xv`` (B, H, N), ``xo`` (B, N, r)
     with r a power of two >= 16, ``ugv`` (H,) and ``sketch`` (H, D, r) added into in place
-    (float atomics: the summation order varies run to run); ``done()`` is called once the
-    kernel was launched.
+    (each program's share is summed after the launch, ``rows.RowOutputs``); ``done()`` is called
+    once the kernel was launched.
     """
 
     u: torch.Tensor
@@ -120,9 +120,9 @@ class AttentionStats:
     dQ_used - dQ_hp = -sm_scale * delta_error_rows[..., None] * pk. Nothing is synchronised
     with the host. Cost, only while the hook is set: the extra kernel work (a (BLOCK_M, D) FP32
     accumulator, two more matrix products per key tile; the dQ kernel with it holds fewer
-    programs per SM) and 4 * B * H * N * (D + 1) bytes per call (none with a ``RowReduction``:
-    an FP32 (D x BLOCK_M)(BLOCK_M x r) product and D * r + 1 float atomic adds per row block
-    instead): set it on monitored steps only.
+    programs per SM) and 4 * B * H * N * (D + 1) bytes per call (with a ``RowReduction``: an FP32
+    (D x BLOCK_M)(BLOCK_M x r) product and D * r + 1 stored partial sums per row block, about
+    r / BLOCK_M of those bytes, summed after the launch): set it on monitored steps only.
     An exception raised by the hook propagates to the caller of ``attention_statistics`` or of
     the backward.
 

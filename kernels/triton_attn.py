@@ -129,9 +129,10 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
-def _row_outputs(q: torch.Tensor, hook=None) -> RowOutputs:
-    """Per-row outputs for AttentionStats.rows_hook (``rows.RowOutputs``: buffers or a reduction)."""
-    return RowOutputs(q, hook)
+def _row_outputs(q: torch.Tensor, hook, cfg: dict) -> RowOutputs:
+    """Per-row outputs for AttentionStats.rows_hook (``rows.RowOutputs``: buffers or a reduction)
+    of a launch at the tiles ``cfg``."""
+    return RowOutputs(q, hook, cfg["BLOCK_M"])
 
 
 def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg, rows=None,
@@ -169,7 +170,7 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
         sq, sdelta = torch.empty_like(dq), torch.empty_like(delta)
         sst = (torch.zeros(H, dtype=torch.int64, device=q.device),) * 3 + (torch.zeros(H, device=q.device),) * 4
         srowmax = rowmax if rowmax is not None else sdelta
-        srows = _row_outputs(q) if with_rows else None
+        srows = _row_outputs(q, None, cfg) if with_rows else None
         return lambda: _launch_dq(q, k, v, o, r, do, lse, sdelta, sq, srowmax, sst if with_stats else (sdelta,) * 7,
                                   causal, sm_scale, eps, with_stats, cfg, srows)
 
@@ -180,13 +181,13 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     else:
         st = (delta,) * 7
     hook = stats.rows_hook if stats is not None else None  # looked up now, when the backward runs
-    rows = _row_outputs(q, hook) if hook is not None else None
-    if rows is not None:
+    if hook is not None:
         dq_cfg = tuning.choose("dq_rows", q, causal, lambda cfg: bench_dq(cfg, with_stats=True, with_rows=True))
     elif stats is not None:
         dq_cfg = tuning.choose("dq_stats", q, causal, lambda cfg: bench_dq(cfg, with_stats=True))
     else:
         dq_cfg = tuning.choose("dq", q, causal, bench_dq)
+    rows = _row_outputs(q, hook, dq_cfg) if hook is not None else None
     _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax if rowmax is not None else delta, st, causal, sm_scale, eps,
                stats is not None, dq_cfg, rows, stats.unit_gap if stats is not None else 0.0)
     _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, tuning.choose("dkdv", q, causal, bench_dkdv))
@@ -231,7 +232,7 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     upcast, exact = _workarounds(q.device)
     c = tuning.choose("stats", q, causal, None)
     hook = stats.rows_hook
-    rows = _row_outputs(q, hook) if hook is not None else None
+    rows = _row_outputs(q, hook, c) if hook is not None else None
     launch(_attn_stats_kernel, (_cdiv(N, c["BLOCK_M"]), B * H), (
         q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16,
         stats.repeated_max_rows_format, stats.max_logit,

@@ -36,8 +36,8 @@ Changes:
   (``_probabilities_dot``); the statistics kernel rescales P K online like rowsum(P * dP). The
   dQ kernel then runs at its own tiles (``tuning.TABLE["dq_rows"]``). With REDUCE as well
   (the hook offers a ``RowReduction``), each row block's epilogue reduces its rows into the
-  W^Q-error chain's per-head sums (``_reduce_rows``: a scalar and a D x r sketch per head, float
-  atomics) and stores nothing per row.
+  W^Q-error chain's per-head sums (``_reduce_rows``: a scalar and a D x r sketch per program, summed
+  over the programs after the launch) and stores nothing per row.
 - Backward: two launches. The dQ kernel runs first and computes delta_used = rowsum(dO * O)
   for its rows from the dO tile it loads anyway (no separate delta kernel), storing it for the
   dK/dV kernel, which runs second.
@@ -293,25 +293,39 @@ def _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err):
 
 
 @triton.jit
-def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, N, sm_scale, U, XV, XO, UGV, SKETCH,
+def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_scale, U, XV, XO, UGV, SKETCH,
                  HEAD_DIM: tl.constexpr, SKETCH_R: tl.constexpr):
     """The W^Q-gradient error of a block of rows, reduced in place of storing it (``REDUCE``).
 
     pk (BLOCK_M, D) FP32 (0 on rows >= N), err (BLOCK_M,) FP32 (0 on rows >= N); the call's
     factors: U (H, D) the head's u, XV (B, H, N) x . v_h, XO (B, N, SKETCH_R) x Omega, all FP32
-    contiguous. With c = -sm_scale * err, the error's rows dQ_err = c pk add into query head h:
-    UGV[h] += sum_rows c (pk . u_h)(x . v_h) (= u_h^T dG_h v_h) and SKETCH[h] (D, SKETCH_R) +=
-    pk^T (c x Omega) (= dG_h Omega), FP32 (IEEE product, float atomics)."""
+    contiguous. With c = -sm_scale * err, the error's rows dQ_err = c pk give this block's share
+    of query head h's sums: UGV[part] = sum_rows c (pk . u_h)(x . v_h) (of u_h^T dG_h v_h) and
+    SKETCH[part] (D, SKETCH_R) = pk^T (c x Omega) (of dG_h Omega), FP32 (IEEE product), with
+    ``part`` the program's index in (B * H, cdiv(N, BLOCK_M)) order: plain stores, one slot per
+    program, summed over batch and blocks after the launch (``rows.RowOutputs.finish``; no
+    atomics: no contention, and the same sum in every run)."""
     c = -sm_scale * err
     u = tl.load(U + h * HEAD_DIM + offs_d)
     xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
     pu = tl.sum(pk * u[None, :], 1)  # (BLOCK_M,)
-    tl.atomic_add(UGV + h, tl.sum(c * pu * xv, 0))
-    offs_r = tl.arange(0, SKETCH_R)
-    xo = tl.load(XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R + offs_r[None, :],
-                 mask=row_ok[:, None], other=0.0)
-    sk = tl.dot(tl.trans(pk), c[:, None] * xo, input_precision="ieee")  # (D, SKETCH_R)
-    tl.atomic_add(SKETCH + h.to(tl.int64) * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R + offs_r[None, :], sk)
+    tl.store(UGV + part, tl.sum(c * pu * xv, 0))
+    # the (D, SKETCH_R) product in column blocks of 16: fewer registers live at once (the whole
+    # product at once spilled in both kernels)
+    offs_r = tl.arange(0, 16)
+    pkt = tl.trans(pk)
+    xo_rows = XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R
+    sk_rows = SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R
+    for r0 in tl.static_range(0, SKETCH_R, 16):
+        xo = tl.load(xo_rows + r0 + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+        sk = tl.dot(pkt, c[:, None] * xo, input_precision="ieee")  # (D, 16)
+        tl.store(sk_rows + r0 + offs_r[None, :], sk)
+
+
+@triton.jit
+def _block_part(bh, start_m, N, BLOCK_M: tl.constexpr):
+    """A program's slot in the (B * H, cdiv(N, BLOCK_M)) partial sums of ``_reduce_rows`` (int64)."""
+    return bh.to(tl.int64) * tl.cdiv(N, BLOCK_M) + start_m // BLOCK_M
 
 
 # --------------------------------------------------------------------------------------------
@@ -671,8 +685,9 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
         if ROWS:
             if REDUCE:  # pk is 0 on rows >= N: their q, dO (so P's dP) and err are 0
-                _reduce_rows(tl.where(row_ok[:, None], pk, 0.0), err, row_ok, offs_m, offs_d, b, h, row_base, N,
-                             sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM, SKETCH_R)
+                _reduce_rows(tl.where(row_ok[:, None], pk, 0.0), err, row_ok, offs_m, offs_d, b, h, row_base,
+                             _block_part(bh, start_m, N, BLOCK_M), N, sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM,
+                             SKETCH_R)
             else:
                 tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
                 _store_rows(PK + bh.to(tl.int64) * N * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk)
@@ -726,7 +741,9 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
     row_ok = offs_m < N
     q = _load_rows(_head(Q, b, h, sqb, sqh), offs_m, sqn, offs_d, N, True)
     do = _load_rows(_head(DO, b, h, sdob, sdoh), offs_m, sdon, offs_d, N, True)
-    o = _load_rows(_head(O, b, h, sob, soh), offs_m, son, offs_d, N, True)
+    # delta_used first: O is not needed after it, so its tile is not held through the key loop
+    delta_used = tl.sum(_load_rows(_head(O, b, h, sob, soh), offs_m, son, offs_d, N, True).to(tl.float32)
+                        * do.to(tl.float32), 1)
     k_base = _head(K, b, kvh, skb, skh)
     v_base = _head(V, b, kvh, svb, svh)
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -751,7 +768,6 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
     s2b = _cast(s2, tl.bfloat16, EXACT_BF16).to(tl.float32)
     tied_b = (s2b >= s1b - eps) & row_ok
     tied_f = (s2 >= s1 + gap) & row_ok  # gap < 0: P_bar rounds to 1 at two keys in the format
-    delta_used = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     err = tl.where(row_ok, delta_used - d_i / l_i, 0.0)
     _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f)
     tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
@@ -760,8 +776,8 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
         row_base = bh.to(tl.int64) * N
         if REDUCE:
             pk = tl.where(row_ok[:, None], pk / l_i[:, None], 0.0)  # no 0/0 of an empty row
-            _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, N, sm_scale, U, XV, XO, UGV, SKETCH,
-                         HEAD_DIM, SKETCH_R)
+            _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, _block_part(bh, start_m, N, BLOCK_M), N,
+                         sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM, SKETCH_R)
         else:
             tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
             _store_rows(PK + row_base * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk / l_i[:, None])
