@@ -176,8 +176,9 @@ class _NoAutocast:
 # by an earlier flashwatch assert the old strides at its first call. So every operator is the
 # overload CONTRACT of its name (``flashwatch::attention_with_stats.v2``), and CONTRACT changes with
 # any such change and with any change of a schema (v2: O in (B, N, H, D) memory order; v3: the
-# layer's key a tensor, not an integer; v4: the query's rotation an argument).
-CONTRACT = "v4"
+# layer's key a tensor, not an integer; v4: the query's rotation an argument; v5: dQ, dK, dV in
+# (B, N, heads, D) memory order).
+CONTRACT = "v5"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
 
@@ -272,6 +273,10 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
 def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rotation,
                               layer):
     q, k, v = saved[:3]
+    if _uses_triton(q.device):  # the kernels' gradient order (triton_attn.grads_like); the reference's is contiguous
+        from .triton_attn import grads_like
+
+        return grads_like(q, k, v)
     B, H, N, D = q.shape
     return (q.new_empty((B, H, N, D)), k.new_empty((B, k.shape[1], N, D)), v.new_empty((B, v.shape[1], N, D)))
 

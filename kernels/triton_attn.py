@@ -62,12 +62,29 @@ def _cdiv(a: int, b: int) -> int:
 
 
 
+def heads_inner_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of t's (B, heads, N, D) shape and dtype with its memory in (B, N, heads, D)
+    order, as torch SDPA's flash and cuDNN paths give their output and gradients: the order of the
+    projections the model made q, k, v from, so a model's ``o.transpose(1, 2)`` followed by
+    ``.contiguous()`` or ``.view(B, N, heads * D)`` copies nothing, nor does the backward of its
+    ``.view(B, N, heads, D).transpose(1, 2)`` of a projection (the kernels take these strides)."""
+    B, H, N, D = t.shape
+    return torch.empty((B, N, H, D), dtype=t.dtype, device=t.device).transpose(1, 2)
+
+
 def out_like(q: torch.Tensor) -> torch.Tensor:
-    """The attention output for q (B, H, N, D): shape (B, H, N, D), memory in (B, N, H, D) order, as
-    torch SDPA's flash and cuDNN paths give it, so that a model's ``o.transpose(1, 2)`` followed by
-    ``.contiguous()`` or ``.view(B, N, H * D)`` copies nothing (the kernels take O's strides)."""
-    B, H, N, D = q.shape
-    return torch.empty((B, N, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
+    """The attention output O for q (B, H, N, D), in (B, N, H, D) memory order (``heads_inner_like``)."""
+    return heads_inner_like(q)
+
+
+def grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's dQ, dK, dV for q, k, v (B, heads, N, D), in (B, N, heads, D) memory order
+    (``heads_inner_like``); dK and dV contiguous where the opt-in Hopper dK/dV kernel runs (it
+    stores whole rows through TMA descriptors)."""
+    if tuning.hopper_features("dkdv") is not None:
+        return heads_inner_like(q), torch.empty_like(k, memory_format=torch.contiguous_format), \
+            torch.empty_like(v, memory_format=torch.contiguous_format)
+    return heads_inner_like(q), heads_inner_like(k), heads_inner_like(v)
 
 
 def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, beta, eps, stats_on,
@@ -117,13 +134,14 @@ def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strengt
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
+    # dk and dv: one layout (grads_like), the kernel takes dk's strides for both
     B, H, N, D = q.shape
     Hkv = k.shape[1]
     upcast, exact = _workarounds(q.device)
     if hopper_attn.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, upcast, exact):
         return  # the opt-in Hopper variant ran (tuning.hopper_features)
     launch(_attn_bwd_dkdv_kernel, (_cdiv(N, cfg["BLOCK_N"]), B * Hkv), (
-        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
         H, H // Hkv, N, sm_scale), dict(HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal,
         IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
@@ -143,7 +161,7 @@ def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, 
     upcast, exact = _workarounds(q.device)
     launch(_attn_bwd_dq_kernel, (_cdiv(N, cfg["BLOCK_M"]), B * H), (
         q, k, v, o, r if r is not None else o, do, lse, delta, dq, rowmax, *st, *row_args(rows, delta),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
         H, H // k.shape[1], N, sm_scale, eps, float(gap)), dict(
         HEAD_DIM=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, STATS=stats_on, **row_flags(rows), FP32_DELTA=r is not None,
@@ -155,14 +173,10 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
     B, H, N, D = q.shape
     do = _last_dim_contiguous(do)
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # written by the dQ kernel
-    # the kernels write contiguous (B, heads, N, D) gradients; torch.empty_like would keep the
-    # dimension order of a strided input (a fused q|k|v projection gives (B, N, heads, D) order)
-    dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, k.shape[1], N, D), dtype=k.dtype, device=k.device)
-    dv = torch.empty((B, v.shape[1], N, D), dtype=v.dtype, device=v.device)
+    dq, dk, dv = grads_like(q, k, v)  # the kernels take their strides
 
     def bench_dkdv(cfg):
-        sk, sv = torch.empty_like(dk), torch.empty_like(dv)  # dk, dv are contiguous
+        sk, sv = torch.empty_like(dk), torch.empty_like(dv)  # dense: the same strides
         return lambda: _launch_dkdv(q, k, v, do, lse, delta, sk, sv, causal, sm_scale, cfg)
 
     def bench_dq(cfg, with_stats=False, with_rows=False):

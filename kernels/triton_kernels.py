@@ -478,7 +478,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sd
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
-                          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon,
+                          sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sgb, sgh, sgn,
                           H, G, N, sm_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
@@ -521,9 +521,9 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
                                  offs_n, offs_d, tail_lo, N, N, qk_scale,
                                  BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    out_base = bkv.to(tl.int64) * N * HEAD_DIM  # dK, dV: contiguous (B, Hkv, N, D)
-    _store_rows(DK + out_base, offs_n, HEAD_DIM, offs_d, N, _cast(dk * sm_scale, DTYPE, EXACT_BF16))
-    _store_rows(DV + out_base, offs_n, HEAD_DIM, offs_d, N, _cast(dv, DTYPE, EXACT_BF16))
+    # dK, dV (B, Hkv, N, D) of one layout, strides sgb, sgh, sgn (the launcher's grads_like)
+    _store_rows(_head(DK, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dk * sm_scale, DTYPE, EXACT_BF16))
+    _store_rows(_head(DV, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dv, DTYPE, EXACT_BF16))
 
 
 @triton.jit
@@ -616,7 +616,7 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tf
 def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ,
                         ST_ETIED, ERR_ROWS, PK, U, XV, XO, UGV, SKETCH,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-                        H, G, N, sm_scale, eps, gap,
+                        sdqb, sdqh, sdqn, H, G, N, sm_scale, eps, gap,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr,
@@ -674,8 +674,8 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
                                                  k_base, v_base,
                                            skn, svn, offs_m, offs_d, split, hi, N, sm_scale, qk_scale,
                                            BLOCK_N, True, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    dq_base = DQ + bh.to(tl.int64) * N * HEAD_DIM  # dQ: contiguous (B, H, N, D)
-    _store_rows(dq_base, offs_m, HEAD_DIM, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))
+    # dQ (B, H, N, D), strides sdqb, sdqh, sdqn (the launcher's grads_like)
+    _store_rows(_head(DQ, b, h, sdqb, sdqh), offs_m, sdqn, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))
     if STATS:
         tied = (tl.max(n32, 1) >= 2.0) & row_ok
         tied_b = (tl.max(nb16, 1) >= 2.0) & row_ok

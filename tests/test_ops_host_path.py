@@ -71,6 +71,26 @@ def test_the_output_is_in_the_memory_order_sdpa_gives(variant, interpret_dispatc
         assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), how
 
 
+@pytest.mark.parametrize("monitored", [False, True])
+def test_the_gradients_are_in_the_memory_order_of_the_projections(monitored, interpret_dispatch):
+    """dQ, dK, dV (B, H, N, D) are laid out as (B, N, H, D), the order of the projections q, k, v are
+    views of, so the backward of a model's ``.view(B, N, H, D).transpose(1, 2)`` copies nothing;
+    eager and compiled, with statistics off and on. Fail before: they were contiguous."""
+    q, k, v = (torch.randn(1, 2, 24, 16).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    flag = torch.full((), int(monitored), dtype=torch.int32)
+    do = torch.randn(1, 2, 24, 16).to(torch.bfloat16)
+
+    def run_ops(q, k, v):
+        return ops.attention(q, k, v, flag=flag, stats=AttentionStats(2), coverage=torch.zeros(2, dtype=torch.int64),
+                             causal=True)
+
+    stats = AttentionStats(2) if monitored else None
+    for how, fn in (("eager", lambda q, k, v: flash_attention(q, k, v, stats=stats)),
+                    ("operators, compiled", torch.compile(run_ops, backend="inductor", fullgraph=True))):
+        grads = torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+        assert all(g.shape == (1, 2, 24, 16) and g.transpose(1, 2).is_contiguous() for g in grads), how
+
+
 def test_operators_have_no_python_version_bump():
     """The operators that mutate the statistics buffers do so without a Python ADInplaceOrView
     kernel: ``custom_op`` registers one for a mutating operator, which walks the schema once
@@ -100,7 +120,11 @@ _OUTPUTS_V2 = {
                                   ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16"),
                                   ((2, 2, 8, 16), (256, 128, 16, 1), "bfloat16")],
 }
-FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2}
+_OUTPUTS_V5 = {**_OUTPUTS_V2,  # the gradients in (B, N, heads, D) memory order, as O
+               ("attention_grad", "plain"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
+                                             ((2, 2, 8, 16), (256, 16, 32, 1), "bfloat16"),
+                                             ((2, 2, 8, 16), (256, 16, 32, 1), "bfloat16")]}
+FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2, "v5": _OUTPUTS_V5}
 
 
 def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(interpret_dispatch):
