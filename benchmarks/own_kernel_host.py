@@ -79,7 +79,10 @@ def _stack(layers: int, shape: tuple, monitored: bool, kind: str, device: str = 
     q = make()
     kv = [(make(), make()) for _ in range(layers)]
     leaves = [q] + [t for pair in kv for t in pair]
-    grad = torch.randn(shape, generator=gen, dtype=torch.bfloat16).to(device)
+    # the output's gradient in the output's memory order, (B, N, H, D) (``triton_attn.out_like``), as a
+    # model's next operation gives it: a contiguous one would be copied to that order by the compiled
+    # backward (AOT autograd matches a tangent to its output's strides), a copy training does not make
+    grad = torch.randn((B, N, H, D), generator=gen, dtype=torch.bfloat16).to(device).transpose(1, 2)
     stats = [AttentionStats(H, device) for _ in range(layers)]
     flag = torch.full((), int(monitored), dtype=torch.int32)
     coverage = [torch.zeros(2, dtype=torch.int64) for _ in range(layers)]
