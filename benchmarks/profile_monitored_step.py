@@ -1,23 +1,67 @@
 """Where a monitored step's extra device time goes (CUDA): GPT-2 small, batch 16 x 1024, bf16,
 the Monitor in observe mode at interval 2; torch.profiler over one monitored and one
-unmonitored step, the top kernels and ops by CUDA time.
+unmonitored step: the top kernels and ops by CUDA time, then the device time of the Monitor's
+own pieces (each wrapped in a ``torch.profiler.record_function`` range here, in this script only:
+the statistics pass, the W^Q-error chain's per-call and per-step work, the W^Q power iteration,
+the packing of the statistics; nested ranges count inside their parent too).
 
     PYTHONPATH=. python benchmarks/profile_monitored_step.py
 """
 
+import functools
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
+import flashwatch.kernels
 from flashwatch import Monitor, MonitorConfig
+from flashwatch.chain import LayerChain
+from flashwatch.kernels import AttentionStats
+from flashwatch.wq import WqNorms
 from training_step import gpt2_small, make_step
+
+PREFIX = "fw::"
+# (owner, attribute, label): what the ranges wrap; a staticmethod stays one
+PIECES = (
+    (flashwatch.kernels, "attention_statistics", "statistics pass (observe)"),
+    (LayerChain, "_project", "chain: x.v and x Omega per call"),
+    (LayerChain, "add_rows", "chain: the rows' reductions per call (store path)"),
+    (LayerChain, "reduction", "chain: factors for the in-kernel reduction per call"),
+    (LayerChain, "add_weight_grad", "chain: push_true from W^Q's gradient"),
+    (LayerChain, "add_query_grad", "chain: push_true from dQ"),
+    (LayerChain, "read_all", "chain: readings and window per step"),
+    (WqNorms, "step", "W^Q power iteration"),
+    (AttentionStats, "packed_all", "statistics packed"),
+    (AttentionStats, "reset_all", "statistics reset"),
+    (Monitor, "step", "Monitor.step (all of the above that runs there)"),
+)
+
+
+def annotate() -> list[str]:
+    """Wrap every piece of ``PIECES`` in a record_function range; returns the range names."""
+    names = []
+    for owner, attr, label in PIECES:
+        raw = owner.__dict__.get(attr, getattr(owner, attr))
+        static = isinstance(raw, staticmethod)
+        fn = raw.__func__ if static else raw
+        name = PREFIX + label
+
+        def wrapped(*args, _fn=fn, _name=name, **kwargs):
+            with record_function(_name):
+                return _fn(*args, **kwargs)
+
+        wrapped = functools.wraps(fn)(wrapped)
+        setattr(owner, attr, staticmethod(wrapped) if static else wrapped)
+        names.append(name)
+    return names
 
 
 def main() -> int:
     if not torch.cuda.is_available():
         print("profile_monitored_step.py needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
+    names = annotate()
     torch.manual_seed(0)
     model = gpt2_small()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -34,9 +78,17 @@ def main() -> int:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        events = prof.key_averages()
         if name == "monitored":
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-        totals[name] = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+            print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+            print("the Monitor's pieces on the monitored step (device time of the kernels each launched):")
+            by_name = {e.key: e for e in events}
+            for n in names:
+                e = by_name.get(n)
+                if e is not None:
+                    print(f"  {n[len(PREFIX):]:58s} {e.count:4d} calls  {e.device_time_total / 1e3:8.3f} ms device"
+                          f"  {e.cpu_time_total / 1e3:8.3f} ms host")
+        totals[name] = sum(e.self_device_time_total for e in events if not e.key.startswith(PREFIX)) / 1e3
     print(f"self CUDA time: monitored step {totals['monitored']:.2f} ms, unmonitored {totals['unmonitored']:.2f} ms")
     monitor.close()
     return 0
