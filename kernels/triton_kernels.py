@@ -741,9 +741,10 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
     row_ok = offs_m < N
     q = _load_rows(_head(Q, b, h, sqb, sqh), offs_m, sqn, offs_d, N, True)
     do = _load_rows(_head(DO, b, h, sdob, sdoh), offs_m, sdon, offs_d, N, True)
-    # delta_used first: O is not needed after it, so its tile is not held through the key loop
-    delta_used = tl.sum(_load_rows(_head(O, b, h, sob, soh), offs_m, son, offs_d, N, True).to(tl.float32)
-                        * do.to(tl.float32), 1)
+    o = _load_rows(_head(O, b, h, sob, soh), offs_m, son, offs_d, N, True)
+    if ROWS:  # delta_used first, so O's tile is not held through the key loop beside P K's accumulator
+        # (255 -> 168 registers at D 64); without ROWS the later sum compiles to a shorter loop
+        delta_used = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     k_base = _head(K, b, kvh, skb, skh)
     v_base = _head(V, b, kvh, svb, svh)
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -768,6 +769,8 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
     s2b = _cast(s2, tl.bfloat16, EXACT_BF16).to(tl.float32)
     tied_b = (s2b >= s1b - eps) & row_ok
     tied_f = (s2 >= s1 + gap) & row_ok  # gap < 0: P_bar rounds to 1 at two keys in the format
+    if not ROWS:
+        delta_used = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     err = tl.where(row_ok, delta_used - d_i / l_i, 0.0)
     _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f)
     tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
