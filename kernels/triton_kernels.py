@@ -301,7 +301,8 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     factors: U (H, D) the head's u, XV (B, H, N) x . v_h, XO (B, N, SKETCH_R) x Omega, all FP32
     contiguous. With c = -sm_scale * err, the error's rows dQ_err = c pk give this block's share
     of query head h's sums: UGV[part] = sum_rows c (pk . u_h)(x . v_h) (of u_h^T dG_h v_h) and
-    SKETCH[part] (D, SKETCH_R) = pk^T (c x Omega) (of dG_h Omega), FP32 (IEEE product), with
+    SKETCH[part] (D, SKETCH_R) = pk^T (c x Omega) (of dG_h Omega), FP32 (the sketch's product on
+    tensor cores in TF32x3, three TF32 products a term: within 12 * 2^-24 of each term), with
     ``part`` the program's index in (B * H, cdiv(N, BLOCK_M)) order: plain stores, one slot per
     program, summed over batch and blocks after the launch (``rows.RowOutputs.finish``; no
     atomics: no contention, and the same sum in every run)."""
@@ -310,15 +311,16 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
     pu = tl.sum(pk * u[None, :], 1)  # (BLOCK_M,)
     tl.store(UGV + part, tl.sum(c * pu * xv, 0))
-    # the (D, SKETCH_R) product in column blocks of 16: fewer registers live at once (the whole
-    # product at once spilled in both kernels)
+    # the (D, SKETCH_R) product in column blocks of 16 and in TF32x3 rather than FP32 FMAs: the
+    # whole product at once in FP32 spilled in both kernels (255 registers and a stack); this way
+    # the statistics kernel needs 186 registers at D 64 and spills nothing
     offs_r = tl.arange(0, 16)
     pkt = tl.trans(pk)
     xo_rows = XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R
     sk_rows = SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R
-    for r0 in tl.static_range(0, SKETCH_R, 16):
+    for r0 in range(0, SKETCH_R, 16):
         xo = tl.load(xo_rows + r0 + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-        sk = tl.dot(pkt, c[:, None] * xo, input_precision="ieee")  # (D, 16)
+        sk = tl.dot(pkt, c[:, None] * xo, input_precision="tf32x3")  # (D, 16)
         tl.store(sk_rows + r0 + offs_r[None, :], sk)
 
 

@@ -45,7 +45,7 @@ def expected(err, pk, err_scale, pk_scale, hook: ReducingHook, sm_scale: float):
     their bounds: the rows' own error bounds (``kernel_cases.assert_rows_match``: (D + N) 2**-24
     of err_scale, (2**-16 + N 2**-24) of pk_scale) carried through the products, plus FP32
     arithmetic (a D-term dot, three products, a sum over the B * N rows: (D + B N + 4) 2**-24 of
-    the sum of |terms|)."""
+    the sum of |terms|; 16 2**-24 more for the sketch's TF32x3 product)."""
     B, H, N, D = pk.shape
     u, xv, xo = (t.detach().cpu().to(F64) for t in (hook.u, hook.xv, hook.xo))
     c = -sm_scale * err
@@ -61,7 +61,10 @@ def expected(err, pk, err_scale, pk_scale, hook: ReducingHook, sm_scale: float):
     ugv_tol = ugv_tol + arith * sm_scale * (err.abs() * pu_abs * xv.abs()).sum(dim=(0, 2))
     sk_tol = sm_scale * (torch.einsum("bhn,bhnd,bnr->hdr", e_tol, pk.abs() + p_tol, xo.abs())
                          + torch.einsum("bhn,bhnd,bnr->hdr", err.abs(), p_tol, xo.abs()))
-    sk_tol = sk_tol + arith * sm_scale * torch.einsum("bhn,bhnd,bnr->hdr", err.abs(), pk.abs(), xo.abs())
+    # the kernels form the sketch's product on tensor cores in TF32x3 (three TF32 products a term,
+    # the low part of each factor rounded to TF32: within 3 * 2**-22 = 12 * 2**-24 of the term; 16 taken)
+    sk_arith = arith + 16 * U
+    sk_tol = sk_tol + sk_arith * sm_scale * torch.einsum("bhn,bhnd,bnr->hdr", err.abs(), pk.abs(), xo.abs())
     return ugv, sketch, ugv_tol, sk_tol
 
 
