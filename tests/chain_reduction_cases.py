@@ -144,3 +144,18 @@ def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain",
         assert (ugv_k.abs() > 10 * ugv_tol_k).float().mean() > 0.5, f"{tag}: the signal does not stand above the bound"
         assert (sketch_k.abs() > 10 * sk_tol_k).float().mean() > 0.5, f"{tag}: the sketch does not stand above"
     return hook
+
+
+def check_reduction_repeats(q, k, v, causal=True, mode="observe", r=16, seed=0):
+    """The reduction's sums are the same, bit for bit, in two identical calls: each program stores
+    its share and the shares are summed in one fixed order (float atomics would leave the order
+    to the GPU's scheduling)."""
+    sums = []
+    for _ in range(2):
+        hook = ReducingHook(q, r, seed)
+        stats = AttentionStats(q.shape[1], q.device)
+        stats.rows_hook = hook
+        _run(q, k, v, causal, mode, "plain", stats)
+        assert hook.done == 1
+        sums.append((hook.ugv.clone(), hook.sketch.clone()))
+    assert torch.equal(sums[0][0], sums[1][0]) and torch.equal(sums[0][1], sums[1][1])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chain_reduction_cases import assert_same_statistics, check_reduction
+from chain_reduction_cases import assert_same_statistics, check_reduction, check_reduction_repeats
 from kernel_cases import random_qkv
 
 @pytest.fixture(autouse=True)
@@ -69,6 +69,12 @@ def test_reduction_at_the_chain_sketch_width_and_fp32_interpreted(mode):
 
 
 @pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_reduction_repeats_bit_for_bit_interpreted(mode):
+    check_reduction_repeats(*random_qkv(2, 2, 70, 16, Hkv=1, seed=6), mode=mode, r=16, seed=6)
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
 def test_reduction_none_falls_back_to_the_rows():
     """A hook whose ``reduction`` returns None is called with the rows, as a plain hook."""
     from kernel_cases import RowsRecorder
@@ -116,6 +122,16 @@ def test_reduction_matches_float64_on_the_gpu(N, D, Hkv, causal, mode):
 
     check_reduction(*random_qkv(2, 4, N, D, Hkv=Hkv, device="cuda", seed=N + D), causal=causal, mode=mode,
                     r=SKETCH_DIM, seed=N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_reduction_repeats_bit_for_bit_on_the_gpu(mode):
+    """Many programs per head (B 8, N 2048): with float atomics the sums' order would vary."""
+    from flashwatch.chain import SKETCH_DIM
+
+    check_reduction_repeats(*random_qkv(8, 4, 2048, 64, Hkv=4, device="cuda", seed=7), mode=mode, r=SKETCH_DIM,
+                            seed=7)
 
 
 @pytest.mark.gpu
