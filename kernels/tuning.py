@@ -143,6 +143,8 @@ def hopper_features(kernel: str) -> frozenset | None:
     """The features of the Hopper variant of ``kernel`` (``fwd`` or ``dkdv``) that is asked for
     (``set_hopper``, else FLASHWATCH_HOPPER), or None: the plain kernel (the default)."""
     spec = _hopper_override[0] if _hopper_override else os.environ.get(HOPPER_ENV, "")
+    if not spec:  # the default, asked at every launch: no parsing
+        return None
     return parse_hopper(spec).get(kernel)
 
 
