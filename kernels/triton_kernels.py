@@ -49,7 +49,8 @@ Changes:
 Layout: the kernels share their prologue and tile code through small device helpers:
 ``_query_program`` (program id -> query block, batch, head, kv head), ``_head`` (a head's base
 pointer), ``_load_rows`` / ``_store_rows`` / ``_load_row_values`` (masked tiles and row values),
-``_mask_scores``, the key ranges ``_unmasked_keys_end`` / ``_keys_end``, and the per-head sums
+``_mask_scores``, one step of a query block's key loop ``_key_tile`` (k, v and the masked scores),
+the key ranges ``_unmasked_keys_end`` / ``_keys_end``, and the per-head sums
 ``_add_tie_counts`` / ``_add_delta_errors``.
 
 Cautions:
@@ -348,21 +349,30 @@ def _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE: tl.
 
 
 @triton.jit
+def _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One step of a query block's loop over keys: k and v (BLOCK_N, D) of the keys from start_n
+    (a multiple of BLOCK_N) on, and the raw scores q.k (BLOCK_M, BLOCK_N); MASKED: keys >= N, and
+    with CAUSAL keys after the query, masked (``_mask_scores``)."""
+    cols = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)
+    k = _load_rows(k_base, cols, stride_kn, offs_d, N, MASKED)
+    v = _load_rows(v_base, cols, stride_vn, offs_d, N, MASKED)
+    qk = _dot(q, tl.trans(k), IEEE, UPCAST)  # (BLOCK_M, BLOCK_N) raw scores q.k
+    if MASKED:
+        qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
+    return k, v, qk
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
                lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                FIXED: tl.constexpr, TOP2: tl.constexpr, DTYPE: tl.constexpr,
                IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     # aux: the running tie flag (FIXED), the running second-largest raw score (TOP2), else unused
-    offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        k = _load_rows(k_base, cols, stride_kn, offs_d, N, MASKED)
-        v = _load_rows(v_base, cols, stride_vn, offs_d, N, MASKED)
-        qk = _dot(q, tl.trans(k), IEEE, UPCAST)  # (BLOCK_M, BLOCK_N) raw scores q.k
-        if MASKED:
-            qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
+        k, v, qk = _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, BLOCK_N, MASKED,
+                             CAUSAL, IEEE, UPCAST)
         if FIXED:
             new_m1, aux = _tie_update(qk, m1, aux, eps_raw, UPCAST)
         elif TOP2:
@@ -587,15 +597,9 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tf
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, STATS: tl.constexpr,
                   ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                   EXACT_BF16: tl.constexpr):
-    offs_nb = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_nb
-        k = _load_rows(k_base, cols, skn, offs_d, N, MASKED)
-        v = _load_rows(v_base, cols, svn, offs_d, N, MASKED)
-        qk = _dot(q, tl.trans(k), IEEE, UPCAST)
-        if MASKED:
-            qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
+        k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, BLOCK_N, MASKED, CAUSAL, IEEE,
+                             UPCAST)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if STATS:
             # scores within eps of the row max, FP32 and after BF16 rounding: t32 and tb16 are
@@ -703,15 +707,9 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
 def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, offs_d, lo, hi, N, qk_scale,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROWS: tl.constexpr,
                  DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    offs_nb = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_nb
-        k = _load_rows(k_base, cols, skn, offs_d, N, MASKED)
-        v = _load_rows(v_base, cols, svn, offs_d, N, MASKED)
-        qk = _dot(q, tl.trans(k), IEEE, UPCAST)
-        if MASKED:
-            qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
+        k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, BLOCK_N, MASKED, CAUSAL, IEEE,
+                             UPCAST)
         new_m1, new_m2 = _top2_update(qk, m1, m2)
         safe = tl.where(new_m1 == float("-inf"), 0.0, new_m1)
         p = tl.math.exp2((qk - safe[:, None]) * qk_scale)
