@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import (_cast, _dkdv_block, _dot, _head, _keys_end, _load_rows, _mask_scores,
+from .triton_kernels import (_cast, _dkdv_block, _dot, _head, _key_program, _keys_end, _load_rows, _mask_scores,
                              _online_softmax_step, _query_program, _row_shift, _store_rows, _unmasked_keys_end)
 
 
@@ -184,11 +184,7 @@ def _attn_bwd_dkdv_hopper_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     # grid: (cdiv(N, BLOCK_N), B * Hkv), as triton_kernels._attn_bwd_dkdv_kernel: one program =
     # one block of keys of one kv head, looping over the G query heads that read it and over
     # their query blocks, in the same order (diagonal blocks, unmasked blocks, ragged tail)
-    start_n = tl.program_id(0) * BLOCK_N
-    bkv = tl.program_id(1)
-    Hkv = H // G
-    b = bkv // Hkv
-    kvh = bkv % Hkv
+    start_n, bkv, b, kvh = _key_program(H, G, BLOCK_N)
     DTYPE = DK.dtype.element_ty
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)

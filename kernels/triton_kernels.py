@@ -47,7 +47,8 @@ Changes:
   stride other than 1 is made contiguous first, for 16-byte loads).
 
 Layout: the kernels share their prologue and tile code through small device helpers:
-``_query_program`` (program id -> query block, batch, head, kv head), ``_head`` (a head's base
+``_query_program`` (program id -> query block, batch, head, kv head), ``_key_program`` (the same
+for a key block and its kv head), ``_head`` (a head's base
 pointer), ``_load_rows`` / ``_store_rows`` / ``_load_row_values`` (masked tiles and row values),
 ``_mask_scores``, one step of a query block's key loop ``_key_tile`` (k, v and the masked scores),
 the key ranges ``_unmasked_keys_end`` / ``_keys_end``, and the per-head sums
@@ -203,6 +204,15 @@ def _query_program(H, G, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
     b = bh // H
     h = bh % H
     return pid * BLOCK_M, bh, b, h, h // G
+
+
+@triton.jit
+def _key_program(H, G, BLOCK_N: tl.constexpr):
+    """Where a program of a (cdiv(N, BLOCK_N), B * Hkv) grid works: (start_n, bkv, b, kvh), its
+    first key, its (batch, kv head) index bkv = b * Hkv + kvh, with Hkv = H // G kv heads."""
+    bkv = tl.program_id(1)
+    Hkv = H // G
+    return tl.program_id(0) * BLOCK_N, bkv, bkv // Hkv, bkv % Hkv
 
 
 @triton.jit
@@ -497,11 +507,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                           EXACT_BF16: tl.constexpr):
     # grid: (cdiv(N, BLOCK_N), B * Hkv); one program = one block of keys of one kv head,
     # looping over the G query heads that read it and over their query blocks.
-    start_n = tl.program_id(0) * BLOCK_N
-    bkv = tl.program_id(1)
-    Hkv = H // G
-    b = bkv // Hkv
-    kvh = bkv % Hkv
+    start_n, bkv, b, kvh = _key_program(H, G, BLOCK_N)
     DTYPE = DK.dtype.element_ty
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
