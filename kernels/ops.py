@@ -238,10 +238,10 @@ def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
 def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 and not _uses_triton(q.device) else torch.float32
-    if _uses_triton(q.device):  # the kernels' output order (triton_attn.out_like); the reference's is contiguous
-        from .triton_attn import out_like
+    if _uses_triton(q.device):  # the kernels' output order (triton_attn.heads_inner_like); the reference's is contiguous
+        from .triton_attn import heads_inner_like
 
-        o = out_like(q)
+        o = heads_inner_like(q)
     else:
         o = q.new_empty((B, H, N, D))
     r = torch.empty_like(o) if variant == "fp32_delta" else q.new_empty((0,))

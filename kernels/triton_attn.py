@@ -72,11 +72,6 @@ def heads_inner_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty((B, N, H, D), dtype=t.dtype, device=t.device).transpose(1, 2)
 
 
-def out_like(q: torch.Tensor) -> torch.Tensor:
-    """The attention output O for q (B, H, N, D), in (B, N, H, D) memory order (``heads_inner_like``)."""
-    return heads_inner_like(q)
-
-
 def grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward's dQ, dK, dV for q, k, v (B, heads, N, D), in (B, N, heads, D) memory order
     (``heads_inner_like``); dK and dV contiguous where the opt-in Hopper dK/dV kernel runs (it
@@ -108,7 +103,7 @@ def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant,
 
 def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
     B, H, N, D = q.shape
-    o = out_like(q)
+    o = heads_inner_like(q)  # O in the order SDPA gives it
     lse = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # log2 units
     fp32_delta = variant == "fp32_delta"
     r = torch.empty_like(o) if fp32_delta else o  # R = O_fp32 - O, written only under fp32_delta
