@@ -3,7 +3,7 @@
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fastdefaults|bench|ab|sweep|tune|overhead|compiled|
 #                                   autotune|kernels|graphs|profile|ddp|host|lab ...]   (default: tests bench)
-# alltests: every test marked gpu (gpu_alltests.log; the opt-in Hopper variants apart, gpu_hopper_tests.log);
+# alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
 # fastdefaults: the default path's with the cached launch and the chain's in-kernel
@@ -46,8 +46,15 @@ for step in $steps; do
                 tests/test_chain_kernel_reduction.py tests/test_resume_gpu.py 2>&1 | tee "$OUT/gpu_newtests.log" | tail -25 ;;
     # the default path's tests first, the opt-in Hopper variants apart: a hang in one (its stack is
     # dumped after 120 s, HUNG below) leaves the other's verdict standing
-    alltests) gpu_tests gpu_alltests 360 --ignore=tests/test_hopper_variants.py
-              gpu_tests gpu_hopper_tests 170 tests/test_hopper_variants.py ;;
+    # four pytest processes side by side (the tests are small; compiling kernels is CPU work): the
+    # kernels, the chain and lifecycle, the opt-in Hopper variants, the compiled training (but for
+    # max-autotune); a hang in one (its stack dumped after 120 s, HUNG below) leaves the others' verdicts
+    alltests) gpu_tests gpu_alltests 540 tests/test_triton_gpu.py > "$OUT/.a1" &
+              gpu_tests gpu_chain_tests 540 tests/test_chain.py tests/test_chain_kernel_reduction.py \
+                tests/test_launch_cache.py tests/test_monitor_lifecycle.py tests/test_resume_gpu.py tests/test_sync_gpu.py > "$OUT/.a2" &
+              gpu_tests gpu_hopper_tests 540 tests/test_hopper_variants.py > "$OUT/.a3" &
+              gpu_tests gpu_compile 540 tests/test_compile_gpu.py -k "not max-autotune" > "$OUT/.a4" &
+              wait; for f in a1 a2 a3 a4; do tail -4 "$OUT/.$f"; rm -f "$OUT/.$f"; done ;;
     # the max-autotune cases apart and last: Inductor's autotuning of the backward took over 280 s for
     # one of them on the H200 (2026-12-03), so the others would not have run within one call
     compiletests) gpu_tests gpu_compile 400 tests/test_compile_gpu.py -k "not max-autotune" ;;
