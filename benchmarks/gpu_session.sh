@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fastdefaults|bench|ab|sweep|tune|overhead|compiled|
+#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|sweep|tune|overhead|compiled|
 #                                   autotune|kernels|graphs|profile|ddp|host|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
-# fastdefaults: the default path's with the cached launch and the chain's in-kernel
-# reduction on (the check before they become defaults); autotune: the compiled arms under
+# fallbacks: the GPU tests with the cached launch and the chain's in-kernel reduction off
+# (FLASHWATCH_FAST_LAUNCH=0, FLASHWATCH_KERNEL_REDUCTION=0: the paths users can switch back to); autotune: the compiled arms under
 # max-autotune-no-cudagraphs; kernels: one step's device time per kernel, SDPA against the own kernel
 # newtests: every GPU test (kernels, compile, formats, chain, lifecycle, masks, coverage, the launch cache,
 # the Hopper variants, the chain's in-kernel reduction); compiled: the
 # Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode); graphs: CUDA graphs
 # (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings;
 # profile: where an eager monitored step's extra device time goes (torch.profiler, observe mode), the
-# chain's rows stored, then reduced in the kernels
+# chain's rows reduced in the kernels (the default), then stored
 # ab: benchmarks/kernel_ab.py against kernels/_ab_before (a copy of an earlier revision's kernels/
 # folder; or kernels/_ab_before.py, an earlier single-file kernels/triton_attn.py), then every
 # kernels/_ab_before_* beside it; git-ignored, so pass them in the device tool's carry
@@ -59,8 +59,8 @@ for step in $steps; do
     # one of them on the H200 (2026-12-03), so the others would not have run within one call
     compiletests) gpu_tests gpu_compile 400 tests/test_compile_gpu.py -k "not max-autotune" ;;
     compileautotune) gpu_tests gpu_compile_autotune 560 tests/test_compile_gpu.py -k "max-autotune" ;;
-    fastdefaults) FLASHWATCH_FAST_LAUNCH=1 FLASHWATCH_KERNEL_REDUCTION=1 gpu_tests gpu_fastdefaults 540 \
-                --ignore=tests/test_hopper_variants.py ;;
+    fallbacks) FLASHWATCH_FAST_LAUNCH=0 FLASHWATCH_KERNEL_REDUCTION=0 gpu_tests gpu_fallbacks 540 \
+                --ignore=tests/test_hopper_variants.py -k "not max-autotune" ;;
     autotune) timeout 560 python3 benchmarks/monitor_overhead.py --only-compiled --compile max-autotune-no-cudagraphs \
                 --json "$OUT/monitor_overhead_autotune.json" 2>&1 | tee "$OUT/monitor_overhead_autotune.log" | grep -v Warning ;;
     kernels) timeout 300 python3 benchmarks/step_kernels.py --json "$OUT/step_kernels.json" 2>&1 | tee "$OUT/step_kernels.log"
@@ -81,8 +81,8 @@ for step in $steps; do
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;
     host) timeout 200 python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/host_overhead.log" ;;
     profile) timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 | tee "$OUT/profile_monitored_step.log" | tail -8
-             FLASHWATCH_KERNEL_REDUCTION=1 timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 \
-               | tee "$OUT/profile_monitored_step_reduction.log" | tail -8 ;;
+             FLASHWATCH_KERNEL_REDUCTION=0 timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 \
+               | tee "$OUT/profile_monitored_step_store.log" | tail -8 ;;
     lab) timeout 200 python3 -m research.lab --device cuda --json "$OUT/lab.json" 2>&1 | tee "$OUT/lab.log" | tail -40 ;;
     *) echo "unknown step $step" ;;
   esac

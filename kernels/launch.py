@@ -25,10 +25,9 @@ Triton interpreter (CPU tensors, TRITON_INTERPRET=1), another Triton version, a 
 annotated or unspecialised parameters or pre-run hooks, launch hooks attached (a profiler),
 an argument of another type, a changed global the kernel reads, ``FAST_LAUNCH`` off.
 
-The cache is opt-in until its GPU tests (tests/test_launch_cache.py -m gpu: bit-identical
-outputs against the ordinary launch) have passed on a GPU: the environment variable
-FLASHWATCH_FAST_LAUNCH=1 (read at import) or ``launch.FAST_LAUNCH = True`` turns it on, 0 or
-unset leaves it off; outputs are the same either way.
+The cache is on by default; the environment variable FLASHWATCH_FAST_LAUNCH=0 (read at import)
+or ``launch.FAST_LAUNCH = False`` turns it off, 1 or unset leaves it on. Outputs are the same
+either way (tests/test_launch_cache.py: bit-identical against the ordinary launch).
 """
 
 from __future__ import annotations
@@ -44,8 +43,12 @@ from triton.runtime.driver import driver
 
 __all__ = ["launch", "specialization_key", "clear_cache", "FAST_LAUNCH", "UnsupportedArgument", "counts"]
 
-# Off (the default): every launch goes through kernel[grid](...). Benchmarks flip it to time both paths.
-FAST_LAUNCH = os.environ.get("FLASHWATCH_FAST_LAUNCH", "0") == "1"
+# Off: every launch goes through kernel[grid](...). Benchmarks flip it to time both paths.
+_SWITCH = os.environ.get("FLASHWATCH_FAST_LAUNCH", "")
+if _SWITCH not in ("", "0", "1"):
+    raise ValueError(f"FLASHWATCH_FAST_LAUNCH={_SWITCH!r}: accepted are 1 or unset (the cached launch) "
+                     "and 0 (every launch through Triton's own)")
+FAST_LAUNCH = _SWITCH != "0"
 
 # The Triton versions whose JITFunction.run this module mirrors (read its source before adding one).
 SUPPORTED_TRITON = ("3.6.",)

@@ -13,10 +13,10 @@ statistics kernels, and call ``finish()`` after the launch. Two modes:
   contention between programs, the same order in every run); no per-row buffer exists.
 
 Where reduce mode is used (``KERNEL_REDUCTION``, from the environment variable
-FLASHWATCH_KERNEL_REDUCTION at import): "1" everywhere, "0" nowhere, unset: in Triton's CPU
-interpreter only. On CUDA it is opt-in: the compiled reducing kernels have not yet passed their
-GPU tests (tests/test_chain_kernel_reduction.py -m gpu); the store mode they replace has. The
-readings are the same in both modes (float64 tests); only the cost differs.
+FLASHWATCH_KERNEL_REDUCTION at import): unset or "1": everywhere, "0": nowhere (every launch
+stores the rows, the hook reduces them in PyTorch). A rotated query's rows are always stored (its
+hook offers no reduction). The readings are the same in both modes (float64 tests); only the cost
+differs: reduce mode takes less device time on a monitored step (docs/KERNEL_TUNING.md).
 """
 
 from __future__ import annotations
@@ -31,14 +31,9 @@ from .stats import RowReduction, RowsHook
 
 _SWITCH = os.environ.get("FLASHWATCH_KERNEL_REDUCTION", "")
 if _SWITCH not in ("", "0", "1"):
-    raise ValueError(f"FLASHWATCH_KERNEL_REDUCTION={_SWITCH!r}: accepted are 1 (reduce in the kernels), "
-                     "0 (store the rows) or unset (reduce in the CPU interpreter only)")
-KERNEL_REDUCTION: Optional[bool] = {"": None, "0": False, "1": True}[_SWITCH]
-
-
-def reduction_enabled(q: torch.Tensor) -> bool:
-    """Whether launches on ``q``'s device reduce the rows in the kernel (see the module docstring)."""
-    return KERNEL_REDUCTION if KERNEL_REDUCTION is not None else q.device.type != "cuda"
+    raise ValueError(f"FLASHWATCH_KERNEL_REDUCTION={_SWITCH!r}: accepted are 1 or unset (reduce in the "
+                     "kernels) and 0 (store the rows)")
+KERNEL_REDUCTION: bool = _SWITCH != "0"
 
 
 class RowOutputs:
@@ -49,7 +44,7 @@ class RowOutputs:
     def __init__(self, q: torch.Tensor, hook: Optional[RowsHook], block_m: int):
         self.hook = hook
         B, H, N, D = q.shape
-        offer = getattr(hook, "reduction", None) if reduction_enabled(q) else None
+        offer = getattr(hook, "reduction", None) if KERNEL_REDUCTION else None
         self.reduction: Optional[RowReduction] = offer(q) if callable(offer) else None
         if self.reduction is not None:
             self.reduction.check(q)
