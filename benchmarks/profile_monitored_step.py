@@ -57,6 +57,25 @@ def annotate() -> list[str]:
     return names
 
 
+def piece_times(events, names: list[str]) -> dict[str, tuple[int, float, float]]:
+    """Per range name: (calls, device us, host us), from the ranges' host-side events only.
+
+    A host-side range's device time is the sum of the kernels launched inside it (``FunctionEvent.
+    device_time_total``), without the idle gaps between them. The profiler also records each range
+    on the GPU's timeline (a user annotation of the same name, from its first kernel's start to its
+    last kernel's end): a span that counts the gaps, left out here (``key_averages`` merges the two)."""
+    from torch.autograd import DeviceType
+
+    out = {n: [0, 0.0, 0.0] for n in names}
+    for e in events:
+        if e.name in out and e.device_type == DeviceType.CPU:
+            entry = out[e.name]
+            entry[0] += 1
+            entry[1] += e.device_time_total
+            entry[2] += e.cpu_time_total
+    return {n: tuple(v) for n, v in out.items()}
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("profile_monitored_step.py needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -82,12 +101,10 @@ def main() -> int:
         if name == "monitored":
             print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
             print("the Monitor's pieces on the monitored step (device time of the kernels each launched):")
-            by_name = {e.key: e for e in events}
-            for n in names:
-                e = by_name.get(n)
-                if e is not None:
-                    print(f"  {n[len(PREFIX):]:58s} {e.count:4d} calls  {e.device_time_total / 1e3:8.3f} ms device"
-                          f"  {e.cpu_time_total / 1e3:8.3f} ms host")
+            for n, (calls, device_us, host_us) in piece_times(prof.events(), names).items():
+                if calls:
+                    print(f"  {n[len(PREFIX):]:58s} {calls:4d} calls  {device_us / 1e3:8.3f} ms device"
+                          f"  {host_us / 1e3:8.3f} ms host")
         totals[name] = sum(e.self_device_time_total for e in events if not e.key.startswith(PREFIX)) / 1e3
     print(f"self CUDA time: monitored step {totals['monitored']:.2f} ms, unmonitored {totals['unmonitored']:.2f} ms")
     monitor.close()

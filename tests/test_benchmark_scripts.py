@@ -214,3 +214,25 @@ def test_step_kernels_names_a_kernel_by_what_identifies_it():
     assert short_name("triton_red_fused__to_copy_native_layer_norm_12") == "triton_red_fused__to_copy_native_layer_norm"
     assert short_name("_attn_fwd_kernel") == "_attn_fwd_kernel"
     assert short_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
+
+
+def test_profile_pieces_count_each_host_range_once_with_nesting():
+    """The Monitor's pieces are read from the ranges' host-side events: every call counted, a
+    nested range inside its parent too, a range never entered reported with no calls."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_monitored_step as pm
+    finally:
+        sys.path.pop(0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("fw::outer"):
+            torch.randn(64, 64) @ torch.randn(64, 64)
+            with record_function("fw::inner"):
+                torch.randn(8)
+        with record_function("fw::inner"):
+            pass
+    times = pm.piece_times(prof.events(), ["fw::outer", "fw::inner", "fw::never"])
+    assert [times[n][0] for n in ("fw::outer", "fw::inner", "fw::never")] == [1, 2, 0]
+    assert times["fw::outer"][2] > 0 and times["fw::never"][1:] == (0.0, 0.0)
