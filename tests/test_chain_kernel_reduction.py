@@ -8,14 +8,11 @@ the same checks compiled on a GPU (marker ``gpu``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from chain_reduction_cases import assert_same_statistics, check_reduction, check_reduction_repeats
 from kernel_cases import random_qkv
+from switch_cases import read_at_import
 
 @pytest.fixture(autouse=True)
 def kernel_reduction_on(monkeypatch):
@@ -28,13 +25,8 @@ def kernel_reduction_on(monkeypatch):
 @pytest.mark.parametrize("value, expected", [(None, "True"), ("1", "True"), ("0", "False"),
                                              ("yes", "FLASHWATCH_KERNEL_REDUCTION='yes': accepted are")])
 def test_the_kernel_reduction_is_on_unless_switched_off(value, expected):
-    env = {k: v for k, v in os.environ.items() if k != "FLASHWATCH_KERNEL_REDUCTION"}
-    if value is not None:
-        env["FLASHWATCH_KERNEL_REDUCTION"] = value
-    out = subprocess.run([sys.executable, "-c", "from flashwatch.kernels import rows; print(rows.KERNEL_REDUCTION)"],
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert expected in (out.stdout + out.stderr)
-    assert (out.returncode == 0) == (value != "yes"), out.stderr
+    ok, said = read_at_import("FLASHWATCH_KERNEL_REDUCTION", value, "rows", "KERNEL_REDUCTION")
+    assert ok == (value != "yes") and expected in said, said
 
 
 SHAPES = [  # (B, H, Hkv, N, D)

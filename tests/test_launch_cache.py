@@ -20,6 +20,7 @@ from triton.backends import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from flashwatch.kernels import launch  # noqa: E402
+from switch_cases import read_at_import  # noqa: E402
 
 
 def _triton_spec(value):
@@ -383,13 +384,5 @@ def test_host_ceil_division_matches_triton_cdiv():
 @pytest.mark.parametrize("value, expected", [("0", "False"), ("1", "True"), (None, "True"),
                                              ("on", "FLASHWATCH_FAST_LAUNCH='on': accepted are")])
 def test_environment_switch_is_read_at_import(value, expected):
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "FLASHWATCH_FAST_LAUNCH"}
-    if value is not None:
-        env["FLASHWATCH_FAST_LAUNCH"] = value
-    out = subprocess.run([sys.executable, "-c", "from flashwatch.kernels import launch; print(launch.FAST_LAUNCH)"],
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert (out.returncode == 0) == (value != "on"), out.stderr
-    assert expected in out.stdout + out.stderr
+    ok, said = read_at_import("FLASHWATCH_FAST_LAUNCH", value, "launch", "FAST_LAUNCH")
+    assert ok == (value != "on") and expected in said, said
