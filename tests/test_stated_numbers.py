@@ -78,3 +78,17 @@ def test_the_ranking_sentence_follows_the_fifth_protocols_result(tmp_path, monke
     block = " ".join(stated_numbers.readme_block().split())
     assert block.startswith("**What the early warning predicts: not proven.**")
     assert "*As a ranking: not shown*" in block and "`chain` is not shown to do better" in block
+
+
+def test_the_monitors_severities_follow_the_registered_alarm_tests():
+    """An early-warning rule of the Monitor is critical if and only if it passed a registered
+    alarm test (lead and false-alarm bar, frozen threshold); the baselines (the loss spike among
+    them) say a blow-up is under way and are not judged as warnings ahead of it."""
+    from flashwatch.vocabulary import SEVERITY
+    from research.early_warning import RULES
+
+    results = [json.loads(p.read_text()) for p in (stated_numbers.TEST_1, stated_numbers.TEST_2, stated_numbers.TEST_4)]
+    judged = {r for res in results for r in res["table"]} & set(RULES) & set(SEVERITY)
+    passed = {r for res in results for r, row in res["table"].items() if row["verdict"] == "pass"}
+    assert judged >= {"max_logit", "repeated_max_rise", "delta_drift", "wq_growth"}
+    assert {r: SEVERITY[r] for r in judged} == {r: "critical" if r in passed else "warning" for r in judged}
