@@ -1,4 +1,5 @@
-"""Argument checks shared by every attention path, and the numbers of the fixed variant.
+"""Argument checks shared by every attention path, the check of the environment switches, and
+the numbers of the fixed variant.
 
 Each error names the argument, what it was, and what is accepted.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
 
@@ -15,6 +17,16 @@ import torch
 from flashwatch.vocabulary import VARIANTS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def switch_on_by_default(variable: str, on: str, off: str) -> bool:
+    """An environment switch read at import: unset or "1" is on, "0" off; any other value is
+    refused with what is accepted (``on``, ``off``: what each setting does)."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{variable}={value!r}: accepted are 1 or unset ({on}) and 0 ({off})")
+    return value != "0"
+
 HEAD_DIMS = (16, 32, 64, 128)
 
 # The fixed variant subtracts shift = m + offset on rows whose max repeats, instead of m, so

@@ -32,7 +32,6 @@ either way (tests/test_launch_cache.py: bit-identical against the ordinary launc
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -41,14 +40,13 @@ from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.driver import driver
 
+from .checks import switch_on_by_default
+
 __all__ = ["launch", "specialization_key", "clear_cache", "FAST_LAUNCH", "UnsupportedArgument", "counts"]
 
-# Off: every launch goes through kernel[grid](...). Benchmarks flip it to time both paths.
-_SWITCH = os.environ.get("FLASHWATCH_FAST_LAUNCH", "")
-if _SWITCH not in ("", "0", "1"):
-    raise ValueError(f"FLASHWATCH_FAST_LAUNCH={_SWITCH!r}: accepted are 1 or unset (the cached launch) "
-                     "and 0 (every launch through Triton's own)")
-FAST_LAUNCH = _SWITCH != "0"
+# On: cached launches where eligible; off: every launch through kernel[grid](...) (benchmarks
+# flip it to time both paths).
+FAST_LAUNCH = switch_on_by_default("FLASHWATCH_FAST_LAUNCH", "the cached launch", "every launch through Triton's own")
 
 # The Triton versions whose JITFunction.run this module mirrors (read its source before adding one).
 SUPPORTED_TRITON = ("3.6.",)

@@ -21,19 +21,16 @@ differs: reduce mode takes less device time on a monitored step (docs/KERNEL_TUN
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from .checks import switch_on_by_default
 from .stats import RowReduction, RowsHook
 
 
-_SWITCH = os.environ.get("FLASHWATCH_KERNEL_REDUCTION", "")
-if _SWITCH not in ("", "0", "1"):
-    raise ValueError(f"FLASHWATCH_KERNEL_REDUCTION={_SWITCH!r}: accepted are 1 or unset (reduce in the "
-                     "kernels) and 0 (store the rows)")
-KERNEL_REDUCTION: bool = _SWITCH != "0"
+KERNEL_REDUCTION: bool = switch_on_by_default("FLASHWATCH_KERNEL_REDUCTION", "reduce in the kernels",
+                                               "store the rows")
 
 
 class RowOutputs:
