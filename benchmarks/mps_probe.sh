@@ -29,12 +29,14 @@ PY
 }
 nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader
 probe separate
-if command -v nvidia-cuda-mps-control > /dev/null; then
+MPS=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control \
+      /usr/local/cuda/bin/nvidia-cuda-mps-control /usr/bin/nvidia-cuda-mps-control 2> /dev/null | head -1)
+if [ -n "$MPS" ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then
+  if "$MPS" -d; then
     probe mps
-    echo quit | nvidia-cuda-mps-control
+    echo quit | "$MPS"
   else
     echo "the MPS control daemon did not start"
   fi
