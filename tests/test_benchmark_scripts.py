@@ -236,3 +236,11 @@ def test_profile_pieces_count_each_host_range_once_with_nesting():
     times = pm.piece_times(prof.events(), ["fw::outer", "fw::inner", "fw::never"])
     assert [times[n][0] for n in ("fw::outer", "fw::inner", "fw::never")] == [1, 2, 0]
     assert times["fw::outer"][2] > 0 and times["fw::never"][1:] == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("script", sorted(p.relative_to(ROOT).as_posix() for p in
+                                          [*ROOT.glob("benchmarks/*.sh"), *ROOT.glob("research/*.sh")]))
+def test_device_shell_scripts_parse(script):
+    """The scripts run on the device machine parse (bash -n): a syntax error there costs a GPU call."""
+    proc = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
