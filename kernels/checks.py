@@ -17,16 +17,6 @@ import torch
 from flashwatch.vocabulary import VARIANTS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def switch_on_by_default(variable: str, on: str, off: str) -> bool:
-    """An environment switch read at import: unset or "1" is on, "0" off; any other value is
-    refused with what is accepted (``on``, ``off``: what each setting does)."""
-    value = os.environ.get(variable, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{variable}={value!r}: accepted are 1 or unset ({on}) and 0 ({off})")
-    return value != "0"
-
 HEAD_DIMS = (16, 32, 64, 128)
 
 # The fixed variant subtracts shift = m + offset on rows whose max repeats, instead of m, so
@@ -41,6 +31,15 @@ HEAD_DIMS = (16, 32, 64, 128)
 #   product, whose normal range ends near exp(-9.7), hence 8 there.
 FIXED_MIN_OFFSET = 1.0 / 64.0
 FIXED_MAX_OFFSET = {torch.bfloat16: 20.0, torch.float32: 20.0, torch.float16: 8.0, torch.float64: 20.0}
+
+
+def switch_on_by_default(variable: str, on: str, off: str) -> bool:
+    """An environment switch read at import: unset or "1" is on, "0" off; any other value is
+    refused with what is accepted (``on``, ``off``: what each setting does)."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{variable}={value!r}: accepted are 1 or unset ({on}) and 0 ({off})")
+    return value != "0"
 
 
 def _is_real(value) -> bool:
