@@ -160,6 +160,47 @@ def pair_from_products(y: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Te
     return _unit((y @ a)[..., 0]), _unit((v_block.float() @ a)[..., 0])
 
 
+class _Factor:
+    """A float32 matrix m (C, k) that activations x (..., C) are multiplied by, x @ m in float32.
+
+    A BF16 x on CUDA is multiplied as it is, against m split into two BF16 matrices, m = hi + lo
+    + (at most 2^-16 |m| per entry: BF16 keeps 8 significant bits, twice), in one tensor-core
+    product with FP32 accumulation and output (``torch.mm``'s ``out_dtype``): no FP32 copy of x,
+    which is the larger part of the FP32 product's cost (x: B*N x C, m: C x (H + r)), with an error
+    of the FP32 product's size (x's BF16 entries are exact; at C = 768 FP32 accumulation alone may
+    err by 768 * 2^-24, about 2^-14.6, of the terms' absolute sum; TF32, where users turn it on, by 2^-11). Elsewhere, and with a torch whose
+    ``mm`` has no ``out_dtype``, x is turned to float32 first."""
+
+    split_product = True  # False once a torch without mm's out_dtype refused it (a process-wide fact)
+
+    def __init__(self, m: torch.Tensor):
+        self.m = m.float().contiguous()
+        self.k = self.m.shape[1]
+        self._parts: torch.Tensor | None = None  # [hi | lo] (C, 2k) BF16, made at the first BF16 x
+
+    def parts(self) -> torch.Tensor:
+        if self._parts is None:
+            hi = self.m.to(torch.bfloat16)
+            lo = (self.m - hi.float()).to(torch.bfloat16)
+            self._parts = torch.cat([hi, lo], dim=1)
+        return self._parts
+
+    def times(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ m, (..., k) float32."""
+        if _Factor.split_product and _split_applies(x):
+            try:
+                y = torch.mm(x.reshape(-1, x.shape[-1]), self.parts(), out_dtype=torch.float32)  # (B*N, 2k)
+                return (y[:, : self.k] + y[:, self.k:]).view(*x.shape[:-1], self.k)
+            except (TypeError, NotImplementedError):  # mm without out_dtype (torch before 2.8)
+                _Factor.split_product = False
+        return x.float() @ self.m
+
+
+def _split_applies(x: torch.Tensor) -> bool:
+    """Whether ``_Factor.times`` multiplies x in BF16 parts: a BF16 tensor on CUDA (where mm has out_dtype)."""
+    return x.dtype == torch.bfloat16 and x.is_cuda
+
+
 def _unit(t: torch.Tensor) -> torch.Tensor:
     """Each row of t (N, n) scaled to norm 1 (a zero row stays zero)."""
     return t / t.norm(dim=1, keepdim=True).clamp_min(1e-30)
@@ -196,7 +237,7 @@ class LayerChain:
         self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
         self._projected = None  # (weakref to x, x . v, x Omega) of the current call (see _project)
-        self._both = None  # [v^T | Omega] (C, H + r) for _project
+        self._both: _Factor | None = None  # [v^T | Omega] (C, H + r) for _project
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
@@ -204,12 +245,11 @@ class LayerChain:
         self._projected = None
         self._both = None  # [v^T | Omega] (C, H + r), made at the first call
 
-    def _check(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """x as (B, N, C) float32 matching t's (B, ., N, .)."""
+    def _check(self, x: torch.Tensor, t: torch.Tensor) -> None:
+        """x must be (B, N, C) matching t's (B, ., N, .)."""
         if x.dim() != 3 or x.shape[-1] != self.width or x.shape[0] != t.shape[0] or x.shape[1] != t.shape[2]:
             raise ValueError(f"projection input of shape {tuple(x.shape)} does not match attention tensors "
                              f"{tuple(t.shape)} (expected (B, N, {self.width}))")
-        return x.float()
 
     def _project(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x . v_h (B, H, N), x Omega (B, N, r)) for one call's projection input x (B, N, C), made once
@@ -220,11 +260,11 @@ class LayerChain:
         ``torch.compile(mode="reduce-overhead")``, a graph recorded on an unmonitored step refuses
         to replay when a tensor it freed then is still alive)."""
         if self._projected is None or self._projected[0]() is not x:
-            xf = self._check(x, t)
+            self._check(x, t)
             h = self.num_heads
             if self._both is None:
-                self._both = torch.cat([self.v.T, self.omega], dim=1)  # (C, H + r)
-            y = xf @ self._both  # (B, N, H + r): one product for both
+                self._both = _Factor(torch.cat([self.v.T, self.omega], dim=1))  # (C, H + r)
+            y = self._both.times(x)  # (B, N, H + r) float32: one product for both
             self._projected = (weakref.ref(x), y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous())
         return self._projected[1], self._projected[2]
 

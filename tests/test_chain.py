@@ -572,3 +572,70 @@ def test_query_residual_against_exact_constructions():
     rotated = q * cos[:, None] + torch.cat([-q[..., d // 2:], q[..., : d // 2]], -1) * sin[:, None]
     assert query_residual(rotated, x, w, (cos, sin)) < 1e-6
     assert query_residual(rotated, x, w) > 10 * QUERY_TOLERANCE
+
+
+def _factor_case(device: str):
+    """A BF16 activation x (B, N, C) and a float32 factor m (C, H + r) shaped like the chain's."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 50, 96, generator=g) * 3).to(torch.bfloat16).to(device)
+    m = torch.cat([torch.randn(96, 4, generator=g) / 96 ** 0.5, torch.randn(96, SKETCH_DIM, generator=g) / 8], 1)
+    return x, m.to(device)
+
+
+def test_the_factors_bf16_parts_sum_to_it_within_2_to_the_minus_16():
+    from flashwatch.chain import _Factor
+
+    _, m = _factor_case("cpu")
+    parts = _Factor(m).parts()
+    hi, lo = parts[:, : m.shape[1]].to(F64), parts[:, m.shape[1]:].to(F64)
+    assert parts.dtype == torch.bfloat16
+    err = (hi + lo - m.to(F64)).abs()
+    assert (err <= 2.0 ** -16 * m.to(F64).abs()).all()
+    assert err.max() > 0  # the case has entries that BF16 twice does not hold exactly
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_projection_of_a_bf16_activation_matches_float64(device):
+    """x @ [v^T | Omega] as the chain computes it (on CUDA: BF16 x against the factor's BF16 parts,
+    FP32 accumulation) against float64: within the parts' 2^-16 and FP32 accumulation over C terms,
+    of each entry's absolute sum of terms."""
+    from flashwatch.chain import _Factor
+
+    x, m = _factor_case(device)
+    factor = _Factor(m)
+    got = factor.times(x)
+    want = x.to(F64) @ m.to(F64)
+    assert got.dtype == torch.float32 and got.shape == (3, 50, m.shape[1])
+    scale = x.to(F64).abs() @ m.to(F64).abs()  # the sum of |terms| of each entry
+    assert ((got.to(F64) - want).abs() <= (2.0 ** -16 + x.shape[-1] * 2.0 ** -24) * scale + 1e-30).all()
+    if device == "cuda":  # the split product ran (torch's mm has out_dtype on this torch)
+        assert _Factor.split_product
+
+
+def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monkeypatch):
+    """The split path's arithmetic on the CPU (mm with out_dtype emulated in float64), then a torch
+    whose mm refuses out_dtype: the FP32 product from then on, the same values."""
+    from flashwatch import chain
+
+    x, m = _factor_case("cpu")
+    monkeypatch.setattr(chain, "_split_applies", lambda t: True)
+    calls = []
+
+    def mm(a, b, out_dtype=None):
+        calls.append(out_dtype)
+        return (a.to(F64) @ b.to(F64)).to(out_dtype)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(chain._Factor, "split_product", True)
+    got = chain._Factor(m).times(x)
+    want = x.to(F64) @ m.to(F64)
+    assert calls == [torch.float32] and got.shape == (3, 50, m.shape[1])
+    assert ((got.to(F64) - want).abs() <= 2.0 ** -15 * (x.to(F64).abs() @ m.to(F64).abs())).all()
+
+    def old_mm(a, b):  # a torch before out_dtype: the keyword is a TypeError
+        return a @ b
+
+    monkeypatch.setattr(torch, "mm", old_mm)
+    again = chain._Factor(m).times(x)
+    assert chain._Factor.split_product is False
+    assert torch.equal(again, x.float() @ m)
