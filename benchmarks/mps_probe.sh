@@ -29,18 +29,9 @@ PY
 }
 nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader
 probe separate
-MPS=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control \
-      /usr/local/cuda/bin/nvidia-cuda-mps-control /usr/bin/nvidia-cuda-mps-control 2> /dev/null | head -1)
-if [ -n "$MPS" ]; then
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if "$MPS" -d; then
-    probe mps
-    echo quit | "$MPS"
-  else
-    echo "the MPS control daemon did not start"
-  fi
+source research/mps_env.sh
+if [ -n "$MPS_CONTROL" ]; then
+  probe mps
+  echo quit | "$MPS_CONTROL"
   tail -5 "$CUDA_MPS_LOG_DIRECTORY"/control.log 2> /dev/null
-else
-  echo "no nvidia-cuda-mps-control on this machine"
 fi
