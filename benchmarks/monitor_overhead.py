@@ -1,11 +1,13 @@
 """What the Monitor costs a real training step (CUDA): GPT-2 small, batch 16 x 1024, bf16.
 
-Four arms on the same model, data and optimizer, one after another in one process:
+Five arms on the same model, data and optimizer, one after another in one process:
 
 - ``sdpa``: torch SDPA, no monitor (the user's baseline in observe mode);
 - ``sdpa+observe``: the same with ``Monitor(MonitorConfig(mode="observe", interval=10))``;
 - ``flashwatch``: attention through flashwatch's plain kernel, no monitor (own-kernel baseline);
-- ``flashwatch+own_kernel``: ``Monitor(MonitorConfig(mode="own_kernel", interval=10))``.
+- ``flashwatch+own_kernel``: ``Monitor(MonitorConfig(mode="own_kernel", interval=10))``;
+- ``sdpa+observe_no_chain``: observe mode with ``wq_error_chain=False`` (the W^Q-gradient error
+  chain off), against ``sdpa``.
 
 With ``--compile MODE [MODE ...]`` (torch.compile modes: ``default``,
 ``max-autotune-no-cudagraphs``, ``reduce-overhead``), four compiled arms per mode follow,
@@ -15,7 +17,8 @@ named ``<arm>@<mode>``:
 - ``sdpa+observe@MODE``: compiled, observe mode at ``interval``;
 - ``own_kernel@MODE``: compiled, own-kernel mode whose only monitored step is step 0 (in the
   warm-up): flashwatch's kernel against ``sdpa@MODE``;
-- ``own_kernel+monitor@MODE``: compiled, own-kernel mode at ``interval``.
+- ``own_kernel+monitor@MODE``: compiled, own-kernel mode at ``interval`` (``--arms`` also takes
+  ``sdpa+observe_no_chain``).
 
 An arm that fails (a compile error) is reported with its error and the others still run.
 Compiled arms also report the recompilations and graph breaks Dynamo counted.
@@ -172,6 +175,8 @@ def _run_arm(name: str, args) -> dict:
     route = contextlib.nullcontext()
     if name == "sdpa+observe":
         monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval))
+    elif name == "sdpa+observe_no_chain":
+        monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval, wq_error_chain=False))
     elif name == "flashwatch":
         route = flashwatch_attention()
     elif name == "flashwatch+own_kernel" or name == "own_kernel+monitor":
@@ -277,12 +282,15 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --tiny for a smoke test)")
         return 2
-    names = [] if args.only_compiled else ["sdpa", "sdpa+observe", "flashwatch", "flashwatch+own_kernel"]
-    pairs = [] if args.only_compiled else [("sdpa+observe", "sdpa"), ("flashwatch+own_kernel", "flashwatch")]
+    names = [] if args.only_compiled else ["sdpa", "sdpa+observe", "sdpa+observe_no_chain", "flashwatch",
+                                           "flashwatch+own_kernel"]
+    pairs = [] if args.only_compiled else [("sdpa+observe", "sdpa"), ("sdpa+observe_no_chain", "sdpa"),
+                                           ("flashwatch+own_kernel", "flashwatch")]
     chosen = [a for a in args.arms.split(",") if a]
-    unknown = set(chosen) - {"sdpa", "sdpa+observe", "own_kernel", "own_kernel+monitor"}
+    known = ("sdpa", "sdpa+observe", "sdpa+observe_no_chain", "own_kernel", "own_kernel+monitor")
+    unknown = set(chosen) - set(known)
     if unknown:
-        p.error(f"--arms: unknown {sorted(unknown)}; choose from sdpa, sdpa+observe, own_kernel, own_kernel+monitor")
+        p.error(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(known)}")
     for mode in args.compile:
         names += [f"{arm}@{mode}" for arm in chosen]
         pairs += [(f"{arm}@{mode}", f"sdpa@{mode}") for arm in chosen if arm != "sdpa"]

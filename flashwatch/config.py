@@ -84,6 +84,9 @@ class MonitorConfig:
     power_block: int = 4  # vectors per head (block power iteration; 1 = classic; see signals.PowerIteration)
     power_exact_every: int = 0  # recompute exactly (torch.linalg.matrix_norm) every N monitored steps; 0: never
 
+    # --- W^Q-gradient error chain -------------------------------------------------------------
+    wq_error_chain: bool = True  # measure flashwatch_wq_error_* (the statistics pass also accumulates P K and maps each row's delta error onto W^Q); False: those metrics read NaN (not measured) and a monitored step does less work
+
     def __post_init__(self) -> None:
         _int(self, "interval", 1)
         _choice(self, "mode", MODES)
@@ -122,6 +125,7 @@ class MonitorConfig:
         _int(self, "power_iters", 1)
         _int(self, "power_block", 1)
         _int(self, "power_exact_every", 0)
+        _bool(self, "wq_error_chain")
 
     def _check_layers(self) -> None:
         value = self.layers

@@ -230,7 +230,8 @@ class Monitor:
             w = layer.query_weight()
             layer.ensure_stats(w.device)
             shape = layer.placement.shape if layer.placement is not None else tuple(w.shape)
-            layer.chain = Chains.make(family, shape, w.device, layer.placement_kind)
+            layer.chain = (Chains.make(family, shape, w.device, layer.placement_kind)
+                           if self.config.wq_error_chain else None)
             norm = query_norm(module)
             if layer.chain is not None and norm is not None:
                 layer.chain = None
@@ -288,7 +289,10 @@ class Monitor:
         if sharding is not None:
             self._wq.log_placements(sharding)
         no_chain = [f"{l.index}={l.name} ({l.family})" for l in self.layers if l.chain is None]
-        if no_chain and sharding is None:
+        if not self.config.wq_error_chain:
+            log.info("flashwatch: the W^Q-gradient error chain is off (MonitorConfig.wq_error_chain=False): the "
+                     "flashwatch_wq_error_* metrics read NaN (not measured)")
+        elif no_chain and sharding is None:
             log.info("flashwatch: the W^Q-error metrics (flashwatch_wq_error_*) are NaN for layers %s: they need a "
                      "query that is the projection's output of the module's input (nanoGPT-style, Hugging Face "
                      "GPT-2 or Llama-style attention; not explicitly named modules)", ", ".join(no_chain))

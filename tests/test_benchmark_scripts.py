@@ -113,9 +113,12 @@ def test_monitor_overhead_compiled_arms_run_on_the_cpu(tmp_path):
     out = tmp_path / "compiled.json"
     assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
                                   "--steps", "4", "--interval", "2", "--compile", "default", "--only-compiled",
-                                  "--backend", "aot_eager", "--json", str(out)]) == 0
+                                  "--backend", "aot_eager", "--json", str(out),
+                                  "--arms", "sdpa,sdpa+observe,sdpa+observe_no_chain,own_kernel,own_kernel+monitor"]) == 0
     arms = {a["arm"]: a for a in json.loads(out.read_text())["arms"]}
-    assert set(arms) == {"sdpa@default", "sdpa+observe@default", "own_kernel@default", "own_kernel+monitor@default"}
+    assert set(arms) == {"sdpa@default", "sdpa+observe@default", "sdpa+observe_no_chain@default", "own_kernel@default",
+                         "own_kernel+monitor@default"}
+    assert arms["sdpa+observe_no_chain@default"]["monitored_steps"] == 2
     for arm in arms.values():
         assert "error" not in arm and arm["graph_breaks"] == 0 and arm["unique_graphs"] == 1, arm
     assert arms["sdpa+observe@default"]["monitored_steps"] == 2 and "mean_overhead_vs_baseline" in arms["own_kernel@default"]

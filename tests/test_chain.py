@@ -639,3 +639,32 @@ def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monk
     again = chain._Factor(m).times(x)
     assert chain._Factor.split_product is False
     assert torch.equal(again, x.float() @ m)
+
+
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_the_chain_switched_off_reads_nan_and_leaves_the_rest_measured(mode, monkeypatch, caplog):
+    """MonitorConfig(wq_error_chain=False): no layer has a chain, the W^Q-error metrics read NaN
+    (not measured, never 0) with a note at attach, and every other statistic of the same step is
+    what it is with the chain on."""
+    def run(chain_on: bool):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
+        monitor = Monitor(MonitorConfig(interval=1, mode=mode, wq_error_chain=chain_on))
+        with caplog.at_level("INFO", logger="flashwatch"):
+            monitor.attach(model)
+        snap = _train_one_monitored_step(model, monitor, [], torch.bfloat16, seed=1)
+        chains = [layer.chain for layer in monitor.layers]
+        monitor.detach()
+        return snap, chains
+
+    on, on_chains = run(True)
+    caplog.clear()
+    off, off_chains = run(False)
+    assert all(c is not None for c in on_chains) and all(c is None for c in off_chains)
+    assert any("wq_error_chain=False" in r.getMessage() for r in caplog.records)
+    for name in ("flashwatch_wq_error_push", "flashwatch_wq_error_alignment", "flashwatch_wq_error_coherence"):
+        assert off[name] and all(math.isnan(v) for v in off[name].values()), name
+    assert any(math.isfinite(v) and v != 0 for v in on["flashwatch_wq_error_push"].values())
+    for name in ("flashwatch_max_logit", "flashwatch_repeated_max_ratio_bf16", "flashwatch_wq_spectral_norm",
+                 "flashwatch_delta_error"):
+        assert off[name] == on[name], name  # the same step, measured the same without the chain

@@ -68,6 +68,7 @@ def test_normalises_sets_and_lists():
     (dict(drift_threshold=-1.0), r"MonitorConfig\.drift_threshold must be a finite number >= 0"),
     (dict(drift_window_threshold=float("nan")), r"MonitorConfig\.drift_window_threshold must be None or"),
     (dict(drift_include_fp32=1), r"MonitorConfig\.drift_include_fp32 must be True or False"),
+    (dict(wq_error_chain="no"), r"MonitorConfig\.wq_error_chain must be True or False"),
     (dict(repeated_max_factor=0.5), r"MonitorConfig\.repeated_max_factor must be a finite number >= 1"),
     (dict(repeated_max_margin=-0.1), r"MonitorConfig\.repeated_max_margin must be a finite number >= 0"),
     (dict(repeated_max_baseline=0), r"MonitorConfig\.repeated_max_baseline must be an int >= 1"),
