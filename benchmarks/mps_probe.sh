@@ -5,7 +5,8 @@
 # MPS control daemon started (kernels of different processes may then run side by side); prints
 # the median ms/step of each. The GPU's settings are left as they are; the daemon is stopped after.
 #   bash benchmarks/mps_probe.sh        (on the device machine, from the repository root)
-# PROBE_ARM, PROBE_STEPS (default 500), PROBE_PARALLEL (default 8) change the runs.
+# PROBE_ARM, PROBE_STEPS (default 500), PROBE_PARALLEL (default 8) change the runs; PROBE_MODES
+# (default "separate mps") which of the two run; PROBE_KEEP_MPS=1 leaves the daemon running.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,10 +29,13 @@ print(f"{name}: {len(ms)} runs, ms/step median {statistics.median(ms):.1f} (min 
 PY
 }
 nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader
-probe separate
-source research/mps_env.sh
-if [ -n "$MPS_CONTROL" ]; then
-  probe mps
-  echo quit | "$MPS_CONTROL"
-  tail -5 "$CUDA_MPS_LOG_DIRECTORY"/control.log 2> /dev/null
+MODES=${PROBE_MODES:-separate mps}
+[[ " $MODES " == *" separate "* ]] && probe separate
+if [[ " $MODES " == *" mps "* ]]; then
+  source research/mps_env.sh
+  if [ -n "$MPS_CONTROL" ]; then
+    probe mps
+    [ -n "${PROBE_KEEP_MPS:-}" ] || echo quit | "$MPS_CONTROL"
+    tail -5 "$CUDA_MPS_LOG_DIRECTORY"/control.log 2> /dev/null
+  fi
 fi
