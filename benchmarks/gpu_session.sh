@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|tune|overhead|compiled|
+#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|compiled|
 #                                   autotune|kernels|graphs|profile|ddp|host|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
@@ -15,6 +15,7 @@
 # (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings;
 # profile: where an eager monitored step's extra device time goes (torch.profiler, observe mode), the
 # chain's rows reduced in the kernels (the default), then stored
+# statsweep: benchmarks/stats_sweep.py, the tiles of the observe-mode statistics kernel with the chain's rows
 # hopperab: benchmarks/kernel_ab.py, the Hopper variants (fwd,dkdv / fwd,tma / dkdv,tma / fwd,dkdv,tma) and cuDNN
 # ab: benchmarks/kernel_ab.py against kernels/_ab_before (a copy of an earlier revision's kernels/
 # folder; or kernels/_ab_before.py, an earlier single-file kernels/triton_attn.py), then every
@@ -80,6 +81,7 @@ for step in $steps; do
     hopperab) timeout 500 python3 benchmarks/kernel_ab.py --variant plain --cudnn --hopper fwd,dkdv --hopper fwd,tma \
                 --hopper dkdv,tma --hopper fwd,dkdv,tma --json "$OUT/hopper_ab.json" 2>&1 | tee "$OUT/hopper_ab.log" ;;
     sweep) timeout 400 python3 benchmarks/dq_stats_sweep.py --json "$OUT/dq_stats_sweep.json" 2>&1 | tee "$OUT/dq_stats_sweep.log" ;;
+    statsweep) timeout 300 python3 benchmarks/stats_sweep.py --json "$OUT/stats_sweep.json" 2>&1 | tee "$OUT/stats_sweep.log" ;;
     tune) timeout 500 python3 -m flashwatch.cli bench --tune --json "$OUT/bench_tuned.json" 2>&1 | tee "$OUT/bench_tuned.log" ;;
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;

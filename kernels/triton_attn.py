@@ -239,8 +239,8 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     B, H, N, D = q.shape
     G = H // k.shape[1]
     upcast, exact = _workarounds(q.device)
-    c = tuning.choose("stats", q, causal, None)
     hook = stats.rows_hook
+    c = tuning.choose("stats" if hook is None else "stats_rows", q, causal, None)
     rows = _row_outputs(q, hook, c) if hook is not None else None
     launch(_attn_stats_kernel, (_cdiv(N, c["BLOCK_M"]), B * H), (
         q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16,

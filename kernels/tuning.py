@@ -9,7 +9,7 @@ dim, dtype, causal, N) and keep the fastest for the process; the timing runs int
 outputs and scratch statistics, so tuning never adds into an ``AttentionStats``. Under the
 Triton interpreter small blocks are used, so tests at small N still cross several tiles.
 
-Constraints: fwd, fwd_fixed, fwd_hopper(_ws), dq, dq_stats, dq_rows and stats need
+Constraints: fwd, fwd_fixed, fwd_hopper(_ws), dq, dq_stats, dq_rows, stats and stats_rows need
 BLOCK_M % BLOCK_N == 0 (the causal off-diagonal loop takes whole key blocks below the query
 block); dkdv and dkdv_hopper(_ws) need BLOCK_N % BLOCK_M == 0.
 
@@ -53,6 +53,12 @@ TABLE["dq_stats"] = {**TABLE["dq"], **{d: _cfg(64, 32, 4, 3) for d in (16, 32, 6
 # (BLOCK_M, D) FP32 accumulator for P K: at D=128 the dq_stats tiles spill it to local memory
 # in the loop, 128x32 tiles do not (benchmarks/sass_loop_counts.py, docs/KERNEL_TUNING.md)
 TABLE["dq_rows"] = {**TABLE["dq_stats"], 128: _cfg(128, 32, 8, 3)}
+# the observe-mode statistics kernel with the W^Q-error chain's rows (monitored steps of a layer with
+# a chain) is its own compilation too: P K's accumulator and the reduction's epilogue take it from
+# 168 to 186 registers at the stats entry's 64x64 tiles, two programs an SM instead of three
+# (benchmarks/sass_loop_counts.py); its candidates are timed by benchmarks/stats_sweep.py. Until
+# then it keeps the stats entry
+TABLE["stats_rows"] = dict(TABLE["stats"])
 # the fixed forward is its own compilation too: its tie count's (BLOCK_N, 16) operand of ones
 # sits in shared memory (2 KB), which at the plain D=64 entry (57,344 B, exactly four programs'
 # worth on an H200) leaves room for three: two pipeline stages keep four
@@ -69,6 +75,8 @@ CANDIDATES = {
     "fwd_fixed": [_cfg(64, 64, 4, 2), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(128, 64, 8, 3),
                   _cfg(128, 64, 8, 2), _cfg(128, 32, 4, 4)],
     "dq_rows": [_cfg(64, 32, 4, 3), _cfg(128, 32, 8, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3)],
+    "stats_rows": [_cfg(64, 64, 4, 3), _cfg(64, 32, 4, 3), _cfg(64, 32, 4, 4), _cfg(128, 32, 8, 3),
+                   _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2)],
     "dq_stats": [_cfg(64, 64, 4, 3), _cfg(64, 64, 4, 3, maxnreg=168), _cfg(64, 32, 4, 3), _cfg(64, 32, 4, 4),
                  _cfg(128, 32, 8, 3), _cfg(128, 64, 8, 3), _cfg(128, 64, 8, 3, maxnreg=128), _cfg(64, 64, 4, 2),
                  _cfg(32, 32, 4, 3)],

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 @pytest.mark.parametrize("script", ["host_overhead.py", "host_profile.py", "dq_stats_sweep.py", "profile_kernels.py",
-                                    "profile_monitored_step.py", "sync_points.py", "step_kernels.py"])
+                                    "profile_monitored_step.py", "sync_points.py", "step_kernels.py",
+                                    "stats_sweep.py"])
 def test_gpu_only_benchmark_scripts_exit_2_and_say_they_need_cuda(script):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)

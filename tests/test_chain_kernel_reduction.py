@@ -207,3 +207,22 @@ def test_statistics_compare_counts_bitwise_and_sums_up_to_their_summation_order(
         far[row[name]] += delta
         with pytest.raises(AssertionError, match=f"changed {name}"):
             assert_same_statistics(far, want, terms=100)
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+def test_the_statistics_kernel_with_rows_takes_its_own_tiles(monkeypatch):
+    """With a rows hook the observe-mode kernel runs at ``tuning.TABLE["stats_rows"]`` (without,
+    at ``stats``), and the reduction is right at other tiles than the interpreter's default."""
+    from flashwatch.kernels import tuning
+
+    kinds = []
+    real = tuning.choose
+    monkeypatch.setattr(tuning, "choose", lambda kind, *a: kinds.append(kind) or real(kind, *a))
+    qkv = random_qkv(1, 2, 70, 16, Hkv=1, seed=8)
+    check_reduction(*qkv, mode="observe", r=16, seed=8)
+    assert "stats_rows" in kinds
+    tuning.set_override("stats_rows", tuning._cfg(32, 16, 4, 1))  # BLOCK_M 32: twice the default here
+    try:
+        check_reduction(*qkv, mode="observe", r=16, seed=8)
+    finally:
+        tuning.set_override("stats_rows", None)

@@ -1,0 +1,111 @@
+"""Configurations of the observe-mode statistics kernel with the W^Q-error chain's rows, by device time.
+
+    python benchmarks/stats_sweep.py [--shape B,H,N,D ...] [--json sweep.json]     (needs CUDA)
+
+On a monitored step in observe mode the statistics kernel of a layer with a W^Q-error chain also
+accumulates P K and reduces each row's delta error onto the chain's sums in its epilogue
+(``tuning.TABLE["stats_rows"]``): more registers than the statistics alone at the same tiles, so
+fewer programs an SM, and its best tiles need not be the statistics kernel's. For each shape
+(default: GPT-2 small's call, 16 x 12 x 1024 x 64, then the bench's four) this times one
+``attention_statistics`` call with a reducing rows hook (the chain's factors, random, sketch
+width ``chain.SKETCH_DIM``), once per candidate of ``tuning.CANDIDATES["stats_rows"]``, and the
+same call without rows (the ``stats`` entry) for reference: median device time of repeated calls
+(``triton.testing.do_bench``). The fastest candidate per shape is marked; one that does not
+compile or launch is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+GPT2_SMALL_CALL = (16, 12, 1024, 64)
+
+
+class _ReducingHook:
+    """The chain's side of the reduction with random factors: u (H, D), x.v (B, H, N), x Omega (B, N, r)."""
+
+    def __init__(self, q: torch.Tensor, r: int):
+        from flashwatch.kernels.stats import RowReduction
+
+        B, H, N, D = q.shape
+        g = torch.Generator(device=q.device).manual_seed(0)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        self.reduction_ = RowReduction(torch.randn(H, D, generator=g, **f32), torch.randn(B, H, N, generator=g, **f32),
+                                       torch.randn(B, N, r, generator=g, **f32), torch.zeros(H, **f32),
+                                       torch.zeros(H, D, r, **f32), lambda: None)
+
+    def reduction(self, q):
+        return self.reduction_
+
+    def __call__(self, e_rows, pk):
+        raise RuntimeError("the reduction was declined (FLASHWATCH_KERNEL_REDUCTION=0?): this sweep times the reduction")
+
+
+def _label(c: dict) -> str:
+    return f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", metavar="B,H,N,D",
+                    help="shape(s) (default: GPT-2 small's call, then the bench's four)")
+    ap.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("stats_sweep needs CUDA", file=sys.stderr)
+        return 2
+    import triton.testing
+
+    from flashwatch import bench
+    from flashwatch.chain import SKETCH_DIM
+    from flashwatch.kernels import AttentionStats, attention_statistics, tuning
+
+    shapes = [bench.parse_shape(s) for s in args.shape] if args.shape else [GPT2_SMALL_CALL, *bench.DEFAULT_SHAPES]
+    rows = []
+    for shape in shapes:
+        B, H, N, D = shape
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v, out, dout = (torch.randn(B, H, N, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(5))
+        stats = AttentionStats(H, "cuda")
+        hook = _ReducingHook(q, SKETCH_DIM)
+
+        def call(with_rows: bool):
+            stats.rows_hook = hook if with_rows else None
+            return lambda: attention_statistics(q, k, v, out, dout, stats, causal=True)
+
+        plain_ms = triton.testing.do_bench(call(False), warmup=10, rep=50, return_mode="median")
+        table = tuning.TABLE["stats_rows"][D]
+        results = []
+        for cfg in tuning.CANDIDATES["stats_rows"]:
+            tuning.set_override("stats_rows", cfg)
+            try:
+                ms = triton.testing.do_bench(call(True), warmup=10, rep=50, return_mode="median")
+                results.append({"config": cfg, "ms": ms, "over_no_rows": ms / plain_ms - 1.0})
+            except Exception as exc:  # a configuration that does not fit: reported, skipped
+                results.append({"config": cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            finally:
+                tuning.set_override("stats_rows", None)
+        timed = [r for r in results if "ms" in r]
+        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        rows.append({"shape": list(shape), "no_rows_ms": plain_ms, "no_rows_config": tuning.TABLE["stats"][D],
+                     "table_config": table, "candidates": results, "best": best["config"] if best else None})
+        print(f"\nshape {shape}: statistics without rows {1e3 * plain_ms:.1f} us ({_label(tuning.TABLE['stats'][D])});"
+              " with the chain's rows reduced, by configuration:")
+        for r in results:
+            mark = (" <- best" if r is best else "") + (" (table)" if r["config"] == table else "")
+            if "ms" in r:
+                print(f"  {_label(r['config']):<16} {1e3 * r['ms']:8.1f} us  {r['over_no_rows']:+7.1%}{mark}")
+            else:
+                print(f"  {_label(r['config']):<16} failed: {r['error']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": bench.environment(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
