@@ -6,7 +6,8 @@ import torch
 from flashwatch.kernels import tuning
 
 # causal loops take whole key blocks below a query block
-ROWS_OVER_KEYS = ("fwd", "fwd_fixed", "fwd_hopper", "fwd_hopper_ws", "dq", "dq_stats", "dq_rows", "stats")
+ROWS_OVER_KEYS = ("fwd", "fwd_fixed", "fwd_hopper", "fwd_hopper_ws", "dq", "dq_stats", "dq_rows", "stats",
+                  "stats_rows")
 
 
 @pytest.mark.parametrize("kind", sorted(tuning.TABLE))
