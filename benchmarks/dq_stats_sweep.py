@@ -46,30 +46,12 @@ def main(argv=None) -> int:
 
         base = bench.device_fwd_bwd_ms(plain, shape, True, torch.bfloat16)
         default = tuning.TABLE["dq_stats"][shape[3]]
-        results = []
-        for cfg in tuning.CANDIDATES["dq_stats"]:
-            tuning.set_override("dq_stats", cfg)
-            try:
-                ms = bench.device_fwd_bwd_ms(with_stats, shape, True, torch.bfloat16)
-                results.append({"config": cfg, "ms": ms, "overhead_vs_plain": ms / base - 1.0})
-            except Exception as exc:  # a configuration that does not fit: reported, skipped
-                results.append({"config": cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
-            finally:
-                tuning.set_override("dq_stats", None)
-        timed = [r for r in results if "ms" in r]
-        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        results, best = bench.sweep_configurations(
+            "dq_stats", lambda: bench.device_fwd_bwd_ms(with_stats, shape, True, torch.bfloat16), base)
         rows.append({"shape": list(shape), "plain_ms": base, "table_config": default, "candidates": results,
                      "best": best["config"] if best else None})
         print(f"\nshape {shape}: plain f+b {base:.3f} ms (device); statistics on, by dQ configuration:")
-        for r in results:
-            c = r["config"]
-            label = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}" + (
-                f" maxnreg {c['maxnreg']}" if "maxnreg" in c else "")
-            mark = (" <- best" if r is best else "") + (" (table)" if c == default else "")
-            if "ms" in r:
-                print(f"  {label:<28} {r['ms']:8.3f} ms  {r['overhead_vs_plain']:+7.1%}{mark}")
-            else:
-                print(f"  {label:<28} failed: {r['error']}")
+        bench.print_sweep(results, best, default)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": bench.environment(), "rows": rows}, f, indent=1)

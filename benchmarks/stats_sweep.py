@@ -79,28 +79,14 @@ def main(argv=None) -> int:
 
         plain_ms = triton.testing.do_bench(call(False), warmup=10, rep=50, return_mode="median")
         table = tuning.TABLE["stats_rows"][D]
-        results = []
-        for cfg in tuning.CANDIDATES["stats_rows"]:
-            tuning.set_override("stats_rows", cfg)
-            try:
-                ms = triton.testing.do_bench(call(True), warmup=10, rep=50, return_mode="median")
-                results.append({"config": cfg, "ms": ms, "over_no_rows": ms / plain_ms - 1.0})
-            except Exception as exc:  # a configuration that does not fit: reported, skipped
-                results.append({"config": cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
-            finally:
-                tuning.set_override("stats_rows", None)
-        timed = [r for r in results if "ms" in r]
-        best = min(timed, key=lambda r: r["ms"]) if timed else None
+        results, best = bench.sweep_configurations(
+            "stats_rows", lambda: triton.testing.do_bench(call(True), warmup=10, rep=50, return_mode="median"),
+            plain_ms)
         rows.append({"shape": list(shape), "no_rows_ms": plain_ms, "no_rows_config": tuning.TABLE["stats"][D],
                      "table_config": table, "candidates": results, "best": best["config"] if best else None})
         print(f"\nshape {shape}: statistics without rows {1e3 * plain_ms:.1f} us ({_label(tuning.TABLE['stats'][D])});"
-              " with the chain's rows reduced, by configuration:")
-        for r in results:
-            mark = (" <- best" if r is best else "") + (" (table)" if r["config"] == table else "")
-            if "ms" in r:
-                print(f"  {_label(r['config']):<16} {1e3 * r['ms']:8.1f} us  {r['over_no_rows']:+7.1%}{mark}")
-            else:
-                print(f"  {_label(r['config']):<16} failed: {r['error']}")
+              " with the chain's rows reduced, by configuration (over the call without rows):")
+        bench.print_sweep(results, best, table, unit="us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": bench.environment(), "rows": rows}, f, indent=1)

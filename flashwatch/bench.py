@@ -169,6 +169,42 @@ def add_ratios(row: dict) -> None:
             t["fwd_bwd_device_overhead_vs_plain"] = t["fwd_bwd_device_ms"] / plain["fwd_bwd_device_ms"] - 1.0
 
 
+def sweep_configurations(kind: str, time_ms, base_ms: float) -> tuple[list[dict], dict | None]:
+    """Time every candidate of ``tuning.CANDIDATES[kind]`` (each set as the kind's override while
+    ``time_ms()`` runs and returns its device ms): per candidate ``{"config", "ms", "over_base"}``
+    (``ms / base_ms - 1``), or ``{"config", "error"}`` for one that does not compile or launch, and
+    the fastest result (None if none ran)."""
+    from .kernels import tuning
+
+    results = []
+    for cfg in tuning.CANDIDATES[kind]:
+        tuning.set_override(kind, cfg)
+        try:
+            ms = time_ms()
+            results.append({"config": cfg, "ms": ms, "over_base": ms / base_ms - 1.0})
+        except Exception as exc:  # a configuration that does not fit (registers, shared memory): reported
+            results.append({"config": cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        finally:
+            tuning.set_override(kind, None)
+    timed = [r for r in results if "ms" in r]
+    return results, (min(timed, key=lambda r: r["ms"]) if timed else None)
+
+
+def print_sweep(results: list[dict], best: dict | None, table: dict, unit: str = "ms") -> None:
+    """One line per candidate of ``sweep_configurations``: tiles, time, overhead; the fastest and the
+    table's entry marked."""
+    scale = 1e3 if unit == "us" else 1.0
+    for r in results:
+        c = r["config"]
+        label = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}" + (
+            f" maxnreg {c['maxnreg']}" if "maxnreg" in c else "")
+        mark = (" <- best" if r is best else "") + (" (table)" if c == table else "")
+        if "ms" in r:
+            print(f"  {label:<28} {scale * r['ms']:8.3f} {unit}  {r['over_base']:+7.1%}{mark}")
+        else:
+            print(f"  {label:<28} failed: {r['error']}")
+
+
 def environment() -> dict:
     import triton
 

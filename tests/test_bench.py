@@ -126,3 +126,29 @@ def test_a_named_shape_mask_or_dtype_times_only_that(monkeypatch, argv, extra):
     monkeypatch.setattr(bench, "print_table", lambda report: None)
     assert main(["bench", *argv]) == 0
     assert bool(captured["extra_cases"]) is extra
+
+
+def test_sweep_configurations_times_each_candidate_under_its_override(monkeypatch, capsys):
+    """Each candidate is the kind's override while it is timed (and only then); one that fails is
+    reported, not fatal; the fastest is returned and marked."""
+    from flashwatch.kernels import tuning
+
+    cands = [tuning._cfg(64, 64, 4, 3), tuning._cfg(64, 32, 4, 3), tuning._cfg(128, 32, 8, 3)]
+    monkeypatch.setitem(tuning.CANDIDATES, "stats_rows", cands)
+    seen = []
+
+    def time_ms():
+        cfg = tuning.choose("stats_rows", torch.zeros(1, 1, 16, 64, device="meta"), True, None)
+        seen.append(cfg)
+        if cfg["BLOCK_M"] == 128:
+            raise RuntimeError("out of shared memory")
+        return 2.0 if cfg["BLOCK_N"] == 64 else 1.5
+
+    results, best = bench.sweep_configurations("stats_rows", time_ms, base_ms=1.0)
+    assert seen == cands and "stats_rows" not in tuning._override
+    assert [r.get("ms") for r in results] == [2.0, 1.5, None] and "out of shared memory" in results[2]["error"]
+    assert best is results[1] and results[1]["over_base"] == pytest.approx(0.5)
+    bench.print_sweep(results, best, cands[0], unit="us")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("(table)") and out[1].endswith("<- best") and "1500.000 us" in out[1]
+    assert "failed: RuntimeError" in out[2]
