@@ -168,8 +168,9 @@ class _Factor:
     product with FP32 accumulation and output (``torch.mm``'s ``out_dtype``): no FP32 copy of x,
     which is the larger part of the FP32 product's cost (x: B*N x C, m: C x (H + r)), with an error
     of the FP32 product's size (x's BF16 entries are exact; at C = 768 FP32 accumulation alone may
-    err by 768 * 2^-24, about 2^-14.6, of the terms' absolute sum; TF32, where users turn it on, by 2^-11). Elsewhere, and with a torch whose
-    ``mm`` has no ``out_dtype``, x is turned to float32 first."""
+    err by 768 * 2^-24, about 2^-14.6, of the terms' absolute sum; TF32, where users turn it on,
+    by 2^-11). Elsewhere, and with a torch whose ``mm`` has no ``out_dtype``, x is turned to float32
+    first."""
 
     split_product = True  # False once a torch without mm's out_dtype refused it (a process-wide fact)
 
