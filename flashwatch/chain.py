@@ -192,8 +192,10 @@ class _Factor:
             try:
                 y = torch.mm(x.reshape(-1, x.shape[-1]), self.parts(), out_dtype=torch.float32)  # (B*N, 2k)
                 return (y[:, : self.k] + y[:, self.k:]).view(*x.shape[:-1], self.k)
-            except (TypeError, NotImplementedError):  # mm without out_dtype (torch before 2.8)
-                _Factor.split_product = False
+            except torch.cuda.OutOfMemoryError:
+                raise  # the FP32 path needs more memory still
+            except (TypeError, NotImplementedError, RuntimeError):  # mm without out_dtype (torch before 2.8),
+                _Factor.split_product = False  # or a build that refuses it: the FP32 product from now on
         return x.float() @ self.m
 
 

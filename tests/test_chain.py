@@ -614,7 +614,8 @@ def test_the_projection_of_a_bf16_activation_matches_float64(device):
 
 def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monkeypatch):
     """The split path's arithmetic on the CPU (mm with out_dtype emulated in float64), then a torch
-    whose mm refuses out_dtype: the FP32 product from then on, the same values."""
+    whose mm lacks or refuses out_dtype: the FP32 product from then on, the same values; running
+    out of memory is not taken for a refusal."""
     from flashwatch import chain
 
     x, m = _factor_case("cpu")
@@ -639,6 +640,21 @@ def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monk
     again = chain._Factor(m).times(x)
     assert chain._Factor.split_product is False
     assert torch.equal(again, x.float() @ m)
+
+    def refusing_mm(a, b, out_dtype=None):  # a build whose mm refuses the BF16 -> FP32 product
+        raise RuntimeError("out_dtype is not supported for this device")
+
+    monkeypatch.setattr(chain._Factor, "split_product", True)
+    monkeypatch.setattr(torch, "mm", refusing_mm)
+    assert torch.equal(chain._Factor(m).times(x), x.float() @ m) and chain._Factor.split_product is False
+
+    def out_of_memory(a, b, out_dtype=None):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(chain._Factor, "split_product", True)
+    monkeypatch.setattr(torch, "mm", out_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # not hidden by a fallback that needs more memory
+        chain._Factor(m).times(x)
 
 
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
