@@ -45,10 +45,6 @@ class _ReducingHook:
         raise RuntimeError("the reduction was declined (FLASHWATCH_KERNEL_REDUCTION=0?): this sweep times the reduction")
 
 
-def _label(c: dict) -> str:
-    return f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", metavar="B,H,N,D",
@@ -84,7 +80,7 @@ def main(argv=None) -> int:
             plain_ms)
         rows.append({"shape": list(shape), "no_rows_ms": plain_ms, "no_rows_config": tuning.TABLE["stats"][D],
                      "table_config": table, "candidates": results, "best": best["config"] if best else None})
-        print(f"\nshape {shape}: statistics without rows {1e3 * plain_ms:.1f} us ({_label(tuning.TABLE['stats'][D])});"
+        print(f"\nshape {shape}: statistics without rows {1e3 * plain_ms:.1f} us ({bench.config_label(tuning.TABLE['stats'][D])});"
               " with the chain's rows reduced, by configuration (over the call without rows):")
         bench.print_sweep(results, best, table, unit="us")
     if args.json:

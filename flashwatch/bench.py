@@ -190,14 +190,19 @@ def sweep_configurations(kind: str, time_ms, base_ms: float) -> tuple[list[dict]
     return results, (min(timed, key=lambda r: r["ms"]) if timed else None)
 
 
+def config_label(cfg: dict) -> str:
+    """A kernel configuration (``tuning._cfg``) as "64x32 w4 s3" (with " maxnreg N" where capped)."""
+    return f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}" + (
+        f" maxnreg {cfg['maxnreg']}" if "maxnreg" in cfg else "")
+
+
 def print_sweep(results: list[dict], best: dict | None, table: dict, unit: str = "ms") -> None:
     """One line per candidate of ``sweep_configurations``: tiles, time, overhead; the fastest and the
     table's entry marked."""
     scale = 1e3 if unit == "us" else 1.0
     for r in results:
         c = r["config"]
-        label = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}" + (
-            f" maxnreg {c['maxnreg']}" if "maxnreg" in c else "")
+        label = config_label(c)
         mark = (" <- best" if r is best else "") + (" (table)" if c == table else "")
         if "ms" in r:
             print(f"  {label:<28} {scale * r['ms']:8.3f} {unit}  {r['over_base']:+7.1%}{mark}")
