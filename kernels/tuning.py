@@ -56,9 +56,9 @@ TABLE["dq_rows"] = {**TABLE["dq_stats"], 128: _cfg(128, 32, 8, 3)}
 # the observe-mode statistics kernel with the W^Q-error chain's rows (monitored steps of a layer with
 # a chain) is its own compilation too: P K's accumulator and the reduction's epilogue take it from
 # 168 to 186 registers at the stats entry's 64x64 tiles, two programs an SM instead of three
-# (benchmarks/sass_loop_counts.py); its candidates are timed by benchmarks/stats_sweep.py. Until
-# then it keeps the stats entry
-TABLE["stats_rows"] = dict(TABLE["stats"])
+# (benchmarks/sass_loop_counts.py). Its entry is the device-time sweep's choice
+# (benchmarks/stats_sweep.py, docs/KERNEL_TUNING.md): 64x32 tiles at D <= 64, 64x64 at two stages at D=128
+TABLE["stats_rows"] = {**{d: _cfg(64, 32, 4, 3) for d in (16, 32, 64)}, 128: _cfg(64, 64, 4, 2)}
 # the fixed forward is its own compilation too: its tie count's (BLOCK_N, 16) operand of ones
 # sits in shared memory (2 KB), which at the plain D=64 entry (57,344 B, exactly four programs'
 # worth on an H200) leaves room for three: two pipeline stages keep four
