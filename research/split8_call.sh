@@ -4,10 +4,13 @@
 # repository root, with the registered code's `git archive` copy in .devrun/p8 (carried; its
 # CODE_COMMIT beside it):
 #   bash research/split8_call.sh            (the same command again continues the runs)
-# The first call on a machine probes 16 parallel runs under CUDA MPS (seeds 900-915, 300 steps,
-# timing only) and chooses the 1e-3 pilot (seeds 510-517) together with the test's first block
-# (600-607) if a step then takes at most SPLIT8_MAX_MS ms (default 52: 20,000 steps in ~1,040 s of the ~1,200 a session's calls leave),
-# else the pilot alone, 8 runs; later calls on the same machine keep that choice (in /tmp). Each call
+# The pilot (seeds 510-517) runs alone, 8 in parallel under CUDA MPS: a 16-run probe on 2026-12-03
+# took 111.2 ms/step, too slow for 20,000 steps in one machine lifetime. With SPLIT8_PROBE=1 the first
+# call on a machine probes 16 parallel runs again (seeds 900-915, 300 steps, timing only) and chooses
+# the pilot together with the test's first block (600-607) if a step then takes at most SPLIT8_MAX_MS ms
+# (default 52: 20,000 steps in ~1,040 s of the ~1,200 a session's calls leave); later calls on the same
+# machine keep the choice (in /tmp). Runs checkpoint on the machine only: start them on a fresh
+# machine and call back to back until none is paused (about 950 s of training in all). Each call
 # trains for what its 600 s leave (SPLIT_SECONDS overrides), checkpointing on the device, and returns
 # the recordings of the runs that finished in it, packed by research.recordings (xz, four runs an
 # archive: within the 16 MiB a returned file may have), the runner's JSON and the log. The console
@@ -21,7 +24,9 @@ export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1
 [ -f .devrun/p8/CODE_COMMIT ] || { echo "no .devrun/p8 (the registered code's git archive copy): carry it"; exit 2; }
 source research/mps_env.sh
 CHOICE=/tmp/split8-choice
-if [ ! -s "$CHOICE" ]; then
+if [ ! -s "$CHOICE" ] && [ "${SPLIT8_PROBE:-0}" != 1 ]; then
+  echo "510-517 8 111.2(2026-12-03)" > "$CHOICE"
+elif [ ! -s "$CHOICE" ]; then
   PROBE_MODES=mps PROBE_KEEP_MPS=1 PROBE_PARALLEL=16 PROBE_STEPS=300 bash benchmarks/mps_probe.sh | tee /tmp/probe16.txt
   MS=$(grep -o '^mps: [0-9]* runs, ms/step median [0-9.]*' /tmp/probe16.txt | awk '{print $NF}')
   if python3 -c "import sys; sys.exit(0 if 0 < float('${MS:-0}') <= float('${SPLIT8_MAX_MS:-52}') else 1)"; then
@@ -32,7 +37,8 @@ if [ ! -s "$CHOICE" ]; then
 fi
 read -r SEEDS PARALLEL PROBED < "$CHOICE"
 echo "split8 at lr 1e-3: seeds $SEEDS, $PARALLEL in parallel under MPS (16-run probe: ${PROBED} ms/step)" | tee "$OUT/split8-choice.txt"
-LEFT=${SPLIT_SECONDS:-$(( 600 - SECONDS - 150 ))}
+# what the call may train: its 600 s less the start so far and 100 s for checkpoints and packing
+LEFT=${SPLIT_SECONDS:-$(( 600 - SECONDS - 100 ))}
 (cd .devrun/p8 && ln -sfn ../kernels flashwatch/kernels && \
   SPLIT8_LR=0.001 SPLIT_SEEDS=$SEEDS SPLIT_PARALLEL=$PARALLEL SPLIT_SECONDS=$LEFT bash research/gpu_batch.sh split8-pilot) \
   | grep -E '^\[|^paused|^resume|^code|^plan|failed'
