@@ -186,17 +186,30 @@ class _Factor:
             self._parts = torch.cat([hi, lo], dim=1)
         return self._parts
 
-    def times(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ m, (..., k) float32."""
+    def times_split(self, x: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For x (B, N, C): (x @ m[:, :h] transposed to (B, h, N), x @ m[:, h:] (B, N, k - h)), both
+        float32 and contiguous, the layouts the kernels read; the split product's two halves are
+        added straight into them (three kernels: the product and two additions, no copies)."""
+        y = self._split_product(x)
+        if y is None:
+            y = x.float() @ self.m  # (B, N, k)
+            return y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous()
+        B, N, k = x.shape[0], x.shape[1], self.k
+        y = y.view(B, N, 2 * k)
+        first = torch.empty((B, h, N), dtype=torch.float32, device=x.device)
+        torch.add(y[..., :h], y[..., k: k + h], out=first.transpose(1, 2))
+        return first, torch.add(y[..., h:k], y[..., k + h:])
+
+    def _split_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x (..., C) @ [hi | lo] as (prod(...), 2k) float32 where the split product applies, else None."""
         if _Factor.split_product and _split_applies(x):
             try:
-                y = torch.mm(x.reshape(-1, x.shape[-1]), self.parts(), out_dtype=torch.float32)  # (B*N, 2k)
-                return (y[:, : self.k] + y[:, self.k:]).view(*x.shape[:-1], self.k)
+                return torch.mm(x.reshape(-1, x.shape[-1]), self.parts(), out_dtype=torch.float32)  # (B*N, 2k)
             except torch.cuda.OutOfMemoryError:
                 raise  # the FP32 path needs more memory still
             except (TypeError, NotImplementedError, RuntimeError):  # mm without out_dtype (torch before 2.8),
                 _Factor.split_product = False  # or a build that refuses it: the FP32 product from now on
-        return x.float() @ self.m
+        return None
 
 
 def _split_applies(x: torch.Tensor) -> bool:
@@ -267,8 +280,8 @@ class LayerChain:
             h = self.num_heads
             if self._both is None:
                 self._both = _Factor(torch.cat([self.v.T, self.omega], dim=1))  # (C, H + r)
-            y = self._both.times(x)  # (B, N, H + r) float32: one product for both
-            self._projected = (weakref.ref(x), y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous())
+            xv, xo = self._both.times_split(x, h)  # one product for both: (B, H, N), (B, N, r) float32
+            self._projected = (weakref.ref(x), xv, xo)
         return self._projected[1], self._projected[2]
 
     def _along_u(self, t: torch.Tensor) -> torch.Tensor:

@@ -582,6 +582,17 @@ def _factor_case(device: str):
     return x, m.to(device)
 
 
+def _times(factor, x, h=4):
+    """The factor's product as ``LayerChain._project`` takes it, checked for its layouts, put back
+    together as x @ m (B, N, k)."""
+    first, rest = factor.times_split(x, h)
+    B, N = x.shape[:2]
+    assert first.shape == (B, h, N) and rest.shape == (B, N, factor.k - h)
+    assert first.is_contiguous() and rest.is_contiguous()
+    assert first.dtype == rest.dtype == torch.float32
+    return torch.cat([first.transpose(1, 2), rest], dim=-1)
+
+
 def test_the_factors_bf16_parts_sum_to_it_within_2_to_the_minus_16():
     from flashwatch.chain import _Factor
 
@@ -603,7 +614,7 @@ def test_the_projection_of_a_bf16_activation_matches_float64(device):
 
     x, m = _factor_case(device)
     factor = _Factor(m)
-    got = factor.times(x)
+    got = _times(factor, x)
     want = x.to(F64) @ m.to(F64)
     assert got.dtype == torch.float32 and got.shape == (3, 50, m.shape[1])
     scale = x.to(F64).abs() @ m.to(F64).abs()  # the sum of |terms| of each entry
@@ -628,7 +639,7 @@ def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monk
 
     monkeypatch.setattr(torch, "mm", mm)
     monkeypatch.setattr(chain._Factor, "split_product", True)
-    got = chain._Factor(m).times(x)
+    got = _times(chain._Factor(m), x)
     want = x.to(F64) @ m.to(F64)
     assert calls == [torch.float32] and got.shape == (3, 50, m.shape[1])
     assert ((got.to(F64) - want).abs() <= 2.0 ** -15 * (x.to(F64).abs() @ m.to(F64).abs())).all()
@@ -637,7 +648,7 @@ def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monk
         return a @ b
 
     monkeypatch.setattr(torch, "mm", old_mm)
-    again = chain._Factor(m).times(x)
+    again = _times(chain._Factor(m), x)
     assert chain._Factor.split_product is False
     assert torch.equal(again, x.float() @ m)
 
@@ -646,7 +657,7 @@ def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monk
 
     monkeypatch.setattr(chain._Factor, "split_product", True)
     monkeypatch.setattr(torch, "mm", refusing_mm)
-    assert torch.equal(chain._Factor(m).times(x), x.float() @ m) and chain._Factor.split_product is False
+    assert torch.equal(_times(chain._Factor(m), x), x.float() @ m) and chain._Factor.split_product is False
 
     def out_of_memory(a, b, out_dtype=None):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
@@ -654,7 +665,7 @@ def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monk
     monkeypatch.setattr(chain._Factor, "split_product", True)
     monkeypatch.setattr(torch, "mm", out_of_memory)
     with pytest.raises(torch.cuda.OutOfMemoryError):  # not hidden by a fallback that needs more memory
-        chain._Factor(m).times(x)
+        _times(chain._Factor(m), x)
 
 
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
