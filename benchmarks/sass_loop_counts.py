@@ -38,8 +38,8 @@ KERNELS = {
                                    "rows": ("dq_rows", {"STATS": True, "ROWS": True, "REDUCE": False}),
                                    "reduce": ("dq_rows", {"STATS": True, "ROWS": True, "REDUCE": True, "SKETCH_R": 64})}),
     "dkdv": ("_attn_bwd_dkdv_kernel", {"plain": ("dkdv", {})}),
-    "stats": ("_attn_stats_kernel", {"plain": ("stats", {"ROWS": False}), "rows": ("stats", {"ROWS": True, "REDUCE": False}),
-                                     "reduce": ("stats", {"ROWS": True, "REDUCE": True, "SKETCH_R": 64})}),
+    "stats": ("_attn_stats_kernel", {"plain": ("stats", {"ROWS": False}), "rows": ("stats_rows", {"ROWS": True, "REDUCE": False}),
+                                     "reduce": ("stats_rows", {"ROWS": True, "REDUCE": True, "SKETCH_R": 64})}),
     # the opt-in Hopper variants (kernels/hopper.py): pointer loads, TMA, TMA + warp specialisation
     "fwd_hopper": ("hopper._attn_fwd_hopper_kernel",
                    {"ptr": ("fwd_hopper", {"STATS": False, "TMA": False, "WARP_SPECIALIZE": False}),
