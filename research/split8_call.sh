@@ -36,6 +36,9 @@ elif [ ! -s "$CHOICE" ]; then
   fi
 fi
 read -r SEEDS PARALLEL PROBED < "$CHOICE"
+# SPLIT8_SEEDS / SPLIT8_PARALLEL override the choice for this call (e.g. 510-513 at 4: runs short
+# enough to finish within one call, so that a machine lost between calls loses nothing finished)
+SEEDS=${SPLIT8_SEEDS:-$SEEDS} PARALLEL=${SPLIT8_PARALLEL:-$PARALLEL}
 echo "split8 at lr 1e-3: seeds $SEEDS, $PARALLEL in parallel under MPS (16-run probe: ${PROBED} ms/step)" | tee "$OUT/split8-choice.txt"
 # what the call may train: its 600 s less the start so far and 100 s for checkpoints and packing
 LEFT=${SPLIT_SECONDS:-$(( 600 - SECONDS - 100 ))}
