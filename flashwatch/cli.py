@@ -45,7 +45,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashwatch", description=__doc__)
+    parser = argparse.ArgumentParser(prog="flashwatch", description="flashwatch: a stability monitor for BF16 "
+                                     "transformer training. `flashwatch COMMAND --help` describes each command.")
     parser.add_argument("--version", action="version", version=f"flashwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser("demo", help="train a small GPT with flashwatch watching (about a minute on a CPU)",
