@@ -144,10 +144,10 @@ def top_pair(weight: torch.Tensor, v_block: torch.Tensor,
     """
     w = weight.detach().float()
     if top is None:
-        y = w @ v_block  # (N, D, k)
-        top = top_eigenvector(y.transpose(1, 2) @ y)  # (N, k); no eigh: nothing makes the host wait
-    v = _unit((v_block @ top[..., None])[..., 0])
-    return _unit((w @ v[..., None])[..., 0]), v
+        y = torch.bmm(w, v_block)  # (N, D, k)
+        top = top_eigenvector(torch.bmm(y.transpose(1, 2), y))  # (N, k); no eigh: nothing makes the host wait
+    v = _unit(torch.bmm(v_block, top[..., None])[..., 0])
+    return _unit(torch.bmm(w, v[..., None])[..., 0]), v
 
 
 @torch.no_grad()
@@ -156,8 +156,8 @@ def pair_from_products(y: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Te
     of y^T y, v = V a and u = y a = W v, normalised (where W is held in pieces, as FSDP's shards,
     y is what the power iteration completes on every rank)."""
     y = y.float()
-    a = top_eigenvector(y.transpose(1, 2) @ y)[..., None]  # (N, k, 1); no eigh: nothing makes the host wait
-    return _unit((y @ a)[..., 0]), _unit((v_block.float() @ a)[..., 0])
+    a = top_eigenvector(torch.bmm(y.transpose(1, 2), y))[..., None]  # (N, k, 1); no eigh: nothing makes the host wait
+    return _unit(torch.bmm(y, a)[..., 0]), _unit(torch.bmm(v_block.float(), a)[..., 0])
 
 
 class _Factor:

@@ -25,7 +25,7 @@ import torch
 
 from .chain import pair_from_products
 from .sharded import QueryPlacement
-from .signals import PowerIteration, orthonormalize, top_eigenvalue
+from .signals import PowerIteration, next_vectors, top_eigenvalue
 
 __all__ = ["ShardedPowerIteration", "query_blocks", "all_reduce_sum"]
 
@@ -233,7 +233,7 @@ class ShardedPowerIteration:
                                   for m, v, bl in zip(members, vs, blocks)], group)
                 zs = all_reduce_sum([self._part(lambda b, m=m, y=y: _rmatvec(b, y, m.c), bl, m, m.c, y.shape[2], device)
                                   for m, y, bl in zip(members, ys, blocks)], group)
-                vs = [_next_vectors(z, v) for z, v in zip(zs, vs)]
+                vs = [next_vectors(z, v) for z, v in zip(zs, vs)]
             ys = all_reduce_sum([self._part(lambda b, m=m, v=v: _matvec(b, v, m.d), bl, m, m.d, v.shape[2], device)
                               for m, v, bl in zip(members, vs, blocks)], group)
             for m, v, y in zip(members, vs, ys):
@@ -259,10 +259,3 @@ class ShardedPowerIteration:
     # state ------------------------------------------------------------------------------------------
     def power_of(self, layer: Any) -> PowerIteration:
         return self._member(layer).power
-
-
-def _next_vectors(z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One power-iteration update from z = W^T W v, as ``PowerIteration.step`` does it."""
-    q = orthonormalize(z)
-    ok = torch.isfinite(q).all(dim=2).all(dim=1) & (q.abs().sum(dim=(1, 2)) > 0)
-    return torch.where(ok[:, None, None], q, v)

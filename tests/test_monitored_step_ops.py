@@ -169,3 +169,30 @@ def test_the_benchmark_runs_and_counts_the_device_half(tmp_path):
     assert sum(ops["monitored"].values()) > sum(ops["unmonitored"].values())
     assert ops["monitored"]["  chains.reading"] <= 3  # unfed chains: one NaN fill per group
     assert set(got["step_ms"]) == {"monitored", "unmonitored"}
+
+
+class _CountAll(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_the_power_step_dispatches_few_ops_whatever_the_block(block):
+    """One power-iteration step (all heads of all layers of one shape at once) is a fixed, small
+    number of torch ops: the orthonormalisation does not loop over the block's columns (Gram-Schmidt
+    dispatched about 10 ops a column, 189 in all at block 4), and products are bmm calls, not
+    matmul's views around them. Each op is host work the monitored step enqueues."""
+    w = torch.randn(24, 16, 64, generator=torch.Generator().manual_seed(0))
+    power = PowerIteration(w, block=block)
+    power.step(w)
+    with _CountAll() as counter:
+        power.step(w)
+    assert counter.ops <= 70, f"{counter.ops} torch ops for one step at block {block}"
+    with _CountAll() as counter:
+        top_pair(w, power.v, power.top_in_block())
+    assert counter.ops <= 16, f"{counter.ops} torch ops for the top pairs"

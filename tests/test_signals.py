@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashwatch.signals import (DriftTracker, PowerIteration, Ring, SigmaHistory, drift_z, linear_slope,
-                                orthonormalize, ratio_to_median, spectral_norm_exact, top_eigenvalue)
+                                next_vectors, orthonormalize, ratio_to_median, spectral_norm_exact, top_eigenvalue)
 
 F64 = torch.float64
 
@@ -158,9 +158,26 @@ def test_power_iteration_state_round_trip_and_errors():
 
 def test_orthonormalize_and_top_eigenvalue():
     g = torch.Generator().manual_seed(5)
-    q = orthonormalize(torch.randn(3, 20, 4, generator=g, dtype=F64))
+    z = torch.randn(3, 20, 4, generator=g, dtype=F64)
+    q = orthonormalize(z)
     eye = torch.eye(4, dtype=F64).expand(3, 4, 4)
     assert torch.allclose(q.transpose(1, 2) @ q, eye, atol=1e-12)
+    r = q.transpose(1, 2) @ z  # z = q r with r upper triangular, positive diagonal: Gram-Schmidt's q
+    assert torch.allclose(q @ r, z, atol=1e-12) and torch.allclose(r.tril(-1), torch.zeros_like(r), atol=1e-12)
+    assert (r.diagonal(dim1=1, dim2=2) > 0).all() and q.is_contiguous()
+    # float32 in, float32 out; columns of very different lengths (cond 1e5) still come out orthonormal
+    z32 = (torch.randn(2, 64, 4, generator=g) * torch.tensor([1e5, 1.0, 10.0, 1e-0])).float()
+    q32 = orthonormalize(z32)
+    assert q32.dtype == torch.float32 and q32.is_contiguous()
+    assert torch.allclose(q32.transpose(1, 2) @ q32, torch.eye(4).expand(2, 4, 4), atol=1e-6)
+    # dependent columns (a zero column, a repeated one): no basis, NaN; next_vectors keeps the old vectors
+    bad = z.clone()
+    bad[0, :, 2] = 0.0
+    bad[1, :, 3] = bad[1, :, 1]
+    out = orthonormalize(bad)
+    assert torch.isnan(out[:2]).all() and torch.allclose(out[2], q[2])
+    kept = next_vectors(bad, q)
+    assert torch.equal(kept[:2], q[:2]) and torch.allclose(kept[2], q[2])
     a = torch.randn(6, 5, 5, generator=g, dtype=F64)
     gram = a.transpose(1, 2) @ a
     gram[0] = torch.diag(torch.tensor([2.0, 2.0, 1.0, 0.5, 0.0], dtype=F64))  # a repeated top eigenvalue
