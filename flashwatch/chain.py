@@ -337,14 +337,15 @@ class LayerChain:
     @torch.no_grad()
     def add_weight_grad(self, grad_rows: torch.Tensor) -> None:
         """The true gradient's push -u_h^T G_h v_h from one backward's gradient of W^Q, (H, D, C)
-        (each head's rows; in float64: a (D, C) matrix-vector product per head)."""
+        (each head's rows): products in the gradient's precision (FP32 for FP32 weights; no TF32,
+        no float64 copy of the gradient), their sums in float64."""
         if tuple(grad_rows.shape) != (self.num_heads, self.head_dim, self.width):
             raise ValueError(f"W^Q gradient of shape {tuple(grad_rows.shape)}, expected "
                              f"{(self.num_heads, self.head_dim, self.width)}")
         self._touched = True
-        g = grad_rows.to(self.device, torch.float64)
-        gv = torch.matmul(g, self.v.double()[..., None])[..., 0]  # (H, D)
-        self.push_true -= (gv * self.u.double()).sum(1)
+        g = grad_rows.to(self.device)
+        gv = (g * self.v[:, None, :]).sum(2, dtype=torch.float64)  # (H, D)
+        self.push_true -= (gv * self.u).sum(1)
         self.grad_calls += 1
 
     def watch_weight(self, param: Any, transposed: bool, active: Callable[[], bool],
