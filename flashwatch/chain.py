@@ -217,6 +217,16 @@ def _split_applies(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.is_cuda
 
 
+def _flags(values: list, device: torch.device) -> torch.Tensor:
+    """(L, 1) bool on ``device`` from per-chain flags: host booleans (made by fills, not copied from
+    the host: nothing waits; one fill when they agree, as they do when every layer was measured)
+    or 0-d device booleans (after the ranks' mean)."""
+    if all(isinstance(v, bool) for v in values) and len(set(values)) == 1:
+        return torch.full((len(values), 1), values[0], dtype=torch.bool, device=device)
+    return torch.stack([v if isinstance(v, torch.Tensor) else torch.full((), v, dtype=torch.bool, device=device)
+                        for v in values])[:, None]
+
+
 def _unit(t: torch.Tensor) -> torch.Tensor:
     """Each row of t (N, n) scaled to norm 1 (a zero row stays zero)."""
     return t / t.norm(dim=1, keepdim=True).clamp_min(1e-30)
@@ -437,12 +447,8 @@ class LayerChain:
             for c in chains:
                 c._end_step()
             return torch.full((len(chains), len(FIELDS), h), math.nan, dtype=torch.float64, device=device)
-        seen = [c._seen if c._seen is not None else
-                # a fill, not a copy from the host: nothing waits
-                (torch.full((), c.rows_calls > 0, dtype=torch.bool, device=device),
-                 torch.full((), c.grad_calls > 0, dtype=torch.bool, device=device)) for c in chains]
-        rows_seen = torch.stack([r for r, _ in seen])[:, None]  # (L, 1)
-        grad_seen = torch.stack([g for _, g in seen])[:, None]
+        rows_seen = _flags([c._seen[0] if c._seen is not None else c.rows_calls > 0 for c in chains], device)
+        grad_seen = _flags([c._seen[1] if c._seen is not None else c.grad_calls > 0 for c in chains], device)
         rows_seen4 = rows_seen[..., None, None]  # (L, 1, 1, 1) against (L, H, D, r)
 
         def stacked(name: str) -> torch.Tensor:
