@@ -171,16 +171,6 @@ def test_the_benchmark_runs_and_counts_the_device_half(tmp_path):
     assert set(got["step_ms"]) == {"monitored", "unmonitored"}
 
 
-class _CountAll(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("block", [2, 4, 8])
 def test_the_power_step_dispatches_few_ops_whatever_the_block(block):
     """One power-iteration step (all heads of all layers of one shape at once) is a fixed, small
@@ -190,9 +180,9 @@ def test_the_power_step_dispatches_few_ops_whatever_the_block(block):
     w = torch.randn(24, 16, 64, generator=torch.Generator().manual_seed(0))
     power = PowerIteration(w, block=block)
     power.step(w)
-    with _CountAll() as counter:
+    with _Count() as counter:
         power.step(w)
     assert counter.ops <= 70, f"{counter.ops} torch ops for one step at block {block}"
-    with _CountAll() as counter:
+    with _Count() as counter:
         top_pair(w, power.v, power.top_in_block())
     assert counter.ops <= 16, f"{counter.ops} torch ops for the top pairs"
