@@ -213,7 +213,7 @@ class _Factor:
 
 
 def _split_applies(x: torch.Tensor) -> bool:
-    """Whether ``_Factor.times`` multiplies x in BF16 parts: a BF16 tensor on CUDA (where mm has out_dtype)."""
+    """Whether ``_Factor.times_split`` multiplies x in BF16 parts: a BF16 tensor on CUDA (where mm has out_dtype)."""
     return x.dtype == torch.bfloat16 and x.is_cuda
 
 
@@ -347,8 +347,8 @@ class LayerChain:
     @torch.no_grad()
     def add_weight_grad(self, grad_rows: torch.Tensor) -> None:
         """The true gradient's push -u_h^T G_h v_h from one backward's gradient of W^Q, (H, D, C)
-        (each head's rows): products in the gradient's precision (FP32 for FP32 weights; no TF32,
-        no float64 copy of the gradient), their sums in float64."""
+        (each head's rows): elementwise products in FP32 (float64 for a float64 gradient; no TF32, no
+        float64 copy of the gradient), their sums in float64."""
         if tuple(grad_rows.shape) != (self.num_heads, self.head_dim, self.width):
             raise ValueError(f"W^Q gradient of shape {tuple(grad_rows.shape)}, expected "
                              f"{(self.num_heads, self.head_dim, self.width)}")
