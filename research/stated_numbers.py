@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import textwrap
 from pathlib import Path
@@ -29,8 +30,14 @@ LANDMARK = ROOT / "results/seed-split-5/landmark.json"  # the fifth protocol's t
 LANDMARK_TABLE = ROOT / "results/seed-split-5/landmark.md"
 README_ANCHOR = "**What the early warning predicts:"  # where the paragraph starts, whatever its verdict
 TEST_4_TABLE = ROOT / "results/seed-split-4/test.md"
-TABLES = {9: (TEST_1_TABLE, "<!-- test.md: generated"), 10: (TEST_2_TABLE, "<!-- test-2.md: generated"),
-          12: (TEST_4_TABLE, "<!-- test-4.md: generated"), 14: (LANDMARK_TABLE, "<!-- landmark.md: generated")}
+PILOT_8 = {1.25e-3: ROOT / "results/seed-split-8/pilot-outcomes-1.25e-3.json",  # the eighth protocol's pilots
+           1e-3: ROOT / "results/seed-split-8/pilot-outcomes-1e-3.json"}
+# every outcome at a constant rate, by rate: (the files holding the runs, the steps they ran to)
+RATE_OUTCOMES = {
+    2e-3: ((TEST_1,), 10_000), 1.75e-3: ((TEST_2,), 10_000),
+    1.5e-3: ((TEST_4, ROOT / "results/seed-split-5/outcomes-432-439.json",
+              ROOT / "results/seed-split-5/outcomes-440-447.json"), 20_000),
+    1.25e-3: ((PILOT_8[1.25e-3],), 20_000), 1e-3: ((PILOT_8[1e-3],), 20_000)}
 TABLE_END = "<!-- end test.md -->"
 
 
@@ -131,7 +138,7 @@ def readme_block() -> str:
             f"warns at least {MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm "
             f"in 7 survivors. At lr 2e-3 (2026-12-01), {b1 + s1} runs: {b1} blew up, {s1} survived 10,000 steps; at "
             f"lr 1.75e-3, {b2 + s2} runs{so_far}: {b2} and {s2} ({_monitoring_sentence(r1, r2)}). "
-            f"{_third_test_sentence(t4)} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} "
+            f"{_third_test_sentence(t4)} {_pilot_sentence()} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} "
             "Every rule: `docs/EXPERIMENTS.md` §9-14; the score in PromQL: `docs/GUIDE.md`.")
     t3 = t4["table"]
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
@@ -142,6 +149,53 @@ def readme_block() -> str:
                     f"{_early(t3[r])}/{b3} | {t2[r]['false_alarms']}/{s2} | {t3[r]['false_alarms']}/{s3} |")
     paragraph = textwrap.fill(text, 118, break_on_hyphens=False, break_long_words=False)
     return paragraph + "\n\n" + "\n".join(rows)
+
+
+def _rate(lr: float) -> str:
+    """A learning rate as the docs write it: 1.75e-3."""
+    return f"{lr * 1e3:g}e-3"
+
+
+def _blowups(files: tuple[Path, ...]) -> tuple[int, list[int], int]:
+    """Runs counted, their confirmed blow-up steps and survivors, from ``research.early_warning``
+    results (a test's or an ``outcomes``'); runs a test left out are not counted."""
+    runs = [v for f in files for v in json.loads(f.read_text())["runs"].values()]
+    steps = sorted(v["outcome"]["blowup"] for v in runs if v["outcome"]["blowup"] is not None and v["outcome"]["confirmed"])
+    return len(runs), steps, sum(1 for v in runs if v["outcome"]["survivor"])
+
+
+def rate_table() -> str:
+    """Outcomes at each constant learning rate of the seed-split configuration: how many runs blew
+    up, when, and the product of rate and median blow-up step (docs/EXPERIMENTS.md section 14)."""
+    rows = ["| constant lr after warm-up | runs to | runs | confirmed blow-ups | survivors | blow-up steps | median "
+            "| lr x median (1e-3 x 1,000 steps) |", "|---|---|---|---|---|---|---|---|"]
+    for lr, (files, horizon) in RATE_OUTCOMES.items():
+        n, steps, survivors = _blowups(files)
+        median = statistics.median(steps)
+        rows.append(f"| {_rate(lr)} | {horizon:,} steps | {n} | {len(steps)} | {survivors} | {steps[0]:,}-{steps[-1]:,} | "
+                    f"{median:,.0f} | {lr * median:.1f} |")
+    return "\n".join(rows)
+
+
+def _pilot_sentence() -> str:
+    """The eighth protocol's pilots at lower constant rates, from their ``outcomes`` results."""
+    counted = [_blowups((path,)) for path in PILOT_8.values()]
+    n, survivors = sum(c[0] for c in counted), sum(c[2] for c in counted)
+    steps = sorted(s for c in counted for s in c[1])
+    rates = " and ".join(_rate(lr) for lr in PILOT_8)
+    if survivors:
+        return f"At lr {rates}: {len(steps)} of {n} runs blew up by step 20,000, {survivors} survived."
+    return (f"At lr {rates} all {n} runs blew up by step 20,000 (steps {steps[0]:,}-{steps[-1]:,}): a lower constant "
+            "rate only delays it.")
+
+
+# the generated blocks of docs/EXPERIMENTS.md: section -> (the marker line before the block, its text)
+TABLES = {"9": ("<!-- test.md: generated", TEST_1_TABLE.read_text),
+          "10": ("<!-- test-2.md: generated", TEST_2_TABLE.read_text),
+          "12": ("<!-- test-4.md: generated", TEST_4_TABLE.read_text),
+          "14": ("<!-- landmark.md: generated", LANDMARK_TABLE.read_text),
+          "14 (1e-3 pilot)": ("<!-- pilot-outcomes-1e-3.md: generated", PILOT_8[1e-3].with_suffix(".md").read_text),
+          "14 (rates)": ("<!-- rates: generated", rate_table)}
 
 
 def _readme_span(readme: str) -> tuple[int, int]:
@@ -164,10 +218,10 @@ def differences() -> list[str]:
     if readme[a:b] != readme_block():
         out.append("README.md: the early-warning paragraph differs from research.stated_numbers.readme_block()")
     doc = (ROOT / "docs/EXPERIMENTS.md").read_text()
-    for section, (table, marker) in TABLES.items():
+    for section, (marker, text) in TABLES.items():
         a, b = _table_span(doc, marker)
-        if doc[a:b].strip() != table.read_text().strip():
-            out.append(f"docs/EXPERIMENTS.md: the table of section {section} differs from {table.relative_to(ROOT)}")
+        if doc[a:b].strip() != text().strip():
+            out.append(f"docs/EXPERIMENTS.md: the generated table of section {section} differs from its source")
     return out
 
 
@@ -177,10 +231,10 @@ def write() -> None:
     a, b = _readme_span(readme)
     readme_path.write_text(readme[:a] + readme_block() + readme[b:])
     doc_path = ROOT / "docs/EXPERIMENTS.md"
-    for table, marker in TABLES.values():
+    for marker, text in TABLES.values():
         doc = doc_path.read_text()
         a, b = _table_span(doc, marker)
-        doc_path.write_text(doc[:a] + table.read_text().strip() + "\n" + doc[b:])
+        doc_path.write_text(doc[:a] + text().strip() + "\n" + doc[b:])
 
 
 def main(argv: list[str] | None = None) -> int:
