@@ -1,12 +1,13 @@
 """The pre-registered test of the early warning (research/preregistration/early-warning-protocol.md).
 
     python -m research.early_warning calibrate RUNS... --out THRESHOLDS.json [--controls RUNS...]
-    python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md] [--require-complete]
+    python -m research.early_warning test RUNS... --thresholds THRESHOLDS.json --out RESULT.json [--markdown T.md] [--require-complete] [--horizon STEPS]
     python -m research.early_warning ratio RESULT.json [--rule chain] [--factor 3]
     python -m research.early_warning auc RUNS... --thresholds THRESHOLDS.json --lead 1000 --out AUC.json
     python -m research.early_warning landmark RUNS... --thresholds THRESHOLDS.json --lead 1000 --margin 1000 --out L.json
     python -m research.early_warning figure RESULT.json [RESULT.json ...] --rules chain,max_logit --out F.png
     python -m research.early_warning outcomes RUNS... --out O.json [--markdown O.md]
+    python -m research.early_warning pilot [--protocol 9] RATE=OUTCOMES.json [RATE=OUTCOMES.json]
 
 RUNS: run folders of the seed-split scenario, or folders holding them. Everything here follows
 the protocol: outcomes (blow-up, confirmed, survivor), each rule's per-run score series (the
@@ -34,6 +35,8 @@ from flashwatch.replay.blowup import BlowupTracker
 from flashwatch.replay.playback import build_signals, load_records
 from flashwatch.replay.records import read_run, read_steps
 from flashwatch.replay.runs import find_runs
+
+from research import pilot
 
 __all__ = ["RULES", "BASELINES", "START_STEP", "outcome", "scores", "calibrate", "evaluate"]
 
@@ -211,22 +214,27 @@ def calibrate(run_dirs: list[Path], control_dirs: list[Path] = ()) -> dict:
             "thresholds": theta, "calibration_runs": runs, "survivors_used": [str(d) for d in survivors]}
 
 
-def evaluate(run_dirs: list[Path], frozen: dict, require_complete: bool = False) -> dict:
+def evaluate(run_dirs: list[Path], frozen: dict, require_complete: bool = False, horizon: int | None = None) -> dict:
     """The test: per rule and baseline, detections and leads on confirmed blow-ups, false alarms on survivors.
 
     ``require_complete`` (the fourth protocol): a run whose monitoring is not complete before its
     blow-up (all of it for a survivor) is left out of every count and listed in
-    ``excluded_incomplete``."""
+    ``excluded_incomplete``. ``horizon`` (the ninth protocol): a survivor must have run this many
+    steps; a run without a blow-up that stopped short of it is left out and listed in
+    ``excluded_short``."""
     theta = dict(frozen["thresholds"])
     rules_theta = {**{r: theta[r] for r in RULES}, "qk_clip_100": 100.0, "zclip_2.5": 2.5,
                    "zclip_calibrated": theta["zclip"], "loss_spike": 1.0}
     source = {**{r: r for r in RULES}, "qk_clip_100": "qk_clip", "zclip_2.5": "zclip",
               "zclip_calibrated": "zclip", "loss_spike": "loss_spike"}
-    per_run, excluded, incomplete_left_out = {}, [], []
+    per_run, excluded, incomplete_left_out, short = {}, [], [], []
     for d in run_dirs:
         o = outcome(d)
         if o["blowup"] is not None and not o["confirmed"]:
             excluded.append({"run": str(d), "seed": read_run(d).get("seed"), "outcome": o})
+            continue
+        if horizon is not None and o["survivor"] and (o["last_step"] is None or o["last_step"] < horizon - 1):
+            short.append({"run": str(d), "seed": read_run(d).get("seed"), "outcome": o})
             continue
         m = monitoring(d, o["blowup"])
         if require_complete and not m["complete"]:
@@ -255,7 +263,7 @@ def evaluate(run_dirs: list[Path], frozen: dict, require_complete: bool = False)
     return {"protocol": frozen["protocol"], "thresholds_commit": frozen.get("commit"), "evaluated": time.strftime("%Y-%m-%d"),
             "commit": _commit(), "table": table, "runs": per_run, "excluded_unconfirmed": excluded,
             "monitoring_incomplete": incomplete, "require_complete": require_complete,
-            "excluded_incomplete": incomplete_left_out,
+            "excluded_incomplete": incomplete_left_out, "horizon": horizon, "excluded_short": short,
             "post_hoc_threshold_table": _post_hoc(per_run, source)}
 
 
@@ -283,49 +291,6 @@ def outcomes_markdown(result: dict) -> str:
     head = (f"{c['runs']} runs: {c['blowups_confirmed']} blew up (confirmed), {c['blowups_unconfirmed']} blew up "
             f"(not confirmed), {c['survivors']} survived; monitoring incomplete in {c['monitoring_incomplete']}.")
     return head + "\n\n" + runs_markdown(result)
-
-
-# --- the eighth protocol's pilot: which rate the alarm test runs at ------------------------------
-
-PILOT_RATES = (1.25e-3, 1e-3)  # in the protocol's order: the first runs first and wins ties
-PILOT_HORIZON = 20_000  # a pilot survivor ran this many steps without a blow-up
-PILOT_MIN_GROUP = 2  # a rate qualifies with at least this many confirmed blow-ups and survivors
-PILOT_EARLY = (3, 4, 5)  # survivors of 8 complete first-rate runs that choose it at once
-
-
-def pilot_counts(result: dict) -> dict:
-    """From an ``outcomes`` result: complete runs, their confirmed blow-ups and their survivors
-    (no blow-up through PILOT_HORIZON steps), as the eighth protocol counts them."""
-    done = [v for v in result["runs"].values() if v["monitoring"]["complete"]]
-    blowups = sum(1 for v in done if v["outcome"]["blowup"] is not None and v["outcome"]["confirmed"])
-    survivors = sum(1 for v in done if v["outcome"]["survivor"] and v["outcome"]["last_step"] >= PILOT_HORIZON - 1)
-    return {"complete": len(done), "blowups": blowups, "survivors": survivors,
-            "qualifies": blowups >= PILOT_MIN_GROUP and survivors >= PILOT_MIN_GROUP}
-
-
-def choose_rate(pilots: dict[float, dict]) -> dict:
-    """The eighth protocol's rule (research/preregistration/early-warning-protocol-8.md) on the pilots'
-    ``outcomes`` results by rate: ``{"decision": "test", "rate": r}``, ``{"decision": "run the next
-    pilot", "rate": r}`` or ``{"decision": "no test"}``, with each rate's counts."""
-    first, second = PILOT_RATES
-    if first not in pilots:
-        raise ValueError(f"the pilot at lr {first:g} runs first; got pilots at {sorted(pilots)}")
-    unknown = sorted(set(pilots) - set(PILOT_RATES))
-    if unknown:
-        raise ValueError(f"no pilot at lr {', '.join(f'{r:g}' for r in unknown)} in this protocol; its rates: "
-                         f"{', '.join(f'{r:g}' for r in PILOT_RATES)}")
-    counts = {r: pilot_counts(pilots[r]) for r in pilots}
-    c1 = counts[first]
-    if c1["qualifies"] and c1["complete"] == 8 and c1["survivors"] in PILOT_EARLY:
-        return {"decision": "test", "rate": first, "counts": counts, "why": "the first rate left 3-5 survivors of 8"}
-    if second not in pilots:
-        return {"decision": "run the next pilot", "rate": second, "counts": counts}
-    qualifying = [r for r in PILOT_RATES if counts[r]["qualifies"]]
-    if not qualifying:
-        return {"decision": "no test", "counts": counts, "why": "no rate had 2 confirmed blow-ups and 2 survivors"}
-    # nearest share of survivors to one half; a tie goes to the first rate (min keeps the first of equals)
-    rate = min(qualifying, key=lambda r: abs(counts[r]["survivors"] / counts[r]["complete"] - 0.5))
-    return {"decision": "test", "rate": rate, "counts": counts, "why": "the qualifying rate nearest one half"}
 
 
 def _verdict(n_blowups: int, early: int, n_survivors: int, false_alarms: int) -> str:
@@ -741,6 +706,10 @@ def runs_markdown(result: dict) -> str:
         o = e["outcome"]
         lines.append(f"| {e['seed']} | {o['blowup']:,}, not confirmed (left out) | {o['tail_median_loss']:.3f} / "
                      f"{o['best_median_before']:.3f} | {o['last_step'] + 1:,} | |")
+    for e in result.get("excluded_short", []):
+        o = e["outcome"]
+        ran = "-" if o["last_step"] is None else f"{o['last_step'] + 1:,}"
+        lines.append(f"| {e['seed']} | no blow-up, stopped before {result['horizon']:,} steps (left out) | | {ran} | |")
     for e in result.get("excluded_incomplete", []):
         m = e["monitoring"]
         lines.append(f"| {e['seed']} | monitoring incomplete (left out) | | | "
@@ -807,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out runs whose monitoring failed before their blow-up or end (the fourth protocol)")
     t.add_argument("--protocol", help="the protocol file this test was registered in, recorded in the result with "
                    "its commit (the result's 'protocol' is the one that froze the thresholds)")
+    t.add_argument("--horizon", type=int, help="steps a survivor must have run (the ninth protocol: 10000); runs "
+                   "without a blow-up that stopped sooner are left out and listed")
     q = sub.add_parser("ratio", help="blow-up step over a rule's first firing step, per run of a test result")
     q.add_argument("result")
     q.add_argument("--rule", default="chain", choices=RULES + BASELINES)
@@ -827,8 +798,10 @@ def main(argv: list[str] | None = None) -> int:
     lm.add_argument("--out", required=True)
     lm.add_argument("--markdown")
     lm.add_argument("--protocol", help="the protocol file this test was registered in, recorded in the result with its commit")
-    pl = sub.add_parser("pilot", help="the eighth protocol's choice of rate from its pilots' outcomes results")
+    pl = sub.add_parser("pilot", help="a protocol's choice of rate from its pilots' outcomes results (research.pilot)")
     pl.add_argument("pilots", nargs="+", metavar="RATE=OUTCOMES.json")
+    pl.add_argument("--protocol", type=int, default=8, choices=sorted(pilot.RULES),
+                    help="whose pilot rule (default 8)")
     oc = sub.add_parser("outcomes", help="each run's outcome and monitoring, no rule (before a protocol's analysis)")
     oc.add_argument("runs", nargs="+")
     oc.add_argument("--out", required=True)
@@ -858,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
             if not sep or pilots[float(rate)].get("kind") != "outcomes":
                 raise SystemExit(f"{item}: expected RATE=OUTCOMES.json, a result of 'early_warning outcomes'")
         try:
-            choice = choose_rate(pilots)
+            choice = pilot.choose(pilot.RULES[args.protocol], pilots)
         except ValueError as e:
             raise SystemExit(str(e))
         print(json.dumps(choice, indent=1, default=str))
@@ -904,8 +877,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.protocol and not Path(args.protocol).is_file():
         raise SystemExit(f"--protocol {args.protocol}: no such file (a protocol under research/preregistration/)")
+    if args.horizon is not None and args.horizon <= 0:
+        raise SystemExit(f"--horizon must be a positive number of steps, got {args.horizon}")
     frozen = json.loads(Path(args.thresholds).read_text())
-    result = evaluate(_runs(args.runs), frozen, require_complete=args.require_complete)
+    result = evaluate(_runs(args.runs), frozen, require_complete=args.require_complete, horizon=args.horizon)
     result["thresholds_file"] = args.thresholds
     result["thresholds_file_commit"] = _file_commit(Path(args.thresholds))
     if args.protocol:

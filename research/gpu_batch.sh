@@ -33,6 +33,10 @@
 #                                              # (SPLIT7_ARMS=fp32_delta_lr0.0015 or fp32_lr0.0015: one arm per GPU run)
 #   SPLIT8_LR=0.00125 SPLIT_SEEDS=500-507 bash research/gpu_batch.sh split8-pilot   # the eighth protocol's pilot
 #   SPLIT8_LR=... SPLIT_SEEDS=600-607 bash research/gpu_batch.sh split8             # its test, block by block
+#   SPLIT9_LR=0.0025 SPLIT_SEEDS=520-527 bash research/gpu_batch.sh split9-pilot    # the ninth protocol's pilot
+#   SPLIT9_LR=... SPLIT_SEEDS=700-707 bash research/gpu_batch.sh split9             # its test, block by block
+#   SPLIT9_LR=... bash research/gpu_batch.sh split9-controls                        # FP32 and fp32_delta, seeds 760-763
+#   (one device call of any of these, with MPS and packing: research/split_call.sh TARGET)
 #   (eight parallel runs go 1.68x faster sharing the GPU through CUDA MPS: `source research/mps_env.sh` first)
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
 #                                              # one GPU), one piece per call like split-*: the first call
@@ -56,7 +60,7 @@ CODE="code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || e
 VERSIONS=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)")
 echo "$CODE"; echo "$VERSIONS"
 case "${1:-1}" in
-split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8)
+split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8|split9-pilot|split9|split9-controls)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -75,9 +79,14 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
     # the rate the pilot chose (SPLIT8_LR=0.00125 or 0.001, SPLIT_SEEDS=600-607 ... 624-631)
     split8-pilot) what=(--arms sdpa_observe_lr${SPLIT8_LR:?name the rate: 0.00125 or 0.001} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=pilot8 ;;
     split8) what=(--arms sdpa_observe_lr${SPLIT8_LR:?name the rate the pilot chose} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 20000); tag=test8 ;;
+    # the ninth protocol: peak rates of a cosine decay ending at step 10,000; its pilot (SPLIT9_LR=0.0025,
+    # SPLIT_SEEDS=520-527; then 0.002 or 0.003 at 530-537), its test at the chosen peak (700-707 ... 716-723), the controls
+    split9-pilot) what=(--arms sdpa_observe_cos${SPLIT9_LR:?name the peak: 0.0025, 0.002 or 0.003} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 10000); tag=pilot9 ;;
+    split9) what=(--arms sdpa_observe_cos${SPLIT9_LR:?name the peak the pilot chose} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 10000); tag=test9 ;;
+    split9-controls) what=(--arms fp32_cos${SPLIT9_LR:?name the peak the pilot chose},fp32_delta_cos${SPLIT9_LR} --seeds ${SPLIT_SEEDS:-760-763} --max-steps 10000); tag=controls9 ;;
   esac
-  if { [ "$tag" = test4 ] || [ "$tag" = test6 ] || [ "$tag" = test7 ] || [ "$tag" = pilot8 ] || [ "$tag" = test8 ]; } \
-      && [ ! -d "$SPLIT_RUNS/$tag" ]; then
+  CHECKED=" test4 test6 test7 pilot8 test8 pilot9 test9 controls9 "  # protocols that count only fully measured runs
+  if [[ "$CHECKED" == *" $tag "* ]] && [ ! -d "$SPLIT_RUNS/$tag" ]; then
     # the fourth protocol and those after it count only runs measured at every monitored step: check on this GPU first
     # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)
     python3 -m pytest -q -p no:cacheprovider tests/test_resume_gpu.py > /tmp/resume-check.log 2>&1 \
@@ -94,7 +103,7 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
   # the recordings without checkpoints (what the claims need), every call, so nothing is lost; one
   # archive per ten seeds (seed20*, seed21*, ...), each under the 16 MiB a returned file may have
   # (20,000-step runs: one archive per three runs)
-  if [ "$tag" = test3 ] || [ "$tag" = test4 ] || [ "$tag" = test7 ] || [ "$tag" = pilot8 ] || [ "$tag" = test8 ]; then
+  if [ "$tag" = test3 ] || [[ "$CHECKED" == *" $tag "* && "$tag" != test6 ]]; then
     (cd "$SPLIT_RUNS/$tag" && ls -d */*/seed* | xargs -n 3 | while read -r group; do
        tar czf "$OUT/seed-split-$tag-runs-$(echo $group | sed 's#[^ ]*/seed##g; s# #-#g').tgz" --exclude=checkpoint.pt $group
      done)

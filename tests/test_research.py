@@ -553,6 +553,28 @@ def test_the_fourth_protocol_leaves_incomplete_runs_out_of_every_count(monkeypat
     assert (loose["table"]["max_logit"]["blowups"], loose["table"]["max_logit"]["survivors"]) == (2, 2)
 
 
+def test_the_ninth_protocol_counts_a_survivor_only_at_the_end_of_its_schedule(monkeypatch):
+    """evaluate(horizon=10_000): a run without a blow-up that stopped before the horizon is no
+    survivor and is listed apart; one that ran to it is; a blow-up counts wherever it stopped."""
+    from research import early_warning as ew
+    runs = {"b1": (5000, 5999), "s1": (None, 9999), "s2": (None, 7499)}
+    monkeypatch.setattr(ew, "outcome", lambda d: {"blowup": runs[d.name][0], "confirmed": True,
+                                                  "survivor": runs[d.name][0] is None, "last_step": runs[d.name][1],
+                                                  "tail_median_loss": 1.0, "best_median_before": 0.5})
+    monkeypatch.setattr(ew, "monitoring", lambda d, upto: {"complete": True, "failed_steps": 0, "measured_through": 1})
+    monkeypatch.setattr(ew, "scores", lambda d, theta_coherence: {r: [(600, 9.0)] for r in (*ew.RULES, "qk_clip",
+                                                                                           "zclip", "loss_spike")})
+    monkeypatch.setattr(ew, "read_run", lambda d: {"seed": d.name})
+    frozen = {"protocol": "p", "thresholds": {**{r: 1.0 for r in ew.RULES}, "zclip": 3.0}}
+    result = ew.evaluate([Path(n) for n in runs], frozen, require_complete=True, horizon=10_000)
+    assert [e["seed"] for e in result["excluded_short"]] == ["s2"]
+    assert (result["table"]["chain"]["blowups"], result["table"]["chain"]["survivors"]) == (1, 1)
+    assert "| s2 | no blow-up, stopped before 10,000 steps (left out) | | 7,500 | |" in ew.runs_markdown(result)
+    assert ew.evaluate([Path(n) for n in runs], frozen)["table"]["chain"]["survivors"] == 2
+    with pytest.raises(SystemExit, match="--horizon must be a positive number of steps"):
+        ew.main(["test", "x", "--thresholds", "t.json", "--out", "o.json", "--horizon", "0"])
+
+
 def test_a_run_records_the_pinned_commit_of_an_archived_copy(tmp_path):
     """A `git archive` copy run from inside another checkout (research/gpu_batch.sh's pinned code)
     records the commit written beside it, not the enclosing checkout's HEAD, and which copy ran."""
@@ -761,13 +783,14 @@ def test_a_control_arm_is_judged_with_its_own_label_and_bounds(tmp_path):
                                                            f"{saved['test_protocol_commit']})")
 
 
-def _pilot(survivors: int, blowups: int, incomplete: int = 0, short: int = 0) -> dict:
-    """An 'outcomes' result: ``survivors`` runs to 20,000 steps, ``blowups`` confirmed blow-ups,
-    ``incomplete`` survivors whose monitoring failed, ``short`` runs without a blow-up cut at 15,000."""
+def _pilot(survivors: int, blowups: int, incomplete: int = 0, short: int = 0, horizon: int = 20_000) -> dict:
+    """An 'outcomes' result: ``survivors`` runs to ``horizon`` steps, ``blowups`` confirmed blow-ups,
+    ``incomplete`` survivors whose monitoring failed, ``short`` runs without a blow-up cut at 3/4 of it."""
     runs = {}
     for i in range(survivors + blowups + incomplete + short):
-        blowup = 9000 if survivors <= i < survivors + blowups else None
-        last = 14999 if i >= survivors + blowups + incomplete else (10000 if blowup else 19999)
+        blowup = horizon // 2 if survivors <= i < survivors + blowups else None
+        last = horizon * 3 // 4 - 1 if i >= survivors + blowups + incomplete else (
+            horizon // 2 + 1000 if blowup else horizon - 1)
         runs[f"s{i}"] = {"seed": i, "outcome": {"blowup": blowup, "confirmed": blowup is not None,
                                                 "survivor": blowup is None, "last_step": last},
                          "monitoring": {"complete": not (survivors + blowups <= i < survivors + blowups + incomplete)}}
@@ -779,23 +802,87 @@ def test_the_eighth_protocols_pilot_rule_picks_the_rate():
     runs; else the 1e-3 pilot, then the qualifying rate (>= 2 confirmed blow-ups, >= 2 survivors to
     20,000 steps) nearest one half, a tie to 1.25e-3; none qualifying: no test."""
     from research import early_warning as ew
+    from research import pilot
 
-    assert ew.choose_rate({1.25e-3: _pilot(4, 4)})["rate"] == 1.25e-3
-    assert ew.choose_rate({1.25e-3: _pilot(3, 5)})["decision"] == "test"
-    nxt = ew.choose_rate({1.25e-3: _pilot(1, 7)})
+    rule = pilot.RULES[8]
+    assert pilot.choose(rule, {1.25e-3: _pilot(4, 4)})["rate"] == 1.25e-3
+    assert pilot.choose(rule, {1.25e-3: _pilot(3, 5)})["decision"] == "test"
+    nxt = pilot.choose(rule, {1.25e-3: _pilot(1, 7)})
+    assert (nxt["decision"], nxt["rate"]) == ("run the next pilot", 1e-3)
+    nxt = pilot.choose(rule, {1.25e-3: _pilot(7, 1)})  # too many survivors: the eighth still goes lower
     assert (nxt["decision"], nxt["rate"]) == ("run the next pilot", 1e-3)
     # 6 of 8 survive: not chosen at once; 1e-3 with 4 of 8 is nearer one half
-    assert ew.choose_rate({1.25e-3: _pilot(6, 2), 1e-3: _pilot(4, 4)})["rate"] == 1e-3
+    assert pilot.choose(rule, {1.25e-3: _pilot(6, 2), 1e-3: _pilot(4, 4)})["rate"] == 1e-3
     # a tie (2 of 8 and 6 of 8 are equally far from one half) goes to 1.25e-3
-    assert ew.choose_rate({1.25e-3: _pilot(2, 6), 1e-3: _pilot(6, 2)})["rate"] == 1.25e-3
+    assert pilot.choose(rule, {1.25e-3: _pilot(2, 6), 1e-3: _pilot(6, 2)})["rate"] == 1.25e-3
     # an incomplete run does not count, and a run cut before 20,000 steps is no survivor
-    counts = ew.pilot_counts(_pilot(3, 4, incomplete=1))
+    counts = pilot.counts(_pilot(3, 4, incomplete=1), rule.horizon)
     assert (counts["complete"], counts["survivors"], counts["blowups"]) == (7, 3, 4)
-    assert ew.choose_rate({1.25e-3: _pilot(3, 4, incomplete=1)})["decision"] == "run the next pilot"
-    assert ew.pilot_counts(_pilot(1, 5, short=2))["survivors"] == 1
-    assert ew.choose_rate({1.25e-3: _pilot(0, 8), 1e-3: _pilot(8, 0)})["decision"] == "no test"
-    assert ew.choose_rate({1.25e-3: _pilot(1, 7), 1e-3: _pilot(2, 6)})["rate"] == 1e-3
+    assert pilot.choose(rule, {1.25e-3: _pilot(3, 4, incomplete=1)})["decision"] == "run the next pilot"
+    assert pilot.counts(_pilot(1, 5, short=2), rule.horizon)["survivors"] == 1
+    assert pilot.choose(rule, {1.25e-3: _pilot(0, 8), 1e-3: _pilot(8, 0)})["decision"] == "no test"
+    assert pilot.choose(rule, {1.25e-3: _pilot(1, 7), 1e-3: _pilot(2, 6)})["rate"] == 1e-3
     with pytest.raises(ValueError, match="runs first"):
-        ew.choose_rate({1e-3: _pilot(4, 4)})
+        pilot.choose(rule, {1e-3: _pilot(4, 4)})
     with pytest.raises(SystemExit, match="expected RATE=OUTCOMES.json"):
         ew.main(["pilot", "0.00125"])
+
+
+def test_the_ninth_protocols_pilot_rule_goes_up_or_down_from_its_first_peak():
+    """early-warning-protocol-9.md: peak 2.5e-3 first, chosen at once with 3-5 survivors of 8 (no blow-up
+    through step 10,000); else 2e-3 when half or fewer survived, 3e-3 when more than half did; then the
+    qualifying peak nearest one half, a tie to 2.5e-3."""
+    from research import pilot
+
+    rule = pilot.RULES[9]
+    p = lambda s, b, **kw: _pilot(s, b, horizon=10_000, **kw)  # noqa: E731
+    assert pilot.choose(rule, {2.5e-3: p(3, 5)})["rate"] == 2.5e-3
+    assert pilot.choose(rule, {2.5e-3: p(1, 7)})["rate"] == 2e-3
+    assert pilot.choose(rule, {2.5e-3: p(6, 2)})["rate"] == 3e-3
+    assert pilot.choose(rule, {2.5e-3: p(6, 2)})["decision"] == "run the next pilot"
+    assert pilot.choose(rule, {2.5e-3: p(6, 2), 3e-3: p(4, 4)})["rate"] == 3e-3
+    assert pilot.choose(rule, {2.5e-3: p(2, 6), 2e-3: p(6, 2)})["rate"] == 2.5e-3  # a tie: the first
+    assert pilot.choose(rule, {2.5e-3: p(0, 8), 2e-3: p(1, 7)})["decision"] == "no test"
+    # a run cut at 7,500 steps without a blow-up is no survivor of a 10,000-step schedule
+    assert pilot.counts(p(2, 4, short=2), rule.horizon)["survivors"] == 2
+    with pytest.raises(ValueError, match="not 0.002"):  # the first showed too many survivors: 3e-3 runs next
+        pilot.choose(rule, {2.5e-3: p(7, 1), 2e-3: p(4, 4)})
+    with pytest.raises(ValueError, match="no pilot at lr 0.001 in protocol 9"):
+        pilot.choose(rule, {2.5e-3: p(4, 4), 1e-3: p(4, 4)})
+
+
+def test_the_learning_rate_schedule_warms_up_then_holds_or_decays_by_a_cosine():
+    """Recipes without decay keep the rates they always had (the same floats, so recorded runs resume
+    unchanged); with decay_steps the rate falls by a cosine to min_lr_ratio x peak there and holds."""
+    from research.experiments.scenarios import SEED_SPLIT, learning_rate
+
+    constant = SEED_SPLIT.recipe.to_dict()
+    del constant["decay_steps"]  # a recipe recorded before the schedule existed
+    for step in (0, 57, 199, 200, 5_000, 19_999):
+        assert learning_rate(constant, step) == constant["lr"] * min(1.0, (step + 1) / constant["warmup_steps"])
+    cos = {**SEED_SPLIT.recipe.to_dict(), "lr": 2.5e-3, "decay_steps": 10_000}
+    assert learning_rate(cos, 199) == 2.5e-3
+    assert learning_rate(cos, 5_100) == pytest.approx(2.5e-4 + 2.25e-3 * 0.5)
+    assert learning_rate(cos, 10_000) == learning_rate(cos, 12_345) == pytest.approx(2.5e-4)
+    rates = [learning_rate(cos, s) for s in range(200, 10_001, 100)]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+
+
+def test_the_ninth_protocols_arms_decay_and_a_tiny_run_decays_over_its_own_length(tmp_path):
+    from research.experiments.runner import make_plan
+    from research.experiments.scenarios import SEED_SPLIT, SPLIT_DECAY_9
+
+    for kind in ("sdpa_observe", "fp32", "fp32_delta"):
+        arm = SEED_SPLIT.arm(f"{kind}_cos0.0025")
+        assert (arm.lr, arm.decay_steps) == (2.5e-3, SPLIT_DECAY_9)
+
+    def plan(arm, **kw):
+        return make_plan([(SEED_SPLIT, [arm])], [520], tmp_path, device=None, max_seconds=None, **kw)[0].recipe
+
+    full = plan("sdpa_observe_cos0.0025", tiny=False, max_steps=10_000)
+    assert (full["lr"], full["decay_steps"]) == (2.5e-3, 10_000)
+    assert plan("sdpa_observe_cos0.0025", tiny=True, max_steps=30)["decay_steps"] == 30
+    assert plan("sdpa_observe", tiny=False, max_steps=None)["decay_steps"] == 0
+    with pytest.raises(ValueError, match="decay_steps must be a positive step count"):
+        from research.experiments.scenarios import Arm
+        Arm("x", "x", "failure", decay_steps=0)

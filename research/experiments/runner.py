@@ -105,6 +105,8 @@ def make_plan(scenarios: list[tuple[Scenario, list]], seeds: list[int] | None, o
         if arm.lr is not None and not tiny:
             recipe = replace(recipe, lr=arm.lr)
         steps = max_steps if max_steps is not None else (scenario.tiny_max_steps if tiny else scenario.max_steps)
+        if arm.decay_steps is not None:  # a tiny run decays over its own length: the same code path, shortened
+            recipe = replace(recipe, decay_steps=steps if tiny else arm.decay_steps)
         plan.append(RunSpec(scenario=scenario.name, arm=arm.to_dict(), recipe=recipe.to_dict(), seed=seed,
                             run_dir=str(out / scenario.name / name / f"seed{seed}"), device=device or scenario.device,
                             max_steps=steps, max_seconds=max_seconds if max_seconds is not None else scenario.max_seconds,

@@ -33,11 +33,12 @@ heads, d=64, context 64, batch 4), exercising the same code path as the full run
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from flashwatch.vocabulary import INJECTED
 
-__all__ = ["Recipe", "Arm", "Scenario", "SCENARIOS", "TINY", "PRECISIONS", "ATTENTIONS", "EXPECTS", "get_scenario"]
+__all__ = ["Recipe", "learning_rate", "Arm", "Scenario", "SCENARIOS", "TINY", "PRECISIONS", "ATTENTIONS", "EXPECTS", "get_scenario"]
 
 PRECISIONS = ("bf16", "fp32", "bf16_attention")
 ATTENTIONS = ("sdpa", "paper", "format")
@@ -53,8 +54,10 @@ class Recipe:
     n_embd: int = 384
     block_size: int = 512  # context length
     batch_size: int = 32
-    lr: float = 3e-3  # AdamW peak learning rate, constant after a linear warm-up
+    lr: float = 3e-3  # AdamW peak learning rate, after a linear warm-up
     warmup_steps: int = 200
+    decay_steps: int = 0  # 0: the rate stays at its peak; else cosine decay to min_lr_ratio x peak at this step
+    min_lr_ratio: float = 0.1  # the decayed rate's floor, over the peak (held after decay_steps)
     beta1: float = 0.9
     beta2: float = 0.95
     weight_decay: float = 0.0
@@ -64,6 +67,25 @@ class Recipe:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def learning_rate(recipe: dict, step: int) -> float:
+    """The rate at ``step`` (from 0) of a recipe given as ``Recipe.to_dict()``: a linear warm-up over
+    ``warmup_steps`` to ``lr``, then ``lr`` held (``decay_steps`` 0, or absent in recipes recorded
+    before the schedule existed) or a cosine from ``lr`` down to ``min_lr_ratio * lr`` reached at
+    ``decay_steps`` and held after it (nanoGPT's schedule)."""
+    peak = recipe["lr"]
+    warmup = max(1, int(recipe["warmup_steps"]))
+    if step < warmup:
+        return peak * min(1.0, (step + 1) / warmup)  # as written before the schedule existed: the same floats
+    decay = int(recipe.get("decay_steps", 0))
+    if decay <= 0:
+        return peak
+    floor = peak * recipe.get("min_lr_ratio", 0.1)
+    if step >= decay:
+        return floor
+    progress = (step - warmup) / max(1, decay - warmup)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)
@@ -88,6 +110,8 @@ class Arm:
         monitor: ``MonitorConfig`` fields of the arm (mode, variant, auto_fix, ...).
         inject: strength of the INJECTED rounding bias (``flashwatch.kernels.faults``; 0: none).
         lr: learning rate overriding the recipe's (None: the recipe's).
+        decay_steps: the step where a cosine decay of the rate ends, overriding the recipe's (None:
+            the recipe's; ``learning_rate``); tiny runs decay over their own length.
         device: ``"cuda"`` or ``"cpu"``: where the arm is meant to run.
         note: caveats shown in the manual and the docs.
     """
@@ -100,6 +124,7 @@ class Arm:
     monitor: dict = field(default_factory=dict)
     inject: float = 0.0
     lr: float | None = None
+    decay_steps: int | None = None
     device: str = "cuda"
     note: str = ""
     format: str = ""
@@ -125,6 +150,8 @@ class Arm:
                                  f"{self.format_variant!r}, {self.format_v!r}")
         elif self.format:
             raise ValueError(f"arm {self.name}: format={self.format!r} is only used with attention='format'")
+        if self.decay_steps is not None and self.decay_steps <= 0:
+            raise ValueError(f"arm {self.name}: decay_steps must be a positive step count, got {self.decay_steps}")
         if self.expect not in EXPECTS:
             raise ValueError(f"Arm.expect must be one of {EXPECTS}, got {self.expect!r}")
         if self.inject and self.monitor.get("mode") != "own_kernel":
@@ -285,6 +312,9 @@ SPLIT_LR = 2e-3  # where seeds split between blow-up and survival (research/prer
 SPLIT_LR_2 = 1.75e-3  # the second protocol's rate (research/preregistration/early-warning-protocol-2.md)
 SPLIT_LR_4 = 1.5e-3  # the fourth protocol's rate (research/preregistration/early-warning-protocol-4.md)
 SPLIT_LRS_8 = (1.25e-3, 1e-3)  # the eighth protocol's pilot rates (research/preregistration/early-warning-protocol-8.md)
+# the ninth protocol (research/preregistration/early-warning-protocol-9.md): peak rates of a cosine decay ending here
+SPLIT_PEAKS_9 = (2.5e-3, 2e-3, 3e-3)  # its first pilot rate, then the lower or the higher one
+SPLIT_DECAY_9 = 10_000
 
 SEED_SPLIT = Scenario(
     name="seed-split", device="cuda",
@@ -321,6 +351,17 @@ SEED_SPLIT = Scenario(
         *(Arm(f"sdpa_observe_lr{lr:g}", f"as sdpa_observe, at lr {lr:g}", "failure", monitor={"mode": "observe"},
               lr=lr, note="the eighth pre-registered protocol's pilot and test rates (research/preregistration/)")
           for lr in SPLIT_LRS_8),
+        *(arm for lr in SPLIT_PEAKS_9 for arm in (
+            Arm(f"sdpa_observe_cos{lr:g}", f"as sdpa_observe, peak lr {lr:g} decayed by a cosine to {lr / 10:g} at "
+                f"step {SPLIT_DECAY_9:,}", "failure", monitor={"mode": "observe"}, lr=lr, decay_steps=SPLIT_DECAY_9,
+                note="the ninth pre-registered protocol (research/preregistration/): training that ends, so a run "
+                     "that has not blown up by the end of its schedule is a survivor"),
+            Arm(f"fp32_cos{lr:g}", f"as fp32, peak lr {lr:g} with the same cosine decay", "healthy",
+                precision="fp32", monitor={"mode": "observe"}, lr=lr, decay_steps=SPLIT_DECAY_9,
+                note="the ninth protocol's FP32 control"),
+            Arm(f"fp32_delta_cos{lr:g}", f"as fp32_delta, peak lr {lr:g} with the same cosine decay", "healthy",
+                monitor=_own("fp32_delta"), lr=lr, decay_steps=SPLIT_DECAY_9,
+                note="the ninth protocol's fp32_delta control"))),
     ),
     default_arms=("sdpa_observe",),
 )

@@ -170,6 +170,7 @@ def run(spec: dict) -> int:
     from flashwatch.tinygpt import stdlib_corpus
 
     from .model import ExperimentGPT
+    from .scenarios import learning_rate
 
     run_dir = Path(spec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -289,7 +290,7 @@ def run(spec: dict) -> int:
             if step >= end:
                 step -= 1
                 break
-            lr = recipe["lr"] * min(1.0, (step + 1) / max(1, recipe["warmup_steps"]))
+            lr = learning_rate(recipe, step)
             for group in opt.param_groups:
                 group["lr"] = lr
             ix = torch.randint(data.numel() - T - 1, (B,), generator=gen).to(dev)
