@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|compiled|
+#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|compiled|
 #                                   autotune|kernels|graphs|profile|ddp|host|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
@@ -14,6 +14,7 @@
 # Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode); graphs: CUDA graphs
 # (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings;
 # hostcheck: the sync tests, then the Monitor's cost eager and compiled (default mode), about 5 minutes;
+# equivalence: benchmarks/training_equivalence.py (does monitoring change training? about 4 minutes);
 # profile: where an eager monitored step's extra device time goes (torch.profiler, observe mode), the
 # chain's rows reduced in the kernels (the default), then stored
 # statsweep: benchmarks/stats_sweep.py, the tiles of the observe-mode statistics kernel with the chain's rows
@@ -90,6 +91,9 @@ for step in $steps; do
                  | tee "$OUT/monitor_overhead.log" | grep -v Warning
                timeout 240 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
                  --json "$OUT/monitor_overhead_compiled.json" 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
+    # does monitoring change training? the same steps under SDPA, observe and own-kernel mode, eager and compiled
+    equivalence) timeout 500 python3 benchmarks/training_equivalence.py --json "$OUT/training_equivalence.json" 2>&1 \
+                   | tee "$OUT/training_equivalence.log" | grep -v Warning ;;
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;
     host) timeout 200 python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/host_overhead.log" ;;

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 @pytest.mark.parametrize("script", ["host_overhead.py", "host_profile.py", "dq_stats_sweep.py", "profile_kernels.py",
                                     "profile_monitored_step.py", "sync_points.py", "step_kernels.py",
-                                    "stats_sweep.py"])
+                                    "stats_sweep.py", "training_equivalence.py"])
 def test_gpu_only_benchmark_scripts_exit_2_and_say_they_need_cuda(script):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
@@ -248,3 +248,25 @@ def test_device_shell_scripts_parse(script):
     """The scripts run on the device machine parse (bash -n): a syntax error there costs a GPU call."""
     proc = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_training_equivalence_finds_observe_mode_leaves_the_eager_step_bit_for_bit(capsys):
+    """The CPU smoke of benchmarks/training_equivalence.py: every arm trains from the same weights on the
+    same batches; observe mode's losses equal SDPA's bit for bit, own-kernel mode's stay within rounding,
+    and every arm's first gradient is near the float64 one."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import training_equivalence as te
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    cfg = te._config(True, 32)
+    state = {k: v.detach().clone() for k, v in te.GPT(cfg).state_dict().items()}
+    batches = te._batches(cfg, 2, 32, "cpu")
+    g64 = te.reference_gradient(cfg, state, batches[0])
+    arms = [te.run_arm(n, cfg, state, batches, 4, "cpu", g64, interval=2) for n in ("sdpa", "observe", "own_kernel")]
+    te.compare(arms)
+    by = {a["arm"]: a for a in arms}
+    assert by["observe"]["bitwise"] and by["observe"]["reference"] == "sdpa"
+    assert not by["own_kernel"]["bitwise"] and by["own_kernel"]["max_gap"] < 1e-2
+    assert all(a["grad_error"] < 2e-2 for a in arms)  # BF16 autocast: ~5e-3 against float64 here
