@@ -59,4 +59,12 @@ PY
   done
   wait
 }
+# the outcomes of every run finished on this machine so far (blow-up steps and survivors, no rule: what a
+# protocol reports before its analysis; paused runs are not among them), so that the next call can be
+# chosen without leaving the machine idle
+TAG_DIRS=$(cat /tmp/split-packed 2>/dev/null)
+if [ -n "$TAG_DIRS" ]; then
+  python3 -m research.early_warning outcomes $TAG_DIRS --out "$OUT/outcomes.json" --markdown "$OUT/outcomes.md" \
+    > /dev/null 2>&1 && head -1 "$OUT/outcomes.md"
+fi
 ls -la "$OUT"
