@@ -52,3 +52,26 @@ def test_unmonitored_steps_never_wait_for_the_gpu(mode, compiled):
     finally:
         monitor.detach()
         monitor.close()
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_the_power_step_and_the_top_pair_never_wait_for_the_gpu(block):
+    """The monitored step's W^Q work on CUDA: Cholesky QR (``cholesky_ex``, ``solve_triangular``), the
+    top eigenvector and the top pair dispatch without a host wait, also when a head's block has no
+    independent columns (its NaN stays on the device)."""
+    from flashwatch.chain import top_pair
+    from flashwatch.signals import PowerIteration
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(12, 64, 768, device="cuda", generator=g)
+    power = PowerIteration(w, block=block)  # the SVD seed synchronizes: before the check
+    w[3] = 0.0  # a head whose block collapses
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sigma = power.step(w)
+        u, v = top_pair(w, power.v, power.top_in_block())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(sigma[torch.arange(12, device="cuda") != 3]).all()
+    assert u.shape == (12, 64) and v.shape == (12, 768)
