@@ -19,6 +19,7 @@ mkdir -p "$OUT"
 ROOT=$PWD
 CODE_DIR=${SPLIT_CODE:-.devrun/reg}
 export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1
+[ -e flashwatch/kernels ] || ln -s ../kernels flashwatch/kernels  # the analysis below imports the package from here
 [ -f "$CODE_DIR/CODE_COMMIT" ] || { echo "no $CODE_DIR/CODE_COMMIT (the registered code's git archive copy): carry it"; exit 2; }
 source research/mps_env.sh
 LEFT=${SPLIT_SECONDS:-$(( 600 - SECONDS - 100 ))}
