@@ -14,7 +14,8 @@
 # Monitor's cost on GPT-2 small, eager and torch.compile'd (default mode); graphs: CUDA graphs
 # (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings;
 # hostcheck: the sync tests, then the Monitor's cost eager and compiled (default mode), about 5 minutes;
-# equivalence: benchmarks/training_equivalence.py (does monitoring change training? about 4 minutes);
+# equivalence: does monitoring change training? observe mode's gradients against none (GPU test), then
+# benchmarks/training_equivalence.py (about 5 minutes);
 # profile: where an eager monitored step's extra device time goes (torch.profiler, observe mode), the
 # chain's rows reduced in the kernels (the default), then stored
 # statsweep: benchmarks/stats_sweep.py, the tiles of the observe-mode statistics kernel with the chain's rows
@@ -97,7 +98,8 @@ for step in $steps; do
                timeout 240 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
                  --json "$OUT/monitor_overhead_compiled.json" 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
     # does monitoring change training? the same steps under SDPA, observe and own-kernel mode, eager and compiled
-    equivalence) timeout 500 python3 benchmarks/training_equivalence.py --json "$OUT/training_equivalence.json" 2>&1 \
+    equivalence) gpu_tests gpu_equivalence 150 tests/test_compile_gpu.py -k leaves_every_gradient
+                 timeout 420 python3 benchmarks/training_equivalence.py --json "$OUT/training_equivalence.json" 2>&1 \
                    | tee "$OUT/training_equivalence.log" | grep -v Warning ;;
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;

@@ -694,3 +694,41 @@ def test_a_compiled_query_changed_by_plain_code_reads_nan(caplog):
     assert all(math.isfinite(snap["flashwatch_wq_error_push"][(1, h)]) for h in range(4))
     monitor.detach()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_observe_mode_leaves_the_gradients_of_the_compiled_model(backend):
+    """Observe mode must not change training under torch.compile either: every parameter's gradient,
+    at monitored and unmonitored steps, equals that of the same model compiled without a Monitor (a
+    GPT with layer norms and MLPs, whose fused code is where a changed graph would round apart)."""
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    def grads(monitored: bool) -> list[list[torch.Tensor]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+        monitor = Monitor(MonitorConfig(interval=2, mode="observe", async_transfer=False)) if monitored else None
+        if monitor is not None:
+            monitor.attach(model)
+        run = torch.compile(model, backend=backend)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(3):  # monitored, unmonitored, monitored
+            x = torch.randint(0, 256, (2, 16), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = run(x, x)[1]
+            loss.backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+            if monitor is not None:
+                monitor.step(loss=loss.detach())
+        if monitor is not None:
+            assert monitor.monitored_steps == 2 and monitor.errors == 0
+            monitor.detach()
+            monitor.close()
+        return out
+
+    plain, observed = grads(False), grads(True)
+    for step_plain, step_observed in zip(plain, observed):
+        for a, b in zip(step_plain, step_observed):
+            assert torch.equal(a, b)
