@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from research.experiments.scenarios import SPLIT_DECAY_9, SPLIT_LRS_8, SPLIT_PEAKS_9
+
 __all__ = ["PilotRule", "RULES", "counts", "choose"]
 
 MIN_GROUP = 2  # a rate qualifies with at least this many confirmed blow-ups and survivors
@@ -63,9 +65,10 @@ class PilotRule:
 
 RULES = {
     # the eighth: constant rates to 20,000 steps; the second pilot runs at 1e-3 whatever the first showed
-    8: PilotRule(protocol=8, first=1.25e-3, lower=1e-3, higher=None, horizon=20_000),
-    # the ninth: peak rates of a cosine decay ending at step 10,000
-    9: PilotRule(protocol=9, first=2.5e-3, lower=2e-3, higher=3e-3, horizon=10_000),
+    8: PilotRule(protocol=8, first=SPLIT_LRS_8[0], lower=SPLIT_LRS_8[1], higher=None, horizon=20_000),
+    # the ninth: peak rates of a cosine decay ending at step SPLIT_DECAY_9, the end of its runs
+    9: PilotRule(protocol=9, first=SPLIT_PEAKS_9[0], lower=SPLIT_PEAKS_9[1], higher=SPLIT_PEAKS_9[2],
+                 horizon=SPLIT_DECAY_9),
 }
 
 

@@ -313,7 +313,7 @@ SPLIT_LR_2 = 1.75e-3  # the second protocol's rate (research/preregistration/ear
 SPLIT_LR_4 = 1.5e-3  # the fourth protocol's rate (research/preregistration/early-warning-protocol-4.md)
 SPLIT_LRS_8 = (1.25e-3, 1e-3)  # the eighth protocol's pilot rates (research/preregistration/early-warning-protocol-8.md)
 # the ninth protocol (research/preregistration/early-warning-protocol-9.md): peak rates of a cosine decay ending here
-SPLIT_PEAKS_9 = (2.5e-3, 2e-3, 3e-3)  # its first pilot rate, then the lower or the higher one
+SPLIT_PEAKS_9 = (2.5e-3, 2e-3, 3e-3)  # its first pilot peak, then the lower or the higher one (research.pilot)
 SPLIT_DECAY_9 = 10_000
 
 SEED_SPLIT = Scenario(
