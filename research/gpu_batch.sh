@@ -36,6 +36,7 @@
 #   SPLIT9_LR=0.0025 SPLIT_SEEDS=520-527 bash research/gpu_batch.sh split9-pilot    # the ninth protocol's pilot
 #   SPLIT9_LR=... SPLIT_SEEDS=700-707 bash research/gpu_batch.sh split9             # its test, block by block
 #   SPLIT9_LR=... bash research/gpu_batch.sh split9-controls                        # FP32 and fp32_delta, seeds 760-763
+#   SPLIT9_LR=... SPLIT_SEEDS=700-707 bash research/gpu_batch.sh split10            # the tenth: auto_fix on those seeds
 #   (one device call of any of these, with MPS and packing: research/split_call.sh TARGET)
 #   (eight parallel runs go 1.68x faster sharing the GPU through CUDA MPS: `source research/mps_env.sh` first)
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
@@ -60,7 +61,7 @@ CODE="code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || e
 VERSIONS=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)")
 echo "$CODE"; echo "$VERSIONS"
 case "${1:-1}" in
-split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8|split9-pilot|split9|split9-controls)
+split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8|split9-pilot|split9|split9-controls|split10)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -83,9 +84,11 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
     # SPLIT_SEEDS=520-527; then 0.002 or 0.003 at 530-537), its test at the chosen peak (700-707 ... 716-723), the controls
     split9-pilot) what=(--arms sdpa_observe_cos${SPLIT9_LR:?name the peak: 0.0025, 0.002 or 0.003} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 10000); tag=pilot9 ;;
     split9) what=(--arms sdpa_observe_cos${SPLIT9_LR:?name the peak the pilot chose} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 10000); tag=test9 ;;
+    # the tenth protocol: auto_fix on the ninth's first test seeds at the peak its pilot chose
+    split10) what=(--arms auto_fix_cos${SPLIT9_LR:?name the peak the ninth protocol chose} --seeds ${SPLIT_SEEDS:-700-715} --max-steps 10000); tag=test10 ;;
     split9-controls) what=(--arms fp32_cos${SPLIT9_LR:?name the peak the pilot chose},fp32_delta_cos${SPLIT9_LR} --seeds ${SPLIT_SEEDS:-760-763} --max-steps 10000); tag=controls9 ;;
   esac
-  CHECKED=" test4 test6 test7 pilot8 test8 pilot9 test9 controls9 "  # protocols that count only fully measured runs
+  CHECKED=" test4 test6 test7 pilot8 test8 pilot9 test9 controls9 test10 "  # protocols that count only fully measured runs
   if [[ "$CHECKED" == *" $tag "* ]] && [ ! -d "$SPLIT_RUNS/$tag" ]; then
     # the fourth protocol and those after it count only runs measured at every monitored step: check on this GPU first
     # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)

@@ -748,6 +748,42 @@ def test_auto_fix_effect_pairs_seeds_and_counts_prevented_blowups(tmp_path):
         afe.main([str(cut / "s400"), "--twins", str(twins / "s408"), "--out", str(tmp_path / "r.json")])
 
 
+def test_the_tenth_protocol_judges_auto_fix_on_runs_that_end(tmp_path):
+    """--min-steps 10000 --loss-before-end: a fix run that trained 10,000 steps without a blow-up
+    prevents its twin's; each pair's loss ratio is read over the 1,000 steps before the twin's blow-up,
+    or before step 10,000 where the twin survived (what the flagged survivor's finished training costs)."""
+    from research import auto_fix_effect as afe
+
+    twins, fixes = tmp_path / "twins", tmp_path / "fixes"
+    for seed in range(700, 705):
+        _recorded_run(twins / f"s{seed}", seed, _curve(7_000, blowup=6_000))
+        _recorded_run(fixes / f"s{seed}", seed, _curve(10_000, level=1.02), switch_at=2_000)
+    _recorded_run(twins / "s705", 705, _curve(10_000))
+    _recorded_run(fixes / "s705", 705, _curve(10_000, level=1.05), switch_at=2_500)
+    result = afe.evaluate(sorted(fixes.iterdir()), sorted(twins.iterdir()), min_steps=10_000, loss_window=None,
+                          late_window=None)
+    assert (result["cases"], result["prevented"], result["verdict"]) == (5, 5, "shown")
+    by_seed = {r["seed"]: r for r in result["pairs"]}
+    assert by_seed[700]["loss_window"] == (5_000, 6_000) and by_seed[705]["loss_window"] == (9_000, 10_000)
+    assert by_seed[705]["loss_ratio"] == pytest.approx(1.05, abs=0.005) and by_seed[705]["late_loss_ratio"] is None
+    assert "before the twin's blow-up or end" in afe.markdown(result)
+    assert (result["survivors"], result["switched_survivors"], result["harmed"]) == (1, 1, [])
+    assert result["survivor_loss_ratio_mean"] == pytest.approx(1.05, abs=0.005)
+    assert "Twins that survived: 1, of which 1 switched" in afe.markdown(result)
+    harmed = tmp_path / "harmed"
+    _recorded_run(harmed / "s705", 705, _curve(9_000, blowup=8_000), switch_at=2_500)
+    worse = afe.evaluate([harmed / "s705"], [twins / "s705"], min_steps=10_000, loss_window=None, late_window=None)
+    assert worse["harmed"] == [705] and "did not: 705" in afe.markdown(worse)
+    # under the sixth protocol's 13,000 steps the same fix runs are too short to prevent anything
+    assert afe.evaluate(sorted(fixes.iterdir()), sorted(twins.iterdir()))["verdict"] == "undecided"
+    out = tmp_path / "r.json"
+    assert afe.main([str(fixes), "--twins", str(twins), "--out", str(out), "--min-steps", "10000",
+                     "--loss-before-end"]) == 0
+    assert json.loads(out.read_text())["definitions"]["min_steps"] == 10_000
+    with pytest.raises(SystemExit, match="--min-steps must be >= 1"):
+        afe.main([str(fixes), "--twins", str(twins), "--out", str(out), "--min-steps", "0"])
+
+
 def test_a_control_arm_is_judged_with_its_own_label_and_bounds(tmp_path):
     """The seventh protocol's controls: four twins blow up, four control runs (no switches) survive
     13,000 steps: 4 of 4 prevented is "shown" under --min-cases 4 --min-prevented 1.0 and

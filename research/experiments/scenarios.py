@@ -361,7 +361,11 @@ SEED_SPLIT = Scenario(
                 note="the ninth protocol's FP32 control"),
             Arm(f"fp32_delta_cos{lr:g}", f"as fp32_delta, peak lr {lr:g} with the same cosine decay", "healthy",
                 monitor=_own("fp32_delta"), lr=lr, decay_steps=SPLIT_DECAY_9,
-                note="the ninth protocol's fp32_delta control"))),
+                note="the ninth protocol's fp32_delta control"),
+            Arm(f"auto_fix_cos{lr:g}", f"as sdpa_observe_cos{lr:g}, with auto_fix='fp32_delta'", "rescued",
+                monitor={"mode": "observe", "auto_fix": "fp32_delta"}, lr=lr, decay_steps=SPLIT_DECAY_9,
+                note="the tenth pre-registered protocol (research/preregistration/): the ninth's test seeds again, "
+                     "a layer flagged by the default auto_fix rules moved to the fp32_delta kernel"))),
     ),
     default_arms=("sdpa_observe",),
 )
