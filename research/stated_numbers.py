@@ -16,7 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from research.early_warning import MIN_DETECTED, MIN_LEAD, RULES, landmark_claims
+from research.early_warning import MIN_DETECTED, MIN_GROUP, MIN_LEAD, RULES, landmark_claims
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_1 = ROOT / "results/seed-split-2026-12-01/test.json"
@@ -55,15 +55,23 @@ def _monitoring_sentence(*results: dict) -> str:
     return f"{len(cut)} of these {len(runs)} measured only to steps {cut[0]:,}-{cut[-1]:,}: detections are lower bounds"
 
 
-def _third_test_sentence(result: dict) -> str:
-    """The fourth protocol's test (the README's third): outcomes and verdict, from its result (its
-    counts per rule are the README table's lr 1.5e-3 columns)."""
-    t = result["table"]
-    n_b, n_s = t["chain"]["blowups"], t["chain"]["survivors"]
-    verdicts = {t[r]["verdict"] for r in RULES}
-    verdict = ("undecided (a verdict needs 6 survivors)" if verdicts <= {"undecided", "fail"} and n_s < 6
-               else "see `docs/EXPERIMENTS.md` §12")
-    return f"At lr 1.5e-3 (20,000 steps, every step measured): {n_b} blew up, {n_s} survived: {verdict}."
+def _alarm_sentence(r1: dict, r2: dict, t4: dict, passed: list[str]) -> str:
+    """The alarm tests at constant rates (the first, second and fourth protocols' results) and why
+    they could not settle it (the eighth protocol's pilots)."""
+    t1, t2, t3 = r1["table"], r2["table"], t4["table"]
+    b1, s1 = t1["chain"]["blowups"], t1["chain"]["survivors"]
+    b2, s2 = t2["chain"]["blowups"], t2["chain"]["survivors"]
+    b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
+    so_far = "" if b2 + s2 >= TEST_2_SEEDS else f" so far (of {TEST_2_SEEDS})"
+    verdicts = {t3[r]["verdict"] for r in RULES}
+    third = ("undecided" if verdicts <= {"undecided", "fail"} and s3 < MIN_GROUP else "see `docs/EXPERIMENTS.md` §12")
+    head = (f"*As an alarm: passed by {', '.join(f'`{r}`' for r in passed)}* ({len(RULES)} rules judged). " if passed
+            else "*As an alarm: not passed.* ")
+    return (head + f"To pass, a rule warns at least {MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups "
+            f"with at most 1 false alarm in 7 survivors. At constant rates (table): lr 2e-3, {b1} of {b1 + s1} runs "
+            f"blew up by step 10,000; 1.75e-3, {b2} of {b2 + s2}{so_far} ({_monitoring_sentence(r1, r2)}); 1.5e-3, "
+            f"to step 20,000: {b3} of {b3 + s3}, {third}. There a survivor has only not blown up yet: "
+            f"{_pilot_sentence()}. A test on a schedule that ends is registered.")
 
 
 def _landmark_claims(result: dict) -> tuple[bool, bool]:
@@ -100,11 +108,11 @@ def _auto_fix_sentence(result: dict) -> str:
     healthy = sum(1 for p in pairs if p["fix"]["survivor"])
     ratios = [p["loss_ratio"] for p in pairs if p["loss_ratio"] is not None]
     where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
-    return (f"**Acting on them** (pre-registered, {len(pairs)} of those seeds): "
+    return (f"*Acting on them* ({len(pairs)} of the lr 1.5e-3 seeds): "
             f"`auto_fix=\"fp32_delta\"` switched {where} in {len(first)} of {len(pairs)} runs (steps "
-            f"{min(first):,}-{max(first):,}) and {len(pairs) - healthy} of "
-            f"{len(pairs)} blew up in {result['definitions']['min_steps']:,} steps, where their SDPA twins had "
-            f"{result['cases']} confirmed blow-ups; loss {min(ratios):.3f}-{max(ratios):.3f}x the twins'.")
+            f"{min(first):,}-{max(first):,}); {len(pairs) - healthy} of {len(pairs)} blew up in "
+            f"{result['definitions']['min_steps']:,} steps, their SDPA twins {result['cases']} (confirmed); loss "
+            f"{min(ratios):.3f}-{max(ratios):.3f}x theirs.")
 
 
 # the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines
@@ -116,13 +124,13 @@ README_NAMES = {"chain": "`chain`",
 
 
 def readme_block() -> str:
-    """The README's early-warning paragraph and table (the registered tests); every number read
-    from their result files. The paragraph is wrapped at 118 columns, as the README's prose."""
+    """The README's early-warning paragraph, its three points (ranking, alarm, acting) and the table
+    (the registered tests); every number read from their result files, wrapped at 118 columns as
+    the README's prose."""
     r1, r2 = json.loads(TEST_1.read_text()), json.loads(TEST_2.read_text())
     t1, t2 = r1["table"], r2["table"]
-    b1, s1 = t1["chain"]["blowups"], t1["chain"]["survivors"]
-    b2, s2 = t2["chain"]["blowups"], t2["chain"]["survivors"]
-    so_far = "" if b2 + s2 >= TEST_2_SEEDS else f" so far (of {TEST_2_SEEDS})"
+    b1, b2 = t1["chain"]["blowups"], t2["chain"]["blowups"]
+    s2 = t2["chain"]["survivors"]
     t4 = json.loads(TEST_4.read_text())
     passed = [r for r in RULES if "pass" in (t1[r]["verdict"], t2[r]["verdict"], t4["table"][r]["verdict"])]
     verdict = (f"Passed: {', '.join(f'`{r}`' for r in passed)} (now critical)." if passed else
@@ -132,14 +140,11 @@ def readme_block() -> str:
     ranks = _landmark_claims(landmark)[0]
     head = (f"**What the early warning predicts: {'a ranking is shown' if ranks else 'not proven'}"
             f"{', an alarm is not' if ranks and not passed else ''}.** ")
-    text = (head + f"{verdict} Pre-registered tests (`research/preregistration/`, one H200) on runs that differ "
-            "only by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds; `chain`: `delta_drift` and W^Q-error "
-            f"coherence on one head). {_landmark_sentence(landmark)} *As an alarm*, a rule passes if it "
-            f"warns at least {MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups with at most 1 false alarm "
-            f"in 7 survivors. At lr 2e-3 (2026-12-01), {b1 + s1} runs: {b1} blew up, {s1} survived 10,000 steps; at "
-            f"lr 1.75e-3, {b2 + s2} runs{so_far}: {b2} and {s2} ({_monitoring_sentence(r1, r2)}). "
-            f"{_third_test_sentence(t4)} {_pilot_sentence()} {_auto_fix_sentence(json.loads(AUTO_FIX.read_text()))} "
-            "Every rule: `docs/EXPERIMENTS.md` §9-14; the score in PromQL: `docs/GUIDE.md`.")
+    intro = (head + f"{verdict} Pre-registered tests (`research/preregistration/`, one H200) on runs that differ "
+             "only by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds; `chain`: `delta_drift` with "
+             "W^Q-error coherence; `docs/EXPERIMENTS.md` §9-14):")
+    items = [_landmark_sentence(landmark), _alarm_sentence(r1, r2, t4, passed),
+             _auto_fix_sentence(json.loads(AUTO_FIX.read_text()))]
     t3 = t4["table"]
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
     rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3 | false alarms, lr 1.75e-3 "
@@ -147,8 +152,10 @@ def readme_block() -> str:
     for r in README_RULES:
         rows.append(f"| {README_NAMES.get(r, f'`{r}`')} | {_early(t1[r])}/{b1} | {_early(t2[r])}/{b2} | "
                     f"{_early(t3[r])}/{b3} | {t2[r]['false_alarms']}/{s2} | {t3[r]['false_alarms']}/{s3} |")
-    paragraph = textwrap.fill(text, 118, break_on_hyphens=False, break_long_words=False)
-    return paragraph + "\n\n" + "\n".join(rows)
+    wrap = dict(width=118, break_on_hyphens=False, break_long_words=False)
+    block = [textwrap.fill(intro, **wrap)] + [textwrap.fill(item, initial_indent="- ", subsequent_indent="  ", **wrap)
+                                              for item in items]
+    return "\n".join(block) + "\n\n" + "\n".join(rows)
 
 
 def _rate(lr: float) -> str:
@@ -184,9 +191,8 @@ def _pilot_sentence() -> str:
     steps = sorted(s for c in counted for s in c[1])
     rates = " and ".join(_rate(lr) for lr in PILOT_8)
     if survivors:
-        return f"At lr {rates}: {len(steps)} of {n} runs blew up by step 20,000, {survivors} survived."
-    return (f"At lr {rates} all {n} runs blew up by step 20,000 (steps {steps[0]:,}-{steps[-1]:,}): a lower constant "
-            "rate only delays it.")
+        return f"at {rates}, {len(steps)} of {n} runs blew up by step 20,000 and {survivors} survived"
+    return f"at {rates} all {n} runs blew up by step 20,000 ({steps[0]:,}-{steps[-1]:,})"
 
 
 # the generated blocks of docs/EXPERIMENTS.md: section -> (the marker line before the block, its text)

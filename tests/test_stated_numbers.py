@@ -34,19 +34,25 @@ def test_the_result_file_records_the_frozen_thresholds_it_used(name):
         {k: v for k, v in frozen["thresholds"].items() if k in result["table"]}
 
 
-def test_the_third_test_sentence_follows_its_result_file(tmp_path, monkeypatch):
-    """The fourth protocol's sentence reads its counts and verdict from the result: a changed count
-    changes the README paragraph, and a passing rule is not called undecided."""
+def test_the_alarm_point_follows_its_result_files(tmp_path, monkeypatch):
+    """The README's alarm point reads the fourth protocol's counts and verdict from its result: a changed
+    count changes the README, a passing rule turns the point to "passed by" (with the number of rules
+    judged) and is not called undecided; the pilots' outcomes give the constant-rate sentence."""
     result = json.loads(stated_numbers.TEST_4.read_text())
     result["table"]["chain"]["lead_ge_1000"] = 17
     changed = tmp_path / "test.json"
     changed.write_text(json.dumps(result))
     monkeypatch.setattr(stated_numbers, "TEST_4", changed)
     n_b, n_s = result["table"]["chain"]["blowups"], result["table"]["chain"]["survivors"]
+    block = " ".join(stated_numbers.readme_block().split())
     assert f"| `chain` | 17/23 | 17/18 | 17/{n_b} |" in stated_numbers.readme_block()
+    assert f"1.5e-3, to step 20,000: {n_b} of {n_b + n_s}, undecided" in block
+    assert "*As an alarm: not passed.*" in block and "all 16 runs blew up by step 20,000" in block
     assert stated_numbers.differences()
+    r1, r2 = json.loads(stated_numbers.TEST_1.read_text()), json.loads(stated_numbers.TEST_2.read_text())
     result["table"]["chain"]["verdict"] = "pass"
-    assert "undecided" not in stated_numbers._third_test_sentence(result)
+    sentence = stated_numbers._alarm_sentence(r1, r2, result, ["chain"])
+    assert "undecided" not in sentence and sentence.startswith("*As an alarm: passed by `chain`* (11 rules judged)")
 
 
 def test_the_auto_fix_sentence_follows_its_result_file(tmp_path, monkeypatch):
