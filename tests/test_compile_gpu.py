@@ -147,34 +147,11 @@ def test_observe_mode_leaves_every_gradient_as_without_the_monitor(compiled):
     """Observe mode changes nothing of training on CUDA, eager or compiled: every parameter's gradient at
     monitored and unmonitored steps equals, bit for bit, that of the same model run without a Monitor
     (the CPU test's check where SDPA is FlashAttention and Inductor generates Triton)."""
+    from training_cases import first_difference, gradients
 
-    def grads(monitored: bool) -> list[list[torch.Tensor]]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256)).cuda()
-        monitor = Monitor(MonitorConfig(interval=2, mode="observe")) if monitored else None
-        if monitor is not None:
-            monitor.attach(model)
-        run = torch.compile(model) if compiled else model
-        g = torch.Generator(device="cuda").manual_seed(1)
-        out = []
-        for _ in range(3):  # monitored, unmonitored, monitored
-            x = torch.randint(0, 256, (4, 256), device="cuda", generator=g)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = run(x, x)[1]
-            loss.backward()
-            out.append([p.grad.clone() for p in model.parameters()])
-            model.zero_grad(set_to_none=True)
-            if monitor is not None:
-                monitor.step(loss=loss.detach())
-        if monitor is not None:
-            monitor.flush()
-            assert monitor.monitored_steps == 2 and monitor.errors == 0
-            monitor.detach()
-            monitor.close()
-        return out
-
-    plain, observed = grads(False), grads(True)
-    for t, (step_plain, step_observed) in enumerate(zip(plain, observed)):
-        for i, (a, b) in enumerate(zip(step_plain, step_observed)):
-            assert torch.equal(a, b), f"step {t}, parameter {i}: max |difference| {(a - b).abs().max().item():.3g}"
+    config = GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256)
+    backend = "inductor" if compiled else None
+    plain = gradients(config, "cuda", monitored=False, compile_backend=backend, batch=4)
+    observed = gradients(config, "cuda", monitored=True, compile_backend=backend, batch=4)
+    difference = first_difference(plain, observed)
+    assert difference is None, difference
