@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# The repository root goes last on the path: tests import research/ and benchmarks/ from the checkout
+# (they are not installed), but its top-level kernels/ folder must not shadow an installed package of
+# that name (Hugging Face's `kernels`, which transformers requires and imports). `python -m pytest`
+# puts the working directory first; it is moved to the end.
+_ROOT = str(Path(__file__).resolve().parents[1])
+sys.path[:] = [p for p in sys.path if p not in ("", _ROOT) and os.path.abspath(p) != _ROOT] + [_ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton jits its own library (tl.zeros, ...) when triton.language is first imported, as
