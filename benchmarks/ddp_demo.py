@@ -42,8 +42,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:  # run from a checkout without installing; last, so that the checkout's
+    sys.path.append(str(ROOT))  # kernels/ folder never shadows an installed `kernels` package
 
 import torch  # noqa: E402
 

@@ -30,7 +30,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))  # run from a clone without installing
+if str(ROOT) not in sys.path:  # run from a clone without installing; last, so that the clone's kernels/
+    sys.path.append(str(ROOT))  # folder never shadows an installed `kernels` package (Hugging Face's)
 
 from flashwatch.config import MonitorConfig  # noqa: E402
 from flashwatch.metrics import BY_NAME  # noqa: E402

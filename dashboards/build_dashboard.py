@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # run from a clone without installing
+if str(HERE.parent) not in sys.path:  # run from a clone without installing; last, so that the clone's
+    sys.path.append(str(HERE.parent))  # kernels/ folder never shadows an installed `kernels` package
 sys.path.insert(0, str(HERE))  # build_alerts, beside this file
 
 import build_alerts  # noqa: E402

@@ -52,3 +52,23 @@ def test_non_editable_install_layout(tmp_path):
     out = subprocess.run([py, "-c", code], check=True, env=env, cwd=tmp_path, capture_output=True, text=True)
     assert "fp32_delta" in out.stdout
     assert (env_dir / "bin" / "flashwatch").exists(), "console script `flashwatch` missing"
+
+
+def test_the_checkouts_scripts_put_it_after_the_installed_packages():
+    """The dashboard builders and the DDP demo add the checkout to the path when run from it: after the
+    installed packages, so that its kernels/ folder never shadows an installed `kernels` (Hugging Face's,
+    which transformers imports; once shadowed, every model of transformers failed to import)."""
+    import importlib.util
+    import sys
+
+    sites = [str(pathlib.Path(p).resolve()) for p in site.getsitepackages()]
+    for script in ("dashboards/build_alerts.py", "dashboards/build_dashboard.py"):
+        spec = importlib.util.spec_from_file_location(f"_path_check_{pathlib.Path(script).stem}", ROOT / script)
+        before = list(sys.path)
+        try:
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            resolved = [str(pathlib.Path(p).resolve()) if p else os.getcwd() for p in sys.path]
+            last_site = max(resolved.index(s) for s in sites if s in resolved)
+            assert all(i > last_site for i, p in enumerate(resolved) if p == str(ROOT)), (script, sys.path[:6])
+        finally:
+            sys.path[:] = before
