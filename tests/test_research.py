@@ -1,7 +1,7 @@
 """research.experiments: runner, worker, recordings, figures, CLI (CPU, real components).
 
-The research harness runs from the checkout (tests/conftest.py puts the repository root on sys.path, after the installed packages); it
-writes recordings that the product's replay (flashwatch.replay) reads.
+The research harness runs from the checkout (tests/conftest.py puts the repository root on sys.path,
+after the installed packages); it writes recordings that the product's replay (flashwatch.replay) reads.
 """
 
 from __future__ import annotations
