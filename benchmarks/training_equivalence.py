@@ -31,7 +31,6 @@ import json
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.tinygpt import GPT, GPTConfig

@@ -60,10 +60,11 @@ PY
   done
   wait
 }
-# the outcomes of every run finished on this machine so far (blow-up steps and survivors, no rule: what a
-# protocol reports before its analysis; paused runs are not among them), so that the next call can be
-# chosen without leaving the machine idle
-TAG_DIRS=$(cat /tmp/split-packed 2>/dev/null)
+# the outcomes of this target's runs finished on this machine so far (blow-up steps and survivors, no rule:
+# what a protocol reports before its analysis; paused runs are not among them, nor other targets' runs), so
+# that the next call can be chosen without leaving the machine idle
+TAG=$(ls "$OUT"/seed-split-*.json 2>/dev/null | head -1 | sed 's#.*/seed-split-\(.*\)\.json#\1#')
+TAG_DIRS=$(grep "^/tmp/fw-seed-split/${TAG:-none}/" /tmp/split-packed 2>/dev/null)
 if [ -n "$TAG_DIRS" ]; then
   python3 -m research.early_warning outcomes $TAG_DIRS --out "$OUT/outcomes.json" --markdown "$OUT/outcomes.md" \
     > /dev/null 2>&1 && head -1 "$OUT/outcomes.md"

@@ -59,7 +59,6 @@ def test_the_checkouts_scripts_put_it_after_the_installed_packages():
     installed packages, so that its kernels/ folder never shadows an installed `kernels` (Hugging Face's,
     which transformers imports; once shadowed, every model of transformers failed to import)."""
     import importlib.util
-    import sys
 
     sites = [str(pathlib.Path(p).resolve()) for p in site.getsitepackages()]
     for script in ("dashboards/build_alerts.py", "dashboards/build_dashboard.py"):
