@@ -32,6 +32,10 @@ README_ANCHOR = "**What the early warning predicts:"  # where the paragraph star
 TEST_4_TABLE = ROOT / "results/seed-split-4/test.md"
 PILOT_8 = {1.25e-3: ROOT / "results/seed-split-8/pilot-outcomes-1.25e-3.json",  # the eighth protocol's pilots
            1e-3: ROOT / "results/seed-split-8/pilot-outcomes-1e-3.json"}
+PILOT_9 = {2.5e-3: ROOT / "results/seed-split-9/pilot-outcomes-2.5e-3.json",  # the ninth protocol's pilots
+           2e-3: ROOT / "results/seed-split-9/pilot-outcomes-2e-3.json"}
+TEST_9 = ROOT / "results/seed-split-9/test.json"  # the ninth protocol's test, once its analysis has run
+TEST_9_OUTCOMES = ROOT / "results/seed-split-9"  # its blocks' outcomes before it: test-outcomes-*.json
 # every outcome at a constant rate, by rate: (the files holding the runs, the steps they ran to)
 RATE_OUTCOMES = {
     2e-3: ((TEST_1,), 10_000), 1.75e-3: ((TEST_2,), 10_000),
@@ -71,7 +75,7 @@ def _alarm_sentence(r1: dict, r2: dict, t4: dict, passed: list[str]) -> str:
             f"with at most 1 false alarm in 7 survivors. At constant rates (table): lr 2e-3, {b1} of {b1 + s1} runs "
             f"blew up by step 10,000; 1.75e-3, {b2} of {b2 + s2}{so_far} ({_monitoring_sentence(r1, r2)}); 1.5e-3, "
             f"to step 20,000: {b3} of {b3 + s3}, {third}. There a survivor has only not blown up yet: "
-            f"{_pilot_sentence()}. A test on a schedule that ends is registered.")
+            f"{_pilot_sentence()}. {_schedule_sentence()}")
 
 
 def _landmark_claims(result: dict) -> tuple[bool, bool]:
@@ -195,13 +199,45 @@ def _pilot_sentence() -> str:
     return f"at {rates} all {n} runs blew up by step 20,000 ({steps[0]:,}-{steps[-1]:,})"
 
 
+def _test_9_blocks() -> list[Path]:
+    """The ninth protocol's test blocks run so far (their ``outcomes`` results), in seed order."""
+    return sorted(TEST_9_OUTCOMES.glob("test-outcomes-*.json"))
+
+
+def _schedule_sentence() -> str:
+    """Where the ninth protocol's test (a cosine schedule that ends at step 10,000) stands."""
+    if TEST_9.exists():
+        return "On a schedule that ends, see `docs/EXPERIMENTS.md` §14."
+    n, steps, survivors = _blowups(tuple(_test_9_blocks())) if _test_9_blocks() else (0, [], 0)
+    so_far = f": so far {len(steps)} of {n} runs blew up" + (f", {survivors} survived" if survivors else "") if n else ""
+    return f"A cosine schedule that ends at step 10,000 is under test{so_far}."
+
+
+def schedule_table() -> str:
+    """Outcomes of the ninth protocol's runs on a cosine schedule (its pilots and, before its
+    analysis, its test blocks), by peak rate (docs/EXPERIMENTS.md section 14)."""
+    rows = ["| cosine peak (to a tenth at step 10,000) | runs | seeds | confirmed blow-ups | not confirmed | survivors "
+            "| blow-up steps |", "|---|---|---|---|---|---|---|"]
+    groups = [(f"{_rate(lr)} (pilot)", (path,)) for lr, path in PILOT_9.items()]
+    groups += [(f"{_rate(2.5e-3)} (test)", (path,)) for path in _test_9_blocks()]
+    for name, files in groups:
+        runs = [v for f in files for v in json.loads(f.read_text())["runs"].values()]
+        seeds = sorted(int(k.rsplit("/", 1)[-1].removeprefix("seed")) for k in json.loads(files[0].read_text())["runs"])
+        n, steps, survivors = _blowups(files)
+        unconfirmed = sum(1 for v in runs if v["outcome"]["blowup"] is not None and not v["outcome"]["confirmed"])
+        span = f"{steps[0]:,}-{steps[-1]:,}" if steps else "-"
+        rows.append(f"| {name} | {n} | {seeds[0]}-{seeds[-1]} | {len(steps)} | {unconfirmed} | {survivors} | {span} |")
+    return "\n".join(rows)
+
+
 # the generated blocks of docs/EXPERIMENTS.md: section -> (the marker line before the block, its text)
 TABLES = {"9": ("<!-- test.md: generated", TEST_1_TABLE.read_text),
           "10": ("<!-- test-2.md: generated", TEST_2_TABLE.read_text),
           "12": ("<!-- test-4.md: generated", TEST_4_TABLE.read_text),
           "14": ("<!-- landmark.md: generated", LANDMARK_TABLE.read_text),
           "14 (1e-3 pilot)": ("<!-- pilot-outcomes-1e-3.md: generated", PILOT_8[1e-3].with_suffix(".md").read_text),
-          "14 (rates)": ("<!-- rates: generated", rate_table)}
+          "14 (rates)": ("<!-- rates: generated", rate_table),
+          "14 (cosine)": ("<!-- cosine: generated", schedule_table)}
 
 
 def _readme_span(readme: str) -> tuple[int, int]:

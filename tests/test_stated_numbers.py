@@ -98,3 +98,23 @@ def test_the_monitors_severities_follow_the_registered_alarm_tests():
     passed = {r for res in results for r, row in res["table"].items() if row["verdict"] == "pass"}
     assert judged >= {"max_logit", "repeated_max_rise", "delta_drift", "wq_growth"}
     assert {r: SEVERITY[r] for r in judged} == {r: "critical" if r in passed else "warning" for r in judged}
+
+
+def test_the_schedule_sentence_and_table_follow_the_ninth_protocols_files(tmp_path, monkeypatch):
+    """Before its analysis the README says how many of the ninth protocol's test runs blew up so far,
+    read from its blocks' outcomes; a survivor in a block file changes both the sentence and the
+    generated table; once its test result exists the sentence points to it."""
+    blocks = stated_numbers._test_9_blocks()
+    assert blocks, "the ninth protocol's first test block is recorded"
+    result = json.loads(blocks[0].read_text())
+    first = next(iter(result["runs"].values()))
+    first["outcome"].update(blowup=None, confirmed=False, survivor=True)
+    (tmp_path / blocks[0].name).write_text(json.dumps(result))
+    n = len(result["runs"])
+    monkeypatch.setattr(stated_numbers, "TEST_9_OUTCOMES", tmp_path)
+    monkeypatch.setattr(stated_numbers, "TEST_9", tmp_path / "test.json")
+    assert f"so far {n - 1} of {n} runs blew up, 1 survived" in stated_numbers._schedule_sentence()
+    assert f"| 2.5e-3 (test) | {n} | 700-707 | {n - 1} | 0 | 1 |" in stated_numbers.schedule_table()
+    assert stated_numbers.differences()
+    (tmp_path / "test.json").write_text("{}")
+    assert "see `docs/EXPERIMENTS.md` §14" in stated_numbers._schedule_sentence()
