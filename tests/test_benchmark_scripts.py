@@ -264,9 +264,31 @@ def test_training_equivalence_finds_observe_mode_leaves_the_eager_step_bit_for_b
     state = {k: v.detach().clone() for k, v in te.GPT(cfg).state_dict().items()}
     batches = te._batches(cfg, 2, 32, "cpu")
     g64 = te.reference_gradient(cfg, state, batches[0])
-    arms = [te.run_arm(n, cfg, state, batches, 4, "cpu", g64, interval=2) for n in ("sdpa", "observe", "own_kernel")]
+    arms = [te.run_arm(n, cfg, state, batches, 4, "cpu", g64, interval=2)
+            for n in ("sdpa", "sdpa_again", "observe", "own_kernel")]
     te.compare(arms)
     by = {a["arm"]: a for a in arms}
+    assert by["sdpa_again"]["bitwise"]  # the premise of a bit-for-bit comparison: one arm run twice agrees
     assert by["observe"]["bitwise"] and by["observe"]["reference"] == "sdpa"
     assert not by["own_kernel"]["bitwise"] and by["own_kernel"]["max_gap"] < 1e-2
     assert all(a["grad_error"] < 2e-2 for a in arms)  # BF16 autocast: ~5e-3 against float64 here
+    assert by["own_kernel"]["agree_steps"] == 4 and by["own_kernel"]["median_gap"] <= by["own_kernel"]["max_gap"]
+
+
+def test_training_equivalence_tells_a_moved_spike_from_a_changed_curve():
+    """A spike one step later makes a large max gap but leaves the steps before it agreeing and the
+    median gap small; a curve that drifts away agrees for fewer steps."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import training_equivalence as te
+    finally:
+        sys.path.pop(0)
+    base = [10.6] * 20
+    arms = [{"arm": "sdpa", "losses": base[:10] + [12.3] + base[11:]},
+            {"arm": "observe", "losses": base[:11] + [12.3] + base[12:]},
+            {"arm": "own_kernel", "losses": [10.6 + 0.01 * i for i in range(20)]}]
+    te.compare(arms)
+    moved, drifted = arms[1], arms[2]
+    assert (moved["agree_steps"], moved["median_gap"], round(moved["max_gap"], 6)) == (10, 0.0, 1.7)
+    assert drifted["agree_steps"] == 1 and drifted["median_gap"] > 0.05 and not drifted["bitwise"]
+    assert "reference" not in arms[0]

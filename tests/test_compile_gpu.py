@@ -146,12 +146,16 @@ def _assert_measured_as_eager(eager, compiled):
 def test_observe_mode_leaves_every_gradient_as_without_the_monitor(compiled):
     """Observe mode changes nothing of training on CUDA, eager or compiled: every parameter's gradient at
     monitored and unmonitored steps equals, bit for bit, that of the same model run without a Monitor
-    (the CPU test's check where SDPA is FlashAttention and Inductor generates Triton)."""
+    (the CPU test's check where SDPA is FlashAttention and Inductor generates Triton). Both run under
+    torch's deterministic algorithms, and two runs without a Monitor are first checked to agree bit
+    for bit: without that, FlashAttention's atomically added dQ makes any two runs differ."""
     from training_cases import first_difference, gradients
 
     config = GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256)
     backend = "inductor" if compiled else None
     plain = gradients(config, "cuda", monitored=False, compile_backend=backend, batch=4)
+    again = gradients(config, "cuda", monitored=False, compile_backend=backend, batch=4)
+    assert first_difference(plain, again) is None, f"two runs without a Monitor differ: {first_difference(plain, again)}"
     observed = gradients(config, "cuda", monitored=True, compile_backend=backend, batch=4)
     difference = first_difference(plain, observed)
     assert difference is None, difference

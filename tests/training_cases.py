@@ -3,10 +3,28 @@ monitoring to changing nothing of training."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.tinygpt import GPT, GPTConfig
+
+
+@contextlib.contextmanager
+def deterministic():
+    """torch's deterministic algorithms for the block, restored after. Without them two runs of the
+    same CUDA step differ in the last bits (FlashAttention's backward adds the parts of dQ with
+    atomics, in whatever order its programs finish), so "bit for bit" could not be asked of a
+    monitored run. cuBLAS needs its workspace setting for this (read when it is first used)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def gradients(config: GPTConfig, device: str, monitored: bool, compile_backend: str | None, steps: int = 3,
@@ -14,7 +32,13 @@ def gradients(config: GPTConfig, device: str, monitored: bool, compile_backend: 
     """Every parameter's gradient at each of ``steps`` steps (BF16 autocast, the same seeds whatever the
     arguments), with ``Monitor(MonitorConfig(interval=2, mode="observe"))`` attached or not, compiled
     with ``compile_backend`` (None: eager; "inductor" is torch.compile's default). Steps 0 and 2 are
-    monitored."""
+    monitored. Runs under ``deterministic()``: the same arguments give the same bits."""
+    with deterministic():
+        return _gradients(config, device, monitored, compile_backend, steps, batch)
+
+
+def _gradients(config: GPTConfig, device: str, monitored: bool, compile_backend: str | None, steps: int,
+               batch: int) -> list[list[torch.Tensor]]:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(config).to(device)
