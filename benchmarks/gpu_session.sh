@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|compiled|
+#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|
 #                                   autotune|kernels|graphs|profile|ddp|host|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
@@ -15,7 +15,7 @@
 # (mode="reduce-overhead"): the GPU test that every monitored step is measured, then the compiled arms' timings;
 # hostcheck: the sync tests, then the Monitor's cost eager and compiled (default mode), about 5 minutes;
 # equivalence: does monitoring change training? observe mode's gradients against none (GPU test), then
-# benchmarks/training_equivalence.py (about 5 minutes);
+# benchmarks/training_equivalence.py (about 5 minutes); equivtest: that GPU test alone (about a minute);
 # profile: where an eager monitored step's extra device time goes (torch.profiler, observe mode), the
 # chain's rows reduced in the kernels (the default), then stored
 # statsweep: benchmarks/stats_sweep.py, the tiles of the observe-mode statistics kernel with the chain's rows
@@ -98,6 +98,7 @@ for step in $steps; do
                timeout 240 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
                  --json "$OUT/monitor_overhead_compiled.json" 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
     # does monitoring change training? the same steps under SDPA, observe and own-kernel mode, eager and compiled
+    equivtest) gpu_tests gpu_equivalence 150 tests/test_compile_gpu.py -k leaves_every_gradient ;;  # the GPU test alone (~1 min)
     equivalence) gpu_tests gpu_equivalence 150 tests/test_compile_gpu.py -k leaves_every_gradient
                  timeout 420 python3 benchmarks/training_equivalence.py --json "$OUT/training_equivalence.json" 2>&1 \
                    | tee "$OUT/training_equivalence.log" | grep -v Warning ;;

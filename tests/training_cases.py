@@ -69,9 +69,15 @@ def _gradients(config: GPTConfig, device: str, monitored: bool, compile_backend:
 
 
 def first_difference(plain: list[list[torch.Tensor]], observed: list[list[torch.Tensor]]) -> str | None:
-    """Where two runs' gradients first differ (step, parameter, largest difference), or None if equal bit for bit."""
+    """Where two runs' gradients first differ: the step, how many parameters differ there, the first
+    of them and its largest difference, absolute and relative to that gradient's largest entry (for
+    telling last-bit rounding from a changed computation); None if equal bit for bit."""
     for t, (a_step, b_step) in enumerate(zip(plain, observed)):
-        for i, (a, b) in enumerate(zip(a_step, b_step)):
-            if not torch.equal(a, b):
-                return f"step {t}, parameter {i}: max |difference| {(a - b).abs().max().item():.3g}"
+        differ = [i for i, (a, b) in enumerate(zip(a_step, b_step)) if not torch.equal(a, b)]
+        if differ:
+            a, b = a_step[differ[0]], b_step[differ[0]]
+            gap = (a - b).abs().max().item()
+            scale = a.abs().max().item()
+            return (f"step {t}: {len(differ)} of {len(a_step)} parameters differ; parameter {differ[0]}: max |difference| "
+                    f"{gap:.3g} ({gap / scale if scale else float('inf'):.2g} of its largest entry)")
     return None
