@@ -136,7 +136,8 @@ def readme_block() -> str:
     b1, b2 = t1["chain"]["blowups"], t2["chain"]["blowups"]
     s2 = t2["chain"]["survivors"]
     t4 = json.loads(TEST_4.read_text())
-    passed = [r for r in RULES if "pass" in (t1[r]["verdict"], t2[r]["verdict"], t4["table"][r]["verdict"])]
+    tables = [res["table"] for res in alarm_results()]
+    passed = [r for r in RULES if any(t[r]["verdict"] == "pass" for t in tables)]
     verdict = (f"Passed: {', '.join(f'`{r}`' for r in passed)} (now critical)." if passed else
                "No rule has passed as an alarm, so every alert is a warning: it says the rounding mechanism "
                "is at work in this run, not that this run will blow up.")
@@ -151,11 +152,15 @@ def readme_block() -> str:
              _auto_fix_sentence(json.loads(AUTO_FIX.read_text()))]
     t3 = t4["table"]
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
-    rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3 | false alarms, lr 1.75e-3 "
-            "| lr 1.5e-3 |", "|---|---|---|---|---|---|"]
+    t9 = json.loads(TEST_9.read_text())["table"] if TEST_9.exists() else None  # the cosine schedule's test
+    cosine = " | cosine 2.5e-3" if t9 else ""
+    rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3{cosine} | false alarms, "
+            f"lr 1.75e-3 | lr 1.5e-3{cosine} |", "|---|---|---|---|---|---|" + ("---|---|" if t9 else "")]
     for r in README_RULES:
+        early9 = f" {_early(t9[r])}/{t9[r]['blowups']} |" if t9 else ""
+        false9 = f" {t9[r]['false_alarms']}/{t9[r]['survivors']} |" if t9 else ""
         rows.append(f"| {README_NAMES.get(r, f'`{r}`')} | {_early(t1[r])}/{b1} | {_early(t2[r])}/{b2} | "
-                    f"{_early(t3[r])}/{b3} | {t2[r]['false_alarms']}/{s2} | {t3[r]['false_alarms']}/{s3} |")
+                    f"{_early(t3[r])}/{b3} |{early9} {t2[r]['false_alarms']}/{s2} | {t3[r]['false_alarms']}/{s3} |{false9}")
     wrap = dict(width=118, break_on_hyphens=False, break_long_words=False)
     block = [textwrap.fill(intro, **wrap)] + [textwrap.fill(item, initial_indent="- ", subsequent_indent="  ", **wrap)
                                               for item in items]
@@ -204,10 +209,28 @@ def _test_9_blocks() -> list[Path]:
     return sorted(TEST_9_OUTCOMES.glob("test-outcomes-*.json"))
 
 
+def alarm_results() -> list[dict]:
+    """The registered alarm tests' results (``research.early_warning test``): the first, second and
+    fourth protocols' at constant rates, and the ninth's on a cosine schedule once it has run."""
+    return [json.loads(path.read_text()) for path in (TEST_1, TEST_2, TEST_4, TEST_9) if path.exists()]
+
+
 def _schedule_sentence() -> str:
-    """Where the ninth protocol's test (a cosine schedule that ends at step 10,000) stands."""
+    """Where the ninth protocol's test (a cosine schedule that ends at step 10,000) stands: its
+    outcomes so far, or, once analysed, its counts and verdict."""
     if TEST_9.exists():
-        return "On a schedule that ends, see `docs/EXPERIMENTS.md` §14."
+        result = json.loads(TEST_9.read_text())
+        table = result["table"]
+        b, s = table["chain"]["blowups"], table["chain"]["survivors"]
+        passed = [r for r in RULES if table[r]["verdict"] == "pass"]
+        if passed:
+            verdict = f"passed by {', '.join(f'`{r}`' for r in passed)}"
+        elif b < MIN_GROUP or s < MIN_GROUP:
+            verdict = f"undecided (a group below {MIN_GROUP})"
+        else:
+            verdict = "no rule passed"
+        return (f"On a cosine schedule that ends at step 10,000 (peak 2.5e-3, {b + s} runs): {b} blew up, {s} "
+                f"survived; {verdict} (table, last columns).")
     n, steps, survivors = _blowups(tuple(_test_9_blocks())) if _test_9_blocks() else (0, [], 0)
     so_far = f": so far {len(steps)} of {n} runs blew up" + (f", {survivors} survived" if survivors else "") if n else ""
     return f"A cosine schedule that ends at step 10,000 is under test{so_far}."

@@ -93,7 +93,7 @@ def test_the_monitors_severities_follow_the_registered_alarm_tests():
     from flashwatch.vocabulary import SEVERITY
     from research.early_warning import RULES
 
-    results = [json.loads(p.read_text()) for p in (stated_numbers.TEST_1, stated_numbers.TEST_2, stated_numbers.TEST_4)]
+    results = stated_numbers.alarm_results()
     judged = {r for res in results for r in res["table"]} & set(RULES) & set(SEVERITY)
     passed = {r for res in results for r, row in res["table"].items() if row["verdict"] == "pass"}
     assert judged >= {"max_logit", "repeated_max_rise", "delta_drift", "wq_growth"}
@@ -116,5 +116,27 @@ def test_the_schedule_sentence_and_table_follow_the_ninth_protocols_files(tmp_pa
     assert f"so far {n - 1} of {n} runs blew up, 1 survived" in stated_numbers._schedule_sentence()
     assert f"| 2.5e-3 (test) | {n} | 700-707 | {n - 1} | 0 | 1 |" in stated_numbers.schedule_table()
     assert stated_numbers.differences()
-    (tmp_path / "test.json").write_text("{}")
-    assert "see `docs/EXPERIMENTS.md` §14" in stated_numbers._schedule_sentence()
+
+
+def test_the_ninth_protocols_result_enters_the_readme_once_it_exists(tmp_path, monkeypatch):
+    """Once the ninth protocol's test has run, its counts and verdict replace the outcomes sentence,
+    its columns join the README's table, and a rule it passes is named as passed (and must then be
+    critical: the severity test reads every alarm result)."""
+    result = json.loads(stated_numbers.TEST_4.read_text())  # a test result's shape, with chosen counts
+    for row in result["table"].values():
+        row.update(blowups=20, survivors=7, lead_ge_1000=10, false_alarms=3, verdict="fail")
+    result["table"]["chain"].update(lead_ge_1000=18, false_alarms=1, verdict="pass")
+    path = tmp_path / "test.json"
+    path.write_text(json.dumps(result))
+    monkeypatch.setattr(stated_numbers, "TEST_9", path)
+    assert len(stated_numbers.alarm_results()) == 4
+    block = stated_numbers.readme_block()
+    flat = " ".join(block.split())
+    assert "(peak 2.5e-3, 27 runs): 20 blew up, 7 survived; passed by `chain`" in flat
+    assert "| lr 1.5e-3 | cosine 2.5e-3 | false alarms," in block
+    assert "| 18/20 |" in block and "| 1/7 |" in block
+    assert "*As an alarm: passed by `chain`*" in flat
+    result["table"]["chain"]["verdict"] = "fail"
+    result["table"]["chain"]["survivors"] = 4
+    path.write_text(json.dumps(result))
+    assert "undecided (a group below 6)" in stated_numbers._schedule_sentence()
