@@ -26,6 +26,7 @@ TEST_2_TABLE = ROOT / "results/seed-split-2/test.md"
 TEST_4 = ROOT / "results/seed-split-4/test.json"  # the fourth protocol's test (lr 1.5e-3, complete monitoring)
 TEST_2_SEEDS = 24  # the second protocol's test seeds (300-323)
 AUTO_FIX = ROOT / "results/seed-split-6/auto-fix.json"  # the sixth protocol's result (research.auto_fix_effect)
+AUTO_FIX_10 = ROOT / "results/seed-split-10/auto-fix.json"  # the tenth's (cosine schedule), once it has run
 LANDMARK = ROOT / "results/seed-split-5/landmark.json"  # the fifth protocol's test (research.early_warning landmark)
 LANDMARK_TABLE = ROOT / "results/seed-split-5/landmark.md"
 README_ANCHOR = "**What the early warning predicts:"  # where the paragraph starts, whatever its verdict
@@ -119,6 +120,26 @@ def _auto_fix_sentence(result: dict) -> str:
             f"{min(ratios):.3f}-{max(ratios):.3f}x theirs.")
 
 
+def _acting_sentence() -> str:
+    """The README's point on acting on the warnings: the sixth protocol's auto_fix result, or, once
+    the tenth has run, its result on the cosine schedule (prevented blow-ups and what the survivors
+    it switched paid) with the sixth's counts beside it."""
+    sixth = json.loads(AUTO_FIX.read_text())
+    if not AUTO_FIX_10.exists():
+        return _auto_fix_sentence(sixth)
+    tenth = json.loads(AUTO_FIX_10.read_text())
+    pairs = tenth["pairs"]
+    rng = tenth["survivor_loss_ratio_range"]
+    loss = f", their loss {rng[0]:.3f}-{rng[1]:.3f}x their twins'" if rng else ""
+    harmed = tenth["harmed"]
+    fix_blew = sum(1 for p in sixth["pairs"] if not p["fix"]["survivor"])
+    return (f"*Acting on them* (peak 2.5e-3, {len(pairs)} seeds, each beside its SDPA twin): "
+            f"`auto_fix=\"fp32_delta\"` prevented {tenth['prevented']} of {tenth['cases']} confirmed blow-ups "
+            f"({tenth['verdict']}); it switched {tenth['switched_survivors']} of the {tenth['survivors']} twins that "
+            f"survived{loss}; {len(harmed)} blew up where the twin did not. At constant lr 1.5e-3: {fix_blew} of "
+            f"{len(sixth['pairs'])} blew up, their twins {sixth['cases']}.")
+
+
 # the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines
 # (every rule's row: docs/EXPERIMENTS.md sections 9-10)
 README_RULES = ("chain", "repeated_max_bf16_trend", "repeated_max_rise", "max_logit", "delta_drift", "qk_clip_100",
@@ -149,7 +170,7 @@ def readme_block() -> str:
              "only by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds; `chain`: `delta_drift` with "
              "W^Q-error coherence; `docs/EXPERIMENTS.md` §9-14):")
     items = [_landmark_sentence(landmark), _alarm_sentence(r1, r2, t4, passed),
-             _auto_fix_sentence(json.loads(AUTO_FIX.read_text()))]
+             _acting_sentence()]
     t3 = t4["table"]
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
     t9 = json.loads(TEST_9.read_text())["table"] if TEST_9.exists() else None  # the cosine schedule's test

@@ -140,3 +140,21 @@ def test_the_ninth_protocols_result_enters_the_readme_once_it_exists(tmp_path, m
     result["table"]["chain"]["survivors"] = 4
     path.write_text(json.dumps(result))
     assert "undecided (a group below 6)" in stated_numbers._schedule_sentence()
+
+
+def test_the_tenth_protocols_result_replaces_the_acting_point_once_it_exists(tmp_path, monkeypatch):
+    """Once the tenth protocol (auto_fix on the cosine schedule) has a result, the README's acting
+    point reads its prevented blow-ups, the survivors it switched, their loss and the harm, with the
+    sixth's counts beside; before, the sixth's sentence stands."""
+    assert stated_numbers._acting_sentence() == stated_numbers._auto_fix_sentence(
+        json.loads(stated_numbers.AUTO_FIX.read_text()))
+    tenth = {"pairs": [{}] * 16, "prevented": 9, "cases": 10, "verdict": "shown", "survivors": 6,
+             "switched_survivors": 4, "survivor_loss_ratio_range": [0.991, 1.012], "harmed": [709]}
+    path = tmp_path / "auto-fix.json"
+    path.write_text(json.dumps(tenth))
+    monkeypatch.setattr(stated_numbers, "AUTO_FIX_10", path)
+    flat = " ".join(stated_numbers.readme_block().split())
+    assert ("(peak 2.5e-3, 16 seeds, each beside its SDPA twin): `auto_fix=\"fp32_delta\"` prevented 9 of 10 "
+            "confirmed blow-ups (shown); it switched 4 of the 6 twins that survived, their loss 0.991-1.012x their "
+            "twins'; 1 blew up where the twin did not. At constant lr 1.5e-3: 0 of 8 blew up, their twins 6.") in flat
+    assert stated_numbers.differences()
