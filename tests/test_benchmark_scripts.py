@@ -1,5 +1,6 @@
 """The GPU-only scripts in benchmarks/ say so and exit 2 on a machine without CUDA."""
 
+import json
 import os
 import subprocess
 import sys
@@ -292,3 +293,30 @@ def test_training_equivalence_tells_a_moved_spike_from_a_changed_curve():
     assert (moved["agree_steps"], moved["median_gap"], round(moved["max_gap"], 6)) == (10, 0.0, 1.7)
     assert drifted["agree_steps"] == 1 and drifted["median_gap"] > 0.05 and not drifted["bitwise"]
     assert "reference" not in arms[0]
+
+
+def test_training_equivalence_reports_a_failing_arm_and_runs_the_rest(monkeypatch, capsys, tmp_path):
+    """An arm that raises (say, an operator without a deterministic algorithm on the GPU) is reported
+    with its error, in the output and the JSON, the other arms still run, and the exit code says so."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import training_equivalence as te
+    finally:
+        sys.path.pop(0)
+    real = te.run_arm
+
+    def run_arm(name, *args, **kwargs):
+        if name == "own_kernel":
+            raise RuntimeError("no deterministic implementation")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(te, "run_arm", run_arm)
+    out = tmp_path / "eq.json"
+    # --nondeterministic: the switch is process-wide (the CPU's kernels are deterministic anyway)
+    rc = te.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "1", "--steps", "2", "--no-compile",
+                  "--nondeterministic", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1 and "own_kernel             failed: RuntimeError: no deterministic implementation" in text
+    result = json.loads(out.read_text())
+    assert [a["arm"] for a in result["arms"]] == ["sdpa", "sdpa_again", "observe"]
+    assert result["failed"] == [{"arm": "own_kernel", "error": "RuntimeError: no deterministic implementation"}]
