@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of a pre-registered protocol's seed-split runs, on the device machine, from the
 # repository root, with the registered code's `git archive` copy in $SPLIT_CODE (default .devrun/reg,
-# carried; its CODE_COMMIT beside it):
+# carried; made by `bash research/registered_code.sh COMMIT .devrun/reg`, its CODE_COMMIT beside it):
 #   SPLIT9_LR=0.0025 SPLIT_SEEDS=520-527 bash research/split_call.sh split9-pilot
 #   (the same command again continues paused runs)
 # TARGET is a case of research/gpu_batch.sh (split8-pilot, split9-pilot, split9, split9-controls, ...);
@@ -20,7 +20,7 @@ ROOT=$PWD
 CODE_DIR=${SPLIT_CODE:-.devrun/reg}
 export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1
 [ -e flashwatch/kernels ] || ln -s ../kernels flashwatch/kernels  # the analysis below imports the package from here
-[ -f "$CODE_DIR/CODE_COMMIT" ] || { echo "no $CODE_DIR/CODE_COMMIT (the registered code's git archive copy): carry it"; exit 2; }
+[ -f "$CODE_DIR/CODE_COMMIT" ] || { echo "no $CODE_DIR/CODE_COMMIT: make the registered code's copy with research/registered_code.sh COMMIT $CODE_DIR and carry it"; exit 2; }
 source research/mps_env.sh
 LEFT=${SPLIT_SECONDS:-$(( 600 - SECONDS - 100 ))}
 (cd "$CODE_DIR" && ln -sfn ../kernels flashwatch/kernels && SPLIT_SECONDS=$LEFT bash research/gpu_batch.sh "$TARGET") \

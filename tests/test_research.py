@@ -922,3 +922,26 @@ def test_the_ninth_protocols_arms_decay_and_a_tiny_run_decays_over_its_own_lengt
     with pytest.raises(ValueError, match="decay_steps must be a positive step count"):
         from research.experiments.scenarios import Arm
         Arm("x", "x", "failure", decay_steps=0)
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the git checkout")
+def test_registered_code_copies_a_commit_without_recordings_and_refuses_other_folders(tmp_path):
+    """research/registered_code.sh makes the device machine's copy of a protocol's code: the commit's
+    files without results/ and docs/gpu-runs/, its full hash in CODE_COMMIT; it replaces an earlier
+    copy and refuses a folder that is not one."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    copy = tmp_path / "reg"
+    for _ in range(2):  # the second run replaces the first copy
+        done = subprocess.run(["bash", "research/registered_code.sh", "HEAD", str(copy)], cwd=ROOT, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stderr
+    assert (copy / "CODE_COMMIT").read_text() == head
+    assert (copy / "research/split_call.sh").exists() and (copy / "flashwatch/monitor.py").exists()
+    assert not (copy / "results").exists() and not (copy / "docs/gpu-runs").exists()
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    refused = subprocess.run(["bash", "research/registered_code.sh", "HEAD", str(other)], cwd=ROOT, capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and "not a registered code copy" in refused.stderr
+    assert (other / "keep.txt").exists()
