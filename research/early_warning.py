@@ -746,7 +746,7 @@ def readme_paragraph(result: dict, configuration: str) -> str:
                    "every alert stays a warning.")
     return (f"{configuration}: {n_b + n_s} runs, {n_b} blew up and {n_s} survived. Runs with an alert at least "
             f"{MIN_LEAD:,} steps before the blow-up, of {n_b}: " + ", ".join(count(r) for r in rules)
-            + f"; baselines: " + ", ".join(count(b) for b in ("qk_clip_100", "zclip_2.5", "zclip_calibrated"))
+            + "; baselines: " + ", ".join(count(b) for b in ("qk_clip_100", "zclip_2.5", "zclip_calibrated"))
             + f". Verdict: {verdict}")
 
 
@@ -802,6 +802,10 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("pilots", nargs="+", metavar="RATE=OUTCOMES.json")
     pl.add_argument("--protocol", type=int, default=8, choices=sorted(pilot.RULES),
                     help="whose pilot rule (default 8)")
+    bl = sub.add_parser("blocks", help="whether a block-wise test runs another block, from its blocks' outcomes results "
+                                       "(research.pilot.next_block)")
+    bl.add_argument("blocks", nargs="+", metavar="OUTCOMES.json")
+    bl.add_argument("--protocol", type=int, required=True, choices=sorted(pilot.BLOCK_RULES))
     oc = sub.add_parser("outcomes", help="each run's outcome and monitoring, no rule (before a protocol's analysis)")
     oc.add_argument("runs", nargs="+")
     oc.add_argument("--out", required=True)
@@ -819,6 +823,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown rule(s) {unknown}; accepted: {', '.join(RULES + BASELINES)}")
         timeline_figure([(title, json.loads(Path(path).read_text())) for title, path in pairs], rules, Path(args.out))
         print(f"wrote {args.out}")
+        return 0
+    if args.command == "blocks":
+        try:
+            blocks = [json.loads(Path(path).read_text()) for path in args.blocks]
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"expected outcomes results (python -m research.early_warning outcomes): {e}")
+        print(json.dumps(pilot.next_block(pilot.BLOCK_RULES[args.protocol], blocks), indent=1))
         return 0
     if args.command == "pilot":
         pilots = {}

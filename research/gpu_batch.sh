@@ -37,6 +37,8 @@
 #   SPLIT9_LR=... SPLIT_SEEDS=700-707 bash research/gpu_batch.sh split9             # its test, block by block
 #   SPLIT9_LR=... bash research/gpu_batch.sh split9-controls                        # FP32 and fp32_delta, seeds 760-763
 #   SPLIT9_LR=... SPLIT_SEEDS=700-707 bash research/gpu_batch.sh split10            # the tenth: auto_fix on those seeds
+#   SPLIT11_LR=0.0015 SPLIT_SEEDS=540-547 bash research/gpu_batch.sh split11-pilot  # the eleventh protocol's pilot
+#   SPLIT11_LR=... SPLIT_SEEDS=800-807 bash research/gpu_batch.sh split11           # its test, block by block
 #   (one device call of any of these, with MPS and packing: research/split_call.sh TARGET)
 #   (eight parallel runs go 1.68x faster sharing the GPU through CUDA MPS: `source research/mps_env.sh` first)
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
@@ -61,7 +63,7 @@ CODE="code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || e
 VERSIONS=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)")
 echo "$CODE"; echo "$VERSIONS"
 case "${1:-1}" in
-split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8|split9-pilot|split9|split9-controls|split10)
+split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8|split9-pilot|split9|split9-controls|split10|split11-pilot|split11|split11-controls)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -87,8 +89,12 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
     # the tenth protocol: auto_fix on the ninth's first test seeds at the peak its pilot chose
     split10) what=(--arms auto_fix_cos${SPLIT9_LR:?name the peak the ninth protocol chose} --seeds ${SPLIT_SEEDS:-700-715} --max-steps 10000); tag=test10 ;;
     split9-controls) what=(--arms fp32_cos${SPLIT9_LR:?name the peak the pilot chose},fp32_delta_cos${SPLIT9_LR} --seeds ${SPLIT_SEEDS:-760-763} --max-steps 10000); tag=controls9 ;;
+    # the eleventh protocol: lower peaks of the same schedule; its test in blocks of 8 from seed 800 (research.pilot.next_block)
+    split11-pilot) what=(--arms sdpa_observe_cos${SPLIT11_LR:?name the peak: 0.0015, 0.00125 or 0.00175} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 10000); tag=pilot11 ;;
+    split11) what=(--arms sdpa_observe_cos${SPLIT11_LR:?name the peak the pilot chose} --seeds ${SPLIT_SEEDS:?name the block, e.g. 800-807} --max-steps 10000); tag=test11 ;;
+    split11-controls) what=(--arms fp32_cos${SPLIT11_LR:?name the peak the pilot chose},fp32_delta_cos${SPLIT11_LR} --seeds ${SPLIT_SEEDS:-860-863} --max-steps 10000); tag=controls11 ;;
   esac
-  CHECKED=" test4 test6 test7 pilot8 test8 pilot9 test9 controls9 test10 "  # protocols that count only fully measured runs
+  CHECKED=" test4 test6 test7 pilot8 test8 pilot9 test9 controls9 test10 pilot11 test11 controls11 "  # protocols that count only fully measured runs
   if [[ "$CHECKED" == *" $tag "* ]] && [ ! -d "$SPLIT_RUNS/$tag" ]; then
     # the fourth protocol and those after it count only runs measured at every monitored step: check on this GPU first
     # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)

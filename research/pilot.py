@@ -1,6 +1,7 @@
 """A protocol's pilot: which learning rate its alarm test runs at, chosen from outcomes only.
 
-    python -m research.early_warning pilot [--protocol 8|9] RATE=OUTCOMES.json [RATE=OUTCOMES.json]
+    python -m research.early_warning pilot [--protocol 8|9|11] RATE=OUTCOMES.json [RATE=OUTCOMES.json]
+    python -m research.early_warning blocks --protocol 11 OUTCOMES.json [OUTCOMES.json ...]
 
 An alarm test needs runs that blow up and runs that survive in one configuration. A pilot trains
 eight runs at a first rate and counts, from ``research.early_warning outcomes`` alone (no rule's
@@ -9,22 +10,27 @@ pilot run picks the rate:
 
 - the first rate is chosen at once if its eight runs are complete and 3-5 of them survived;
 - otherwise a second pilot runs at the rate the rule names (the eighth protocol: always its lower
-  rate; the ninth: a higher peak when more than half of the first's complete runs survived, else
-  a lower one);
+  rate; the ninth and the eleventh: a higher peak when more than half of the first's complete runs
+  survived, else a lower one);
 - then, of the rates that qualify (at least 2 confirmed blow-ups and 2 survivors), the one whose
   share of survivors among its complete runs is nearest one half; a tie goes to the first rate;
   none qualifying: no test under that protocol.
 
 A survivor ran to the protocol's horizon without a blow-up, with its monitoring complete.
+
+The eleventh protocol's test also runs in blocks of eight until its groups are large enough
+(``BlockRule``, ``next_block``): after each block, from the test runs' outcomes alone, it stops
+once it has its minimum of runs and both groups (confirmed blow-ups, survivors) reach the alarm
+bar's minimum, or at its maximum of runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from research.experiments.scenarios import SPLIT_DECAY_9, SPLIT_LRS_8, SPLIT_PEAKS_9
+from research.experiments.scenarios import SPLIT_DECAY_9, SPLIT_LRS_8, SPLIT_PEAKS_9, SPLIT_PEAKS_11
 
-__all__ = ["PilotRule", "RULES", "counts", "choose"]
+__all__ = ["PilotRule", "RULES", "counts", "choose", "BlockRule", "BLOCK_RULES", "next_block"]
 
 MIN_GROUP = 2  # a rate qualifies with at least this many confirmed blow-ups and survivors
 AT_ONCE = (3, 4, 5)  # survivors of 8 complete first-rate runs that choose the first rate at once
@@ -69,6 +75,9 @@ RULES = {
     # the ninth: peak rates of a cosine decay ending at step SPLIT_DECAY_9, the end of its runs
     9: PilotRule(protocol=9, first=SPLIT_PEAKS_9[0], lower=SPLIT_PEAKS_9[1], higher=SPLIT_PEAKS_9[2],
                  horizon=SPLIT_DECAY_9),
+    # the eleventh: lower peaks of the ninth's schedule
+    11: PilotRule(protocol=11, first=SPLIT_PEAKS_11[0], lower=SPLIT_PEAKS_11[1], higher=SPLIT_PEAKS_11[2],
+                  horizon=SPLIT_DECAY_9),
 }
 
 
@@ -109,3 +118,42 @@ def choose(rule: PilotRule, pilots: dict[float, dict]) -> dict:
     # nearest share of survivors to one half; a tie goes to the first rate (min keeps the first of equals)
     rate = min(qualifying, key=lambda r: abs(by_rate[r]["survivors"] / by_rate[r]["complete"] - 0.5))
     return {"decision": "test", "rate": rate, "counts": by_rate, "why": "the qualifying rate nearest one half"}
+
+
+@dataclass(frozen=True)
+class BlockRule:
+    """A test that runs in blocks until its groups are large enough (outcomes only).
+
+    Attributes:
+        protocol: the protocol's number.
+        min_runs: finished test runs (blown up or at the horizon) it has at least before it may stop.
+        max_runs: finished test runs after which it stops whatever its groups.
+        min_group: confirmed blow-ups and survivors each needs to stop early (the alarm bar's).
+        horizon: the steps a survivor ran without a blow-up.
+    """
+
+    protocol: int
+    min_runs: int
+    max_runs: int
+    min_group: int
+    horizon: int
+
+
+BLOCK_RULES = {11: BlockRule(protocol=11, min_runs=24, max_runs=48, min_group=6, horizon=SPLIT_DECAY_9)}
+
+
+def next_block(rule: BlockRule, blocks: list[dict]) -> dict:
+    """The rule on the test blocks' ``outcomes`` results so far: ``{"decision": "stop"}`` or
+    ``{"decision": "run the next block"}``, with the counts over all blocks and why. Runs that
+    are not complete (monitoring cut) or neither a confirmed blow-up nor a survivor count toward
+    the runs, not toward a group."""
+    merged = {"runs": {k: v for b in blocks for k, v in b["runs"].items()}}
+    total = counts(merged, rule.horizon)
+    total["runs"] = len(merged["runs"])
+    if total["runs"] >= rule.max_runs:
+        return {"decision": "stop", "counts": total, "why": f"{rule.max_runs} runs, the most the protocol runs"}
+    if total["runs"] >= rule.min_runs and min(total["blowups"], total["survivors"]) >= rule.min_group:
+        return {"decision": "stop", "counts": total,
+                "why": f"at least {rule.min_runs} runs and both groups at {rule.min_group} or more"}
+    return {"decision": "run the next block", "counts": total,
+            "why": f"fewer than {rule.min_runs} runs or a group below {rule.min_group}"}

@@ -5,7 +5,7 @@
 #   SPLIT9_LR=0.0025 SPLIT_SEEDS=520-527 bash research/split_call.sh split9-pilot
 #   (the same command again continues paused runs)
 # TARGET is a case of research/gpu_batch.sh (split8-pilot, split9-pilot, split9, split9-controls, ...);
-# its variables (SPLIT_SEEDS, SPLIT8_LR, SPLIT9_LR, SPLIT_PARALLEL) pass through. The runs share the GPU
+# its variables (SPLIT_SEEDS, SPLIT8_LR, SPLIT9_LR, SPLIT11_LR, SPLIT_PARALLEL) pass through. The runs share the GPU
 # through CUDA MPS (research/mps_env.sh). Each call trains for what its 600 s leave (less 100 s for
 # checkpoints and packing; SPLIT_SECONDS overrides), checkpointing on the device: a paused run lives only
 # on this machine, so call back to back until none is paused. It returns the recordings of the runs that

@@ -96,7 +96,6 @@ class _CopyDone:
 def _worker_run(tmp_path, name: str, defer: bool, monkeypatch, arm: str = "auto_fix") -> Path:
     """One tiny real-failure run in this process, thresholds low so that alerts fire; ``defer``: the
     Monitor decides a monitored step at the next step() as on CUDA with async_transfer."""
-    from flashwatch.monitor import Monitor
     from research.experiments import worker
     from research.experiments.scenarios import REAL_FAILURE
 
@@ -885,6 +884,45 @@ def test_the_ninth_protocols_pilot_rule_goes_up_or_down_from_its_first_peak():
         pilot.choose(rule, {2.5e-3: p(7, 1), 2e-3: p(4, 4)})
     with pytest.raises(ValueError, match="no pilot at lr 0.001 in protocol 9"):
         pilot.choose(rule, {2.5e-3: p(4, 4), 1e-3: p(4, 4)})
+
+
+def test_the_eleventh_protocols_pilot_rule_and_its_blocks():
+    """early-warning-protocol-11.md: peak 1.5e-3 first (chosen at once with 3-5 survivors of 8), else 1.25e-3
+    or 1.75e-3; its test runs blocks of 8 until at least 24 runs with 6 confirmed blow-ups and 6 survivors,
+    at most 48 (outcomes only), and its arms are the ninth's schedule at its peaks."""
+    from research import early_warning as ew
+    from research import pilot
+    from research.experiments.scenarios import SEED_SPLIT, SPLIT_PEAKS_11
+
+    rule = pilot.RULES[11]
+    p = lambda s, b, **kw: _pilot(s, b, horizon=10_000, **kw)  # noqa: E731
+    assert pilot.choose(rule, {1.5e-3: p(4, 4)})["rate"] == 1.5e-3
+    assert pilot.choose(rule, {1.5e-3: p(2, 6)})["rate"] == 1.25e-3
+    assert pilot.choose(rule, {1.5e-3: p(6, 2)})["rate"] == 1.75e-3
+    assert pilot.choose(rule, {1.5e-3: p(2, 6), 1.25e-3: p(5, 3)})["rate"] == 1.25e-3  # 5/8 nearer one half
+    block = pilot.BLOCK_RULES[11]
+
+    def blocks(n, *args, **kw):  # n blocks of the same counts, each run under its own name (a run folder)
+        return [{"runs": {f"b{i}/{k}": v for k, v in p(*args, **kw)["runs"].items()}} for i in range(n)]
+
+    # blocks of 8 with 2 survivors each: 24 runs leave 6 survivors and 18 blow-ups -> stop
+    assert pilot.next_block(block, blocks(2, 2, 6))["decision"] == "run the next block"
+    assert pilot.next_block(block, blocks(3, 2, 6))["decision"] == "stop"
+    assert pilot.next_block(block, blocks(2, 8, 0))["decision"] == "run the next block"  # 16 runs: too few
+    few = pilot.next_block(block, blocks(5, 1, 7))
+    assert few["decision"] == "run the next block" and few["counts"]["survivors"] == 5
+    assert pilot.next_block(block, blocks(6, 1, 7))["decision"] == "stop"  # 48 runs: the most
+    assert pilot.next_block(block, blocks(1, 2, 6) * 3)["counts"]["runs"] == 8  # a block given twice counts once
+    # an incomplete run counts toward the runs, not toward a group
+    assert pilot.next_block(block, blocks(3, 2, 5, incomplete=1))["counts"] == \
+        {"complete": 21, "blowups": 15, "survivors": 6, "qualifies": True, "runs": 24}
+    names = {a.name: a for a in SEED_SPLIT.arms}
+    for lr in SPLIT_PEAKS_11:
+        arm = names[f"sdpa_observe_cos{lr:g}"]
+        assert (arm.lr, arm.decay_steps, arm.monitor) == (lr, 10_000, {"mode": "observe"})
+        assert f"fp32_cos{lr:g}" in names and f"auto_fix_cos{lr:g}" not in names
+    with pytest.raises(SystemExit):
+        ew.main(["blocks", "--protocol", "9", "x.json"])  # the ninth's test is not block-wise
 
 
 def test_the_learning_rate_schedule_warms_up_then_holds_or_decays_by_a_cosine():

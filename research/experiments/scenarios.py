@@ -315,6 +315,36 @@ SPLIT_LRS_8 = (1.25e-3, 1e-3)  # the eighth protocol's pilot rates (research/pre
 # the ninth protocol (research/preregistration/early-warning-protocol-9.md): peak rates of a cosine decay ending here
 SPLIT_PEAKS_9 = (2.5e-3, 2e-3, 3e-3)  # its first pilot peak, then the lower or the higher one (research.pilot)
 SPLIT_DECAY_9 = 10_000
+# the eleventh protocol (research/preregistration/early-warning-protocol-11.md): lower peaks of the same schedule
+SPLIT_PEAKS_11 = (1.5e-3, 1.25e-3, 1.75e-3)  # its first pilot peak, then the lower or the higher one (research.pilot)
+
+
+
+def _cosine_arms(lr: float, protocol: str, auto_fix: bool) -> tuple[Arm, ...]:
+    """The arms of a protocol on the cosine schedule (peak ``lr``, a tenth of it at step
+    SPLIT_DECAY_9): SDPA observed, its FP32 and fp32_delta controls, and (``auto_fix``) the tenth
+    protocol's auto_fix arm."""
+    arms = (
+        Arm(f"sdpa_observe_cos{lr:g}", f"as sdpa_observe, peak lr {lr:g} decayed by a cosine to {lr / 10:g} at "
+            f"step {SPLIT_DECAY_9:,}", "failure", monitor={"mode": "observe"}, lr=lr, decay_steps=SPLIT_DECAY_9,
+            note=f"the {protocol} pre-registered protocol (research/preregistration/): training that ends, so a run "
+                 "that has not blown up by the end of its schedule is a survivor"),
+        Arm(f"fp32_cos{lr:g}", f"as fp32, peak lr {lr:g} with the same cosine decay", "healthy",
+            precision="fp32", monitor={"mode": "observe"}, lr=lr, decay_steps=SPLIT_DECAY_9,
+            note=f"the {protocol} protocol's FP32 control"),
+        Arm(f"fp32_delta_cos{lr:g}", f"as fp32_delta, peak lr {lr:g} with the same cosine decay", "healthy",
+            monitor=_own("fp32_delta"), lr=lr, decay_steps=SPLIT_DECAY_9,
+            note=f"the {protocol} protocol's fp32_delta control"),
+    )
+    if not auto_fix:
+        return arms
+    return arms + (
+        Arm(f"auto_fix_cos{lr:g}", f"as sdpa_observe_cos{lr:g}, with auto_fix='fp32_delta'", "rescued",
+            monitor={"mode": "observe", "auto_fix": "fp32_delta"}, lr=lr, decay_steps=SPLIT_DECAY_9,
+            note="the tenth pre-registered protocol (research/preregistration/): the ninth's test seeds again, "
+                 "a layer flagged by the default auto_fix rules moved to the fp32_delta kernel"),
+    )
+
 
 SEED_SPLIT = Scenario(
     name="seed-split", device="cuda",
@@ -351,21 +381,8 @@ SEED_SPLIT = Scenario(
         *(Arm(f"sdpa_observe_lr{lr:g}", f"as sdpa_observe, at lr {lr:g}", "failure", monitor={"mode": "observe"},
               lr=lr, note="the eighth pre-registered protocol's pilot and test rates (research/preregistration/)")
           for lr in SPLIT_LRS_8),
-        *(arm for lr in SPLIT_PEAKS_9 for arm in (
-            Arm(f"sdpa_observe_cos{lr:g}", f"as sdpa_observe, peak lr {lr:g} decayed by a cosine to {lr / 10:g} at "
-                f"step {SPLIT_DECAY_9:,}", "failure", monitor={"mode": "observe"}, lr=lr, decay_steps=SPLIT_DECAY_9,
-                note="the ninth pre-registered protocol (research/preregistration/): training that ends, so a run "
-                     "that has not blown up by the end of its schedule is a survivor"),
-            Arm(f"fp32_cos{lr:g}", f"as fp32, peak lr {lr:g} with the same cosine decay", "healthy",
-                precision="fp32", monitor={"mode": "observe"}, lr=lr, decay_steps=SPLIT_DECAY_9,
-                note="the ninth protocol's FP32 control"),
-            Arm(f"fp32_delta_cos{lr:g}", f"as fp32_delta, peak lr {lr:g} with the same cosine decay", "healthy",
-                monitor=_own("fp32_delta"), lr=lr, decay_steps=SPLIT_DECAY_9,
-                note="the ninth protocol's fp32_delta control"),
-            Arm(f"auto_fix_cos{lr:g}", f"as sdpa_observe_cos{lr:g}, with auto_fix='fp32_delta'", "rescued",
-                monitor={"mode": "observe", "auto_fix": "fp32_delta"}, lr=lr, decay_steps=SPLIT_DECAY_9,
-                note="the tenth pre-registered protocol (research/preregistration/): the ninth's test seeds again, "
-                     "a layer flagged by the default auto_fix rules moved to the fp32_delta kernel"))),
+        *(arm for lr in SPLIT_PEAKS_9 for arm in _cosine_arms(lr, "ninth", auto_fix=True)),
+        *(arm for lr in SPLIT_PEAKS_11 for arm in _cosine_arms(lr, "eleventh", auto_fix=False)),
     ),
     default_arms=("sdpa_observe",),
 )
