@@ -82,7 +82,7 @@ for step in $steps; do
               --json "$OUT/monitor_overhead_graphs.json" 2>&1 | tee "$OUT/monitor_overhead_graphs.log" | grep -v Warning ;;
     compiled) timeout 560 python3 benchmarks/monitor_overhead.py --compile default --json "$OUT/monitor_overhead_compiled.json" \
                 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
-    bench) timeout 400 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+    bench) timeout 480 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
     ab) befores=$(for b in kernels/_ab_before kernels/_ab_before.py kernels/_ab_before_*; do [ -e "$b" ] && echo "--before $b"; done)
         timeout 400 python3 benchmarks/kernel_ab.py $befores --json "$OUT/kernel_ab.json" 2>&1 | tee "$OUT/kernel_ab.log" ;;
     # the opt-in Hopper variants against the default kernels and cuDNN (what would make one a default)

@@ -25,26 +25,6 @@ import torch
 GPT2_SMALL_CALL = (16, 12, 1024, 64)
 
 
-class _ReducingHook:
-    """The chain's side of the reduction with random factors: u (H, D), x.v (B, H, N), x Omega (B, N, r)."""
-
-    def __init__(self, q: torch.Tensor, r: int):
-        from flashwatch.kernels.stats import RowReduction
-
-        B, H, N, D = q.shape
-        g = torch.Generator(device=q.device).manual_seed(0)
-        f32 = dict(device=q.device, dtype=torch.float32)
-        self.reduction_ = RowReduction(torch.randn(H, D, generator=g, **f32), torch.randn(B, H, N, generator=g, **f32),
-                                       torch.randn(B, N, r, generator=g, **f32), torch.zeros(H, **f32),
-                                       torch.zeros(H, D, r, **f32), lambda: None)
-
-    def reduction(self, q):
-        return self.reduction_
-
-    def __call__(self, e_rows, pk):
-        raise RuntimeError("the reduction was declined (FLASHWATCH_KERNEL_REDUCTION=0?): this sweep times the reduction")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", metavar="B,H,N,D",
@@ -67,7 +47,7 @@ def main(argv=None) -> int:
         g = torch.Generator(device="cuda").manual_seed(1)
         q, k, v, out, dout = (torch.randn(B, H, N, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(5))
         stats = AttentionStats(H, "cuda")
-        hook = _ReducingHook(q, SKETCH_DIM)
+        hook = bench.ReducingHook(q, SKETCH_DIM)
 
         def call(with_rows: bool):
             stats.rows_hook = hook if with_rows else None

@@ -2,7 +2,9 @@
 
 For each case (a shape, causal or not, bf16 or fp16) it times forward and forward+backward of torch SDPA
 flash (FlashAttention-2), torch SDPA cuDNN, and flashwatch plain (statistics off), plain
-(statistics on), fixed and fp32_delta, as medians of CUDA-event timings
+(statistics on), plain with the statistics and the W^Q-error chain's in-kernel reduction (what a
+monitored call of a Monitor's own-kernel layer runs, ``plain_stats_chain``; the chain's per-call
+PyTorch work is not in it), fixed and fp32_delta, as medians of CUDA-event timings
 (``triton.testing.do_bench``), all in the same run, and prints ratios to SDPA flash. The
 kernels of a shape are timed in three interleaved rounds and each number is the median of the
 rounds (one round with --quick or --tune); the JSON keeps the spread of the rounds.
@@ -36,7 +38,8 @@ DEFAULT_SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 64), (4, 32, 4096, 128), (1,
 # beside the default shapes: the first one without the causal mask, and in fp16 (shape, causal, dtype name)
 EXTRA_CASES = ((DEFAULT_SHAPES[0], False, "bf16"), (DEFAULT_SHAPES[0], True, "fp16"))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-KERNELS = ("sdpa_flash", "sdpa_cudnn", "plain", "plain_stats", "fixed", "fp32_delta")
+KERNELS = ("sdpa_flash", "sdpa_cudnn", "plain", "plain_stats", "plain_stats_chain", "fixed", "fp32_delta")
+OVER_PLAIN = ("plain_stats", "plain_stats_chain", "fixed", "fp32_delta")  # the kernels timed against plain
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -61,17 +64,47 @@ def _sdpa(backend):
     return run
 
 
-def _flashwatch(variant: str, with_stats: bool):
+class ReducingHook:
+    """A rows hook (``AttentionStats.rows_hook``) that takes the W^Q-error chain's in-kernel
+    reduction with random factors of q's shape (B, H, N, D): u (H, D), x.v (B, H, N), x Omega
+    (B, N, r); what a monitored call of a layer with the chain makes the kernels do, without the
+    chain's per-call PyTorch work (the factors from X)."""
+
+    def __init__(self, q: torch.Tensor, r: int):
+        from .kernels.stats import RowReduction
+
+        B, H, N, D = q.shape
+        g = torch.Generator(device=q.device).manual_seed(0)
+        f32 = dict(device=q.device, dtype=torch.float32)
+        self.reduction_ = RowReduction(torch.randn(H, D, generator=g, **f32), torch.randn(B, H, N, generator=g, **f32),
+                                       torch.randn(B, N, r, generator=g, **f32), torch.zeros(H, **f32),
+                                       torch.zeros(H, D, r, **f32), lambda: None)
+
+    def reduction(self, q):
+        return self.reduction_
+
+    def __call__(self, e_rows, pk):
+        raise RuntimeError("the kernels stored the rows instead of reducing them (FLASHWATCH_KERNEL_REDUCTION=0?): "
+                           "this hook times the reduction")
+
+
+def _flashwatch(variant: str, with_stats: bool, chain: bool = False):
+    """flashwatch's kernel as the bench calls it: ``with_stats``, an ``AttentionStats`` kept across
+    calls as a Monitor keeps its layers'; ``chain``, with the W^Q-error chain's reduction too."""
     from flashwatch.kernels import AttentionStats, flash_attention
 
-    held: dict = {}  # one AttentionStats per head count, kept across calls as a Monitor keeps its layers'
+    held: dict = {}  # per shape: the statistics (and the chain's hook), kept across calls
 
     def run(q, k, v, causal):
         stats = None
         if with_stats:
-            stats = held.get(q.shape[1])
+            stats = held.get(q.shape)
             if stats is None:
-                stats = held[q.shape[1]] = AttentionStats(q.shape[1], q.device)
+                stats = held[q.shape] = AttentionStats(q.shape[1], q.device)
+                if chain:
+                    from .chain import SKETCH_DIM
+
+                    stats.rows_hook = ReducingHook(q, SKETCH_DIM)
         return flash_attention(q, k, v, causal=causal, variant=variant, stats=stats)
 
     return run
@@ -85,6 +118,7 @@ def kernel_functions() -> dict:
         "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "plain": _flashwatch("plain", False),
         "plain_stats": _flashwatch("plain", True),
+        "plain_stats_chain": _flashwatch("plain", True, chain=True),
         "fixed": _flashwatch("fixed", False),
         "fp32_delta": _flashwatch("fp32_delta", False),
     }
@@ -160,7 +194,7 @@ def add_ratios(row: dict) -> None:
         if "fwd_bwd_device_ms" in t and "fwd_bwd_device_ms" in ref:
             t["fwd_bwd_device_speed_vs_sdpa_flash"] = ref["fwd_bwd_device_ms"] / t["fwd_bwd_device_ms"]
     plain = row["kernels"].get("plain", {})
-    for name in ("plain_stats", "fixed", "fp32_delta"):
+    for name in OVER_PLAIN:
         t = row["kernels"].get(name, {})
         if "fwd_ms" in t and "fwd_ms" in plain:
             t["fwd_overhead_vs_plain"] = t["fwd_ms"] / plain["fwd_ms"] - 1.0

@@ -152,3 +152,29 @@ def test_sweep_configurations_times_each_candidate_under_its_override(monkeypatc
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("(table)") and out[1].endswith("<- best") and "1500.000 us" in out[1]
     assert "failed: RuntimeError" in out[2]
+
+
+def test_the_chain_column_times_the_kernels_reduction_against_plain(monkeypatch):
+    """plain_stats_chain is timed against plain like the statistics, and its kernel function gives
+    the statistics a rows hook that offers the chain's reduction (factors shaped like q's)."""
+    row = _row({})
+    row["kernels"]["plain_stats_chain"] = dict(row["kernels"]["plain_stats"], fwd_bwd_ms=7.0)
+    bench.add_ratios(row)
+    assert row["kernels"]["plain_stats_chain"]["fwd_bwd_overhead_vs_plain"] == pytest.approx(0.4)
+    assert "plain_stats_chain" in bench.KERNELS and "plain_stats_chain" in bench.OVER_PLAIN
+    from flashwatch.chain import SKETCH_DIM
+
+    seen = []
+    import flashwatch.kernels as fk
+    monkeypatch.setattr(fk, "flash_attention", lambda q, k, v, stats=None, **kw: seen.append(stats) or q)
+    run = bench.kernel_functions()["plain_stats_chain"]
+    q = torch.zeros(2, 3, 16, 8)
+    run(q, q, q, True)
+    run(q, q, q, True)
+    stats = seen[0]
+    assert stats is seen[1]  # kept across calls, as a Monitor keeps its layers'
+    r = stats.rows_hook.reduction(q)
+    r.check(q)
+    assert r.xo.shape == (2, 16, SKETCH_DIM)
+    with pytest.raises(RuntimeError, match="stored the rows"):
+        stats.rows_hook(None, None)
