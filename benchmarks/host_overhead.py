@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                     entry[key] = f"{type(exc).__name__}: {str(exc)[:160]}"
             row["kernels"][name] = entry
         report["shapes"].append(row)
-    print(f"host time per forward+backward call at (1,1,64,64), microseconds:")
+    print("host time per forward+backward call at (1,1,64,64), microseconds:")
     for name, us in report["host_us_at_1x1x64"].items():
         print(f"  {name:12s} {us:8.1f}" if isinstance(us, float) else f"  {name:12s} {us}")
     for row in report["shapes"]:

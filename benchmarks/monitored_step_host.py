@@ -22,7 +22,6 @@ them on a GPU).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import statistics

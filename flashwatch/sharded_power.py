@@ -58,7 +58,7 @@ def query_blocks(values: torch.Tensor, start: int, param_shape: tuple[int, int],
     """
     h, d, c = shape
     rows, cols = param_shape
-    n, pos, end = values.numel(), start, start + values.numel()
+    pos, end = start, start + values.numel()
     out: list[Block] = []
     while pos < end:
         r, k0 = divmod(pos, cols)

@@ -7,8 +7,6 @@ import json
 import logging
 import math
 import socket
-import subprocess
-import sys
 import urllib.request
 
 import pytest
