@@ -35,6 +35,7 @@ PILOT_8 = {1.25e-3: ROOT / "results/seed-split-8/pilot-outcomes-1.25e-3.json",  
            1e-3: ROOT / "results/seed-split-8/pilot-outcomes-1e-3.json"}
 PILOT_9 = {2.5e-3: ROOT / "results/seed-split-9/pilot-outcomes-2.5e-3.json",  # the ninth protocol's pilots
            2e-3: ROOT / "results/seed-split-9/pilot-outcomes-2e-3.json"}
+PILOT_9_DECISION = ROOT / "results/seed-split-9/pilot-decision.json"  # research.pilot's choice of the test's peak
 TEST_9 = ROOT / "results/seed-split-9/test.json"  # the ninth protocol's test, once its analysis has run
 TEST_9_OUTCOMES = ROOT / "results/seed-split-9"  # its blocks' outcomes before it: test-outcomes-*.json
 # every outcome at a constant rate, by rate: (the files holding the runs, the steps they ran to)
@@ -133,7 +134,7 @@ def _acting_sentence() -> str:
     loss = f", their loss {rng[0]:.3f}-{rng[1]:.3f}x their twins'" if rng else ""
     harmed = tenth["harmed"]
     fix_blew = sum(1 for p in sixth["pairs"] if not p["fix"]["survivor"])
-    return (f"*Acting on them* (peak 2.5e-3, {len(pairs)} seeds, each beside its SDPA twin): "
+    return (f"*Acting on them* (peak {_rate(_peak_9())}, {len(pairs)} seeds, each beside its SDPA twin): "
             f"`auto_fix=\"fp32_delta\"` prevented {tenth['prevented']} of {tenth['cases']} confirmed blow-ups "
             f"({tenth['verdict']}); it switched {tenth['switched_survivors']} of the {tenth['survivors']} twins that "
             f"survived{loss}; {len(harmed)} blew up where the twin did not. At constant lr 1.5e-3: {fix_blew} of "
@@ -174,7 +175,7 @@ def readme_block() -> str:
     t3 = t4["table"]
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
     t9 = json.loads(TEST_9.read_text())["table"] if TEST_9.exists() else None  # the cosine schedule's test
-    cosine = " | cosine 2.5e-3" if t9 else ""
+    cosine = f" | cosine {_rate(_peak_9())}" if t9 else ""
     rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3{cosine} | false alarms, "
             f"lr 1.75e-3 | lr 1.5e-3{cosine} |", "|---|---|---|---|---|---|" + ("---|---|" if t9 else "")]
     for r in README_RULES:
@@ -225,6 +226,11 @@ def _pilot_sentence() -> str:
     return f"at {rates} all {n} runs blew up by step 20,000 ({steps[0]:,}-{steps[-1]:,})"
 
 
+def _peak_9() -> float:
+    """The peak the ninth protocol's pilot chose for its test (``pilot-decision.json``)."""
+    return json.loads(PILOT_9_DECISION.read_text())["rate"]
+
+
 def _test_9_blocks() -> list[Path]:
     """The ninth protocol's test blocks run so far (their ``outcomes`` results), in seed order."""
     return sorted(TEST_9_OUTCOMES.glob("test-outcomes-*.json"))
@@ -240,19 +246,20 @@ def _schedule_sentence() -> str:
     """Where the ninth protocol's test (a cosine schedule that ends at step 10,000) stands: its
     outcomes so far, or, once analysed, its counts and verdict."""
     if TEST_9.exists():
-        result = json.loads(TEST_9.read_text())
-        table = result["table"]
+        table = json.loads(TEST_9.read_text())["table"]
         b, s = table["chain"]["blowups"], table["chain"]["survivors"]
+        # the verdicts the test recorded (research.early_warning), not derived again here
         passed = [r for r in RULES if table[r]["verdict"] == "pass"]
+        undecided = sum(1 for r in RULES if table[r]["verdict"] == "undecided")
         if passed:
             verdict = f"passed by {', '.join(f'`{r}`' for r in passed)}"
-        elif b < MIN_GROUP or s < MIN_GROUP:
-            verdict = f"undecided (a group below {MIN_GROUP})"
+        elif undecided:
+            verdict = f"no rule passed, {undecided} of {len(RULES)} undecided (a group below {MIN_GROUP})"
         else:
             verdict = "no rule passed"
-        return (f"On a cosine schedule that ends at step 10,000 (peak 2.5e-3, {b + s} runs): {b} blew up, {s} "
-                f"survived; {verdict} (table, last columns).")
-    n, steps, survivors = _blowups(tuple(_test_9_blocks())) if _test_9_blocks() else (0, [], 0)
+        return (f"On a cosine schedule that ends at step 10,000 (peak {_rate(_peak_9())}, {b + s} runs): {b} blew "
+                f"up, {s} survived; {verdict} (table, last columns).")
+    n, steps, survivors = _blowups(tuple(_test_9_blocks()))
     so_far = f": so far {len(steps)} of {n} runs blew up" + (f", {survivors} survived" if survivors else "") if n else ""
     return f"A cosine schedule that ends at step 10,000 is under test{so_far}."
 
@@ -263,10 +270,11 @@ def schedule_table() -> str:
     rows = ["| cosine peak (to a tenth at step 10,000) | runs | seeds | confirmed blow-ups | not confirmed | survivors "
             "| blow-up steps |", "|---|---|---|---|---|---|---|"]
     groups = [(f"{_rate(lr)} (pilot)", (path,)) for lr, path in PILOT_9.items()]
-    groups += [(f"{_rate(2.5e-3)} (test)", (path,)) for path in _test_9_blocks()]
+    groups += [(f"{_rate(_peak_9())} (test)", (path,)) for path in _test_9_blocks()]
     for name, files in groups:
-        runs = [v for f in files for v in json.loads(f.read_text())["runs"].values()]
-        seeds = sorted(int(k.rsplit("/", 1)[-1].removeprefix("seed")) for k in json.loads(files[0].read_text())["runs"])
+        by_run = {k: v for f in files for k, v in json.loads(f.read_text())["runs"].items()}
+        runs = list(by_run.values())
+        seeds = sorted(int(k.rsplit("/", 1)[-1].removeprefix("seed")) for k in by_run)
         n, steps, survivors = _blowups(files)
         unconfirmed = sum(1 for v in runs if v["outcome"]["blowup"] is not None and not v["outcome"]["confirmed"])
         span = f"{steps[0]:,}-{steps[-1]:,}" if steps else "-"

@@ -139,7 +139,12 @@ def test_the_ninth_protocols_result_enters_the_readme_once_it_exists(tmp_path, m
     result["table"]["chain"]["verdict"] = "fail"
     result["table"]["chain"]["survivors"] = 4
     path.write_text(json.dumps(result))
-    assert "undecided (a group below 6)" in stated_numbers._schedule_sentence()
+    # the verdicts the file records are read, not derived again from the group sizes
+    assert stated_numbers._schedule_sentence().endswith("survived; no rule passed (table, last columns).")
+    for row in result["table"].values():
+        row["verdict"] = "undecided"
+    path.write_text(json.dumps(result))
+    assert "no rule passed, 11 of 11 undecided (a group below 6)" in stated_numbers._schedule_sentence()
 
 
 def test_the_tenth_protocols_result_replaces_the_acting_point_once_it_exists(tmp_path, monkeypatch):

@@ -319,7 +319,6 @@ SPLIT_DECAY_9 = 10_000
 SPLIT_PEAKS_11 = (1.5e-3, 1.25e-3, 1.75e-3)  # its first pilot peak, then the lower or the higher one (research.pilot)
 
 
-
 def _cosine_arms(lr: float, protocol: str, auto_fix: bool) -> tuple[Arm, ...]:
     """The arms of a protocol on the cosine schedule (peak ``lr``, a tenth of it at step
     SPLIT_DECAY_9): SDPA observed, its FP32 and fp32_delta controls, and (``auto_fix``) the tenth
