@@ -38,6 +38,7 @@ PILOT_9 = {2.5e-3: ROOT / "results/seed-split-9/pilot-outcomes-2.5e-3.json",  # 
 PILOT_9_DECISION = ROOT / "results/seed-split-9/pilot-decision.json"  # research.pilot's choice of the test's peak
 TEST_9 = ROOT / "results/seed-split-9/test.json"  # the ninth protocol's test, once its analysis has run
 TEST_9_OUTCOMES = ROOT / "results/seed-split-9"  # its blocks' outcomes before it: test-outcomes-*.json
+SPLIT_11 = ROOT / "results/seed-split-11"  # the eleventh protocol's pilots (pilot-outcomes-<peak>.json) and test
 # every outcome at a constant rate, by rate: (the files holding the runs, the steps they ran to)
 RATE_OUTCOMES = {
     2e-3: ((TEST_1,), 10_000), 1.75e-3: ((TEST_2,), 10_000),
@@ -260,17 +261,21 @@ def _schedule_sentence() -> str:
         return (f"On a cosine schedule that ends at step 10,000 (peak {_rate(_peak_9())}, {b + s} runs): {b} blew "
                 f"up, {s} survived; {verdict} (table, last columns).")
     n, steps, survivors = _blowups(tuple(_test_9_blocks()))
-    so_far = f": so far {len(steps)} of {n} runs blew up" + (f", {survivors} survived" if survivors else "") if n else ""
-    return f"A cosine schedule that ends at step 10,000 is under test{so_far}."
+    unconfirmed = n - len(steps) - survivors
+    so_far = (f": {len(steps)} of {n} blew up" + (f", {unconfirmed} unconfirmed" if unconfirmed else "")
+              + (f", {survivors} survived" if survivors else "") if n else "")
+    return f"A cosine schedule ending at step 10,000 is under test{so_far}."
 
 
 def schedule_table() -> str:
-    """Outcomes of the ninth protocol's runs on a cosine schedule (its pilots and, before its
-    analysis, its test blocks), by peak rate (docs/EXPERIMENTS.md section 14)."""
+    """Outcomes of the runs on a cosine schedule, by peak rate (docs/EXPERIMENTS.md section 14): the
+    ninth protocol's pilots and, before its analysis, its test blocks; the eleventh protocol's pilots."""
     rows = ["| cosine peak (to a tenth at step 10,000) | runs | seeds | confirmed blow-ups | not confirmed | survivors "
             "| blow-up steps |", "|---|---|---|---|---|---|---|"]
     groups = [(f"{_rate(lr)} (pilot)", (path,)) for lr, path in PILOT_9.items()]
     groups += [(f"{_rate(_peak_9())} (test)", (path,)) for path in _test_9_blocks()]
+    groups += [(f"{path.stem.removeprefix('pilot-outcomes-')} (eleventh protocol's pilot)", (path,))
+               for path in sorted(SPLIT_11.glob("pilot-outcomes-*.json"))]
     for name, files in groups:
         by_run = {k: v for f in files for k, v in json.loads(f.read_text())["runs"].items()}
         runs = list(by_run.values())

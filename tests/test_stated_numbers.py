@@ -113,9 +113,25 @@ def test_the_schedule_sentence_and_table_follow_the_ninth_protocols_files(tmp_pa
     n = len(result["runs"])
     monkeypatch.setattr(stated_numbers, "TEST_9_OUTCOMES", tmp_path)
     monkeypatch.setattr(stated_numbers, "TEST_9", tmp_path / "test.json")
-    assert f"so far {n - 1} of {n} runs blew up, 1 survived" in stated_numbers._schedule_sentence()
+    assert f"under test: {n - 1} of {n} blew up, 1 survived." in stated_numbers._schedule_sentence()
     assert f"| 2.5e-3 (test) | {n} | 700-707 | {n - 1} | 0 | 1 |" in stated_numbers.schedule_table()
     assert stated_numbers.differences()
+    # a blow-up that was not confirmed counts in neither group, and the sentence says so
+    second = list(result["runs"].values())[1]
+    second["outcome"].update(confirmed=False)
+    (tmp_path / blocks[0].name).write_text(json.dumps(result))
+    assert f"under test: {n - 2} of {n} blew up, 1 unconfirmed, 1 survived." in stated_numbers._schedule_sentence()
+    assert f"| 2.5e-3 (test) | {n} | 700-707 | {n - 2} | 1 | 1 |" in stated_numbers.schedule_table()
+
+
+def test_the_schedule_table_has_a_row_for_each_pilot_of_the_eleventh_protocol(tmp_path, monkeypatch):
+    """The eleventh protocol's pilots join the cosine table, one row a peak, read from their files."""
+    pilot = json.loads(stated_numbers.PILOT_9[2.5e-3].read_text())  # an outcomes file's shape
+    (tmp_path / "pilot-outcomes-1.75e-3.json").write_text(json.dumps(pilot))
+    monkeypatch.setattr(stated_numbers, "SPLIT_11", tmp_path)
+    n, steps, survivors = stated_numbers._blowups((tmp_path / "pilot-outcomes-1.75e-3.json",))
+    assert (f"| 1.75e-3 (eleventh protocol's pilot) | {n} | 520-527 | {len(steps)} | 0 | {survivors} |"
+            in stated_numbers.schedule_table())
 
 
 def test_the_ninth_protocols_result_enters_the_readme_once_it_exists(tmp_path, monkeypatch):
