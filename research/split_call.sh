@@ -12,6 +12,8 @@
 # finished in this call, packed by research.recordings (xz, four runs an archive, within the 16 MiB a
 # returned file may have), the runner's JSON and its log. The console shows run states only (no rule's
 # firing: protocols report outcomes before their analysis).
+# Back on the development machine, `python -m research.record_call RETURNED_DIR --protocol N --stage pilot|test
+# --seeds FIRST-LAST [--peak 1.75e-3]` files one block under results/seed-split-N/.
 set -u
 TARGET=${1:?name the research/gpu_batch.sh target, e.g. split9-pilot}
 OUT=${OUT:-/tmp/out}

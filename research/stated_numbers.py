@@ -269,13 +269,18 @@ def _schedule_sentence() -> str:
 
 def schedule_table() -> str:
     """Outcomes of the runs on a cosine schedule, by peak rate (docs/EXPERIMENTS.md section 14): the
-    ninth protocol's pilots and, before its analysis, its test blocks; the eleventh protocol's pilots."""
+    ninth protocol's pilots and, before its analysis, its test blocks; the eleventh protocol's pilots and
+    test blocks."""
     rows = ["| cosine peak (to a tenth at step 10,000) | runs | seeds | confirmed blow-ups | not confirmed | survivors "
             "| blow-up steps |", "|---|---|---|---|---|---|---|"]
     groups = [(f"{_rate(lr)} (pilot)", (path,)) for lr, path in PILOT_9.items()]
     groups += [(f"{_rate(_peak_9())} (test)", (path,)) for path in _test_9_blocks()]
     groups += [(f"{path.stem.removeprefix('pilot-outcomes-')} (eleventh protocol's pilot)", (path,))
                for path in sorted(SPLIT_11.glob("pilot-outcomes-*.json"))]
+    tests_11 = sorted(SPLIT_11.glob("test-outcomes-*.json"))
+    if tests_11:  # its test blocks, at the peak its pilots chose (pilot-decision.json)
+        peak = _rate(json.loads((SPLIT_11 / "pilot-decision.json").read_text())["rate"])
+        groups += [(f"{peak} (eleventh protocol's test)", (path,)) for path in tests_11]
     for name, files in groups:
         by_run = {k: v for f in files for k, v in json.loads(f.read_text())["runs"].items()}
         runs = list(by_run.values())

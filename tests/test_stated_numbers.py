@@ -132,6 +132,11 @@ def test_the_schedule_table_has_a_row_for_each_pilot_of_the_eleventh_protocol(tm
     n, steps, survivors = stated_numbers._blowups((tmp_path / "pilot-outcomes-1.75e-3.json",))
     assert (f"| 1.75e-3 (eleventh protocol's pilot) | {n} | 520-527 | {len(steps)} | 0 | {survivors} |"
             in stated_numbers.schedule_table())
+    # its test blocks join once recorded, under the peak its pilots chose
+    (tmp_path / "pilot-decision.json").write_text(json.dumps({"decision": "test", "rate": 0.00175}))
+    (tmp_path / "test-outcomes-800-807.json").write_text(json.dumps(pilot))
+    assert (f"| 1.75e-3 (eleventh protocol's test) | {n} | 520-527 | {len(steps)} | 0 | {survivors} |"
+            in stated_numbers.schedule_table())
 
 
 def test_the_ninth_protocols_result_enters_the_readme_once_it_exists(tmp_path, monkeypatch):
