@@ -5,8 +5,8 @@ runner's JSON (``seed-split-<tag>.json``, every run the machine has held so far)
 (``seed-split-<tag>.log``). This files one block of them under the names the index and the docs
 use, from the repository root:
 
-    python -m research.record_call /work/.device/3 --protocol 11 --stage pilot --seeds 550-557 --peak 1.75e-3
-    python -m research.record_call /work/.device/1 --protocol 9 --stage test --seeds 724-731
+    python -m research.record_call RETURNED_DIR --protocol 11 --stage pilot --seeds 550-557 --peak 1.75e-3
+    python -m research.record_call RETURNED_DIR --protocol 9 --stage test --seeds 724-731
 
 - ``<stage>-runs-<first>-<last>.tar.xz``: the call's archives of these seeds, as returned;
 - ``<stage>/seed<N>/``: each run unpacked (git-ignored: the analysis reads the run folders);
@@ -30,7 +30,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from research import early_warning, recordings
+from research import early_warning, recordings, stated_numbers
 
 _ARCHIVE = re.compile(r"runs-(\d+(?:-\d+)*)\.tar\.xz")
 
@@ -44,6 +44,17 @@ def parse_seeds(text: str) -> list[int]:
     if last < first:
         raise ValueError(f"--seeds {text}: the last seed is below the first")
     return list(range(first, last + 1))
+
+
+def peak_label(peak: str) -> str:
+    """A peak learning rate as the file names and docs write it: "0.00175" or "1.75e-3" -> "1.75e-3"."""
+    try:
+        value = float(peak)
+    except ValueError:
+        raise ValueError(f"--peak must be a learning rate such as 1.75e-3, got {peak!r}") from None
+    if not 0 < value < 1:
+        raise ValueError(f"--peak must be a learning rate between 0 and 1, got {peak!r}")
+    return stated_numbers._rate(value)
 
 
 def returned_archives(device_dir: Path) -> dict[Path, list[int]]:
@@ -66,7 +77,7 @@ def plan(device_dir: Path, results: Path, protocol: int, stage: str, seeds: list
         raise ValueError(f"--stage must be pilot or test, got {stage!r}")
     if stage == "pilot" and not peak:
         raise ValueError("a pilot is recorded under its peak: give --peak (e.g. 1.75e-3)")
-    block = peak if stage == "pilot" else f"{seeds[0]}-{seeds[-1]}"
+    block = peak_label(peak) if stage == "pilot" else f"{seeds[0]}-{seeds[-1]}"
     archives = {p: s for p, s in returned_archives(device_dir).items() if set(s) & set(seeds)}
     mixed = {p.name: s for p, s in archives.items() if not set(s) <= set(seeds)}
     if mixed:
@@ -110,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocol", type=int, required=True, help="the protocol's number (results/seed-split-N)")
     ap.add_argument("--stage", required=True, choices=("pilot", "test"))
     ap.add_argument("--seeds", required=True, help="the block's seeds, FIRST-LAST")
-    ap.add_argument("--peak", help="a pilot's peak learning rate as the docs write it (1.75e-3)")
+    ap.add_argument("--peak", help="a pilot's peak learning rate (1.75e-3 or 0.00175; files are named 1.75e-3)")
     ap.add_argument("--results", type=Path, default=Path("results"), help="the results folder (default results/)")
     args = ap.parse_args(argv)
     try:

@@ -64,5 +64,10 @@ def test_a_block_with_runs_missing_or_mixed_or_a_pilot_without_its_peak_is_refus
     assert not results.exists()
     assert record_call.main([str(device), "--protocol", "9", "--stage", "test", "--seeds", "731-724",
                              "--results", str(results)]) == 2
+    with pytest.raises(ValueError, match="--peak must be a learning rate such as 1.75e-3"):
+        record_call.record(device, results, 9, "pilot", list(range(708, 716)), peak="high")
+    assert not results.exists()
+    # a pilot's files are named by its peak as the docs write it, however it was given
+    assert record_call.peak_label("0.00175") == record_call.peak_label("1.75e-3") == "1.75e-3"
     with pytest.raises(ValueError, match="FIRST-LAST"):
         record_call.parse_seeds("724..731")
