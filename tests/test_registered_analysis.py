@@ -1,0 +1,98 @@
+"""research.registered_analysis: a protocol's analysis command, with its commit's code, on every registered run."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from research import recordings, registered_analysis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_registered_test_command_is_read_from_the_protocol_files_analysis_section():
+    words = registered_analysis.analysis_command(
+        (ROOT / "research" / "preregistration" / "early-warning-protocol-9.md").read_text())
+    assert words[:5] == ["python", "-m", "research.early_warning", "test", "RUNS..."]
+    assert words[words.index("--horizon") + 1] == "10000" and "--require-complete" in words
+    assert words[words.index("--protocol") + 1] == "research/preregistration/early-warning-protocol-9.md"
+    assert words[words.index("--out") + 1] == "results/seed-split-9/test.json"
+
+
+def test_a_protocol_whose_analysis_is_another_command_is_refused_with_what_to_do():
+    tenth = (ROOT / "research" / "preregistration" / "early-warning-protocol-10.md").read_text()
+    with pytest.raises(ValueError, match="run it by hand"):
+        registered_analysis.analysis_command(tenth)
+    with pytest.raises(ValueError, match="no '## Analysis' section"):
+        registered_analysis.analysis_command("# a protocol\n\n`python -m research.early_warning test RUNS... -x`\n")
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def _run_folder(path: Path, seed: int) -> Path:
+    path.mkdir(parents=True)
+    (path / "steps.csv").write_text("step,loss\n0,5.0\n")
+    (path / "run.json").write_text(json.dumps({"seed": seed}))
+    (path / "signals.jsonl").write_text("")
+    return path
+
+
+@pytest.fixture
+def repo(tmp_path):
+    """A repository with a protocol whose analysis writes what it was given, and its test runs packed."""
+    repo = tmp_path / "repo"
+    (repo / "research" / "preregistration").mkdir(parents=True)
+    shutil.copyfile(ROOT / "research" / "registered_code.sh", repo / "research" / "registered_code.sh")
+    (repo / "research" / "__init__.py").write_text("")
+    analysis = repo / "research" / "early_warning.py"
+    analysis.write_text("import json, sys\nargs = sys.argv[1:]\nout = args[args.index('--out') + 1]\n"
+                        "json.dump({'code': 'registered', 'args': args,\n"
+                        "           'frozen': open('research/preregistration/frozen.txt').read()}, open(out, 'w'))\n")
+    (repo / "research" / "preregistration" / "frozen.txt").write_text("threshold 4.5")
+    (repo / "research" / "preregistration" / "early-warning-protocol-1.md").write_text(
+        "# protocol\n\n## Analysis\n\n`python -m research.early_warning test RUNS... --frozen\n"
+        "research/preregistration/frozen.txt --out results/seed-split-1/test.json` (this file's commit)\n")
+    _git(repo, "init", "-q")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "protocol 1")
+    # changed after the protocol's commit: the analysis must not see either change
+    analysis.write_text('raise SystemExit("the working tree code ran, not the commit code")\n')
+    (repo / "research" / "preregistration" / "frozen.txt").write_text("threshold 9 (retuned)")
+    folder = repo / "results" / "seed-split-1"
+    runs = [_run_folder(tmp_path / "made" / f"seed{s}", s) for s in (200, 201, 202)]
+    recordings.pack(runs[:2], folder / "test-runs-200-201.tar.xz")
+    recordings.pack(runs[2:], folder / "test-runs-202-202.tar.xz")
+    return repo
+
+
+def test_the_analysis_runs_the_protocol_commits_code_and_files_on_every_registered_run(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202"]) == 0
+    out = json.loads((repo / "results" / "seed-split-1" / "test.json").read_text())
+    assert out["code"] == "registered" and out["frozen"] == "threshold 4.5"
+    runs = [a for a in out["args"] if a.startswith("results/seed-split-1/test/")]
+    assert runs == [f"results/seed-split-1/test/seed{s}" for s in (200, 201, 202)]
+    commit = _git(repo, "rev-parse", "HEAD").strip()
+    assert (repo / ".devrun" / "analysis1" / "CODE_COMMIT").read_text().strip() == commit
+    assert f"code {commit}, 3 test runs" in capsys.readouterr().out
+
+
+def test_a_missing_registered_run_stops_the_analysis_before_it_starts(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-203"]) == 2
+    assert "no test run for seeds [203]" in capsys.readouterr().err
+    assert not (repo / "results" / "seed-split-1" / "test.json").exists()
+    assert not (repo / ".devrun").exists()
+
+
+def test_an_uncommitted_protocol_is_refused(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    (repo / "research" / "preregistration" / "early-warning-protocol-2.md").write_text(
+        "## Analysis\n\n`python -m research.early_warning test RUNS... --out results/x.json`\n")
+    shutil.copytree(repo / "results" / "seed-split-1", repo / "results" / "seed-split-2")
+    assert registered_analysis.main(["--protocol", "2", "--seeds", "200-202", "--dry-run"]) == 2
+    assert "not committed" in capsys.readouterr().err
