@@ -12,8 +12,9 @@ Two measurements, each over monitored and unmonitored steps alike (``interval=2`
 ``--statistics stub`` (default) replaces the CPU reference of the statistics pass with what the
 Triton path does on the host besides its launch (the W^Q-error chain's ``reduction`` factors), so
 the counts are those of a CUDA step in eager mode; ``--statistics none`` runs no statistics pass and
-feeds no W^Q-error chain, as in a compiled step (where the statistics are a custom operator and the
-chain is not measured); ``--statistics reference`` runs the CPU reference (many more ops, none of
+feeds no W^Q-error chain: the Monitor's own step-end work alone (under ``torch.compile`` the
+statistics and the chain's rows come from custom operators inside the compiled graph, which this
+eager count does not see); ``--statistics reference`` runs the CPU reference (many more ops, none of
 them on a GPU).
 
     PYTHONPATH=. python benchmarks/monitored_step_host.py [--steps 20] [--n-embd 192] [--json out.json]
