@@ -86,8 +86,8 @@ def code_copy(root: Path, commit: str, into: Path) -> Path:
     marker = into / "CODE_COMMIT"
     if not (marker.exists() and marker.read_text().strip() == commit):
         subprocess.run(["bash", "research/registered_code.sh", commit, str(into)], cwd=root, check=True)
-    kernels = into / "flashwatch" / "kernels"
-    if kernels.parent.is_dir() and not kernels.exists():  # the copy's package imports its kernels through this link, as in a checkout
+    kernels = into / "flashwatch" / "kernels"  # the copy's package imports its kernels through this link
+    if kernels.parent.is_dir() and not kernels.exists():
         kernels.symlink_to(Path("..") / "kernels")
     return into
 
@@ -110,14 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"registered_analysis: {e}", file=sys.stderr)
         return 2
     at = words.index("RUNS...")
-    command = [sys.executable] + words[1:at] + [str(r) for r in runs] + words[at + 1:]
+    # the command runs in the commit's copy, whose results/ is a link to --results: name the runs through it
+    folders = [str(Path("results") / r.relative_to(args.results)) for r in runs]
+    command = [sys.executable] + words[1:at] + folders + words[at + 1:]
     print(f"protocol {args.protocol}: code {commit}, {len(runs)} test runs")
     print(" ".join(shlex.quote(w) for w in command[:at]), f"<{len(runs)} run folders: {runs[0]} ...>",
           " ".join(shlex.quote(w) for w in command[at + len(runs):]))
     if args.dry_run:
         return 0
     copy = code_copy(root, commit, args.code or Path(".devrun") / f"analysis{args.protocol}").resolve()
-    link = copy / "results"  # the command's results/ paths (runs in, results out) are this checkout's
+    link = copy / "results"  # the command's results/ paths (runs in, results out) are --results
+    if link.is_symlink() and link.resolve() != args.results.resolve():
+        link.unlink()  # left by an earlier analysis with another --results
     if not link.is_symlink():
         link.symlink_to(args.results.resolve(), target_is_directory=True)
     env = dict(os.environ, PYTHONPATH=str(copy))

@@ -96,3 +96,14 @@ def test_an_uncommitted_protocol_is_refused(repo, monkeypatch, capsys):
     shutil.copytree(repo / "results" / "seed-split-1", repo / "results" / "seed-split-2")
     assert registered_analysis.main(["--protocol", "2", "--seeds", "200-202", "--dry-run"]) == 2
     assert "not committed" in capsys.readouterr().err
+
+
+def test_results_kept_elsewhere_are_read_and_written_there(repo, tmp_path, monkeypatch):
+    monkeypatch.chdir(repo)
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202"]) == 0  # the link to results/ first
+    elsewhere = tmp_path / "kept" / "results"
+    shutil.copytree(repo / "results" / "seed-split-1", elsewhere / "seed-split-1",
+                    ignore=shutil.ignore_patterns("test", "test.json"))
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202", "--results", str(elsewhere)]) == 0
+    out = json.loads((elsewhere / "seed-split-1" / "test.json").read_text())
+    assert [a for a in out["args"] if "/test/seed" in a] == [f"results/seed-split-1/test/seed{s}" for s in (200, 201, 202)]
