@@ -5,19 +5,23 @@ A protocol file (``research/preregistration/early-warning-protocol-<N>.md``) fix
 says it runs with "the code of this file's commit". This module does that and nothing else, from
 the repository root:
 
-    python -m research.registered_analysis --protocol 9 --seeds 700-739 [--dry-run]
+    python -m research.registered_analysis --protocol 9 --seeds 700-739 [--secondary] [--dry-run]
 
 1. the commit that added the protocol file (``git log --diff-filter=A``): the registered code;
-2. a ``git archive`` copy of it (``research/registered_code.sh``) in ``--code`` (default
-   ``.devrun/analysis<N>``), reused when its ``CODE_COMMIT`` matches;
+2. a detached ``git worktree`` of it in ``--code`` (default ``.devrun/analysis<N>``), reused when it is
+   at that commit: the analysis's own ``git rev-parse HEAD`` and ``git log`` then name the registered
+   commit and the protocol's commit in its results (a ``git archive`` copy has no history, so they
+   named this checkout's HEAD and nothing);
 3. the test runs ``results/seed-split-<N>/test/seed<S>`` for every seed of ``--seeds``, unpacked
    from ``results/seed-split-<N>/test-runs-*.tar.xz`` where missing; a seed without a run folder
    stops everything before the analysis starts (the analysis runs once, on all registered runs);
-4. the file's command, RUNS replaced by those folders, run in the copy (``PYTHONPATH`` there too, so
-   its ``research/preregistration/`` files are the commit's), with ``results/`` linked to this
-   checkout's: the runs are read and the results written here.
+4. the file's command, RUNS replaced by those folders, run in the worktree (``PYTHONPATH`` there too,
+   so its ``research/preregistration/`` files are the commit's), with its ``results/`` replaced by a
+   link to this checkout's: the runs are read and the results written here.
 
-``--dry-run`` prints the commit and the command and checks the runs, without running anything.
+``--secondary`` then runs the landmark AUC the section names (``landmark ... --lead L --margin M``) on
+the same runs with the same thresholds, into ``results/seed-split-<N>/landmark.json`` and ``.md``.
+``--dry-run`` prints the commit and the commands and checks the runs, without running anything.
 Only protocols whose analysis is one ``research.early_warning test`` command are handled; the
 others' (the tenth's auto_fix comparison) are run as their files state, by hand.
 """
@@ -28,6 +32,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +41,7 @@ from research import recordings
 from research.record_call import parse_seeds
 
 _TEST_COMMAND = re.compile(r"`(python -m research\.early_warning test RUNS\.\.\.[^`]*)`")
+_LANDMARK = re.compile(r"`(?:python -m research\.early_warning )?landmark[^`]*?--lead (\d+) --margin (\d+)`")
 
 
 def protocol_file(root: Path, protocol: int) -> Path:
@@ -45,18 +51,38 @@ def protocol_file(root: Path, protocol: int) -> Path:
     return path
 
 
-def analysis_command(text: str) -> list[str]:
-    """The words of the "## Analysis" section's ``research.early_warning test`` command (RUNS... kept)."""
+def _analysis_section(text: str) -> str:
     start = text.find("## Analysis")
     if start < 0:
         raise ValueError("the protocol file has no '## Analysis' section")
     section = text[start:]
     nxt = section.find("\n## ", 3)
-    m = _TEST_COMMAND.search(section if nxt < 0 else section[:nxt])
+    return section if nxt < 0 else section[:nxt]
+
+
+def analysis_command(text: str) -> list[str]:
+    """The words of the "## Analysis" section's ``research.early_warning test`` command (RUNS... kept)."""
+    m = _TEST_COMMAND.search(_analysis_section(text))
     if not m:
         raise ValueError("its analysis is not one `python -m research.early_warning test RUNS... ...` command: "
                          "run it by hand as the file states")
     return shlex.split(" ".join(m.group(1).split()))
+
+
+def landmark_command(text: str, test_words: list[str]) -> list[str]:
+    """The secondary landmark AUC the "## Analysis" section names, as one ``research.early_warning landmark``
+    command on the test's RUNS..., thresholds and protocol file, written beside the test's ``--out``."""
+    m = _LANDMARK.search(" ".join(_analysis_section(text).split()))
+    if not m:
+        raise ValueError("its analysis names no landmark AUC (`landmark ... --lead L --margin M`)")
+    def option(name: str) -> str:
+        if name not in test_words:
+            raise ValueError(f"its test command has no {name}: the landmark needs it")
+        return test_words[test_words.index(name) + 1]
+    out = Path(option("--out")).with_name("landmark.json")
+    return ["python", "-m", "research.early_warning", "landmark", "RUNS...", "--thresholds", option("--thresholds"),
+            "--lead", m.group(1), "--margin", m.group(2), "--protocol", option("--protocol"),
+            "--out", str(out), "--markdown", str(out.with_suffix(".md"))]
 
 
 def registered_commit(root: Path, path: Path) -> str:
@@ -82,51 +108,91 @@ def test_runs(results: Path, protocol: int, seeds: list[int]) -> list[Path]:
     return [runs / f"seed{s}" for s in seeds]
 
 
-def code_copy(root: Path, commit: str, into: Path) -> Path:
-    marker = into / "CODE_COMMIT"
-    if not (marker.exists() and marker.read_text().strip() == commit):
-        subprocess.run(["bash", "research/registered_code.sh", commit, str(into)], cwd=root, check=True)
-    kernels = into / "flashwatch" / "kernels"  # the copy's package imports its kernels through this link
+def _git(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def code_worktree(root: Path, commit: str, into: Path) -> Path:
+    """A detached worktree of ``commit`` at ``into`` (made, or reused when already at it), its results/ a link
+    to be set by the caller. An earlier ``git archive`` copy there (a ``CODE_COMMIT`` file, no ``.git``)
+    is replaced; any other folder is refused."""
+    into = into.resolve()
+    if into == root.resolve() or root.resolve().is_relative_to(into):
+        raise ValueError(f"--code {into} is this checkout: name a folder for the commit's worktree")
+    if (into / ".git").is_file() and _git(into, "rev-parse", "HEAD").stdout.strip() == commit:
+        pass  # already at the commit
+    elif (into / ".git").is_file() or (into / "CODE_COMMIT").is_file():
+        shutil.rmtree(into)  # an earlier worktree at another commit, or an earlier archive copy
+        _git(root, "worktree", "prune")
+    elif into.exists():
+        raise ValueError(f"{into} exists and is not a registered code worktree: choose another --code folder")
+    if not (into / ".git").is_file():
+        into.parent.mkdir(parents=True, exist_ok=True)
+        made = _git(root, "worktree", "add", "--detach", "--force", str(into), commit)
+        if made.returncode:
+            raise ValueError(f"git worktree add {into} {commit} failed: {made.stderr.strip()}")
+    kernels = into / "flashwatch" / "kernels"  # the package imports its kernels through this link
     if kernels.parent.is_dir() and not kernels.exists():
         kernels.symlink_to(Path("..") / "kernels")
     return into
+
+
+def link_results(copy: Path, results: Path) -> None:
+    """The worktree's results/ (the commit's recordings, or an earlier link) becomes a link to ``results``."""
+    link = copy / "results"
+    if link.is_symlink():
+        if link.resolve() == results.resolve():
+            return
+        link.unlink()  # left by an earlier analysis with another --results
+    elif link.is_dir():
+        shutil.rmtree(link)  # the worktree's own checkout of results/, never this checkout's
+    link.symlink_to(results.resolve(), target_is_directory=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m research.registered_analysis", description=__doc__.split("\n")[0])
     ap.add_argument("--protocol", type=int, required=True, help="the protocol's number (its file's N)")
     ap.add_argument("--seeds", required=True, help="the registered test seeds, FIRST-LAST (e.g. 700-739)")
-    ap.add_argument("--code", type=Path, help="where the commit's copy goes (default .devrun/analysis<N>)")
+    ap.add_argument("--code", type=Path, help="where the commit's worktree goes (default .devrun/analysis<N>)")
     ap.add_argument("--results", type=Path, default=Path("results"), help="the results folder (default results/)")
+    ap.add_argument("--secondary", action="store_true",
+                    help="then run the landmark AUC the protocol's analysis names, into landmark.json/.md")
     ap.add_argument("--dry-run", action="store_true", help="print the commit and command, check the runs, run nothing")
     args = ap.parse_args(argv)
     root = Path.cwd()
     try:
         path = protocol_file(root, args.protocol)
-        words = analysis_command(path.read_text())
+        text = path.read_text()
+        words = analysis_command(text)
+        commands = [words] + ([landmark_command(text, words)] if args.secondary else [])
         commit = registered_commit(root, path)
         runs = test_runs(args.results, args.protocol, parse_seeds(args.seeds))
     except (ValueError, subprocess.CalledProcessError) as e:
         print(f"registered_analysis: {e}", file=sys.stderr)
         return 2
-    at = words.index("RUNS...")
-    # the command runs in the commit's copy, whose results/ is a link to --results: name the runs through it
+    # the commands run in the commit's worktree, whose results/ is a link to --results: name the runs through it
     folders = [str(Path("results") / r.relative_to(args.results)) for r in runs]
-    command = [sys.executable] + words[1:at] + folders + words[at + 1:]
     print(f"protocol {args.protocol}: code {commit}, {len(runs)} test runs")
-    print(" ".join(shlex.quote(w) for w in command[:at]), f"<{len(runs)} run folders: {runs[0]} ...>",
-          " ".join(shlex.quote(w) for w in command[at + len(runs):]))
+    resolved = []
+    for w in commands:
+        at = w.index("RUNS...")
+        resolved.append([sys.executable] + w[1:at] + folders + w[at + 1:])
+        print(" ".join(shlex.quote(x) for x in resolved[-1][:at]), f"<{len(runs)} run folders: {runs[0]} ...>",
+              " ".join(shlex.quote(x) for x in resolved[-1][at + len(runs):]))
     if args.dry_run:
         return 0
-    copy = code_copy(root, commit, args.code or Path(".devrun") / f"analysis{args.protocol}").resolve()
-    link = copy / "results"  # the command's results/ paths (runs in, results out) are --results
-    if link.is_symlink() and link.resolve() != args.results.resolve():
-        link.unlink()  # left by an earlier analysis with another --results
-    if not link.is_symlink():
-        link.symlink_to(args.results.resolve(), target_is_directory=True)
+    try:
+        copy = code_worktree(root, commit, args.code or Path(".devrun") / f"analysis{args.protocol}")
+    except ValueError as e:
+        print(f"registered_analysis: {e}", file=sys.stderr)
+        return 2
+    link_results(copy, args.results)
     env = dict(os.environ, PYTHONPATH=str(copy))
-    return subprocess.run(command, cwd=copy, env=env).returncode  # research/preregistration/ from the commit
-
+    for command in resolved:  # research/preregistration/ from the commit
+        rc = subprocess.run(command, cwd=copy, env=env).returncode
+        if rc:
+            return rc
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

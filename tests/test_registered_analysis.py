@@ -49,13 +49,18 @@ def repo(tmp_path):
     shutil.copyfile(ROOT / "research" / "registered_code.sh", repo / "research" / "registered_code.sh")
     (repo / "research" / "__init__.py").write_text("")
     analysis = repo / "research" / "early_warning.py"
-    analysis.write_text("import json, sys\nargs = sys.argv[1:]\nout = args[args.index('--out') + 1]\n"
-                        "json.dump({'code': 'registered', 'args': args,\n"
+    # writes what it was given, and the commit its own `git rev-parse HEAD` names (what a result records)
+    analysis.write_text("import json, subprocess, sys\nargs = sys.argv[1:]\nout = args[args.index('--out') + 1]\n"
+                        "head = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout\n"
+                        "json.dump({'code': 'registered', 'args': args, 'head': head.strip(),\n"
                         "           'frozen': open('research/preregistration/frozen.txt').read()}, open(out, 'w'))\n")
     (repo / "research" / "preregistration" / "frozen.txt").write_text("threshold 4.5")
     (repo / "research" / "preregistration" / "early-warning-protocol-1.md").write_text(
         "# protocol\n\n## Analysis\n\n`python -m research.early_warning test RUNS... --frozen\n"
-        "research/preregistration/frozen.txt --out results/seed-split-1/test.json` (this file's commit)\n")
+        "research/preregistration/frozen.txt --thresholds research/preregistration/frozen.txt --protocol\n"
+        "research/preregistration/early-warning-protocol-1.md --out results/seed-split-1/test.json` (this\n"
+        "file's commit). Secondary: the landmark AUC (`python -m research.early_warning landmark ... --lead\n"
+        "1000 --margin 500`).\n\n## After\n\n`landmark ... --lead 7 --margin 7`\n")
     _git(repo, "init", "-q")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "protocol 1")
@@ -77,8 +82,52 @@ def test_the_analysis_runs_the_protocol_commits_code_and_files_on_every_register
     runs = [a for a in out["args"] if a.startswith("results/seed-split-1/test/")]
     assert runs == [f"results/seed-split-1/test/seed{s}" for s in (200, 201, 202)]
     commit = _git(repo, "rev-parse", "HEAD").strip()
-    assert (repo / ".devrun" / "analysis1" / "CODE_COMMIT").read_text().strip() == commit
+    assert out["head"] == commit  # the result names the registered commit, not whatever is checked out here
     assert f"code {commit}, 3 test runs" in capsys.readouterr().out
+    assert not (repo / "results" / "seed-split-1" / "landmark.json").exists()  # only with --secondary
+
+
+def test_the_worktree_follows_new_commits_of_this_checkout_but_stays_at_the_protocols(repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    registered = _git(repo, "rev-parse", "HEAD").strip()
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "later work")
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202"]) == 0
+    assert json.loads((repo / "results" / "seed-split-1" / "test.json").read_text())["head"] == registered
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202"]) == 0  # the worktree reused
+
+
+def test_an_earlier_archive_copy_is_replaced_and_a_foreign_folder_refused(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    old = repo / ".devrun" / "analysis1"
+    old.mkdir(parents=True)
+    (old / "CODE_COMMIT").write_text("0" * 40)
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202"]) == 0
+    assert (old / ".git").is_file() and not (old / "CODE_COMMIT").exists()
+    mine = repo / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202", "--code", str(mine)]) == 2
+    assert "not a registered code worktree" in capsys.readouterr().err and (mine / "notes.txt").exists()
+
+
+def test_secondary_runs_the_landmark_the_analysis_section_names_on_the_same_runs(repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202", "--secondary"]) == 0
+    out = json.loads((repo / "results" / "seed-split-1" / "landmark.json").read_text())
+    args = out["args"]
+    assert [a for a in args if "/test/seed" in a] == [f"results/seed-split-1/test/seed{s}" for s in (200, 201, 202)]
+    assert args[args.index("--lead") + 1] == "1000" and args[args.index("--margin") + 1] == "500"  # not "After"'s
+    assert args[args.index("--thresholds") + 1] == "research/preregistration/frozen.txt"
+    assert args[args.index("--markdown") + 1] == "results/seed-split-1/landmark.md"
+    assert (repo / "results" / "seed-split-1" / "test.json").exists()
+
+
+def test_the_registered_protocols_name_their_landmark():
+    for n in (9, 11):
+        text = (ROOT / "research" / "preregistration" / f"early-warning-protocol-{n}.md").read_text()
+        words = registered_analysis.landmark_command(text, registered_analysis.analysis_command(text))
+        assert words[words.index("--lead") + 1] == "1000" and words[words.index("--margin") + 1] == "1000"
+        assert words[words.index("--out") + 1] == f"results/seed-split-{n}/landmark.json"
 
 
 def test_a_missing_registered_run_stops_the_analysis_before_it_starts(repo, monkeypatch, capsys):
