@@ -39,6 +39,7 @@ PILOT_9_DECISION = ROOT / "results/seed-split-9/pilot-decision.json"  # research
 TEST_9 = ROOT / "results/seed-split-9/test.json"  # the ninth protocol's test, once its analysis has run
 TEST_9_OUTCOMES = ROOT / "results/seed-split-9"  # its blocks' outcomes before it: test-outcomes-*.json
 SPLIT_11 = ROOT / "results/seed-split-11"  # the eleventh protocol's pilots (pilot-outcomes-<peak>.json) and test
+TEST_11 = SPLIT_11 / "test.json"  # the eleventh protocol's test (cosine, a lower peak), once its analysis has run
 # every outcome at a constant rate, by rate: (the files holding the runs, the steps they ran to)
 RATE_OUTCOMES = {
     2e-3: ((TEST_1,), 10_000), 1.75e-3: ((TEST_2,), 10_000),
@@ -59,7 +60,7 @@ def _monitoring_sentence(*results: dict) -> str:
     cut = sorted(v["monitoring"]["measured_through"] for v in runs if not v["monitoring"]["complete"])
     if not cut:
         return "every run measured at every monitored step"
-    return f"{len(cut)} of these {len(runs)} measured only to steps {cut[0]:,}-{cut[-1]:,}: detections are lower bounds"
+    return f"{len(cut)} of these {len(runs)} measured only to steps {cut[0]:,}-{cut[-1]:,}: lower bounds"
 
 
 def _alarm_sentence(r1: dict, r2: dict, t4: dict, passed: list[str]) -> str:
@@ -74,11 +75,10 @@ def _alarm_sentence(r1: dict, r2: dict, t4: dict, passed: list[str]) -> str:
     third = ("undecided" if verdicts <= {"undecided", "fail"} and s3 < MIN_GROUP else "see `docs/EXPERIMENTS.md` §12")
     head = (f"*As an alarm: passed by {', '.join(f'`{r}`' for r in passed)}* ({len(RULES)} rules judged). " if passed
             else "*As an alarm: not passed.* ")
-    return (head + f"To pass, a rule warns at least {MIN_LEAD:,} steps ahead of {MIN_DETECTED:.0%} of the blow-ups "
-            f"with at most 1 false alarm in 7 survivors. At constant rates (table): lr 2e-3, {b1} of {b1 + s1} runs "
-            f"blew up by step 10,000; 1.75e-3, {b2} of {b2 + s2}{so_far} ({_monitoring_sentence(r1, r2)}); 1.5e-3, "
-            f"to step 20,000: {b3} of {b3 + s3}, {third}. There a survivor has only not blown up yet: "
-            f"{_pilot_sentence()}. {_schedule_sentence()}")
+    return (head + f"Its bar: warned {MIN_LEAD:,}+ steps before {MIN_DETECTED:.0%} of the blow-ups, false "
+            f"alarms in at most 1 of 7 survivors. Constant lr (table): 2e-3, {b1} of {b1 + s1} blew up "
+            f"by step 10,000; 1.75e-3, {b2} of {b2 + s2}{so_far} ({_monitoring_sentence(r1, r2)}); 1.5e-3, "
+            f"{b3} of {b3 + s3} by step 20,000, {third}; {_pilot_sentence()}. {_schedule_sentence()}")
 
 
 def _landmark_claims(result: dict) -> tuple[bool, bool]:
@@ -104,7 +104,27 @@ def _landmark_sentence(result: dict) -> str:
             f"still {gap:,} steps from theirs in {_pct(row['auc'])} of {result['pairs']} pairs (95% interval "
             f"{_pct(row['low'])}-{_pct(row['high'])}), the max logit's in {_pct(base['auc'])} ({_pct(base['low'])}-"
             f"{_pct(base['high'])}): `chain` {'does' if beats else 'is not shown to do'} better (difference "
-            f"{row['minus_baseline']:+.2f}, {row['minus_baseline_low']:+.2f} to {row['minus_baseline_high']:+.2f}).")
+            f"{row['minus_baseline']:+.2f}, {row['minus_baseline_low']:+.2f} to {row['minus_baseline_high']:+.2f})."
+            + _cosine_landmark_sentence())
+
+
+def _cosine_landmark_sentence() -> str:
+    """The same ranking on the cosine schedule's tests, their registered secondary analysis (``landmark.json``
+    beside each test result), with its verdict: empty before any has run."""
+    clauses = []
+    for peak, path in ((_peak_9(), TEST_9.with_name("landmark.json")),
+                       (_cosine_peak_11(), TEST_11.with_name("landmark.json"))):
+        if not path.exists():
+            continue
+        result = json.loads(path.read_text())
+        row, base = result["table"][result["primary"]], result["table"][result["baseline"]]
+        first, second = landmark_claims(result)
+        verdict = ("undecided" if first == "undecided" else
+                   "shown, and better" if (first, second) == ("separates", "made") else
+                   "shown" if first == "separates" else "not shown")
+        clauses.append(f"peak {_rate(peak)} ({result['cases']} blow-ups) {_pct(row['auc'])} against "
+                       f"{_pct(base['auc'])}: {verdict}")
+    return f" On the cosine schedule (secondary analyses): {'; '.join(clauses)}." if clauses else ""
 
 
 def _auto_fix_sentence(result: dict) -> str:
@@ -161,29 +181,34 @@ def readme_block() -> str:
     t4 = json.loads(TEST_4.read_text())
     tables = [res["table"] for res in alarm_results()]
     passed = [r for r in RULES if any(t[r]["verdict"] == "pass" for t in tables)]
+    # the tests where both groups were large enough for a verdict either way, and those every rule failed
+    decisive = [t for t in tables if min(t["chain"]["blowups"], t["chain"]["survivors"]) >= MIN_GROUP]
+    all_failed = [t for t in decisive if all(t[r]["verdict"] == "fail" for r in RULES)]
+    failed = (f" (in the {len(decisive)} tests with {MIN_GROUP} or more blow-ups and survivors, every rule failed)"
+              if decisive and len(all_failed) == len(decisive) else "")
     verdict = (f"Passed: {', '.join(f'`{r}`' for r in passed)} (now critical)." if passed else
-               "No rule has passed as an alarm, so every alert is a warning: it says the rounding mechanism "
-               "is at work in this run, not that this run will blow up.")
+               f"No rule passed as an alarm{failed}: every alert is a warning that the rounding mechanism is at work, "
+               "not that the run will blow up.")
     landmark = json.loads(LANDMARK.read_text())
     ranks = _landmark_claims(landmark)[0]
     head = (f"**What the early warning predicts: {'a ranking is shown' if ranks else 'not proven'}"
             f"{', an alarm is not' if ranks and not passed else ''}.** ")
-    intro = (head + f"{verdict} Pre-registered tests (`research/preregistration/`, one H200) on runs that differ "
-             "only by seed (GPT 6x384, BF16 SDPA; thresholds frozen on 8 other seeds; `chain`: `delta_drift` with "
-             "W^Q-error coherence; `docs/EXPERIMENTS.md` §9-14):")
+    intro = (head + f"{verdict} Pre-registered tests (one H200, `docs/EXPERIMENTS.md` §9-14) on runs differing by "
+             "seed alone (GPT 6x384, BF16 SDPA; thresholds from 8 other seeds; `chain`: `delta_drift` with "
+             "W^Q-error coherence):")
     items = [_landmark_sentence(landmark), _alarm_sentence(r1, r2, t4, passed),
              _acting_sentence()]
     t3 = t4["table"]
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
-    t9 = json.loads(TEST_9.read_text())["table"] if TEST_9.exists() else None  # the cosine schedule's test
-    cosine = f" | cosine {_rate(_peak_9())}" if t9 else ""
-    rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3{cosine} | false alarms, "
-            f"lr 1.75e-3 | lr 1.5e-3{cosine} |", "|---|---|---|---|---|---|" + ("---|---|" if t9 else "")]
+    cosine = _cosine_results()  # the cosine schedule's tests, once analysed: their columns last
+    heads = "".join(f" | cosine {_rate(peak)}" for peak, _ in cosine)
+    rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3{heads} | false alarms, "
+            f"lr 1.75e-3 | lr 1.5e-3{heads} |", "|---|---|---|---|---|---|" + "---|---|" * len(cosine)]
     for r in README_RULES:
-        early9 = f" {_early(t9[r])}/{t9[r]['blowups']} |" if t9 else ""
-        false9 = f" {t9[r]['false_alarms']}/{t9[r]['survivors']} |" if t9 else ""
+        early = "".join(f" {_early(res['table'][r])}/{res['table'][r]['blowups']} |" for _, res in cosine)
+        false = "".join(f" {res['table'][r]['false_alarms']}/{res['table'][r]['survivors']} |" for _, res in cosine)
         rows.append(f"| {README_NAMES.get(r, f'`{r}`')} | {_early(t1[r])}/{b1} | {_early(t2[r])}/{b2} | "
-                    f"{_early(t3[r])}/{b3} |{early9} {t2[r]['false_alarms']}/{s2} | {t3[r]['false_alarms']}/{s3} |{false9}")
+                    f"{_early(t3[r])}/{b3} |{early} {t2[r]['false_alarms']}/{s2} | {t3[r]['false_alarms']}/{s3} |{false}")
     wrap = dict(width=118, break_on_hyphens=False, break_long_words=False)
     block = [textwrap.fill(intro, **wrap)] + [textwrap.fill(item, initial_indent="- ", subsequent_indent="  ", **wrap)
                                               for item in items]
@@ -223,8 +248,8 @@ def _pilot_sentence() -> str:
     steps = sorted(s for c in counted for s in c[1])
     rates = " and ".join(_rate(lr) for lr in PILOT_8)
     if survivors:
-        return f"at {rates}, {len(steps)} of {n} runs blew up by step 20,000 and {survivors} survived"
-    return f"at {rates} all {n} runs blew up by step 20,000 ({steps[0]:,}-{steps[-1]:,})"
+        return f"{rates}, {len(steps)} of {n} by step 20,000, {survivors} survived"
+    return f"{rates}, all {n} by step 20,000 ({steps[0]:,}-{steps[-1]:,})"
 
 
 def _peak_9() -> float:
@@ -239,27 +264,48 @@ def _test_9_blocks() -> list[Path]:
 
 def alarm_results() -> list[dict]:
     """The registered alarm tests' results (``research.early_warning test``): the first, second and
-    fourth protocols' at constant rates, and the ninth's on a cosine schedule once it has run."""
-    return [json.loads(path.read_text()) for path in (TEST_1, TEST_2, TEST_4, TEST_9) if path.exists()]
+    fourth protocols' at constant rates, and the ninth's and eleventh's on a cosine schedule once run."""
+    return [json.loads(path.read_text()) for path in (TEST_1, TEST_2, TEST_4, TEST_9, TEST_11) if path.exists()]
+
+
+def _cosine_peak_11() -> float:
+    """The peak the eleventh protocol's pilots chose for its test (``pilot-decision.json``)."""
+    return json.loads((SPLIT_11 / "pilot-decision.json").read_text())["rate"]
+
+
+def _cosine_results() -> list[tuple[float, dict]]:
+    """(peak, result) of each analysed test on the cosine schedule: the ninth protocol's, the eleventh's."""
+    tests = ((TEST_9, PILOT_9_DECISION), (TEST_11, SPLIT_11 / "pilot-decision.json"))
+    return [(json.loads(decision.read_text())["rate"], json.loads(path.read_text()))
+            for path, decision in tests if path.exists()]
+
+
+def _cosine_clause(peak: float, table: dict) -> str:
+    """One cosine test's counts and the verdicts it recorded (``research.early_warning``), not derived
+    again here."""
+    b, s = table["chain"]["blowups"], table["chain"]["survivors"]
+    verdicts = [table[r]["verdict"] for r in RULES]
+    passed = [r for r in RULES if table[r]["verdict"] == "pass"]
+    undecided = verdicts.count("undecided")
+    if passed:
+        verdict = f"passed by {', '.join(f'`{r}`' for r in passed)}"
+    elif verdicts.count("fail") == len(RULES):
+        false = sorted(table[r]["false_alarms"] for r in RULES)
+        verdict = f"all {len(RULES)} rules failed, warning in {false[0]}-{false[-1]} of {s} survivors"
+    elif undecided:
+        verdict = f"no rule passed, {undecided} of {len(RULES)} undecided"
+    else:
+        verdict = "no rule passed"
+    return f"peak {_rate(peak)}, {b} of {b + s} blew up: {verdict}"
 
 
 def _schedule_sentence() -> str:
-    """Where the ninth protocol's test (a cosine schedule that ends at step 10,000) stands: its
-    outcomes so far, or, once analysed, its counts and verdict."""
+    """Where the tests on a cosine schedule that ends at step 10,000 stand: the ninth protocol's outcomes
+    so far, or, once analysed, its counts and verdict and the eleventh's beside them."""
+    cosine = _cosine_results()
     if TEST_9.exists():
-        table = json.loads(TEST_9.read_text())["table"]
-        b, s = table["chain"]["blowups"], table["chain"]["survivors"]
-        # the verdicts the test recorded (research.early_warning), not derived again here
-        passed = [r for r in RULES if table[r]["verdict"] == "pass"]
-        undecided = sum(1 for r in RULES if table[r]["verdict"] == "undecided")
-        if passed:
-            verdict = f"passed by {', '.join(f'`{r}`' for r in passed)}"
-        elif undecided:
-            verdict = f"no rule passed, {undecided} of {len(RULES)} undecided (a group below {MIN_GROUP})"
-        else:
-            verdict = "no rule passed"
-        return (f"On a cosine schedule that ends at step 10,000 (peak {_rate(_peak_9())}, {b + s} runs): {b} blew "
-                f"up, {s} survived; {verdict} (table, last columns).")
+        clauses = [_cosine_clause(peak, result["table"]) for peak, result in cosine]
+        return "Cosine to step 10,000 (last columns): " + "; ".join(clauses) + "."
     n, steps, survivors = _blowups(tuple(_test_9_blocks()))
     unconfirmed = n - len(steps) - survivors
     so_far = (f": {len(steps)} of {n} blew up" + (f", {unconfirmed} unconfirmed" if unconfirmed else "")
@@ -292,6 +338,17 @@ def schedule_table() -> str:
     return "\n".join(rows)
 
 
+def _first_table(path: Path) -> str:
+    """The first markdown table of a result's ``.md`` (the rules' rows, without the per-run table after);
+    empty while the result does not exist."""
+    if not path.exists():
+        return ""
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])
+
+
 # the generated blocks of docs/EXPERIMENTS.md: section -> (the marker line before the block, its text)
 TABLES = {"9": ("<!-- test.md: generated", TEST_1_TABLE.read_text),
           "10": ("<!-- test-2.md: generated", TEST_2_TABLE.read_text),
@@ -299,7 +356,13 @@ TABLES = {"9": ("<!-- test.md: generated", TEST_1_TABLE.read_text),
           "14": ("<!-- landmark.md: generated", LANDMARK_TABLE.read_text),
           "14 (1e-3 pilot)": ("<!-- pilot-outcomes-1e-3.md: generated", PILOT_8[1e-3].with_suffix(".md").read_text),
           "14 (rates)": ("<!-- rates: generated", rate_table),
-          "14 (cosine)": ("<!-- cosine: generated", schedule_table)}
+          "14 (cosine)": ("<!-- cosine: generated", schedule_table),
+          "15 (ninth)": ("<!-- test-9.md: generated", lambda: _first_table(TEST_9.with_suffix(".md"))),
+          "15 (eleventh)": ("<!-- test-11.md: generated", lambda: _first_table(TEST_11.with_suffix(".md"))),
+          "15 (ninth landmark)": ("<!-- landmark-9.md: generated",
+                                  lambda: _first_table(TEST_9.with_name("landmark.md"))),
+          "15 (eleventh landmark)": ("<!-- landmark-11.md: generated",
+                                     lambda: _first_table(TEST_11.with_name("landmark.md")))}
 
 
 def _readme_span(readme: str) -> tuple[int, int]:

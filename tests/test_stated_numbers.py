@@ -46,13 +46,13 @@ def test_the_alarm_point_follows_its_result_files(tmp_path, monkeypatch):
     n_b, n_s = result["table"]["chain"]["blowups"], result["table"]["chain"]["survivors"]
     block = " ".join(stated_numbers.readme_block().split())
     assert f"| `chain` | 17/23 | 17/18 | 17/{n_b} |" in stated_numbers.readme_block()
-    assert f"1.5e-3, to step 20,000: {n_b} of {n_b + n_s}, undecided" in block
-    assert "*As an alarm: not passed.*" in block and "all 16 runs blew up by step 20,000" in block
+    assert f"1.5e-3, {n_b} of {n_b + n_s} by step 20,000, undecided" in block
+    assert "*As an alarm: not passed.*" in block and "1.25e-3 and 1e-3, all 16 by step 20,000" in block
     assert stated_numbers.differences()
     r1, r2 = json.loads(stated_numbers.TEST_1.read_text()), json.loads(stated_numbers.TEST_2.read_text())
     result["table"]["chain"]["verdict"] = "pass"
     sentence = stated_numbers._alarm_sentence(r1, r2, result, ["chain"])
-    assert "undecided" not in sentence and sentence.startswith("*As an alarm: passed by `chain`* (11 rules judged)")
+    assert "by step 20,000, undecided" not in sentence and sentence.startswith("*As an alarm: passed by `chain`* (11 rules judged)")
 
 
 def test_the_auto_fix_sentence_follows_its_result_file(tmp_path, monkeypatch):
@@ -150,10 +150,11 @@ def test_the_ninth_protocols_result_enters_the_readme_once_it_exists(tmp_path, m
     path = tmp_path / "test.json"
     path.write_text(json.dumps(result))
     monkeypatch.setattr(stated_numbers, "TEST_9", path)
+    monkeypatch.setattr(stated_numbers, "TEST_11", tmp_path / "absent.json")  # the ninth's alone
     assert len(stated_numbers.alarm_results()) == 4
     block = stated_numbers.readme_block()
     flat = " ".join(block.split())
-    assert "(peak 2.5e-3, 27 runs): 20 blew up, 7 survived; passed by `chain`" in flat
+    assert "(last columns): peak 2.5e-3, 20 of 27 blew up: passed by `chain`." in flat
     assert "| lr 1.5e-3 | cosine 2.5e-3 | false alarms," in block
     assert "| 18/20 |" in block and "| 1/7 |" in block
     assert "*As an alarm: passed by `chain`*" in flat
@@ -161,11 +162,50 @@ def test_the_ninth_protocols_result_enters_the_readme_once_it_exists(tmp_path, m
     result["table"]["chain"]["survivors"] = 4
     path.write_text(json.dumps(result))
     # the verdicts the file records are read, not derived again from the group sizes
-    assert stated_numbers._schedule_sentence().endswith("survived; no rule passed (table, last columns).")
+    assert stated_numbers._schedule_sentence().endswith("20 of 24 blew up: all 11 rules failed, warning in 1-3 of 4 "
+                                                        "survivors.")
+    result["table"]["delta_drift"]["verdict"] = "undecided"
+    path.write_text(json.dumps(result))
+    assert stated_numbers._schedule_sentence().endswith("20 of 24 blew up: no rule passed, 1 of 11 undecided.")
     for row in result["table"].values():
         row["verdict"] = "undecided"
     path.write_text(json.dumps(result))
-    assert "no rule passed, 11 of 11 undecided (a group below 6)" in stated_numbers._schedule_sentence()
+    assert "no rule passed, 11 of 11 undecided" in stated_numbers._schedule_sentence()
+
+
+def test_the_eleventh_protocols_result_joins_the_ninths_in_the_readme(tmp_path, monkeypatch):
+    """The eleventh protocol's test (the cosine schedule at the peak its pilots chose) adds its columns and
+    its clause after the ninth's, its verdicts count in the headline and in the severities, and its
+    secondary landmark result joins the ranking point."""
+    assert stated_numbers.TEST_11.exists() and len(stated_numbers.alarm_results()) == 5
+    result = json.loads(stated_numbers.TEST_11.read_text())
+    block = stated_numbers.readme_block()
+    assert "| cosine 2.5e-3 | cosine 1.75e-3 | false alarms," in block
+    chain = result["table"]["chain"]
+    assert block.count(f"| {chain['false_alarms']}/{chain['survivors']} |") >= 1
+    result["table"]["chain"].update(verdict="pass", lead_ge_1000=chain["blowups"], false_alarms=0)
+    path = tmp_path / "test.json"
+    path.write_text(json.dumps(result))
+    monkeypatch.setattr(stated_numbers, "TEST_11", path)
+    flat = " ".join(stated_numbers.readme_block().split())
+    assert "*As an alarm: passed by `chain`*" in flat and flat.rstrip(" |").count("`chain`") >= 2
+    assert f"peak 1.75e-3, {chain['blowups']} of {chain['blowups'] + chain['survivors']} blew up: passed by `chain`" in flat
+    # the landmark beside it: none yet, then its verdict
+    assert "peak 1.75e-3" not in stated_numbers._cosine_landmark_sentence()
+    landmark = json.loads((stated_numbers.SPLIT_11 / "landmark.json").read_text())
+    (tmp_path / "landmark.json").write_text(json.dumps(landmark))
+    assert f"peak 1.75e-3 ({landmark['cases']} blow-ups)" in stated_numbers._cosine_landmark_sentence()
+
+
+def test_the_headline_says_every_rule_failed_only_where_each_decisive_test_failed_them_all(tmp_path, monkeypatch):
+    """'every rule failed' stands only while every test with both groups at 6 or more failed every rule."""
+    assert "every rule failed" in stated_numbers.readme_block()
+    result = json.loads(stated_numbers.TEST_11.read_text())
+    result["table"]["max_logit"]["verdict"] = "undecided"
+    path = tmp_path / "test.json"
+    path.write_text(json.dumps(result))
+    monkeypatch.setattr(stated_numbers, "TEST_11", path)
+    assert "every rule failed" not in stated_numbers.readme_block()
 
 
 def test_the_tenth_protocols_result_replaces_the_acting_point_once_it_exists(tmp_path, monkeypatch):
