@@ -113,9 +113,11 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "earliest signal before a BF16 attention failure, but healthy BF16 runs can raise it too: "
         "it says the mechanism is at work, not that the run will fail. Judged only for layers "
         "whose backward takes delta from the rounded output (observed SDPA, plain, fixed).",
-        "Look at repeated_max_rise and max_logit on the same layer: with them a failure is likely, "
-        "alone keep watching. To remove the bias, run the layer with the fp32_delta variant "
-        "(MonitorConfig(auto_fix=\"fp32_delta\") switches it on this alert) or its attention in FP32.",
+        "Look at repeated_max_rise and max_logit on the same layer: with them the mechanism is "
+        "growing, yet tested runs with all three often trained on healthy, so none of them foretells "
+        "a failure; checkpoint more often while they hold. To remove the bias, run the layer with the "
+        "fp32_delta variant (MonitorConfig(auto_fix=\"fp32_delta\") switches it on this alert) or its "
+        "attention in FP32.",
         signal="flashwatch_delta_drift_z",
         settings=("drift_threshold", "warmup", "drift_window_threshold", "drift_include_fp32")),
     RuleSpec(
@@ -125,10 +127,11 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "to at least MonitorConfig.repeated_max_factor times its baseline (its mean over the "
         "monitored steps after warm-up) and repeated_max_margin above it. Ties at the row maximum "
         "make P_bar round to exactly 1 at several keys, which is what makes the BF16 rounding of "
-        "P_bar V one-sided: the rise came with every recorded failure and stayed small in healthy runs.",
+        "P_bar V one-sided. The rise came before every recorded failure, and also in many tested runs "
+        "that trained on healthy: it says the mechanism is at work, not that the run will fail.",
         "Read it with delta_drift on the same head: together they are the failure mechanism at "
-        "work. Switch the layer to fp32_delta (auto_fix does it on this alert by default) or lower "
-        "the learning rate; checkpoint now.",
+        "work. Checkpoint now; to remove the bias, switch the layer to fp32_delta (auto_fix does it "
+        "on this alert by default) or lower the learning rate.",
         signal="flashwatch_repeated_max_ratio_bf16",
         settings=("repeated_max_factor", "repeated_max_margin", "warmup", "repeated_max_baseline")),
     RuleSpec(
@@ -137,8 +140,8 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "sigma_max(W^Q_h) grew by at least MonitorConfig.wq_growth_factor over the last `window` "
         "monitored steps, judged only once the comparison point lies after warm-up (never against "
         "the weights at initialisation, which grow fast in every run). A persistent one-sided "
-        "gradient error piles up along one direction of W^Q. A late warning with little margin: it "
-        "mostly comes in the last few hundred steps before a blow-up.",
+        "gradient error piles up along one direction of W^Q. In tested runs it came from a few "
+        "hundred to several thousand steps before blow-ups, and also in many runs that survived.",
         "Checkpoint now. Look for delta_drift and max_logit on the same layer; if they hold, switch "
         "the layer to fp32_delta or lower the learning rate (QK-norm or QK-clip bound the growth).",
         signal="flashwatch_wq_spectral_norm", settings=("wq_growth_factor", "window", "warmup")),
@@ -155,11 +158,11 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "A head's largest attention score reached the bound.",
         "The largest scaled score sm_scale * q.k of the head reached MonitorConfig.max_logit_bound. "
         "Large logits saturate the softmax (ties at the maximum, P_bar rounding to 1). Healthy runs "
-        "pass QK-Clip's 100 early; the default bound is passed shortly before blow-ups: it says a "
-        "failure is under way, not that one is coming. Weak evidence alone.",
-        "If delta_drift or repeated_max_rise hold on the same layer, expect a failure soon: "
-        "checkpoint, and switch the layer to fp32_delta or lower the learning rate; QK-norm or "
-        "QK-clip bound the logits.",
+        "pass QK-Clip's 100 early; the default bound was passed before every tested blow-up, but "
+        "also in many runs that survived: weak evidence alone.",
+        "Checkpoint. If delta_drift or repeated_max_rise hold on the same layer, the mechanism is at "
+        "work there: switch the layer to fp32_delta or lower the learning rate; QK-norm or QK-clip "
+        "bound the logits.",
         signal="flashwatch_max_logit", settings=("max_logit_bound",)),
     RuleSpec(
         "non_finite", "critical",
