@@ -1,11 +1,13 @@
 """Run a pre-registered protocol's analysis exactly as its file states it, with the code of its commit.
 
 A protocol file (``research/preregistration/early-warning-protocol-<N>.md``) fixes, in its
-"## Analysis" section, one command ``python -m research.early_warning test RUNS... <options>`` and
-says it runs with "the code of this file's commit". This module does that and nothing else, from
-the repository root:
+"## Analysis" section, one command and says it runs with "the code of this file's commit": either
+``python -m research.early_warning test RUNS... <options>`` (an alarm test) or
+``python -m research.auto_fix_effect FIX_RUNS --twins TWIN_RUNS <options>`` (auto_fix against SDPA twins).
+This module does that and nothing else, from the repository root:
 
     python -m research.registered_analysis --protocol 9 --seeds 700-739 [--secondary] [--dry-run]
+    python -m research.registered_analysis --protocol 10 --seeds 700-715 --twins-protocol 9
 
 1. the commit that added the protocol file (``git log --diff-filter=A``): the registered code;
 2. a detached ``git worktree`` of it in ``--code`` (default ``.devrun/analysis<N>``), reused when it is
@@ -15,15 +17,15 @@ the repository root:
 3. the test runs ``results/seed-split-<N>/test/seed<S>`` for every seed of ``--seeds``, unpacked
    from ``results/seed-split-<N>/test-runs-*.tar.xz`` where missing; a seed without a run folder
    stops everything before the analysis starts (the analysis runs once, on all registered runs);
-4. the file's command, RUNS replaced by those folders, run in the worktree (``PYTHONPATH`` there too,
+   (FIX_RUNS: the same; TWIN_RUNS: the same seeds' test runs of ``--twins-protocol``);
+4. the file's command, its placeholders replaced by those folders, run in the worktree (``PYTHONPATH`` there too,
    so its ``research/preregistration/`` files are the commit's), with its ``results/`` replaced by a
    link to this checkout's: the runs are read and the results written here.
 
 ``--secondary`` then runs the landmark AUC the section names (``landmark ... --lead L --margin M``) on
 the same runs with the same thresholds, into ``results/seed-split-<N>/landmark.json`` and ``.md``.
 ``--dry-run`` prints the commit and the commands and checks the runs, without running anything.
-Only protocols whose analysis is one ``research.early_warning test`` command are handled; the
-others' (the tenth's auto_fix comparison) are run as their files state, by hand.
+A protocol whose analysis is another command is refused: run it by hand as its file states.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from research import recordings
 from research.record_call import parse_seeds
 
 _TEST_COMMAND = re.compile(r"`(python -m research\.early_warning test RUNS\.\.\.[^`]*)`")
+_AUTO_FIX_COMMAND = re.compile(r"`(python -m research\.auto_fix_effect FIX_RUNS --twins TWIN_RUNS[^`]*)`")
 _LANDMARK = re.compile(r"`(?:python -m research\.early_warning )?landmark[^`]*?--lead (\d+) --margin (\d+)`")
 
 
@@ -61,10 +64,13 @@ def _analysis_section(text: str) -> str:
 
 
 def analysis_command(text: str) -> list[str]:
-    """The words of the "## Analysis" section's ``research.early_warning test`` command (RUNS... kept)."""
-    m = _TEST_COMMAND.search(_analysis_section(text))
+    """The words of the "## Analysis" section's command (its placeholders kept): the
+    ``research.early_warning test`` one, or else the ``research.auto_fix_effect`` one."""
+    section = _analysis_section(text)
+    m = _TEST_COMMAND.search(section) or _AUTO_FIX_COMMAND.search(section)
     if not m:
-        raise ValueError("its analysis is not one `python -m research.early_warning test RUNS... ...` command: "
+        raise ValueError("its analysis is neither `python -m research.early_warning test RUNS... ...` nor "
+                         "`python -m research.auto_fix_effect FIX_RUNS --twins TWIN_RUNS ...`: "
                          "run it by hand as the file states")
     return shlex.split(" ".join(m.group(1).split()))
 
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", required=True, help="the registered test seeds, FIRST-LAST (e.g. 700-739)")
     ap.add_argument("--code", type=Path, help="where the commit's worktree goes (default .devrun/analysis<N>)")
     ap.add_argument("--results", type=Path, default=Path("results"), help="the results folder (default results/)")
+    ap.add_argument("--twins-protocol", type=int,
+                    help="whose test runs of the same seeds are the twins (a TWIN_RUNS analysis: the tenth's is 9)")
     ap.add_argument("--secondary", action="store_true",
                     help="then run the landmark AUC the protocol's analysis names, into landmark.json/.md")
     ap.add_argument("--dry-run", action="store_true", help="print the commit and command, check the runs, run nothing")
@@ -166,19 +174,27 @@ def main(argv: list[str] | None = None) -> int:
         words = analysis_command(text)
         commands = [words] + ([landmark_command(text, words)] if args.secondary else [])
         commit = registered_commit(root, path)
-        runs = test_runs(args.results, args.protocol, parse_seeds(args.seeds))
+        seeds = parse_seeds(args.seeds)
+        runs = {"RUNS...": test_runs(args.results, args.protocol, seeds)}
+        runs["FIX_RUNS"] = runs["RUNS..."]
+        if "TWIN_RUNS" in words:
+            if args.twins_protocol is None:
+                raise ValueError("its analysis compares with twins (TWIN_RUNS): name whose test runs they are with "
+                                 "--twins-protocol N, as the protocol file says (the tenth's: 9)")
+            runs["TWIN_RUNS"] = test_runs(args.results, args.twins_protocol, seeds)
+        elif args.twins_protocol is not None:
+            raise ValueError("--twins-protocol is for an analysis with twins (TWIN_RUNS); this one has none")
     except (ValueError, subprocess.CalledProcessError) as e:
         print(f"registered_analysis: {e}", file=sys.stderr)
         return 2
     # the commands run in the commit's worktree, whose results/ is a link to --results: name the runs through it
-    folders = [str(Path("results") / r.relative_to(args.results)) for r in runs]
-    print(f"protocol {args.protocol}: code {commit}, {len(runs)} test runs")
+    folders = {k: [str(Path("results") / r.relative_to(args.results)) for r in v] for k, v in runs.items()}
+    print(f"protocol {args.protocol}: code {commit}, {len(runs['RUNS...'])} test runs")
     resolved = []
     for w in commands:
-        at = w.index("RUNS...")
-        resolved.append([sys.executable] + w[1:at] + folders + w[at + 1:])
-        print(" ".join(shlex.quote(x) for x in resolved[-1][:at]), f"<{len(runs)} run folders: {runs[0]} ...>",
-              " ".join(shlex.quote(x) for x in resolved[-1][at + len(runs):]))
+        resolved.append([sys.executable] + [x for word in w[1:] for x in folders.get(word, [word])])
+        print(" ".join(f"<{len(folders[word])} run folders: {folders[word][0]} ...>" if word in folders
+                       else shlex.quote(word) for word in [sys.executable] + w[1:]))
     if args.dry_run:
         return 0
     try:

@@ -21,10 +21,17 @@ def test_the_registered_test_command_is_read_from_the_protocol_files_analysis_se
     assert words[words.index("--out") + 1] == "results/seed-split-9/test.json"
 
 
-def test_a_protocol_whose_analysis_is_another_command_is_refused_with_what_to_do():
+def test_the_tenth_protocols_auto_fix_command_is_read_with_its_two_placeholders():
     tenth = (ROOT / "research" / "preregistration" / "early-warning-protocol-10.md").read_text()
+    words = registered_analysis.analysis_command(tenth)
+    assert words[:6] == ["python", "-m", "research.auto_fix_effect", "FIX_RUNS", "--twins", "TWIN_RUNS"]
+    assert words[words.index("--min-steps") + 1] == "10000" and "--loss-before-end" in words
+    assert words[words.index("--out") + 1] == "results/seed-split-10/auto-fix.json"
+
+
+def test_a_protocol_whose_analysis_is_another_command_is_refused_with_what_to_do():
     with pytest.raises(ValueError, match="run it by hand"):
-        registered_analysis.analysis_command(tenth)
+        registered_analysis.analysis_command("## Analysis\n\n`python -m research.other RUNS... --out x.json`\n")
     with pytest.raises(ValueError, match="no '## Analysis' section"):
         registered_analysis.analysis_command("# a protocol\n\n`python -m research.early_warning test RUNS... -x`\n")
 
@@ -55,6 +62,12 @@ def repo(tmp_path):
                         "json.dump({'code': 'registered', 'args': args, 'head': head.strip(),\n"
                         "           'frozen': open('research/preregistration/frozen.txt').read()}, open(out, 'w'))\n")
     (repo / "research" / "preregistration" / "frozen.txt").write_text("threshold 4.5")
+    (repo / "research" / "auto_fix_effect.py").write_text(
+        "import json, sys\nargs = sys.argv[1:]\njson.dump({'code': 'registered', 'args': args}, "
+        "open(args[args.index('--out') + 1], 'w'))\n")
+    (repo / "research" / "preregistration" / "early-warning-protocol-2.md").write_text(
+        "# auto_fix against twins\n\n## Analysis\n\n`python -m research.auto_fix_effect FIX_RUNS --twins TWIN_RUNS\n"
+        "--min-steps 10 --out results/seed-split-2/auto-fix.json` (this file's commit)\n")
     (repo / "research" / "preregistration" / "early-warning-protocol-1.md").write_text(
         "# protocol\n\n## Analysis\n\n`python -m research.early_warning test RUNS... --frozen\n"
         "research/preregistration/frozen.txt --thresholds research/preregistration/frozen.txt --protocol\n"
@@ -71,6 +84,8 @@ def repo(tmp_path):
     runs = [_run_folder(tmp_path / "made" / f"seed{s}", s) for s in (200, 201, 202)]
     recordings.pack(runs[:2], folder / "test-runs-200-201.tar.xz")
     recordings.pack(runs[2:], folder / "test-runs-202-202.tar.xz")
+    fixes = [_run_folder(tmp_path / "fixes" / f"seed{s}", s) for s in (200, 201, 202)]
+    recordings.pack(fixes, repo / "results" / "seed-split-2" / "test-runs-200-202.tar.xz")
     return repo
 
 
@@ -140,10 +155,10 @@ def test_a_missing_registered_run_stops_the_analysis_before_it_starts(repo, monk
 
 def test_an_uncommitted_protocol_is_refused(repo, monkeypatch, capsys):
     monkeypatch.chdir(repo)
-    (repo / "research" / "preregistration" / "early-warning-protocol-2.md").write_text(
+    (repo / "research" / "preregistration" / "early-warning-protocol-3.md").write_text(
         "## Analysis\n\n`python -m research.early_warning test RUNS... --out results/x.json`\n")
-    shutil.copytree(repo / "results" / "seed-split-1", repo / "results" / "seed-split-2")
-    assert registered_analysis.main(["--protocol", "2", "--seeds", "200-202", "--dry-run"]) == 2
+    shutil.copytree(repo / "results" / "seed-split-1", repo / "results" / "seed-split-3")
+    assert registered_analysis.main(["--protocol", "3", "--seeds", "200-202", "--dry-run"]) == 2
     assert "not committed" in capsys.readouterr().err
 
 
@@ -156,3 +171,17 @@ def test_results_kept_elsewhere_are_read_and_written_there(repo, tmp_path, monke
     assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202", "--results", str(elsewhere)]) == 0
     out = json.loads((elsewhere / "seed-split-1" / "test.json").read_text())
     assert [a for a in out["args"] if "/test/seed" in a] == [f"results/seed-split-1/test/seed{s}" for s in (200, 201, 202)]
+
+
+def test_an_auto_fix_analysis_gets_its_runs_and_the_twins_protocols_runs_of_the_same_seeds(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    assert registered_analysis.main(["--protocol", "2", "--seeds", "200-202"]) == 2
+    assert "--twins-protocol N" in capsys.readouterr().err
+    assert registered_analysis.main(["--protocol", "1", "--seeds", "200-202", "--twins-protocol", "1"]) == 2
+    assert "has none" in capsys.readouterr().err
+    assert registered_analysis.main(["--protocol", "2", "--seeds", "200-202", "--twins-protocol", "1"]) == 0
+    args = json.loads((repo / "results" / "seed-split-2" / "auto-fix.json").read_text())["args"]
+    at = args.index("--twins")
+    assert args[:at] == [f"results/seed-split-2/test/seed{s}" for s in (200, 201, 202)]
+    assert args[at + 1:at + 4] == [f"results/seed-split-1/test/seed{s}" for s in (200, 201, 202)]
+    assert args[at + 4:] == ["--min-steps", "10", "--out", "results/seed-split-2/auto-fix.json"]
