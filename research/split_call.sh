@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of a pre-registered protocol's seed-split runs, on the device machine, from the
 # repository root, with the registered code's `git archive` copy in $SPLIT_CODE (default .devrun/reg;
-# carry that folder alone: .devrun/ also holds the analyses' git worktrees; made by `bash research/registered_code.sh COMMIT .devrun/reg`, its CODE_COMMIT beside it):
+# carry that folder alone: .devrun/ also holds the analyses' git worktrees; made by
+# `bash research/registered_code.sh COMMIT .devrun/reg`, its CODE_COMMIT beside it):
 #   SPLIT9_LR=0.0025 SPLIT_SEEDS=520-527 bash research/split_call.sh split9-pilot
 #   (the same command again continues paused runs)
 # TARGET is a case of research/gpu_batch.sh (split8-pilot, split9-pilot, split9, split9-controls, ...);

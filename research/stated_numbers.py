@@ -112,8 +112,8 @@ def _cosine_landmark_sentence() -> str:
     """The same ranking on the cosine schedule's tests, their registered secondary analysis (``landmark.json``
     beside each test result), with its verdict: empty before any has run."""
     clauses = []
-    for peak, path in ((_peak_9(), TEST_9.with_name("landmark.json")),
-                       (_cosine_peak_11(), TEST_11.with_name("landmark.json"))):
+    for peak, test in _cosine_tests():
+        path = test.with_name("landmark.json")
         if not path.exists():
             continue
         result = json.loads(path.read_text())
@@ -268,16 +268,19 @@ def alarm_results() -> list[dict]:
     return [json.loads(path.read_text()) for path in (TEST_1, TEST_2, TEST_4, TEST_9, TEST_11) if path.exists()]
 
 
-def _cosine_peak_11() -> float:
+def _peak_11() -> float:
     """The peak the eleventh protocol's pilots chose for its test (``pilot-decision.json``)."""
     return json.loads((SPLIT_11 / "pilot-decision.json").read_text())["rate"]
 
 
+def _cosine_tests() -> list[tuple[float, Path]]:
+    """(peak, test result file) of the tests on the cosine schedule, the ninth protocol's and the eleventh's."""
+    return [(_peak_9(), TEST_9), (_peak_11(), TEST_11)]
+
+
 def _cosine_results() -> list[tuple[float, dict]]:
-    """(peak, result) of each analysed test on the cosine schedule: the ninth protocol's, the eleventh's."""
-    tests = ((TEST_9, PILOT_9_DECISION), (TEST_11, SPLIT_11 / "pilot-decision.json"))
-    return [(json.loads(decision.read_text())["rate"], json.loads(path.read_text()))
-            for path, decision in tests if path.exists()]
+    """(peak, result) of each analysed test on the cosine schedule."""
+    return [(peak, json.loads(path.read_text())) for peak, path in _cosine_tests() if path.exists()]
 
 
 def _cosine_clause(peak: float, table: dict) -> str:
@@ -285,7 +288,7 @@ def _cosine_clause(peak: float, table: dict) -> str:
     again here."""
     b, s = table["chain"]["blowups"], table["chain"]["survivors"]
     verdicts = [table[r]["verdict"] for r in RULES]
-    passed = [r for r in RULES if table[r]["verdict"] == "pass"]
+    passed = [r for r, v in zip(RULES, verdicts) if v == "pass"]
     undecided = verdicts.count("undecided")
     if passed:
         verdict = f"passed by {', '.join(f'`{r}`' for r in passed)}"
@@ -302,9 +305,8 @@ def _cosine_clause(peak: float, table: dict) -> str:
 def _schedule_sentence() -> str:
     """Where the tests on a cosine schedule that ends at step 10,000 stand: the ninth protocol's outcomes
     so far, or, once analysed, its counts and verdict and the eleventh's beside them."""
-    cosine = _cosine_results()
     if TEST_9.exists():
-        clauses = [_cosine_clause(peak, result["table"]) for peak, result in cosine]
+        clauses = [_cosine_clause(peak, result["table"]) for peak, result in _cosine_results()]
         return "Cosine to step 10,000 (last columns): " + "; ".join(clauses) + "."
     n, steps, survivors = _blowups(tuple(_test_9_blocks()))
     unconfirmed = n - len(steps) - survivors
@@ -325,7 +327,7 @@ def schedule_table() -> str:
                for path in sorted(SPLIT_11.glob("pilot-outcomes-*.json"))]
     tests_11 = sorted(SPLIT_11.glob("test-outcomes-*.json"))
     if tests_11:  # its test blocks, at the peak its pilots chose (pilot-decision.json)
-        peak = _rate(json.loads((SPLIT_11 / "pilot-decision.json").read_text())["rate"])
+        peak = _rate(_peak_11())
         groups += [(f"{peak} (eleventh protocol's test)", (path,)) for path in tests_11]
     for name, files in groups:
         by_run = {k: v for f in files for k, v in json.loads(f.read_text())["runs"].items()}

@@ -53,7 +53,6 @@ def repo(tmp_path):
     """A repository with a protocol whose analysis writes what it was given, and its test runs packed."""
     repo = tmp_path / "repo"
     (repo / "research" / "preregistration").mkdir(parents=True)
-    shutil.copyfile(ROOT / "research" / "registered_code.sh", repo / "research" / "registered_code.sh")
     (repo / "research" / "__init__.py").write_text("")
     analysis = repo / "research" / "early_warning.py"
     # writes what it was given, and the commit its own `git rev-parse HEAD` names (what a result records)
