@@ -32,8 +32,8 @@ Changes:
   per-head statistics out): one pass over K with an online rescaled rowsum(P * dP).
 - Per-row outputs behind the constexpr flag ROWS (``AttentionStats.rows_hook`` set; off, the
   kernels compile as without it): the dQ kernel and the statistics kernel also store each
-  row's delta error and P K, accumulated in FP32 from P split into two input-dtype terms
-  (``_probabilities_dot``); the statistics kernel rescales P K online like rowsum(P * dP). The
+  row's delta error and P K, one FP16 tensor-core product a key tile accumulated in FP32
+  (``_probabilities_dot``: within 2**-11 of each term); the statistics kernel rescales P K online like rowsum(P * dP). The
   dQ kernel then runs at its own tiles (``tuning.TABLE["dq_rows"]``). With REDUCE as well
   (the hook offers a ``RowReduction``), each row block's epilogue reduces its rows into the
   W^Q-error chain's per-head sums (``_reduce_rows``: a scalar and a D x r sketch per program, summed
@@ -165,23 +165,21 @@ def _tie_update(qk, m1, tied, eps_raw, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _probabilities_dot(p, k, acc, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                       EXACT_BF16: tl.constexpr):
+def _probabilities_dot(p, k, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + p @ k: (BLOCK_M, BLOCK_N) FP32 probabilities in [0, 1] times a (BLOCK_N, D) tile in
-    the input dtype, for the per-row P K output. Rounding p to BF16 once, as the P_bar V and
-    dS K products do, would err by up to 2**-9 of each term: as large as the BF16 rounding of O
-    whose effect the per-row outputs measure. An FP32 product on the FMA units (IEEE) costs D
-    multiply-adds per score. So p is split into two input-dtype terms, hi = round(p) and
-    lo = round(p - hi), with |p - hi - lo| <= 2**-18 |p| in BF16 (2**-22 in FP16, where values
-    below 2**-14 keep an absolute error of at most 2**-25), both multiplied on the tensor cores:
-    products of input-dtype values are exact in FP32, and they accumulate in FP32. FP32 inputs
-    take the IEEE product the kernels use for them anyway."""
+    the input dtype, for the W^Q-error chain's P K. P K only scales each row's delta error (the
+    measured effect): a relative error of 2**-11 in it moves the chain's readings by as much. One FP16 product on the tensor cores: p rounded to FP16 errs by at most
+    2**-11 of p (by 2**-25 absolutely below 2**-14), a BF16 k is exact in FP16 from 2**-14 to
+    65504 (below, by 2**-25 absolutely), and the products accumulate in FP32. A key entry beyond
+    FP16's range is taken as +-65504 (not inf, whose product with a masked score's 0 would spread
+    NaN to rows that never see the key): P K is then off only in the rows that attend to such a
+    key, whose logits are by then far past the max-logit alert. FP32 inputs take the IEEE product
+    the kernels use for them anyway."""
     if IEEE:
         acc = _dot(p, k, True, UPCAST, acc)
     else:
-        hi = _cast(p, DTYPE, EXACT_BF16)
-        lo = _cast(p - hi.to(tl.float32), DTYPE, EXACT_BF16)
-        acc = _dot(lo, k, False, UPCAST, _dot(hi, k, False, UPCAST, acc))
+        k16 = tl.minimum(tl.maximum(k.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        acc = _dot(p.to(tl.float16), k16, False, UPCAST, acc)
     return acc
 
 
@@ -313,7 +311,8 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     contiguous. With c = -sm_scale * err, the error's rows dQ_err = c pk give this block's share
     of query head h's sums: UGV[part] = sum_rows c (pk . u_h)(x . v_h) (of u_h^T dG_h v_h) and
     SKETCH[part] (D, SKETCH_R) = pk^T (c x Omega) (of dG_h Omega), FP32 (the sketch's product on
-    tensor cores in TF32x3, three TF32 products a term: within 12 * 2^-24 of each term), with
+    tensor cores in TF32, each factor kept to 10 explicit bits: within 2^-9 of each term, far
+    below the sketch's own spread, which only cosines read), with
     ``part`` the program's index in (B * H, cdiv(N, BLOCK_M)) order: plain stores, one slot per
     program, summed over batch and blocks after the launch (``rows.RowOutputs.finish``; no
     atomics: no contention, and the same sum in every run)."""
@@ -322,7 +321,7 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
     pu = tl.sum(pk * u[None, :], 1)  # (BLOCK_M,)
     tl.store(UGV + part, tl.sum(c * pu * xv, 0))
-    # the (D, SKETCH_R) product in column blocks of 16 and in TF32x3 rather than FP32 FMAs: the
+    # the (D, SKETCH_R) product in column blocks of 16 and in TF32 rather than FP32 FMAs: the
     # whole product at once in FP32 spilled in both kernels (255 registers and a stack); this way
     # the statistics kernel needs 186 registers at D 64 and spills nothing
     offs_r = tl.arange(0, 16)
@@ -331,7 +330,7 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     sk_rows = SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R
     for r0 in range(0, SKETCH_R, 16):
         xo = tl.load(xo_rows + r0 + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-        sk = tl.dot(pkt, c[:, None] * xo, input_precision="tf32x3")  # (D, 16)
+        sk = tl.dot(pkt, c[:, None] * xo, input_precision="tf32")  # (D, 16)
         tl.store(sk_rows + r0 + offs_r[None, :], sk)
 
 
@@ -618,7 +617,7 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tf
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
         if ROWS:
-            pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
+            pk = _probabilities_dot(p, k, pk, IEEE, UPCAST)  # P is final: no rescaling
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
     return dq, dhp, n32, nb16, nfmt, pk
@@ -724,7 +723,7 @@ def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, 
         l_i = l_i * alpha + tl.sum(p, 1)
         d_i = d_i * alpha + tl.sum(p * dp, 1)
         if ROWS:  # rescaled like d_i: sum exp(s - m) k, divided by l at the end
-            pk = _probabilities_dot(p, k, pk * alpha[:, None], DTYPE, IEEE, UPCAST, EXACT_BF16)
+            pk = _probabilities_dot(p, k, pk * alpha[:, None], IEEE, UPCAST)
         m1, m2 = new_m1, new_m2
     return m1, m2, l_i, d_i, pk
 
