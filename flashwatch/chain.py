@@ -26,9 +26,9 @@ Readings per head and monitored step (``FIELDS``, each (H,) float64):
   exponentially weighted window of effective length W (lam = 1 - 1/W): 1 when dG keeps one
   direction, about sqrt((1 - lam) / (1 + lam)) (0.10 at W = 50) when its direction is random.
 
-Alignment and coherence use a fixed random sketch dG_h Omega (Omega: C x r Gaussian, r =
-``SKETCH_DIM``, the same for every layer of one width, regenerated from a fixed seed): inner
-products of sketches estimate those of the D x C matrices without forming them (a cosine of
+Alignment and coherence use a fixed random sketch dG_h Omega (Omega: C x r Gaussian, rounded to
+BF16, r = ``SKETCH_DIM``, the same for every layer of one width, regenerated from a fixed seed):
+inner products of sketches estimate those of the D x C matrices without forming them (a cosine of
 two random directions reads about N(0, 1/r), one of a fixed direction reads 1).
 
 Where the work happens, per attention call of a monitored step: x . v (B, H, N) and x Omega
@@ -123,8 +123,11 @@ def check_rotation(rotation: Any, x: torch.Tensor, d: int) -> tuple[torch.Tensor
 
 
 def _omega(width: int, device: torch.device) -> torch.Tensor:
+    """Omega (width, r): Gaussian entries of variance 1/r, each rounded to BF16 so that a BF16
+    activation's product with it needs one BF16 term (``_Factor``'s ``split``)."""
     g = torch.Generator().manual_seed(_SEED + width)
-    return (torch.randn(width, SKETCH_DIM, generator=g, dtype=torch.float32) / math.sqrt(SKETCH_DIM)).to(device)
+    omega = torch.randn(width, SKETCH_DIM, generator=g, dtype=torch.float32) / math.sqrt(SKETCH_DIM)
+    return omega.to(torch.bfloat16).float().to(device)
 
 
 @torch.no_grad()
@@ -163,8 +166,10 @@ def pair_from_products(y: torch.Tensor, v_block: torch.Tensor) -> tuple[torch.Te
 class _Factor:
     """A float32 matrix m (C, k) that activations x (..., C) are multiplied by, x @ m in float32.
 
-    A BF16 x on CUDA is multiplied as it is, against m split into two BF16 matrices, m = hi + lo
-    + (at most 2^-16 |m| per entry: BF16 keeps 8 significant bits, twice), in one tensor-core
+    A BF16 x on CUDA is multiplied as it is, against m's first ``split`` columns (all by default)
+    split into two BF16 matrices, m = hi + lo + (at most 2^-16 |m| per entry: BF16 keeps 8
+    significant bits, twice), and its other columns in BF16 alone (the caller makes them exact in
+    BF16, as ``_omega`` is), in one tensor-core
     product with FP32 accumulation and output (``torch.mm``'s ``out_dtype``): no FP32 copy of x,
     which is the larger part of the FP32 product's cost (x: B*N x C, m: C x (H + r)), with an error
     of the FP32 product's size (x's BF16 entries are exact; at C = 768 FP32 accumulation alone may
@@ -174,34 +179,45 @@ class _Factor:
 
     split_product = True  # False once a torch without mm's out_dtype refused it (a process-wide fact)
 
-    def __init__(self, m: torch.Tensor):
+    def __init__(self, m: torch.Tensor, split: int | None = None):
         self.m = m.float().contiguous()
         self.k = self.m.shape[1]
-        self._parts: torch.Tensor | None = None  # [hi | lo] (C, 2k) BF16, made at the first BF16 x
+        self.split = self.k if split is None else split
+        if not 0 <= self.split <= self.k:
+            raise ValueError(f"split must be between 0 and the factor's {self.k} columns, got {split}")
+        self._parts: torch.Tensor | None = None  # [hi | lo] (C, k + split) BF16, made at the first BF16 x
 
     def parts(self) -> torch.Tensor:
         if self._parts is None:
             hi = self.m.to(torch.bfloat16)
-            lo = (self.m - hi.float()).to(torch.bfloat16)
+            lo = (self.m[:, :self.split] - hi[:, :self.split].float()).to(torch.bfloat16)
             self._parts = torch.cat([hi, lo], dim=1)
         return self._parts
 
     def times_split(self, x: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For x (B, N, C): (x @ m[:, :h] transposed to (B, h, N), x @ m[:, h:] (B, N, k - h)), both
-        float32 and contiguous, the layouts the kernels read; the split product's two halves are
-        added straight into them (three kernels: the product and two additions, no copies)."""
+        float32 and contiguous, the layouts the kernels read; the split product's lo terms are
+        added straight into them (three kernels: the product, an addition and an addition or a
+        copy). Needs ``split`` >= h."""
         y = self._split_product(x)
         if y is None:
             y = x.float() @ self.m  # (B, N, k)
             return y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous()
-        B, N, k = x.shape[0], x.shape[1], self.k
-        y = y.view(B, N, 2 * k)
+        B, N, k, s = x.shape[0], x.shape[1], self.k, self.split
+        if s < h:
+            raise ValueError(f"the first {h} columns are read apart but only {s} are split")
+        y = y.view(B, N, k + s)  # [x hi | x lo]
         first = torch.empty((B, h, N), dtype=torch.float32, device=x.device)
         torch.add(y[..., :h], y[..., k: k + h], out=first.transpose(1, 2))
-        return first, torch.add(y[..., h:k], y[..., k + h:])
+        rest = torch.empty((B, N, k - h), dtype=torch.float32, device=x.device)
+        if s > h:
+            torch.add(y[..., h:s], y[..., k + h:], out=rest[..., : s - h])
+        if s < k:
+            rest[..., s - h:].copy_(y[..., s:k])
+        return first, rest
 
     def _split_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x (..., C) @ [hi | lo] as (prod(...), 2k) float32 where the split product applies, else None."""
+        """x (..., C) @ [hi | lo] as (prod(...), k + split) float32 where the split product applies, else None."""
         if _Factor.split_product and _split_applies(x):
             try:
                 return torch.mm(x.reshape(-1, x.shape[-1]), self.parts(), out_dtype=torch.float32)  # (B*N, 2k)
@@ -289,7 +305,8 @@ class LayerChain:
             self._check(x, t)
             h = self.num_heads
             if self._both is None:
-                self._both = _Factor(torch.cat([self.v.T, self.omega], dim=1))  # (C, H + r)
+                # (C, H + r): v split in two BF16 terms, Omega exact in BF16 in one
+                self._both = _Factor(torch.cat([self.v.T, self.omega], dim=1), split=h)
             xv, xo = self._both.times_split(x, h)  # one product for both: (B, H, N), (B, N, r) float32
             self._projected = (weakref.ref(x), xv, xo)
         return self._projected[1], self._projected[2]

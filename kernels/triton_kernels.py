@@ -33,11 +33,12 @@ Changes:
 - Per-row outputs behind the constexpr flag ROWS (``AttentionStats.rows_hook`` set; off, the
   kernels compile as without it): the dQ kernel and the statistics kernel also store each
   row's delta error and P K, one FP16 tensor-core product a key tile accumulated in FP32
-  (``_probabilities_dot``: within 2**-11 of each term); the statistics kernel rescales P K online like rowsum(P * dP). The
-  dQ kernel then runs at its own tiles (``tuning.TABLE["dq_rows"]``). With REDUCE as well
-  (the hook offers a ``RowReduction``), each row block's epilogue reduces its rows into the
-  W^Q-error chain's per-head sums (``_reduce_rows``: a scalar and a D x r sketch per program, summed
-  over the programs after the launch) and stores nothing per row.
+  (``_probabilities_dot``: within 2**-11 of each term); the statistics kernel rescales P K
+  online like rowsum(P * dP). The dQ kernel then runs at its own tiles
+  (``tuning.TABLE["dq_rows"]``). With REDUCE as well (the hook offers a ``RowReduction``), each
+  row block's epilogue reduces its rows into the W^Q-error chain's per-head sums
+  (``_reduce_rows``: a scalar and a D x r sketch per program, summed over the programs after
+  the launch) and stores nothing per row.
 - Backward: two launches. The dQ kernel runs first and computes delta_used = rowsum(dO * O)
   for its rows from the dO tile it loads anyway (no separate delta kernel), storing it for the
   dK/dV kernel, which runs second.
@@ -168,13 +169,14 @@ def _tie_update(qk, m1, tied, eps_raw, UPCAST: tl.constexpr):
 def _probabilities_dot(p, k, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """acc + p @ k: (BLOCK_M, BLOCK_N) FP32 probabilities in [0, 1] times a (BLOCK_N, D) tile in
     the input dtype, for the W^Q-error chain's P K. P K only scales each row's delta error (the
-    measured effect): a relative error of 2**-11 in it moves the chain's readings by as much. One FP16 product on the tensor cores: p rounded to FP16 errs by at most
-    2**-11 of p (by 2**-25 absolutely below 2**-14), a BF16 k is exact in FP16 from 2**-14 to
-    65504 (below, by 2**-25 absolutely), and the products accumulate in FP32. A key entry beyond
-    FP16's range is taken as +-65504 (not inf, whose product with a masked score's 0 would spread
-    NaN to rows that never see the key): P K is then off only in the rows that attend to such a
-    key, whose logits are by then far past the max-logit alert. FP32 inputs take the IEEE product
-    the kernels use for them anyway."""
+    measured effect): a relative error of 2**-11 in it moves the chain's readings by as much.
+    One FP16 product on the tensor cores: p rounded to FP16 errs by at most 2**-11 of p (by
+    2**-25 absolutely below 2**-14), a BF16 k is exact in FP16 from 2**-14 to 65504 (below, by
+    2**-25 absolutely), and the products accumulate in FP32. A key entry beyond FP16's range is
+    taken as +-65504 (not inf, whose product with a masked score's 0 would spread NaN to rows
+    that never see the key): P K is then off only in the rows that attend to such a key, whose
+    logits are by then far past the max-logit alert. FP32 inputs take the IEEE product the
+    kernels use for them anyway."""
     if IEEE:
         acc = _dot(p, k, True, UPCAST, acc)
     else:

@@ -574,11 +574,14 @@ def test_query_residual_against_exact_constructions():
     assert query_residual(rotated, x, w) > 10 * QUERY_TOLERANCE
 
 
-def _factor_case(device: str):
-    """A BF16 activation x (B, N, C) and a float32 factor m (C, H + r) shaped like the chain's."""
+def _factor_case(device: str, split: int | None = None):
+    """A BF16 activation x (B, N, C) and a float32 factor m (C, H + r) shaped like the chain's;
+    with ``split``, m's columns from ``split`` on exact in BF16 (as the chain's Omega is)."""
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(3, 50, 96, generator=g) * 3).to(torch.bfloat16).to(device)
     m = torch.cat([torch.randn(96, 4, generator=g) / 96 ** 0.5, torch.randn(96, SKETCH_DIM, generator=g) / 8], 1)
+    if split is not None:
+        m[:, split:] = m[:, split:].to(torch.bfloat16).float()
     return x, m.to(device)
 
 
@@ -593,6 +596,18 @@ def _times(factor, x, h=4):
     return torch.cat([first.transpose(1, 2), rest], dim=-1)
 
 
+def test_omega_is_exact_in_bf16_and_has_variance_one_over_r():
+    """The sketch's Omega is rounded to BF16 once (one BF16 term in the projection), fixed by the
+    width alone, with entries of variance about 1/r."""
+    from flashwatch.chain import _omega
+
+    om = _omega(768, torch.device("cpu"))
+    assert om.shape == (768, SKETCH_DIM) and om.dtype == torch.float32
+    assert torch.equal(om, om.to(torch.bfloat16).float())
+    assert torch.equal(om, _omega(768, torch.device("cpu"))) and not torch.equal(om[:64], _omega(64, torch.device("cpu")))
+    assert abs(om.var().item() * SKETCH_DIM - 1) < 0.05
+
+
 def test_the_factors_bf16_parts_sum_to_it_within_2_to_the_minus_16():
     from flashwatch.chain import _Factor
 
@@ -605,15 +620,16 @@ def test_the_factors_bf16_parts_sum_to_it_within_2_to_the_minus_16():
     assert err.max() > 0  # the case has entries that BF16 twice does not hold exactly
 
 
+@pytest.mark.parametrize("split", [None, 4], ids=["all-split", "omega-exact"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_the_projection_of_a_bf16_activation_matches_float64(device):
+def test_the_projection_of_a_bf16_activation_matches_float64(device, split):
     """x @ [v^T | Omega] as the chain computes it (on CUDA: BF16 x against the factor's BF16 parts,
-    FP32 accumulation) against float64: within the parts' 2^-16 and FP32 accumulation over C terms,
-    of each entry's absolute sum of terms."""
+    FP32 accumulation; with ``split``, Omega's BF16-exact columns in one term) against float64:
+    within the parts' 2^-16 and FP32 accumulation over C terms, of each entry's absolute sum of terms."""
     from flashwatch.chain import _Factor
 
-    x, m = _factor_case(device)
-    factor = _Factor(m)
+    x, m = _factor_case(device, split)
+    factor = _Factor(m, split)
     got = _times(factor, x)
     want = x.to(F64) @ m.to(F64)
     assert got.dtype == torch.float32 and got.shape == (3, 50, m.shape[1])
@@ -624,25 +640,34 @@ def test_the_projection_of_a_bf16_activation_matches_float64(device):
 
 
 def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monkeypatch):
-    """The split path's arithmetic on the CPU (mm with out_dtype emulated in float64), then a torch
-    whose mm lacks or refuses out_dtype: the FP32 product from then on, the same values; running
-    out of memory is not taken for a refusal."""
+    """The split path's arithmetic on the CPU (mm with out_dtype emulated in float64), all columns
+    split, then only the first 4 and 2 (the rest exact in BF16: one term, as the chain's Omega);
+    then a torch whose mm lacks or refuses out_dtype: the FP32 product from then on, the same values;
+    running out of memory is not taken for a refusal."""
     from flashwatch import chain
 
-    x, m = _factor_case("cpu")
     monkeypatch.setattr(chain, "_split_applies", lambda t: True)
     calls = []
 
     def mm(a, b, out_dtype=None):
-        calls.append(out_dtype)
+        calls.append((out_dtype, b.shape[1]))
         return (a.to(F64) @ b.to(F64)).to(out_dtype)
 
     monkeypatch.setattr(torch, "mm", mm)
     monkeypatch.setattr(chain._Factor, "split_product", True)
-    got = _times(chain._Factor(m), x)
-    want = x.to(F64) @ m.to(F64)
-    assert calls == [torch.float32] and got.shape == (3, 50, m.shape[1])
-    assert ((got.to(F64) - want).abs() <= 2.0 ** -15 * (x.to(F64).abs() @ m.to(F64).abs())).all()
+    for split, h in [(None, 4), (4, 4), (6, 2)]:
+        x, m = _factor_case("cpu", split)
+        calls.clear()
+        got = _times(chain._Factor(m, split), x, h)
+        want = x.to(F64) @ m.to(F64)
+        k = m.shape[1]
+        assert calls == [(torch.float32, k + (k if split is None else split))] and got.shape == (3, 50, k)
+        assert ((got.to(F64) - want).abs() <= 2.0 ** -15 * (x.to(F64).abs() @ m.to(F64).abs())).all(), split
+    with pytest.raises(ValueError, match="only 2 are split"):
+        chain._Factor(m, 2).times_split(x, 4)
+    with pytest.raises(ValueError, match="split must be between"):
+        chain._Factor(m, k + 1)
+    x, m = _factor_case("cpu")
 
     def old_mm(a, b):  # a torch before out_dtype: the keyword is a TypeError
         return a @ b
