@@ -151,15 +151,24 @@ def _acting_sentence() -> str:
         return _auto_fix_sentence(sixth)
     tenth = json.loads(AUTO_FIX_10.read_text())
     pairs = tenth["pairs"]
+    first = [p["first_switch"] for p in pairs if p["first_switch"] is not None]
     rng = tenth["survivor_loss_ratio_range"]
-    loss = f", their loss {rng[0]:.3f}-{rng[1]:.3f}x their twins'" if rng else ""
+    if not rng:
+        loss = ""
+    elif tenth["survivors"] == 1:
+        how = "switched" if tenth["switched_survivors"] else "never switched"
+        loss = f"; the 1 surviving twin's run, {how}, ended at {rng[0]:.3f}x its loss"
+    else:
+        loss = (f"; the {tenth['survivors']} surviving twins' runs ({tenth['switched_survivors']} switched) ended "
+                f"at {rng[0]:.3f}-{rng[1]:.3f}x their loss")
     harmed = tenth["harmed"]
     fix_blew = sum(1 for p in sixth["pairs"] if not p["fix"]["survivor"])
-    return (f"*Acting on them* (peak {_rate(_peak_9())}, {len(pairs)} seeds, each beside its SDPA twin): "
-            f"`auto_fix=\"fp32_delta\"` prevented {tenth['prevented']} of {tenth['cases']} confirmed blow-ups "
-            f"({tenth['verdict']}); it switched {tenth['switched_survivors']} of the {tenth['survivors']} twins that "
-            f"survived{loss}; {len(harmed)} blew up where the twin did not. At constant lr 1.5e-3: {fix_blew} of "
-            f"{len(sixth['pairs'])} blew up, their twins {sixth['cases']}.")
+    switched = f"all {len(pairs)}" if len(first) == len(pairs) else f"{len(first)} of {len(pairs)}"
+    return (f"*Acting on them* (peak {_rate(_peak_9())}, {len(pairs)} seeds beside their SDPA twins): "
+            f"`auto_fix=\"fp32_delta\"` switched {switched} (steps {min(first):,}-{max(first):,}) and prevented "
+            f"{tenth['prevented']} of {tenth['cases']} confirmed blow-ups ({tenth['verdict']}){loss}; {len(harmed)} "
+            f"blew up where the twin did not (constant lr 1.5e-3: {fix_blew} of {len(sixth['pairs'])}, twins "
+            f"{sixth['cases']}).")
 
 
 # the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines
@@ -387,7 +396,8 @@ TABLES = {"9": ("<!-- test.md: generated", TEST_1_TABLE.read_text),
                                   lambda: _first_table(TEST_9.with_name("landmark.md"))),
           "15 (eleventh landmark)": ("<!-- landmark-11.md: generated",
                                      lambda: _first_table(TEST_11.with_name("landmark.md"))),
-          "15 (eleventh, computed after)": ("<!-- post-hoc-11: generated", lambda: post_hoc_table(TEST_11))}
+          "15 (eleventh, computed after)": ("<!-- post-hoc-11: generated", lambda: post_hoc_table(TEST_11)),
+          "16 (tenth)": ("<!-- auto-fix-10.md: generated", lambda: _first_table(AUTO_FIX_10.with_suffix(".md")))}
 
 
 def _readme_span(readme: str) -> tuple[int, int]:

@@ -56,16 +56,19 @@ def test_the_alarm_point_follows_its_result_files(tmp_path, monkeypatch):
 
 
 def test_the_auto_fix_sentence_follows_its_result_file(tmp_path, monkeypatch):
-    """The README's auto_fix sentence is read from the sixth protocol's result: a run that blew up
-    in the file shows in the sentence."""
+    """The README's auto_fix sentence reads the sixth protocol's result (beside the tenth's, or alone
+    before the tenth has run): a run that blew up in the file shows in the sentence."""
     result = json.loads(stated_numbers.AUTO_FIX.read_text())
-    assert "0 of 8 blew up" in stated_numbers.readme_block()
+    flat = " ".join(stated_numbers.readme_block().split())
+    assert "(constant lr 1.5e-3: 0 of 8, twins 6)" in flat
     result["pairs"][0]["fix"]["survivor"] = False
     changed = tmp_path / "auto-fix.json"
     changed.write_text(json.dumps(result))
     monkeypatch.setattr(stated_numbers, "AUTO_FIX", changed)
-    assert "1 of 8 blew up" in stated_numbers.readme_block()
+    assert "(constant lr 1.5e-3: 1 of 8, twins 6)" in " ".join(stated_numbers.readme_block().split())
     assert stated_numbers.differences()
+    monkeypatch.setattr(stated_numbers, "AUTO_FIX_10", tmp_path / "missing.json")
+    assert "1 of 8 blew up in 13,000 steps" in " ".join(stated_numbers.readme_block().split())
 
 
 def test_the_ranking_sentence_follows_the_fifth_protocols_result(tmp_path, monkeypatch):
@@ -210,17 +213,26 @@ def test_the_headline_says_every_rule_failed_only_where_each_decisive_test_faile
 
 def test_the_tenth_protocols_result_replaces_the_acting_point_once_it_exists(tmp_path, monkeypatch):
     """Once the tenth protocol (auto_fix on the cosine schedule) has a result, the README's acting
-    point reads its prevented blow-ups, the survivors it switched, their loss and the harm, with the
-    sixth's counts beside; before, the sixth's sentence stands."""
+    point reads its switches, prevented blow-ups, the survivors it switched, their loss and the harm,
+    with the sixth's counts beside; before, the sixth's sentence stands."""
+    monkeypatch.setattr(stated_numbers, "AUTO_FIX_10", tmp_path / "missing.json")
     assert stated_numbers._acting_sentence() == stated_numbers._auto_fix_sentence(
         json.loads(stated_numbers.AUTO_FIX.read_text()))
-    tenth = {"pairs": [{}] * 16, "prevented": 9, "cases": 10, "verdict": "shown", "survivors": 6,
+    pairs = [{"first_switch": 1200 + 10 * i} for i in range(15)] + [{"first_switch": None}]
+    tenth = {"pairs": pairs, "prevented": 9, "cases": 10, "verdict": "shown", "survivors": 6,
              "switched_survivors": 4, "survivor_loss_ratio_range": [0.991, 1.012], "harmed": [709]}
     path = tmp_path / "auto-fix.json"
     path.write_text(json.dumps(tenth))
     monkeypatch.setattr(stated_numbers, "AUTO_FIX_10", path)
     flat = " ".join(stated_numbers.readme_block().split())
-    assert ("(peak 2.5e-3, 16 seeds, each beside its SDPA twin): `auto_fix=\"fp32_delta\"` prevented 9 of 10 "
-            "confirmed blow-ups (shown); it switched 4 of the 6 twins that survived, their loss 0.991-1.012x their "
-            "twins'; 1 blew up where the twin did not. At constant lr 1.5e-3: 0 of 8 blew up, their twins 6.") in flat
+    assert ("(peak 2.5e-3, 16 seeds beside their SDPA twins): `auto_fix=\"fp32_delta\"` switched 15 of 16 (steps "
+            "1,200-1,340) and prevented 9 of 10 confirmed blow-ups (shown); the 6 surviving twins' runs (4 switched) "
+            "ended at 0.991-1.012x their loss; 1 blew up where the twin did not (constant lr 1.5e-3: 0 of 8, twins "
+            "6).") in flat
     assert stated_numbers.differences()
+    tenth.update(pairs=[{"first_switch": 1500}] * 16, survivors=1, switched_survivors=1,
+                 survivor_loss_ratio_range=[1.004, 1.004], harmed=[])
+    path.write_text(json.dumps(tenth))
+    flat = " ".join(stated_numbers.readme_block().split())
+    assert ("switched all 16 (steps 1,500-1,500) and prevented 9 of 10 confirmed blow-ups (shown); the 1 surviving "
+            "twin's run, switched, ended at 1.004x its loss; 0 blew up") in flat
