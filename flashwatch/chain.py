@@ -197,7 +197,7 @@ class _Factor:
     def times_split(self, x: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For x (B, N, C): (x @ m[:, :h] transposed to (B, h, N), x @ m[:, h:] (B, N, k - h)), both
         float32 and contiguous, the layouts the kernels read; the split product's lo terms are
-        added straight into them (three kernels: the product, an addition and an addition or a
+        added straight into them (three kernels: the product, an addition, and an addition or a
         copy). Needs ``split`` >= h."""
         y = self._split_product(x)
         if y is None:
@@ -209,11 +209,13 @@ class _Factor:
         y = y.view(B, N, k + s)  # [x hi | x lo]
         first = torch.empty((B, h, N), dtype=torch.float32, device=x.device)
         torch.add(y[..., :h], y[..., k: k + h], out=first.transpose(1, 2))
+        if s == h:  # the chain's case: the rest is one BF16 term, copied out (one op)
+            return first, y[..., h:k].contiguous()
+        if s == k:
+            return first, torch.add(y[..., h:k], y[..., k + h:])
         rest = torch.empty((B, N, k - h), dtype=torch.float32, device=x.device)
-        if s > h:
-            torch.add(y[..., h:s], y[..., k + h:], out=rest[..., : s - h])
-        if s < k:
-            rest[..., s - h:].copy_(y[..., s:k])
+        torch.add(y[..., h:s], y[..., k + h:], out=rest[..., : s - h])
+        rest[..., s - h:].copy_(y[..., s:k])
         return first, rest
 
     def _split_product(self, x: torch.Tensor) -> torch.Tensor | None:
