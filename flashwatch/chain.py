@@ -222,7 +222,7 @@ class _Factor:
         """x (..., C) @ [hi | lo] as (prod(...), k + split) float32 where the split product applies, else None."""
         if _Factor.split_product and _split_applies(x):
             try:
-                return torch.mm(x.reshape(-1, x.shape[-1]), self.parts(), out_dtype=torch.float32)  # (B*N, 2k)
+                return torch.mm(x.reshape(-1, x.shape[-1]), self.parts(), out_dtype=torch.float32)  # (B*N, k + split)
             except torch.cuda.OutOfMemoryError:
                 raise  # the FP32 path needs more memory still
             except (TypeError, NotImplementedError, RuntimeError):  # mm without out_dtype (torch before 2.8),

@@ -34,12 +34,11 @@ Changes:
   kernels compile as without it): the dQ kernel and the statistics kernel also store each
   row's delta error and P K, one tensor-core product a key tile accumulated in FP32
   (``_probabilities_dot``: P in FP16 in the statistics kernel, in the input dtype in the dQ
-  kernel); the statistics kernel rescales P K
-  online like rowsum(P * dP). The dQ kernel then runs at its own tiles
-  (``tuning.TABLE["dq_rows"]``). With REDUCE as well (the hook offers a ``RowReduction``), each
-  row block's epilogue reduces its rows into the W^Q-error chain's per-head sums
-  (``_reduce_rows``: a scalar and a D x r sketch per program, summed over the programs after
-  the launch) and stores nothing per row.
+  kernel); the statistics kernel rescales P K online like rowsum(P * dP). The dQ kernel then
+  runs at its own tiles (``tuning.TABLE["dq_rows"]``). With REDUCE as well (the hook offers a
+  ``RowReduction``), each row block's epilogue reduces its rows into the W^Q-error chain's
+  per-head sums (``_reduce_rows``: a scalar and a D x r sketch per program, summed over the
+  programs after the launch) and stores nothing per row.
 - Backward: two launches. The dQ kernel runs first and computes delta_used = rowsum(dO * O)
   for its rows from the dO tile it loads anyway (no separate delta kernel), storing it for the
   dK/dV kernel, which runs second.
@@ -627,7 +626,8 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tf
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
         if ROWS:
-            pk = _probabilities_dot(p, k, pk, IEEE, UPCAST, False, DTYPE, EXACT_BF16)  # P is final: no rescaling
+            # P is final: no rescaling; P in the input dtype (FP16 here miscompiled at D 128: the docstring)
+            pk = _probabilities_dot(p, k, pk, IEEE, UPCAST, False, DTYPE, EXACT_BF16)
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
     return dq, dhp, n32, nb16, nfmt, pk
