@@ -119,8 +119,8 @@ class AttentionStats:
     ``attention_statistics`` before it returns. Then, per call, the W^Q-gradient error is
     dQ_used - dQ_hp = -sm_scale * delta_error_rows[..., None] * pk. Nothing is synchronised
     with the host. Cost, only while the hook is set: the extra kernel work (a (BLOCK_M, D) FP32
-    accumulator, one more matrix product per key tile, P rounded to FP16 (the statistics pass) or
-    to the input dtype (the dQ kernel); the dQ kernel with it holds fewer programs per SM) and
+    accumulator, one more matrix product per key tile, P rounded once to the input dtype; the dQ
+    kernel with it holds fewer programs per SM) and
     4 * B * H * N * (D + 1) bytes per call (with a ``RowReduction``: a (D x BLOCK_M)(BLOCK_M x r)
     product in TF32 and D * r + 1 stored partial sums per row block, about r / BLOCK_M of those
     bytes, summed after the launch): set it on monitored steps only.

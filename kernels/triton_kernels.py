@@ -33,12 +33,12 @@ Changes:
 - Per-row outputs behind the constexpr flag ROWS (``AttentionStats.rows_hook`` set; off, the
   kernels compile as without it): the dQ kernel and the statistics kernel also store each
   row's delta error and P K, one tensor-core product a key tile accumulated in FP32
-  (``_probabilities_dot``: P in FP16 in the statistics kernel, in the input dtype in the dQ
-  kernel); the statistics kernel rescales P K online like rowsum(P * dP). The dQ kernel then
-  runs at its own tiles (``tuning.TABLE["dq_rows"]``). With REDUCE as well (the hook offers a
-  ``RowReduction``), each row block's epilogue reduces its rows into the W^Q-error chain's
-  per-head sums (``_reduce_rows``: a scalar and a D x r sketch per program, summed over the
-  programs after the launch) and stores nothing per row.
+  (``_probabilities_dot``: P rounded once to the input dtype); the statistics kernel rescales
+  P K online like rowsum(P * dP). The dQ kernel then runs at its own tiles
+  (``tuning.TABLE["dq_rows"]``). With REDUCE as well (the hook offers a ``RowReduction``), each
+  row block's epilogue reduces its rows into the W^Q-error chain's per-head sums
+  (``_reduce_rows``: a scalar and a D x r sketch per program, summed over the programs after
+  the launch) and stores nothing per row.
 - Backward: two launches. The dQ kernel runs first and computes delta_used = rowsum(dO * O)
   for its rows from the dO tile it loads anyway (no separate delta kernel), storing it for the
   dK/dV kernel, which runs second.
@@ -166,29 +166,21 @@ def _tie_update(qk, m1, tied, eps_raw, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _probabilities_dot(p, k, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr, FP16: tl.constexpr,
-                       DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
+def _probabilities_dot(p, k, acc, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                       EXACT_BF16: tl.constexpr):
     """acc + p @ k: (BLOCK_M, BLOCK_N) FP32 probabilities in [0, 1] times a (BLOCK_N, D) tile in
-    the input dtype, for the W^Q-error chain's P K, one tensor-core product accumulated in FP32.
-    P K only scales each row's delta error (the measured effect): a relative error of 2**-11 or
-    2**-8 in it moves the chain's readings by as much.
-
-    FP16 (the statistics pass): p rounded to FP16 errs by at most 2**-11 of p (by 2**-25
-    absolutely below 2**-14), a BF16 k is exact in FP16 from 2**-14 to 65504 (below, by 2**-25
-    absolutely); a key entry beyond FP16's range is taken as +-65504 (not inf, whose product with
-    a masked score's 0 would spread NaN to rows that never see the key), so P K is off only in
-    rows that attend to such a key, whose logits are by then far past the max-logit alert.
-    Otherwise (the dQ kernel) p is rounded once to the input dtype (BF16: 2**-8) and multiplied by
-    k as loaded: on sm_90 (triton 3.6) the dQ kernel that also multiplied an FP16 copy of the key
-    tile computed a wrong dQ at D = 128 (docs/KERNEL_TUNING.md). FP32 inputs take the IEEE product
-    the kernels use for them anyway."""
+    the input dtype, for the W^Q-error chain's P K: p rounded once to the input dtype (BF16: within
+    2**-8 of p; FP16: 2**-11, or 2**-25 absolutely below 2**-14) and multiplied by k as loaded, on
+    the tensor cores, exactly in FP32 and accumulated there. P K only scales each row's delta
+    error (the measured effect), so its readings move by as much, 2**-8 at most, and less in sums
+    whose terms round independently. The cheapest form: an FP16 product (2**-11) needed a
+    converted copy of the key tile, which cost more instructions and registers than it saved, and
+    in the dQ kernel at D = 128 (triton 3.6, sm_90) came with a wrong dQ (docs/KERNEL_TUNING.md).
+    FP32 inputs take the IEEE product the kernels use for them anyway."""
     if IEEE:
         acc = _dot(p, k, True, UPCAST, acc)
-    elif not FP16:
-        acc = _dot(_cast(p, DTYPE, EXACT_BF16), k, False, UPCAST, acc)
     else:
-        k16 = tl.minimum(tl.maximum(k.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        acc = _dot(p.to(tl.float16), k16, False, UPCAST, acc)
+        acc = _dot(_cast(p, DTYPE, EXACT_BF16), k, False, UPCAST, acc)
     return acc
 
 
@@ -626,8 +618,7 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tf
         if STATS:
             dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
         if ROWS:
-            # P is final: no rescaling; P in the input dtype (FP16 here miscompiled at D 128: the docstring)
-            pk = _probabilities_dot(p, k, pk, IEEE, UPCAST, False, DTYPE, EXACT_BF16)
+            pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
     return dq, dhp, n32, nb16, nfmt, pk
@@ -733,7 +724,7 @@ def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, 
         l_i = l_i * alpha + tl.sum(p, 1)
         d_i = d_i * alpha + tl.sum(p * dp, 1)
         if ROWS:  # rescaled like d_i: sum exp(s - m) k, divided by l at the end
-            pk = _probabilities_dot(p, k, pk * alpha[:, None], IEEE, UPCAST, True, DTYPE, EXACT_BF16)
+            pk = _probabilities_dot(p, k, pk * alpha[:, None], DTYPE, IEEE, UPCAST, EXACT_BF16)
         m1, m2 = new_m1, new_m2
     return m1, m2, l_i, d_i, pk
 

@@ -142,12 +142,11 @@ def check_fused_projection_gradients(device="cpu"):
 
 # --- per-row outputs (AttentionStats.rows_hook) ------------------------------------------------
 
-def rows_oracle(q, k, v, o_used, grad_out, causal, sm_scale=None, pass_="dq"):
+def rows_oracle(q, k, v, o_used, grad_out, causal, sm_scale=None):
     """The per-row outputs in float64 from the same inputs: (delta_used - delta_hp (B, H, N),
     P K (B, H, N, D)), with P the exact softmax, delta_used = rowsum(dO * O_used) and
     delta_hp = rowsum(P * dO V^T); the scale of the delta error's tolerance, rowsum|dO * O_used| +
-    rowsum(P * |dO V^T|) (B, H, N); and P K's tolerance (B, H, N, D), ``pk_tolerance`` for the
-    kernel ``pass_`` that forms it: "dq" (own-kernel mode's backward) or "statistics" (observe mode's)."""
+    rowsum(P * |dO V^T|) (B, H, N); and P K's tolerance (B, H, N, D), ``pk_tolerance``."""
     q, k, v, o_used, do = (t.detach().cpu().double() for t in (q, k, v, o_used, grad_out))
     H, N, D = q.shape[1], q.shape[2], q.shape[3]
     kk, vv = expand_kv(k, H), expand_kv(v, H)
@@ -158,24 +157,19 @@ def rows_oracle(q, k, v, o_used, grad_out, causal, sm_scale=None, pass_="dq"):
     dp = do @ vv.transpose(-1, -2)
     used = do * o_used
     err = used.sum(-1) - (p * dp).sum(-1)
-    return err, p @ kk, used.abs().sum(-1) + (p * dp.abs()).sum(-1), pk_tolerance(p, kk, pass_)
+    return err, p @ kk, used.abs().sum(-1) + (p * dp.abs()).sum(-1), pk_tolerance(p, kk)
 
 
-PK_UNIT = {"statistics": 2.0 ** -11, "dq": 2.0 ** -8}  # P's rounding in each kernel's P K product
-
-
-def pk_tolerance(p: torch.Tensor, k: torch.Tensor, pass_: str = "dq") -> torch.Tensor:
+def pk_tolerance(p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """How far the kernels' P K (B, H, N, D) may be from float64, from the exact P (B, H, N, N)
-    and K (B, H, N, D) in float64. The statistics pass multiplies P rounded to FP16 (2**-11 of
-    each P, or 2**-25 absolutely below 2**-14) by K in FP16 (a BF16 k exact from 2**-14 up, 2**-25
-    absolutely below); the dQ kernel P rounded to the input dtype (BF16: 2**-8) by K as it is;
-    both products exact in FP32. P carries its own FP32 rounding of the scores and exp2 (about
-    2**-20, 2**-16 taken) and the FP32 sum over N keys at most N * 2**-24: within (unit + 2**-16 +
-    N * 2**-24) of sum_j P_j |k_j|, plus 2**-25 (sum_j |k_j| + 1) for the values below FP16's
-    normal range. A P rounded more coarsely than ``PK_UNIT`` says would not be."""
+    and K (B, H, N, D) in float64. The kernels multiply P rounded once to the input dtype (BF16:
+    2**-8 of each P; FP16: 2**-11, or 2**-25 absolutely below 2**-14) by K as it is, exactly in
+    FP32; P carries its own FP32 rounding of the scores and exp2 (about 2**-20, 2**-16 taken) and
+    the FP32 sum over N keys at most N * 2**-24: within (2**-8 + 2**-16 + N * 2**-24) of
+    sum_j P_j |k_j|, plus 2**-25 sum_j |k_j| for FP16's subnormal P. A P rounded more coarsely
+    (truncated to BF16: 2**-7) would not be."""
     n = p.shape[-1]
-    unit = PK_UNIT[pass_]
-    return (unit + 2.0 ** -16 + n * 2.0 ** -24) * (p @ k.abs()) + 2.0 ** -25 * (k.abs().sum(-2, keepdim=True) + 1)
+    return (2.0 ** -8 + 2.0 ** -16 + n * 2.0 ** -24) * (p @ k.abs()) + 2.0 ** -25 * k.abs().sum(-2, keepdim=True)
 
 
 def output_used_by_backward(out: torch.Tensor, variant: str) -> torch.Tensor:
@@ -253,7 +247,7 @@ def check_rows_hook_observe(q, k, v, causal=True):
     err, pk = hook.calls[0]
     assert err.device == q.device and pk.device == q.device
     tag = f"observe {tuple(q.shape)} Hkv={k.shape[1]} causal={causal}"
-    assert_rows_match(err, pk, *rows_oracle(q, k, v, out, g, causal, pass_="statistics"), where=tag)
+    assert_rows_match(err, pk, *rows_oracle(q, k, v, out, g, causal), where=tag)
     _check_row_sums(err, stats)
 
 
