@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|
-#                                   autotune|kernels|graphs|profile|ddp|host|lab ...]   (default: tests bench)
+#                                   autotune|kernels|graphs|profile|ddp|host|chaincheck|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -105,6 +105,13 @@ for step in $steps; do
     overhead) timeout 300 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 | tee "$OUT/monitor_overhead.log" | grep -v Warning ;;
     ddp) timeout 200 python3 benchmarks/ddp_demo.py --json "$OUT/ddp_demo.json" 2>&1 | tee "$OUT/ddp_demo.log" | tail -45 ;;
     host) timeout 200 python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" 2>&1 | tee "$OUT/host_overhead.log" ;;
+    # the W^Q-error chain's kernels after a change: their per-row outputs' GPU tests (each failure's reason printed),
+    # then the chain's device time per call and the Monitor's cost on GPT-2 small (about 6 minutes in all)
+    chaincheck) gpu_tests gpu_chain_rows 240 tests/test_chain_kernel_reduction.py tests/test_triton_gpu.py -k "rows or reduc"
+                timeout 120 python3 benchmarks/host_overhead.py --json "$OUT/host_overhead.json" > "$OUT/host_overhead.log" 2>&1
+                grep -E "shape|plain|stats" "$OUT/host_overhead.log"
+                timeout 200 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 \
+                  | grep -v Warning | tee "$OUT/monitor_overhead.log" | tail -8 ;;
     profile) timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 | tee "$OUT/profile_monitored_step.log" | tail -8
              FLASHWATCH_KERNEL_REDUCTION=0 timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 \
                | tee "$OUT/profile_monitored_step_store.log" | tail -8 ;;
