@@ -39,6 +39,7 @@
 #   SPLIT9_LR=... SPLIT_SEEDS=700-707 bash research/gpu_batch.sh split10            # the tenth: auto_fix on those seeds
 #   SPLIT11_LR=0.0015 SPLIT_SEEDS=540-547 bash research/gpu_batch.sh split11-pilot  # the eleventh protocol's pilot
 #   SPLIT11_LR=... SPLIT_SEEDS=800-807 bash research/gpu_batch.sh split11           # its test, block by block
+#   SPLIT11_LR=0.00175 SPLIT_SEEDS=808-815 bash research/gpu_batch.sh split12       # the twelfth: auto_fix on its seeds
 #   (one device call of any of these, with MPS and packing: research/split_call.sh TARGET)
 #   (eight parallel runs go 1.68x faster sharing the GPU through CUDA MPS: `source research/mps_env.sh` first)
 #   bash research/gpu_batch.sh fp8             # the fp8-failure scenario, seeds 0-2 x 4 arms (12 runs on
@@ -63,7 +64,7 @@ CODE="code: $(cat CODE_COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || e
 VERSIONS=$(python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)")
 echo "$CODE"; echo "$VERSIONS"
 case "${1:-1}" in
-split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8|split9-pilot|split9|split9-controls|split10|split11-pilot|split11|split11-controls)
+split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|split6|split7|split8-pilot|split8|split9-pilot|split9|split9-controls|split10|split11-pilot|split11|split11-controls|split12)
   # the pre-registered seed-split runs (research/preregistration/), in pieces: each call trains every
   # unfinished run for SPLIT_SECONDS (default 480) and checkpoints it under $SPLIT_RUNS, which must
   # survive between calls on one device machine; the same command again continues them
@@ -93,8 +94,9 @@ split-cal|split-test|split-controls|split2-test|split2-controls|split3|split4|sp
     split11-pilot) what=(--arms sdpa_observe_cos${SPLIT11_LR:?name the peak: 0.0015, 0.00125 or 0.00175} --seeds ${SPLIT_SEEDS:?name the seeds} --max-steps 10000); tag=pilot11 ;;
     split11) what=(--arms sdpa_observe_cos${SPLIT11_LR:?name the peak the pilot chose} --seeds ${SPLIT_SEEDS:?name the block, e.g. 800-807} --max-steps 10000); tag=test11 ;;
     split11-controls) what=(--arms fp32_cos${SPLIT11_LR:?name the peak the pilot chose},fp32_delta_cos${SPLIT11_LR} --seeds ${SPLIT_SEEDS:-860-863} --max-steps 10000); tag=controls11 ;;
+    split12) what=(--arms auto_fix_cos${SPLIT11_LR:?name the peak the eleventh protocol chose} --seeds ${SPLIT_SEEDS:-808-823} --max-steps 10000); tag=test12 ;;
   esac
-  CHECKED=" test4 test6 test7 pilot8 test8 pilot9 test9 controls9 test10 pilot11 test11 controls11 "  # protocols that count only fully measured runs
+  CHECKED=" test4 test6 test7 pilot8 test8 pilot9 test9 controls9 test10 pilot11 test11 controls11 test12 "  # protocols that count only fully measured runs
   if [[ "$CHECKED" == *" $tag "* ]] && [ ! -d "$SPLIT_RUNS/$tag" ]; then
     # the fourth protocol and those after it count only runs measured at every monitored step: check on this GPU first
     # that a Monitor resumed from a checkpoint mapped to cuda keeps measuring (the earlier runs' defect)

@@ -920,7 +920,9 @@ def test_the_eleventh_protocols_pilot_rule_and_its_blocks():
     for lr in SPLIT_PEAKS_11:
         arm = names[f"sdpa_observe_cos{lr:g}"]
         assert (arm.lr, arm.decay_steps, arm.monitor) == (lr, 10_000, {"mode": "observe"})
-        assert f"fp32_cos{lr:g}" in names and f"auto_fix_cos{lr:g}" not in names
+        assert f"fp32_cos{lr:g}" in names and (f"auto_fix_cos{lr:g}" in names) == (lr == 1.75e-3)
+    fix = names["auto_fix_cos0.00175"]  # the twelfth protocol's arm: the eleventh's chosen peak with auto_fix
+    assert (fix.lr, fix.decay_steps, fix.monitor) == (1.75e-3, 10_000, {"mode": "observe", "auto_fix": "fp32_delta"})
     with pytest.raises(SystemExit):
         ew.main(["blocks", "--protocol", "9", "x.json"])  # the ninth's test is not block-wise
 

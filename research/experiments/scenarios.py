@@ -317,12 +317,14 @@ SPLIT_PEAKS_9 = (2.5e-3, 2e-3, 3e-3)  # its first pilot peak, then the lower or 
 SPLIT_DECAY_9 = 10_000
 # the eleventh protocol (research/preregistration/early-warning-protocol-11.md): lower peaks of the same schedule
 SPLIT_PEAKS_11 = (1.5e-3, 1.25e-3, 1.75e-3)  # its first pilot peak, then the lower or the higher one (research.pilot)
+# the twelfth protocol (research/preregistration/early-warning-protocol-12.md): auto_fix at the eleventh's chosen peak
+SPLIT_PEAK_12 = 1.75e-3
 
 
-def _cosine_arms(lr: float, protocol: str, auto_fix: bool) -> tuple[Arm, ...]:
+def _cosine_arms(lr: float, protocol: str, auto_fix: str | None) -> tuple[Arm, ...]:
     """The arms of a protocol on the cosine schedule (peak ``lr``, a tenth of it at step
-    SPLIT_DECAY_9): SDPA observed, its FP32 and fp32_delta controls, and (``auto_fix``) the tenth
-    protocol's auto_fix arm."""
+    SPLIT_DECAY_9): SDPA observed, its FP32 and fp32_delta controls, and the auto_fix arm of the
+    protocol ``auto_fix`` names ("tenth", "twelfth"; None: no such arm)."""
     arms = (
         Arm(f"sdpa_observe_cos{lr:g}", f"as sdpa_observe, peak lr {lr:g} decayed by a cosine to {lr / 10:g} at "
             f"step {SPLIT_DECAY_9:,}", "failure", monitor={"mode": "observe"}, lr=lr, decay_steps=SPLIT_DECAY_9,
@@ -335,13 +337,13 @@ def _cosine_arms(lr: float, protocol: str, auto_fix: bool) -> tuple[Arm, ...]:
             monitor=_own("fp32_delta"), lr=lr, decay_steps=SPLIT_DECAY_9,
             note=f"the {protocol} protocol's fp32_delta control"),
     )
-    if not auto_fix:
+    if auto_fix is None:
         return arms
     return arms + (
         Arm(f"auto_fix_cos{lr:g}", f"as sdpa_observe_cos{lr:g}, with auto_fix='fp32_delta'", "rescued",
             monitor={"mode": "observe", "auto_fix": "fp32_delta"}, lr=lr, decay_steps=SPLIT_DECAY_9,
-            note="the tenth pre-registered protocol (research/preregistration/): the ninth's test seeds again, "
-                 "a layer flagged by the default auto_fix rules moved to the fp32_delta kernel"),
+            note=f"the {auto_fix} pre-registered protocol (research/preregistration/): the {protocol}'s test seeds "
+                 "again, a layer flagged by the default auto_fix rules moved to the fp32_delta kernel"),
     )
 
 
@@ -380,8 +382,9 @@ SEED_SPLIT = Scenario(
         *(Arm(f"sdpa_observe_lr{lr:g}", f"as sdpa_observe, at lr {lr:g}", "failure", monitor={"mode": "observe"},
               lr=lr, note="the eighth pre-registered protocol's pilot and test rates (research/preregistration/)")
           for lr in SPLIT_LRS_8),
-        *(arm for lr in SPLIT_PEAKS_9 for arm in _cosine_arms(lr, "ninth", auto_fix=True)),
-        *(arm for lr in SPLIT_PEAKS_11 for arm in _cosine_arms(lr, "eleventh", auto_fix=False)),
+        *(arm for lr in SPLIT_PEAKS_9 for arm in _cosine_arms(lr, "ninth", auto_fix="tenth")),
+        *(arm for lr in SPLIT_PEAKS_11
+          for arm in _cosine_arms(lr, "eleventh", auto_fix="twelfth" if lr == SPLIT_PEAK_12 else None)),
     ),
     default_arms=("sdpa_observe",),
 )
