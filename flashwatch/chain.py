@@ -198,25 +198,21 @@ class _Factor:
         """For x (B, N, C): (x @ m[:, :h] transposed to (B, h, N), x @ m[:, h:] (B, N, k - h)), both
         float32 and contiguous, the layouts the kernels read; the split product's lo terms are
         added straight into them (three kernels: the product, an addition, and an addition or a
-        copy). Needs ``split`` >= h."""
+        copy). ``split`` must be h (the chain: v split, Omega in one term) or every column."""
+        B, N, k, s = x.shape[0], x.shape[1], self.k, self.split
+        if s not in (h, k):
+            raise ValueError(f"a factor split in its first {s} of {k} columns is read apart at {h}: "
+                             f"split must be {h} or {k}")
         y = self._split_product(x)
         if y is None:
             y = x.float() @ self.m  # (B, N, k)
             return y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous()
-        B, N, k, s = x.shape[0], x.shape[1], self.k, self.split
-        if s < h:
-            raise ValueError(f"the first {h} columns are read apart but only {s} are split")
         y = y.view(B, N, k + s)  # [x hi | x lo]
         first = torch.empty((B, h, N), dtype=torch.float32, device=x.device)
         torch.add(y[..., :h], y[..., k: k + h], out=first.transpose(1, 2))
         if s == h:  # the chain's case: the rest is one BF16 term, copied out (one op)
             return first, y[..., h:k].contiguous()
-        if s == k:
-            return first, torch.add(y[..., h:k], y[..., k + h:])
-        rest = torch.empty((B, N, k - h), dtype=torch.float32, device=x.device)
-        torch.add(y[..., h:s], y[..., k + h:], out=rest[..., : s - h])
-        rest[..., s - h:].copy_(y[..., s:k])
-        return first, rest
+        return first, torch.add(y[..., h:k], y[..., k + h:])
 
     def _split_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x (..., C) @ [hi | lo] as (prod(...), k + split) float32 where the split product applies, else None."""

@@ -324,7 +324,7 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     tl.store(UGV + part, tl.sum(c * pu * xv, 0))
     # the (D, SKETCH_R) product in column blocks of 16 and in TF32 rather than FP32 FMAs: the
     # whole product at once in FP32 spilled in both kernels (255 registers and a stack); this way
-    # the statistics kernel needs 186 registers at D 64 and spills nothing
+    # neither spills at D 64 (register counts: docs/KERNEL_TUNING.md)
     offs_r = tl.arange(0, 16)
     pkt = tl.trans(pk)
     xo_rows = XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R
