@@ -232,14 +232,21 @@ def _match_from_call(module: nn.Module) -> tuple[Family, tuple[int, int, int]] |
         heads.append(q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else -1)
         return sdpa(q, *args, **kwargs)
 
+    # the trial call leaves the run as it was: eval mode (no dropout, no running statistics) and
+    # the random generators of the CPU and the weight's device put back afterwards
+    training = [(m, m.training) for m in module.modules()]
+    devices = [weight.device] if weight.device.type != "cpu" else []
     F.scaled_dot_product_attention = record
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=weight.device.type):
+            module.eval()
             module(torch.zeros(1, 2, c, device=weight.device, dtype=weight.dtype))
     except Exception:  # a forward that needs more than x: not recognised (the error says how to name it)
         return None
     finally:
         F.scaled_dot_product_attention = sdpa
+        for m, mode in training:
+            m.training = mode
     if len(set(heads)) != 1 or heads[0] < 1 or c % heads[0]:
         return None
     family = next(f for f in FAMILIES if f.name == "nanogpt")

@@ -289,8 +289,8 @@ class DeltaDriftDetector(Detector):
         hold = _hold_threshold(self.threshold, self.clear_ratio)
         whold = None if self.window_threshold is None else _hold_threshold(self.window_threshold, self.clear_ratio)
         for ls in signals.layers:
-            if not ls.seen or not (ls.delta_from_rounded_output or self.include_fp32):
-                continue
+            if not ls.seen or not ls.delta_measured or not (ls.delta_from_rounded_output or self.include_fp32):
+                continue  # not measured at this step: nothing to judge, an alert holds as it was
             z, zw = ls.drift_z.tolist(), ls.drift_window_z.tolist()
             cum, count = ls.delta_cumulative.tolist(), ls.drift_count.tolist()
             for h in range(len(z)):

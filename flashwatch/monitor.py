@@ -148,6 +148,7 @@ class Monitor:
         self._wq: WqNorms | None = None
         self._router: Router | None = None
         self._ever_attached = False  # step() before the first attach() is warned about
+        self._closed = False  # close() ended the run: step() does nothing until attach() again
         self._unattached()
         self.global_step = 0
         self.monitored_steps = 0  # monitored steps processed so far (the detectors' warm-up clock)
@@ -210,6 +211,8 @@ class Monitor:
                 ``process_group`` this process cannot use.
             Whatever an exporter's ``open`` raises (a port in use, ...): nothing stays attached.
         """
+        if self._router is not None and self._closed:
+            self.detach()  # closed: its routing is gone already; keep its state for the layers attached next
         if self._router is not None:
             raise RuntimeError("this Monitor is already attached to a model; call monitor.detach() first")
         group = resolve_process_group(self.process_group)
@@ -260,6 +263,7 @@ class Monitor:
                                     self._check_combined)
         router.install()
         self._ever_attached = True
+        self._closed = False
         try:
             self._fan.open(Layout(layers=[(layer.name, layer.total_heads) for layer in layers]))
             state, self._pending_state = self._pending_state, None
@@ -332,7 +336,8 @@ class Monitor:
         return self.rank == 0
 
     def close(self) -> None:
-        """End the run: decide the last monitored step, export it, close every exporter.
+        """End the run: decide the last monitored step, export it, close every exporter, and give
+        the model back (torch's SDPA restored, no hook left, as after ``detach()``).
 
         On CUDA with ``config.async_transfer`` the last monitored step's values are still on
         their way when training ends; ``close()`` waits for them, decides that step (its alerts
@@ -341,7 +346,9 @@ class Monitor:
         decided: use the Monitor as a context manager (``with Monitor(...) as monitor:``) to
         close it on every exit. A ``stop_on`` alert of that step is logged, not raised. Never
         raises (failures are logged and counted in ``errors``); calling it again is harmless
-        (an exporter's ``close`` is idempotent).
+        (an exporter's ``close`` is idempotent). After it, ``step()`` measures and writes nothing
+        (it warns once); history stays readable, and ``attach()`` monitors again, continuing every
+        signal where it stopped when the layers are the same (as after ``detach()``).
         """
         try:
             self._flush(for_next_step=False)
@@ -351,6 +358,12 @@ class Monitor:
             self._fan.close()
         except Exception as exc:
             self._error("close", exc)
+        try:
+            if self._router is not None:
+                self._router.remove()  # no collective here: detach() snapshots the state, close() need not
+        except Exception as exc:
+            self._error("close", exc)
+        self._closed = True
 
     def __enter__(self) -> "Monitor":
         """``with Monitor(config) as monitor:`` closes the Monitor (``close()``) when the block ends."""
@@ -408,12 +421,20 @@ class Monitor:
         Returns:
             alerts that started at this step (empty on unmonitored steps).
 
+        After ``close()`` it only counts the step (one warning) until ``attach()`` is called again.
+
         Raises:
             TypeError, ValueError: loss or grad_norm is not a number or one-element tensor.
             TrainingStopped: an alert of a rule in ``config.stop_on`` started at this step.
         """
         _check_scalar("loss", loss)
         _check_scalar("grad_norm", grad_norm)
+        if self._closed:  # counted, so that step labels follow the optimizer if attach() comes again
+            self._warn_once("closed", "flashwatch: Monitor.step() after close(): nothing is measured or written; "
+                            "call monitor.attach(model) to monitor again")
+            self.global_step += 1
+            self._monitoring = self.global_step % self.config.interval == 0
+            return []
         if not self._ever_attached:
             self._warn_once("unattached", "flashwatch: Monitor.step() was called before attach(model): only the loss "
                             "and gradient norm are tracked until monitor.attach(model) is called")
@@ -442,6 +463,7 @@ class Monitor:
                 pending = self._collect(t, loss, grad_norm)
             except Exception as exc:  # monitoring never stops training
                 self._error("step", exc)
+                self._step_failed(t)
                 self.monitored_steps += 1
             finally:
                 self._reset_stats()
@@ -499,16 +521,22 @@ class Monitor:
             new = self._decide(pending, defer)
         except Exception as exc:  # monitoring never stops training
             self._error("step", exc)
-            self._failed_in_a_row += 1
-            if self._failed_in_a_row in FAILED_STEPS_REPORTED:
-                log.warning("flashwatch%s: the last %d monitored steps all failed (step %d the latest): nothing is "
-                            "measured and no alert can fire until this is fixed; the first failure's traceback was "
-                            "logged above", self._rank_tag(), self._failed_in_a_row, pending.step)
+            self._step_failed(pending.step)
             new = []
         else:
             self._failed_in_a_row = 0
         self.monitored_steps += 1
         return new
+
+    def _step_failed(self, step: int) -> None:
+        """Count a monitored step that failed in either half: ``failed_in_a_row`` says that what
+        ``snapshot()`` holds is older than the latest monitored step, and the log repeats the count
+        at 10, 100, ... failures in a row."""
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row in FAILED_STEPS_REPORTED:
+            log.warning("flashwatch%s: the last %d monitored steps all failed (step %d the latest): nothing is "
+                        "measured and no alert can fire until this is fixed; the first failure's traceback was "
+                        "logged above", self._rank_tag(), self._failed_in_a_row, step)
 
     # --- the monitored step: device half -----------------------------------------------------------
     def _collect(self, t: int, loss: Any, grad_norm: Any) -> Pending:
@@ -583,8 +611,8 @@ class Monitor:
         readings = []
         per_layer = got.per_layer([layer.total_heads for layer in self.layers])
         for layer, variant, calls, (fields, sigma) in zip(self.layers, ran, coverage, per_layer):
-            if not fields["rows"].sum() > 0:
-                self._warn_unseen(t, layer)
+            if not fields["rows"].sum() > 0 and not (calls and calls[0]):
+                self._warn_unseen(t, layer)  # no call at all; calls seen but not measured: attention_coverage
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
                                          low_precision=layer.low_precision, variant=variant, calls=calls))

@@ -36,7 +36,9 @@ rows source the backward operators ask for the call's rows hook on monitored ste
 also puts W^Q's gradient hook in place, before that backward accumulates W^Q's gradient.
 
 Every layer counts its attention calls on monitored steps (``AttentionLayer.coverage``:
-[calls, calls measured in full]), so a layer whose calls cannot be measured reads coverage 0.
+[calls, calls measured in full]), so a layer whose calls cannot be measured reads coverage 0. An
+observed call counts as measured once its statistics pass has run in the backward: a pass that
+failed, or a forward whose backward never came, leaves the call unmeasured.
 
 Cautions:
 
@@ -662,7 +664,8 @@ class Router:
                 return
             stats = layer.ensure_stats(q.device)
             layer.calls += 1
-            layer.coverage += 1
+            coverage = layer.coverage
+            coverage[0] += 1  # one attention call; counted as measured once its statistics pass ran (below)
             layer.low_precision = out.dtype in (torch.bfloat16, torch.float16)
             # k, v with fewer heads (grouped-query attention) are passed as they are: the
             # statistics pass maps query head h to kv head h // (H // Hkv), as SDPA's enable_gqa
@@ -685,6 +688,7 @@ class Router:
                         else:
                             attention_statistics(*saved, grad_out.to(saved[3].dtype), stats, causal=causal,
                                                  sm_scale=scale, eps=eps)
+                    coverage[1] += 1
                 except Exception as exc:  # a failing statistics pass never breaks the backward
                     on_error("observe_stats", exc)
                 finally:

@@ -229,6 +229,7 @@ class _Block:
         _add(self.drift_count, finite.astype(np.int64), delta_seen)
         self.drift_ring.push(e0, delta_seen)
         drift_measured = self.drift_count > 0  # heads with at least one measured delta error
+        now_measured = drift_measured & delta_seen[:, None]  # ... and one at this step
         sigma = _stack([r.sigma for r in readings], h)
         self.sigma.push(sigma, np.ones(nl, dtype=bool))
         growth = np.where(self.sigma.full[:, None], self.sigma.newest() / self.sigma.oldest(), np.nan)
@@ -265,11 +266,12 @@ class _Block:
             "rows": rows, "repeated_max_ratio": ratio("repeated_max_rows"), "repeated_max_ratio_bf16": rm16,
             "repeated_max_ratio_format": ratio("repeated_max_rows_format"), "max_logit": max_logit,
             "delta_error": np.where(delta_seen[:, None], e, nan),
-            # a head whose delta error was never measured (no call it could measure: dropout, a mask,
-            # ...) reads NaN, not a z of 0 that would look healthy
-            "delta_cumulative": np.where(drift_measured, self.drift_cumulative, nan),
-            "drift_z": np.where(drift_measured, z, nan),
-            "drift_window_z": np.where(drift_measured, window_z, nan),
+            # a head whose delta error is not measured at this step (no call it could measure: dropout,
+            # a failed statistics pass, ...) or never was reads NaN: not an older z passing for current,
+            # nor a z of 0 that would look healthy (the sums keep going at its next measured step)
+            "delta_cumulative": np.where(now_measured, self.drift_cumulative, nan),
+            "drift_z": np.where(now_measured, z, nan),
+            "drift_window_z": np.where(now_measured, window_z, nan),
             "drift_count": self.drift_count.copy(), "wq_sigma": sigma, "wq_growth": growth,
             "wq_ratio": ratio_to_median_array(sigma),
             "wq_error_push": wq_error["push"], "wq_error_push_true": wq_error["push_true"],

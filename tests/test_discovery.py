@@ -61,6 +61,29 @@ def test_head_count_from_the_attention_call():
         monitor.detach()
 
 
+class HeadsInAConfigWithDropout(HeadsInAConfig):
+    """The same with attention dropout in training mode: the trial call must not draw from the
+    random generator (nor run in training mode), or attaching would change the run."""
+
+    def forward(self, x, mask=None):
+        b, t, c = x.shape
+        h = self.settings["heads"]
+        q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1 if self.training else 0.0)
+        return self.c_proj(F.dropout(y.transpose(1, 2).reshape(b, t, c), 0.1, self.training))
+
+
+def test_the_trial_call_leaves_the_random_generator_and_training_mode_as_they_were():
+    model = nn.Sequential(HeadsInAConfigWithDropout(heads=4))
+    model[0].c_proj.eval()  # a mixed state, restored as it was
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    found = find_attention(model)
+    assert [(name, heads) for name, _, heads, _, _ in found] == [("0", 4)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.training and model[0].training and not model[0].c_proj.training
+
+
 class SelfAttention(nn.Module):
     def __init__(self, c=64):
         super().__init__()

@@ -122,6 +122,32 @@ def test_a_run_folder_that_cannot_be_recreated_is_an_error_each_step(tmp_path):
     assert fan.errors == 2  # never silent
 
 
+def test_a_run_folder_recreated_on_a_full_disk_is_tried_again_until_it_works(tmp_path, monkeypatch):
+    """The folder deleted while the disk is full: each step tries to create it again (an error each
+    time), and once there is room the run writes on there, closing with its close record."""
+    run = tmp_path / "run"
+    exporter = JsonlExporter(run)
+    fan = FanOut([exporter])
+    fan.open(LAYOUT)
+    fan.export(synthetic_record(LAYOUT, step=0))
+    shutil.rmtree(run)
+    real_mkdir = type(run).mkdir
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(type(run), "mkdir", full)
+    fan.export(synthetic_record(LAYOUT, step=1))
+    fan.export(synthetic_record(LAYOUT, step=2))
+    assert fan.errors == 2 and exporter.errors == 2 and not run.exists()
+    monkeypatch.setattr(type(run), "mkdir", real_mkdir)
+    fan.export(synthetic_record(LAYOUT, step=3))
+    fan.export(synthetic_record(LAYOUT, step=4))
+    fan.close()
+    assert fan.errors == 2 and exporter.recreated == 1
+    assert [(r["kind"], r.get("step")) for r in read_jsonl(run / METRICS_FILE, kinds=None)] == [
+        ("open", None), ("step", 3), ("step", 4), ("close", None)]
+
+
 def test_a_line_cut_by_a_crash_is_removed_when_the_run_resumes(tmp_path):
     exporter = JsonlExporter(tmp_path)
     exporter.open(LAYOUT)

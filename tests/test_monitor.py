@@ -592,3 +592,66 @@ def test_deferred_stop_on_raises_at_the_next_step_and_close_flushes(monkeypatch)
     assert records == [0, 0, 1]
     run2.monitor.close()  # the in-flight step 2 is decided and exported before the exporters close
     assert records == [0, 0, 1, 2]
+
+
+def test_a_failing_device_half_counts_as_a_failed_step_and_is_logged_again(caplog, monkeypatch):
+    """The first half of a monitored step (packing, the W^Q power iteration) failing is a failed
+    step like a failed decision: ``failed_in_a_row`` says the snapshot is older than the latest
+    monitored step, and the log says so again at 10 in a row; training goes on unchanged."""
+    cfg = MonitorConfig(interval=1)
+    broken, healthy = Run(cfg), Run(cfg)
+    broken.train(2)
+    healthy.train(2)
+    monkeypatch.setattr(broken.monitor._wq, "step", lambda *a, **k: 1 / 0)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        broken.train(11)
+    healthy.train(11)
+    for p, q in zip(broken.model.parameters(), healthy.model.parameters()):
+        assert torch.equal(p, q)
+    assert broken.monitor.failed_in_a_row == 11 and broken.monitor.last_decided_step == 1
+    assert broken.monitor.monitored_steps == 13
+    again = [r.getMessage() for r in caplog.records if "monitored steps all failed" in r.getMessage()]
+    assert len(again) == 1 and "the last 10 monitored steps all failed (step 11 the latest)" in again[0]
+    monkeypatch.undo()
+    broken.train(1)
+    assert broken.monitor.failed_in_a_row == 0 and broken.monitor.last_decided_step == 13
+
+
+def test_an_observed_call_whose_statistics_pass_fails_is_not_measured(caplog, monkeypatch):
+    """Coverage counts an observed call as measured only once its statistics pass ran: a pass
+    that fails leaves the layer at coverage 0 (the attention_coverage alert), its delta error and
+    drift z NaN, and an earlier delta_drift alert held, neither renewed nor cleared."""
+    import flashwatch.kernels as kernels
+
+    run = Run(MonitorConfig(interval=1, drift_threshold=0.0, warmup=1, drift_include_fp32=True))
+    run.train(3)
+    before = run.monitor.snapshot()
+    assert all(v == 1.0 for v in before["flashwatch_attention_coverage"].values())
+    drifting = {(a.layer, a.head) for a in run.monitor.active_alerts if a.rule == "delta_drift"}
+    assert drifting  # threshold 0: every measured head holds one
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("out of memory in the statistics pass")
+    monkeypatch.setattr(kernels, "attention_statistics", failing)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        alerts = run.train(2)
+    snap = run.monitor.snapshot()
+    assert all(v == 0.0 for v in snap["flashwatch_attention_coverage"].values())
+    assert sorted({(a.rule, a.layer) for a in alerts}) == [("attention_coverage", 0), ("attention_coverage", 1)]
+    for name in ("flashwatch_delta_drift_z", "flashwatch_delta_error", "flashwatch_delta_error_cumulative"):
+        assert all(math.isnan(v) for v in snap[name].values()), name
+    assert {(a.layer, a.head) for a in run.monitor.active_alerts if a.rule == "delta_drift"} == drifting
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("saw no measured attention call" in m for m in messages)  # it had calls: coverage says it
+    monkeypatch.undo()
+    run.train(1)
+    snap = run.monitor.snapshot()
+    assert all(v == 1.0 for v in snap["flashwatch_attention_coverage"].values())
+    assert all(math.isfinite(v) for v in snap["flashwatch_delta_drift_z"].values())
+
+
+def test_an_observed_forward_without_backward_is_not_measured():
+    run = Run(MonitorConfig(interval=1))
+    run.loss(0)  # grad enabled, no backward
+    run.monitor.step(loss=1.0)
+    assert all(v == 0.0 for v in run.monitor.snapshot()["flashwatch_attention_coverage"].values())

@@ -70,6 +70,35 @@ def test_the_context_manager_lets_training_stopped_through_and_still_closes():
     assert keep.closed == 1 and [s for s, _ in keep.records] == [0]
 
 
+def test_close_gives_the_model_back_and_later_steps_measure_and_write_nothing(caplog):
+    """After close() (and so after a ``with`` block) torch's SDPA is the model's again and no
+    statistics pass runs, whatever step the run ended on; step() warns once and only counts;
+    attach() monitors again where the signals stopped."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    keep = Keep()
+    run = Run(MonitorConfig(interval=2), exporters=[keep])
+    assert F.scaled_dot_product_attention is not sdpa
+    run.train(4)  # ends on a monitored boundary: step 4 would be monitored
+    run.monitor.close()
+    assert F.scaled_dot_product_attention is sdpa
+    rows = run.monitor.layers[0].stats.rows.clone() if run.monitor.layers else None
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        run.train(3)
+    assert sum("after close()" in r.getMessage() for r in caplog.records) == 1
+    assert [s for s, _ in keep.records] == [0, 2] and keep.closed == 1
+    assert run.monitor.global_step == 7 and run.monitor.monitored_steps == 2  # counted, not measured
+    if rows is not None:
+        assert torch.equal(run.monitor.layers[0].stats.rows, rows)
+    run.monitor.attach(run.model)
+    assert F.scaled_dot_product_attention is not sdpa
+    run.train(2)
+    assert [s for s, _ in keep.records] == [0, 2, 8] and run.monitor.monitored_steps == 3
+    run.monitor.close()
+    assert F.scaled_dot_product_attention is sdpa
+
+
 def test_close_decides_the_last_monitored_step_and_logs_a_stop_it_cannot_raise(monkeypatch, caplog):
     _defer_like_cuda(monkeypatch)
     keep = Keep()

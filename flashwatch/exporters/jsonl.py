@@ -226,7 +226,8 @@ class JsonlExporter(Exporter):
     - A line a crash cut off is removed when the file is opened again (a resumed run).
     - A run folder deleted (or moved) while the run writes is noticed at the next monitored
       step: the folder and files are created again, a new ``open`` record starts them, a
-      WARNING names the path (``recreated`` counts these), and writing goes on there.
+      WARNING names the path (``recreated`` counts these), and writing goes on there. Where
+      they cannot be created then (a full disk), every later step tries again.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -251,10 +252,11 @@ class JsonlExporter(Exporter):
         self.alerts_path = None if alerts_file is None else self.run_dir / alerts_file
         self.fsync = fsync
         self.layout: Layout | None = None
-        self.errors = 0  # writes that failed (each raised to the caller)
+        self.errors = 0  # writes, and re-creations of vanished files, that failed (each raised to the caller)
         self.recreated = 0  # times the run folder or a file vanished and was created again
         self._f: AppendFile | None = None
         self._alerts_f: AppendFile | None = None
+        self._open = False  # between open() and close(); the files may be missing meanwhile (_check_files)
 
     def holds_run(self) -> bool:
         """True when ``run_dir`` already has a non-empty metrics file (a run wrote there)."""
@@ -264,10 +266,11 @@ class JsonlExporter(Exporter):
             return False
 
     def open(self, layout: Layout) -> None:
-        if self._f is not None:
+        if self._open:
             return
         self.layout = layout
         self._open_files()
+        self._open = True
         self._write(self._f, self._open_record())
 
     def _open_record(self) -> dict:
@@ -291,22 +294,28 @@ class JsonlExporter(Exporter):
         self._f, self._alerts_f = f, af
 
     def _check_files(self) -> None:
-        """Create the run folder and files again if they vanished (deleted while the run writes)."""
-        if not (self._f.vanished() or (self._alerts_f is not None and self._alerts_f.vanished())):
-            return
-        self.recreated += 1
-        log.warning("flashwatch: %s vanished while the run was writing to it (run folder deleted or "
-                    "moved?); creating it again and writing on there (the records written before are "
-                    "wherever the old file went)", self.path)
-        for handle in (self._f, self._alerts_f):
-            if handle is not None:
-                handle.close()
-        self._f = self._alerts_f = None
-        self._open_files()
+        """Create the run folder and files again if they vanished (deleted while the run writes);
+        where that failed before (a full disk, say), try again: each step until it works."""
+        if self._f is not None:
+            if not (self._f.vanished() or (self._alerts_f is not None and self._alerts_f.vanished())):
+                return
+            self.recreated += 1
+            log.warning("flashwatch: %s vanished while the run was writing to it (run folder deleted or "
+                        "moved?); creating it again and writing on there (the records written before are "
+                        "wherever the old file went)", self.path)
+            for handle in (self._f, self._alerts_f):
+                if handle is not None:
+                    handle.close()
+            self._f = self._alerts_f = None
+        try:
+            self._open_files()
+        except OSError:
+            self.errors += 1
+            raise
         self._write(self._f, self._open_record())
 
     def export(self, record: StepRecord) -> None:
-        if self._f is None:
+        if not self._open:
             raise RuntimeError("JsonlExporter.export() before open(): the Monitor opens its "
                                "exporters at attach; call open(layout) first when used alone")
         self._check_files()
@@ -323,7 +332,7 @@ class JsonlExporter(Exporter):
             self._append(self._alerts_f, lines.encode())
 
     def close(self) -> None:
-        if self._f is None:
+        if not self._open:
             return
         try:
             self._check_files()
@@ -331,6 +340,7 @@ class JsonlExporter(Exporter):
         finally:
             f, af = self._f, self._alerts_f
             self._f = self._alerts_f = None
+            self._open = False
             for handle in (f, af):
                 if handle is not None:
                     handle.close()
