@@ -194,6 +194,17 @@ def test_binned_grid_keeps_extremes_and_alert_columns(run_dir):
     assert (lo, hi) == (-run.drift_threshold, run.drift_threshold)
 
 
+def test_the_cumulative_push_heatmap_spans_its_own_values_not_the_drift_threshold(run_dir):
+    """The push is in its own units (often 1e-8 or less): a colour range of the drift threshold's
+    +-4.5 would draw every cell white."""
+    run = load_run(run_dir)
+    push = next(h for h in HEATMAPS if h.metric == "flashwatch_wq_error_push_cumulative")
+    values = [abs(v) for row in run.series[push.metric] for v in row if v == v]
+    assert values and max(values) < 1e-2  # this tiny CPU run's pushes
+    grid = heatmap_grid(run, push)
+    assert (grid.lo, grid.hi) == (-max(values), max(values))
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "is empty"),
     (b"this is not JSON\n\x00\xff garbage\n", "holds no step record"),

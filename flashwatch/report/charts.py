@@ -144,10 +144,14 @@ def combine(values: Sequence[float], how: str) -> float:
 
 def _scale(run: RunData, hm: Heatmap) -> tuple[float, float]:
     """The colour range of a heatmap."""
-    if hm.scale == "diverging":
+    if hm.metric == "flashwatch_delta_drift_z":
         # saturate at the drift threshold: a full-colour cell is at or past it
         return -run.drift_threshold, run.drift_threshold
     vals = finite([v for row in run.series[hm.metric] for v in row])
+    if hm.scale == "diverging":  # centred on 0, out to the largest magnitude of the run
+        top = max((abs(v) for v in vals), default=0.0)
+        top = top if top > 0 else 1.0
+        return -top, top
     if not vals:
         return 0.0, 1.0
     lo, hi = min(vals), max(vals)

@@ -145,9 +145,11 @@ def to_html(run: RunData) -> str:
                "Hover a cell for its value.</p>")
     for hm in HEATMAPS:
         note = ""
-        if hm.scale == "diverging":
+        if hm.metric == "flashwatch_delta_drift_z":
             note = (f" Colour saturates at ±{run.drift_threshold:g}, the delta_drift threshold: full red or blue "
                     f"is at or past it.")
+        elif hm.scale == "diverging":
+            note = " Colour centred on 0, full red or blue at the run's largest magnitude."
         elif hm.metric == "flashwatch_max_logit":
             note = f" The max_logit rule warns at {run.max_logit_bound:g}."
         out.append(f"<h3 style='font-size:15px;margin:18px 0 2px'>{_e(hm.title)}</h3>"
