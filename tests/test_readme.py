@@ -156,6 +156,7 @@ def test_plain_loop_snippet_runs(tmp_path, monkeypatch):
     monitor = scope["monitor"]
     assert monitor.monitored_steps == 5 and monitor.errors == 0
     assert len(monitor.layers) == 2
+    assert (tmp_path / "runs" / "my-run" / "metrics.jsonl").exists()  # what `flashwatch report` reads
 
 
 def test_lightning_snippet_runs(tmp_path, monkeypatch):
