@@ -149,6 +149,7 @@ class Monitor:
         self._router: Router | None = None
         self._ever_attached = False  # step() before the first attach() is warned about
         self._closed = False  # close() ended the run: step() does nothing until attach() again
+        self._held_runs: list[str] = []  # exporters whose output already held a run at attach (see step())
         self._unattached()
         self.global_step = 0
         self.monitored_steps = 0  # monitored steps processed so far (the detectors' warm-up clock)
@@ -264,6 +265,8 @@ class Monitor:
         router.install()
         self._ever_attached = True
         self._closed = False
+        self._held_runs = [str(getattr(e, "path", e.name)) for e in self._fan.exporters
+                           if callable(getattr(e, "holds_run", None)) and e.holds_run()]
         try:
             self._fan.open(Layout(layers=[(layer.name, layer.total_heads) for layer in layers]))
             state, self._pending_state = self._pending_state, None
@@ -439,6 +442,13 @@ class Monitor:
             self._warn_once("unattached", "flashwatch: Monitor.step() was called before attach(model): only the loss "
                             "and gradient norm are tracked until monitor.attach(model) is called")
         t = self.global_step
+        if self._held_runs:  # known now whether this run was resumed (a state loaded after attach too)
+            if t == 0 and self._reporting:
+                log.warning("flashwatch: %s already held a run's records when this run started at step 0: this "
+                            "run's records follow them in the same file, and a report of it shows both runs as "
+                            "one; give each run its own run_dir (appending is for a run resumed from its state)",
+                            ", ".join(self._held_runs))
+            self._held_runs = []
         if self._router is not None:
             clear_routing_state()  # no forward runs between optimizer steps (one that raised left its layer pushed)
             for layer in self.layers:  # nor the projection input and rotation it took

@@ -475,3 +475,32 @@ def test_a_monitor_taken_off_while_a_fake_tensor_mode_traces_gives_sdpa_back():
     assert F.scaled_dot_product_attention is before
     monitor.detach()
     monitor.close()
+
+
+def test_a_new_run_into_a_folder_that_holds_a_run_is_warned_about_and_a_resumed_one_is_not(tmp_path, caplog):
+    from flashwatch.exporters import JsonlExporter
+
+    first = Run(MonitorConfig(interval=1), exporters=[JsonlExporter(tmp_path)])
+    first.train(2)
+    state = first.monitor.state_dict()
+    first.monitor.close()
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        resumed = Run(MonitorConfig(interval=1), exporters=[JsonlExporter(tmp_path)])
+        resumed.monitor.load_state_dict(state)  # after attach, as a plain loop resumes
+        resumed.step_index = 2
+        resumed.train(1)
+        resumed.monitor.close()
+    assert not any("already held a run" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        fresh = Run(MonitorConfig(interval=1), exporters=[JsonlExporter(tmp_path)])
+        fresh.train(2)
+        fresh.monitor.close()
+    warned = [r.getMessage() for r in caplog.records if "already held a run" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path) in warned[0]
+
+
+def test_one_exporter_not_in_a_list_is_a_clear_error(tmp_path):
+    from flashwatch.exporters import JsonlExporter
+
+    with pytest.raises(TypeError, match=r"exporters must be a list of exporters, e.g. exporters=\[JsonlExporter"):
+        Monitor(MonitorConfig(), exporters=JsonlExporter(tmp_path))

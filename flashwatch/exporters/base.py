@@ -156,6 +156,9 @@ class FanOut(Exporter):
         self._failures: dict[int, int] = {}  # id(exporter) -> failures
         self._layout: Layout | None = None
         self._opened: list[Exporter] = []
+        if callable(getattr(exporters, "export", None)) or isinstance(exporters, (str, bytes)):
+            raise TypeError(f"exporters must be a list of exporters, e.g. exporters=[{type(exporters).__name__}(...)], "
+                            f"got one {type(exporters).__name__}")
         for e in exporters:
             self.add(e)
 
