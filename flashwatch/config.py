@@ -91,6 +91,10 @@ class MonitorConfig:
         _int(self, "interval", 1)
         _choice(self, "mode", MODES)
         _choice(self, "variant", VARIANTS)
+        if self.variant != "plain" and self.mode != "own_kernel":
+            raise ValueError(f"MonitorConfig.variant={self.variant!r} needs mode='own_kernel' (flashwatch's kernel "
+                             f"runs the attention); in mode={self.mode!r} the model keeps its own attention. Use "
+                             f"mode='own_kernel', or auto_fix={self.variant!r} to switch the layers an alert flags")
         if self.auto_fix is not None:
             _choice(self, "auto_fix", FIX_VARIANTS, extra="or None")
         _rules(self, "auto_fix_on")
@@ -107,7 +111,7 @@ class MonitorConfig:
             _number(self, "drift_window_threshold", low=0.0, what="None or a finite number >= 0")
         _bool(self, "drift_include_fp32")
         _number(self, "repeated_max_factor", low=1.0, what="a finite number >= 1")
-        _number(self, "repeated_max_margin", low=0.0, what="a finite number >= 0 (a fraction of rows)")
+        _number(self, "repeated_max_margin", low=0.0, high=1.0, what="a number in [0, 1] (a fraction of rows)")
         _int(self, "repeated_max_baseline", 1)
         _number(self, "wq_growth_factor", low=1.0, low_open=True, what="a finite number > 1")
         _number(self, "wq_outlier_ratio", low=1.0, low_open=True, what="a finite number > 1")

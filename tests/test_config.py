@@ -70,7 +70,9 @@ def test_normalises_sets_and_lists():
     (dict(drift_include_fp32=1), r"MonitorConfig\.drift_include_fp32 must be True or False"),
     (dict(wq_error_chain="no"), r"MonitorConfig\.wq_error_chain must be True or False"),
     (dict(repeated_max_factor=0.5), r"MonitorConfig\.repeated_max_factor must be a finite number >= 1"),
-    (dict(repeated_max_margin=-0.1), r"MonitorConfig\.repeated_max_margin must be a finite number >= 0"),
+    (dict(repeated_max_margin=-0.1), r"MonitorConfig\.repeated_max_margin must be a number in \[0, 1\]"),
+    (dict(repeated_max_margin=5), r"MonitorConfig\.repeated_max_margin must be a number in \[0, 1\] \(a fraction"),
+    (dict(variant="fp32_delta"), r"MonitorConfig\.variant='fp32_delta' needs mode='own_kernel'.*auto_fix='fp32_delta'"),
     (dict(repeated_max_baseline=0), r"MonitorConfig\.repeated_max_baseline must be an int >= 1"),
     (dict(wq_growth_factor=1.0), r"MonitorConfig\.wq_growth_factor must be a finite number > 1"),
     (dict(wq_outlier_ratio=0.5), r"MonitorConfig\.wq_outlier_ratio must be a finite number > 1"),
@@ -110,7 +112,7 @@ def test_choices_are_the_vocabularys():
     for mode in vocabulary.MODES:
         assert MonitorConfig(mode=mode).mode == mode
     for variant in vocabulary.VARIANTS:
-        assert MonitorConfig(variant=variant).variant == variant
+        assert MonitorConfig(mode="own_kernel", variant=variant).variant == variant
     for fix in vocabulary.FIX_VARIANTS:
         assert MonitorConfig(auto_fix=fix).auto_fix == fix
     assert MonitorConfig(stop_on=set(vocabulary.RULES)).stop_on == frozenset(vocabulary.RULES)
