@@ -6,7 +6,7 @@ flashwatch finds ``GPT2Attention`` (fused ``c_attn`` Conv1D) and Llama-style att
 calls flashwatch routes. Attention dropout and padding masks make flashwatch's kernel fall back
 to SDPA for those calls (logged once), so this example sets dropout to 0 and sends no mask.
 
-    pip install "flashwatch[transformers]"
+    pip install transformers              # or, from a flashwatch checkout: pip install ".[transformers]"
     python examples/hf_transformers.py --family llama --mode own_kernel --steps 30
     python examples/hf_transformers.py --family gpt2 --bf16
 """

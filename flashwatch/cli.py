@@ -31,7 +31,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         import pytorch_lightning  # noqa: F401 - the demo trains with it
     except ImportError:
-        print('flashwatch demo needs Lightning: pip install "flashwatch[lightning]"', file=sys.stderr)
+        print('flashwatch demo needs pytorch-lightning: pip install pytorch-lightning (from a flashwatch checkout: '
+              'pip install ".[lightning]")', file=sys.stderr)
         return 2
     from .demo import main as demo_main  # imports torch and Lightning: only when the command runs
 

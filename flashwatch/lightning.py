@@ -3,8 +3,8 @@
 A thin adapter: every decision lives in ``flashwatch.Monitor``; this module only calls it at
 the right Lightning hooks and wires up the exporters. It works with both Lightning packages,
 ``lightning`` (``lightning.pytorch``) and ``pytorch_lightning``: the callback is a Callback of
-every one installed, so a Trainer from either accepts it (``pip install "flashwatch[lightning]"``
-installs ``lightning``). Nothing else in flashwatch imports Lightning.
+every one installed, so a Trainer from either accepts it (``pip install ".[lightning]"`` from a
+flashwatch checkout installs ``pytorch-lightning``). Nothing else in flashwatch imports Lightning.
 
 Multi-process strategies (DDP, ``ddp_spawn``, ``FSDPStrategy``, ``ModelParallelStrategy`` with
 FSDP2 and/or tensor parallelism; docs/DISTRIBUTED.md): every rank runs the callback and its
@@ -51,8 +51,8 @@ def _callback_bases() -> tuple[type, ...]:
     except ImportError:
         pass
     if not bases:
-        raise ImportError("flashwatch.lightning needs Lightning: pip install \"flashwatch[lightning]\" (or install "
-                          "lightning or pytorch-lightning); the Monitor itself needs neither")
+        raise ImportError("flashwatch.lightning needs Lightning: pip install pytorch-lightning (or lightning; from a "
+                          "flashwatch checkout: pip install '.[lightning]'); the Monitor itself needs neither")
     return tuple(bases)
 
 

@@ -148,7 +148,7 @@ def test_png_when_matplotlib_is_installed(run_dir, tmp_path):
 
 def test_png_without_matplotlib_says_what_to_install(run_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    with pytest.raises(MissingMatplotlib, match=r"pip install flashwatch\[report\]"):
+    with pytest.raises(MissingMatplotlib, match=r"PNG output needs matplotlib: pip install matplotlib"):
         render(run_dir, tmp_path / "run.png")
     assert not (tmp_path / "run.png").exists()
 

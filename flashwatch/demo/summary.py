@@ -108,5 +108,5 @@ def report_lines(result: DemoResult, *, top: int = 3) -> list[str]:
     if find_spec("matplotlib") is not None:
         lines.append(f"  picture: {cmd} report {q} --out {shlex.quote(str(d / 'report.png'))}")
     else:
-        lines.append(f"  picture: {cmd} report {q} (HTML; a PNG needs matplotlib: pip install flashwatch[report])")
+        lines.append(f"  picture: {cmd} report {q} (HTML; a PNG needs matplotlib: pip install matplotlib)")
     return lines

@@ -13,7 +13,7 @@ What it shows, from the step records of ``metrics.jsonl`` (``flashwatch.exporter
   injected fault carry an INJECTED banner.
 
 HTML (default) is one file with inline SVG: no scripts, no external assets, opens offline.
-PNG needs matplotlib (``pip install flashwatch[report]``). A missing, empty or unreadable
+PNG needs matplotlib (``pip install matplotlib``). A missing, empty or unreadable
 ``metrics.jsonl`` is an error that names the file.
 
 Example::

@@ -1,4 +1,4 @@
-"""The report as a PNG with matplotlib (``pip install flashwatch[report]``): the loss with alert
+"""The report as a PNG with matplotlib (``pip install matplotlib``): the loss with alert
 markers above the per-head heatmaps, drawn from the same prepared data as the HTML charts."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def to_png(run: RunData, out: str | os.PathLike) -> Path:
     """Write the report as a PNG to ``out``; returns its path.
 
     Raises:
-        MissingMatplotlib: matplotlib is not installed (``pip install flashwatch[report]``).
+        MissingMatplotlib: matplotlib is not installed (``pip install matplotlib``).
     """
     try:
         import matplotlib
@@ -33,8 +33,8 @@ def to_png(run: RunData, out: str | os.PathLike) -> Path:
         import matplotlib.pyplot as plt
         from matplotlib.colors import LinearSegmentedColormap
     except ImportError:
-        raise MissingMatplotlib("PNG output needs matplotlib: pip install flashwatch[report] (or pip install "
-                                "matplotlib). HTML needs nothing extra: leave out --out or give a .html path.") from None
+        raise MissingMatplotlib("PNG output needs matplotlib: pip install matplotlib (from a flashwatch checkout: "
+                                "pip install '.[report]'). HTML needs nothing extra: leave out --out or give a .html path.") from None
 
     n_rows = max(1, len(run.rows))
     row_in = max(0.6, min(3.2, 0.16 * n_rows + 0.4))
