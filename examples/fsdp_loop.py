@@ -37,7 +37,8 @@ from flashwatch.tinygpt import GPT, Block, GPTConfig, sample_batch, stdlib_corpu
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--fsdp1", action="store_true", help="FullyShardedDataParallel(use_orig_params=True) instead")
     p.add_argument("--steps", type=int, default=40)

@@ -45,7 +45,8 @@ def build(family: str, layers: int, heads: int, embd: int, block: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
     p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe")
     p.add_argument("--steps", type=int, default=40)

@@ -63,7 +63,8 @@ def make_loader(batches: int, batch_size: int, block: int, seed: int) -> DataLoa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--precision", default="32", help='Lightning precision: "32" or "bf16-mixed"')
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batches", type=int, default=30, help="batches per epoch")

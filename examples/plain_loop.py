@@ -32,20 +32,21 @@ from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
     p.add_argument("--interval", type=int, default=5, help="monitor every N optimizer steps")
-    p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe")
-    p.add_argument("--auto-fix", choices=("fixed", "fp32_delta"), default=None)
-    p.add_argument("--bf16", action="store_true", help="train under BF16 autocast")
+    p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe", help="MonitorConfig.mode")
+    p.add_argument("--auto-fix", choices=("fixed", "fp32_delta"), default=None, help="MonitorConfig.auto_fix")
+    p.add_argument("--bf16", action="store_true", help="train under BF16 autocast (else FP32, where ties are rarer)")
     p.add_argument("--compile", action="store_true", help="train torch.compile(model) (attach the Monitor first)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--embd", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads per block")
+    p.add_argument("--embd", type=int, default=64, help="model width")
     p.add_argument("--block", type=int, default=64, help="context length")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
     p.add_argument("--jsonl", default=None, help="folder for flashwatch's JSONL metrics")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads (a model this small runs fastest on one, and stays fast on a busy machine)")

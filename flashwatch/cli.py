@@ -71,9 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="PATH",
                    help="output file, .html (self-contained) or .png (needs matplotlib); default RUN_DIR/report.html")
     p.set_defaults(func=_cmd_report)
-    p = sub.add_parser("metrics", help="print the metric table (Markdown)")
+    p = sub.add_parser("metrics", help="print the metric table (Markdown)",
+                       description="Print every metric flashwatch exports (Prometheus, JSONL, loggers): name, type, "
+                                   "labels, unit and meaning, as a Markdown table.")
     p.set_defaults(func=_cmd_metrics)
-    p = sub.add_parser("bench", help="attention throughput of flashwatch's kernels vs torch SDPA (needs CUDA)")
+    p = sub.add_parser("bench", help="attention throughput of flashwatch's kernels vs torch SDPA (needs CUDA)",
+                       description="Time forward+backward of flashwatch's kernels (plain, with statistics, with the "
+                                   "W^Q-error chain, fixed, fp32_delta) against torch SDPA's flash and cuDNN "
+                                   "backends in the same process, and print the ratios.")
     p.add_argument("--shape", action="append", metavar="B,H,N,D",
                    help="a shape to time (repeatable); default: 16,12,1024,64 8,16,2048,64 4,32,4096,128 1,32,16384,128, "
                         "then 16,12,1024,64 non-causal and in fp16")

@@ -283,6 +283,8 @@ def test_bad_arguments():
         FlashWatchCallback(port=70000)
     with pytest.raises(ValueError, match="console must be one of auto, live, print, log or None"):
         FlashWatchCallback(console="fancy")
+    with pytest.raises(ValueError, match=r"run_dir must be a folder path \(str or os.PathLike\) or None, got 123"):
+        FlashWatchCallback(run_dir=123)
 
 
 def test_the_callback_is_a_callback_of_both_lightning_packages():

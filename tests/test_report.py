@@ -205,6 +205,13 @@ def test_the_cumulative_push_heatmap_spans_its_own_values_not_the_drift_threshol
     assert (grid.lo, grid.hi) == (-max(values), max(values))
 
 
+def test_an_out_path_in_a_missing_folder_names_that_folder(run_dir, tmp_path, capsys):
+    missing = tmp_path / "nowhere" / "x.html"
+    assert cli_main(["report", str(run_dir), "--out", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"no folder {missing.parent}" in err and ".tmp" not in err
+
+
 @pytest.mark.parametrize("content, message", [
     (b"", "is empty"),
     (b"this is not JSON\n\x00\xff garbage\n", "holds no step record"),

@@ -17,7 +17,7 @@ def render(path: str | os.PathLike, out: str | os.PathLike | None = None) -> Pat
     """Render a run folder (or its ``metrics.jsonl``) to ``out`` (.html or .png; default RUN_DIR/report.html).
 
     Raises:
-        FileNotFoundError: no ``metrics.jsonl`` at ``path``.
+        FileNotFoundError: no ``metrics.jsonl`` at ``path``, or no folder for ``out``.
         UnreadableRun: ``metrics.jsonl`` cannot be read or holds no step record.
         MissingMatplotlib: a .png asked for without matplotlib.
         ValueError: ``out`` ends neither in .html/.htm nor .png.
@@ -28,6 +28,8 @@ def render(path: str | os.PathLike, out: str | os.PathLike | None = None) -> Pat
             raise ValueError(f"--out {out}: the format comes from the suffix, .html (default) or .png")
     run = load_run(path)
     out = Path(out) if out is not None else run.path.parent / "report.html"
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"--out {out}: no folder {out.parent} to write it in")
     if out.suffix.lower() == ".png":
         return to_png(run, out)
     tmp = out.with_name(out.name + ".tmp")
