@@ -19,8 +19,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: an unpinned torch can pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	# torch first, pinned to the version tested. From PyPI on Linux that is a CUDA build (GBs); for the
+	# CPU build: make TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" (unquoted below)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
 	# Triton runs the kernels on CUDA and, under TRITON_INTERPRET=1, on the CPU in tests.
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q "$(TRITON)" || echo "no triton wheel here: the CPU reference path still works"
 	$(PY) -m pip install -q -e ".[dev]"
