@@ -37,8 +37,9 @@ also puts W^Q's gradient hook in place, before that backward accumulates W^Q's g
 
 Every layer counts its attention calls on monitored steps (``AttentionLayer.coverage``:
 [calls, calls measured in full]), so a layer whose calls cannot be measured reads coverage 0. An
-observed call counts as measured once its statistics pass has run in the backward: a pass that
-failed, or a forward whose backward never came, leaves the call unmeasured.
+observed call counts once its backward comes (a forward recomputed under activation checkpointing
+is not a second call, and a forward without backward is none), and as measured once its statistics
+pass has run there: a pass that failed leaves the call unmeasured.
 
 Cautions:
 
@@ -664,8 +665,9 @@ class Router:
                 return
             stats = layer.ensure_stats(q.device)
             layer.calls += 1
+            # counted when its backward comes (below), not here: a forward recomputed under activation
+            # checkpointing is the same call, and a forward without backward has nothing to measure
             coverage = layer.coverage
-            coverage[0] += 1  # one attention call; counted as measured once its statistics pass ran (below)
             layer.low_precision = out.dtype in (torch.bfloat16, torch.float16)
             # k, v with fewer heads (grouped-query attention) are passed as they are: the
             # statistics pass maps query head h to kv head h // (H // Hkv), as SDPA's enable_gqa
@@ -675,6 +677,7 @@ class Router:
             rows_hook = self._chain_hooks(layer, args[0] if args else kwargs.get("query"), q.shape[-1], scale)
 
             def on_grad(grad_out):
+                coverage[0] += 1  # one attention call; measured once its statistics pass ran
                 try:
                     from flashwatch.kernels import attention_statistics, masked
 
