@@ -417,8 +417,8 @@ class Monitor:
         """Close optimizer step ``global_step``; call once per optimizer step, after ``optimizer.step()``.
 
         Args:
-            loss: the step's training loss, a float or a 0-d (or one-element) tensor; read only
-                on monitored steps, inside the single host transfer.
+            loss: the step's training loss, a float or a 0-d (or one-element) tensor or numpy
+                array; read only on monitored steps, inside the single host transfer.
             grad_norm: the global gradient norm before clipping, likewise (None: not tracked).
 
         Returns:
@@ -430,8 +430,8 @@ class Monitor:
             TypeError, ValueError: loss or grad_norm is not a number or one-element tensor.
             TrainingStopped: an alert of a rule in ``config.stop_on`` started at this step.
         """
-        _check_scalar("loss", loss)
-        _check_scalar("grad_norm", grad_norm)
+        loss = _check_scalar("loss", loss)
+        grad_norm = _check_scalar("grad_norm", grad_norm)
         if self._closed:  # counted, so that step labels follow the optimizer if attach() comes again
             self._warn_once("closed", "flashwatch: Monitor.step() after close(): nothing is measured or written; "
                             "call monitor.attach(model) to monitor again")
@@ -804,12 +804,22 @@ class Monitor:
         self._router.monitoring = self._monitoring
 
 
-def _check_scalar(name: str, value: Any) -> None:
+def _check_scalar(name: str, value: Any) -> Any:
+    """``value`` if it is None, a real number or a one-element tensor; a one-element numpy array as a
+    float (a host value: no device to wait for); anything else raises."""
     if value is None or isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a float or a one-element tensor, got a tensor of shape "
-                             f"{tuple(value.shape)}")
-        return
+        return value
+    is_array = type(value).__module__ == "numpy" and hasattr(value, "reshape")
+    if isinstance(value, torch.Tensor) or is_array:
+        if (value.numel() if isinstance(value, torch.Tensor) else value.size) != 1:
+            kind = "a numpy array" if is_array else "a tensor"
+            raise ValueError(f"{name} must be a float or a one-element tensor, got {kind} of shape {tuple(value.shape)}")
+        return _numpy_scalar(name, value) if is_array else value
     raise TypeError(f"{name} must be None, a float or a one-element tensor, got {type(value).__name__}")
+
+
+def _numpy_scalar(name: str, value: Any) -> float:
+    try:
+        return float(value.reshape(()))
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number; got a numpy array of dtype {value.dtype}") from None

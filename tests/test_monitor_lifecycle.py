@@ -504,3 +504,15 @@ def test_one_exporter_not_in_a_list_is_a_clear_error(tmp_path):
 
     with pytest.raises(TypeError, match=r"exporters must be a list of exporters, e.g. exporters=\[JsonlExporter"):
         Monitor(MonitorConfig(), exporters=JsonlExporter(tmp_path))
+
+
+def test_a_one_element_numpy_loss_is_a_number_and_a_longer_one_an_error():
+    import numpy as np
+
+    run = Run(MonitorConfig(interval=1))
+    run.loss(0).backward()
+    run.monitor.step(loss=np.array(2.5), grad_norm=np.array([0.5]))
+    snap = run.monitor.snapshot()
+    assert snap["flashwatch_loss"] == 2.5 and snap["flashwatch_grad_norm"] == 0.5
+    with pytest.raises(ValueError, match=r"loss must be a float or a one-element tensor, got a numpy array of shape \(2,\)"):
+        run.monitor.step(loss=np.array([1.0, 2.0]))
