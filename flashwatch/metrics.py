@@ -106,7 +106,8 @@ SERVICE_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("flashwatch_build_info", "gauge", ("version",), "none",
                "Always 1; the version label is the flashwatch version serving these metrics (Prometheus only)."),
     MetricSpec("flashwatch_last_step_timestamp_seconds", "gauge", (), "dateTimeAsIso",
-               "Unix time in seconds when the last monitored step was recorded (Prometheus only)."),
+               "Unix time in seconds when the last monitored step was recorded, or when monitoring started "
+               "before the first (Prometheus only)."),
 )
 
 #: Every metric name flashwatch exports: the step's metrics, then the service metrics.

@@ -206,9 +206,9 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
 STOPPED_REPORTING = RuleSpec(
     "stopped_reporting", "warning",
     "A run's endpoint still answers, but no new monitored step came for a long while.",
-    "The last monitored step (flashwatch_last_step_timestamp_seconds) is older than "
-    "dashboards/alerts.yml allows while Prometheus still scrapes the run's endpoint: the training "
-    "loop is hung (a collective waiting for a rank "
+    "The last monitored step (flashwatch_last_step_timestamp_seconds; before the first, the start of "
+    "monitoring) is older than dashboards/alerts.yml allows while Prometheus still scrapes the run's "
+    "endpoint: the training loop is hung (in its first forward or compilation, a collective waiting for a rank "
     "that died, a stalled data loader), paused longer than usual (a long evaluation or checkpoint), "
     "stopped calling monitor.step(), or every monitored step fails inside flashwatch (its log says "
     "'the last N monitored steps all failed'). A process that exited is not this rule's: its target is "

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -20,7 +21,7 @@ from flashwatch.exporters import Exporter, FanOut, Layout, StepRecord
 from flashwatch.exporters.console import ConsoleExporter
 from flashwatch.exporters.jsonl import (ALERTS_FILE, METRICS_FILE, SCHEMA, JsonlExporter, read_jsonl,
                                         validate_record)
-from flashwatch.exporters.prometheus import PortInUseError, PrometheusExporter
+from flashwatch.exporters.prometheus import PortInUseError, PrometheusExporter, known_rules
 from flashwatch.exporters.testing import synthetic_layout, synthetic_record
 from flashwatch.metrics import METRICS
 from flashwatch.vocabulary import RULES
@@ -94,8 +95,20 @@ def test_prometheus_shows_the_latest_step_and_non_finite_values(prom):
     assert logits[("0", "1")] == math.inf
 
 
-def test_prometheus_before_the_first_step_serves_only_its_build_info(prom):
-    assert set(scrape(prom.url)) == {"flashwatch_build_info"}
+def test_prometheus_before_the_first_step_serves_its_build_info_zero_alerts_and_its_start(prom):
+    """Zero alert counters, so that increase() counts an alert of the first monitored step; the
+    start of monitoring as the last step's time, so that stopped_reporting sees a run that hangs
+    before its first monitored step. No measured value."""
+    before = time.time()
+    families = scrape(prom.url)
+    assert set(families) - {"flashwatch_alerts_created"} == {
+        "flashwatch_build_info", "flashwatch_alerts", "flashwatch_last_step_timestamp_seconds"}
+    totals = {s.labels["rule"]: s.value for s in families["flashwatch_alerts"].samples if s.name.endswith("_total")}
+    assert totals == {rule: 0.0 for rule in known_rules()}
+    started = families["flashwatch_last_step_timestamp_seconds"].samples[0].value
+    assert before - 600 < started <= before
+    prom.export(synthetic_record(LAYOUT, step=3))
+    assert scrape(prom.url)["flashwatch_last_step_timestamp_seconds"].samples[0].value >= started
 
 
 def test_prometheus_uses_its_own_registry():

@@ -166,7 +166,8 @@ def test_build_info_and_the_last_steps_timestamp():
     before = families(exporter.render().decode())
     (info,) = before["flashwatch_build_info"].samples
     assert info.labels == {"version": __version__, "rank": "0"} and info.value == 1
-    assert "flashwatch_last_step_timestamp_seconds" not in before  # no step yet: no time to show
+    (started,) = before["flashwatch_last_step_timestamp_seconds"].samples  # no step yet: the start's time
+    assert abs(started.value - time.time()) < 600 and started.labels == {"rank": "0"}
     record = synthetic_record(LAYOUT, step=4)
     record.time = 1764480001.25
     exporter.export(record)

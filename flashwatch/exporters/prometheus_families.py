@@ -27,7 +27,7 @@ class _SnapshotCollector:
         self._step_time: float | None = None
         self._version = 0
         self._built: tuple[Metric, ...] = ()
-        self._built_version = -1  # build_info is served before the first step
+        self._built_version = -1  # served before the first step too (_state)
 
     def set(self, snapshot: dict, step_time: float) -> None:
         with self._lock:
@@ -35,13 +35,22 @@ class _SnapshotCollector:
             self._step_time = step_time
             self._version += 1
 
+    def _state(self) -> tuple[dict, float]:
+        """The snapshot and step time to serve. Before the first step: every rule's alert counter at 0
+        (so that increase() sees an alert of the first monitored step) and, as the last step's
+        time, the time monitoring started (so that a run hung before its first monitored step
+        stops reporting too)."""
+        if self._snapshot is None:
+            return {"flashwatch_alerts_total": {}}, self._created
+        return self._snapshot, self._step_time
+
     def frozen(self) -> "_FrozenCollector":
         """The current state, for a push made later on another thread: its families are built
         there, at the push, not on the training thread that queues it."""
         with self._lock:
-            snapshot, step_time = self._snapshot, self._step_time
+            snapshot, step_time = self._state()
         labels = self._labels
-        return _FrozenCollector(lambda: build_families(snapshot or {}, created=self._created, rules=self._rules,
+        return _FrozenCollector(lambda: build_families(snapshot, created=self._created, rules=self._rules,
                                                        cache=labels) + service_families(step_time, labels.const))
 
     @property
@@ -51,9 +60,9 @@ class _SnapshotCollector:
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             if self._built_version != self._version:
-                self._built = (build_families(self._snapshot or {}, created=self._created,
-                                              rules=self._rules, cache=self._labels)
-                               + service_families(self._step_time, self._labels.const))
+                snapshot, step_time = self._state()
+                self._built = (build_families(snapshot, created=self._created, rules=self._rules, cache=self._labels)
+                               + service_families(step_time, self._labels.const))
                 self._built_version = self._version
             return self._built
 
@@ -73,7 +82,7 @@ class _FrozenCollector:
 
 
 def service_families(step_time: float | None, const_labels: Mapping[str, str] | None = None) -> tuple[Metric, ...]:
-    """``flashwatch_build_info`` (always) and ``flashwatch_last_step_timestamp_seconds`` (once a step came)."""
+    """``flashwatch_build_info`` (always) and ``flashwatch_last_step_timestamp_seconds`` (unless None)."""
     const = dict(const_labels or {})
     info = BY_NAME["flashwatch_build_info"]
     fam = GaugeMetricFamily(info.name, info.help, labels=(*info.labels, *const))
