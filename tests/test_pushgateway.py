@@ -129,9 +129,29 @@ def test_concurrent_runs_push_to_groups_of_their_own(gateway):
     for exporter in runs:
         exporter.close()
     paths = {path for path, _, _ in received}
-    assert paths == {f"/metrics/job/flashwatch/run/{e.run_id}" for e in runs}
+    assert paths == {f"/metrics/job/flashwatch/instance/{e.run_id}/run/{e.run_id}" for e in runs}  # keys sorted
     named = PrometheusExporter(port=None, pushgateway=url, run_id="exp-17")
-    assert named.grouping_key == {"run": "exp-17"}
+    assert named.grouping_key == {"run": "exp-17", "instance": "exp-17"}
+
+
+def test_a_pushing_run_serves_nothing_unless_a_port_is_named_and_its_last_push_holds_no_alert(gateway):
+    """A batch job that pushes binds no port by default (concurrent jobs on one host would collide
+    on 9400); its last push, at close(), leaves out flashwatch_alert_active, so that the gateway
+    does not keep an ended run's alerts firing; the counts stay."""
+    url, received = gateway
+    exporter = PrometheusExporter(pushgateway=url)
+    assert exporter.requested_port is None
+    exporter.open(LAYOUT)
+    assert exporter.port is None
+    record = synthetic_record(LAYOUT, step=3)
+    record.snapshot["flashwatch_alert_active"] = {("max_logit", 0, 1): 1.0}
+    exporter.export(record)
+    exporter.close()
+    during, last = families(received[0][2]), families(received[-1][2])
+    assert len(received) == 2 and "flashwatch_alert_active" in during
+    assert "flashwatch_alert_active" not in last and "flashwatch_alerts" in last
+    assert last["flashwatch_step"].samples[0].value == 3
+    assert PrometheusExporter().requested_port == 9400  # serving, without a gateway
 
 
 def test_push_handler_authenticates(gateway):

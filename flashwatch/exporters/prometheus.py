@@ -99,21 +99,30 @@ def _check_const_labels(const_labels: Mapping[str, Any] | None) -> dict[str, str
     return out
 
 
+_DEFAULT_PORT = object()  # 9400, or no server when a Pushgateway is given
+
+
 class PrometheusExporter(Exporter):
     """Serve flashwatch's metrics to Prometheus (HTTP ``/metrics``) and optionally push them.
 
     Args:
         port: TCP port of the ``/metrics`` endpoint; ``0`` picks a free one (read it back from
-            ``.port``); ``None`` serves nothing (use ``.registry`` or the Pushgateway).
+            ``.port``); ``None`` serves nothing (use ``.registry`` or the Pushgateway). Default
+            9400, or None when ``pushgateway`` is given (a batch job that pushes serves nothing
+            unless a port is named).
         host: address to bind, ``127.0.0.1`` by default so that nothing outside the machine
             can read the metrics unless you ask for it (``"0.0.0.0"`` or an interface address).
         pushgateway: Pushgateway address (``"http://host:9091"``) for batch jobs, or ``None``.
         job: the Pushgateway ``job`` label.
-        grouping_key: further Pushgateway grouping labels; default ``{"run": run_id}``.
+        grouping_key: the Pushgateway grouping labels; default ``{"run": run_id, "instance": run_id}``
+            (scraped with ``honor_labels: true``, each run is an instance of its own on the
+            dashboard, and ``stopped_reporting`` leaves pushed runs alone).
         run_id: the run's id in the default grouping key; default ``<host>-<pid>-<start time>-<random>``,
             unique across concurrent runs (set it to replace a run's group when it restarts).
         push_interval_s: least seconds between pushes from ``export()`` (0: every monitored
-            step). The last state is always pushed at ``close()``.
+            step). The last state is always pushed at ``close()``, without
+            ``flashwatch_alert_active``: an ended run holds no alert (the gateway would keep it
+            firing for ever).
         push_timeout_s: timeout of one push (on the background thread).
         push_close_timeout_s: longest ``close()`` waits for the last push (2 s; a gateway that
             answers at all answers in milliseconds).
@@ -136,7 +145,7 @@ class PrometheusExporter(Exporter):
 
     def __init__(
         self,
-        port: int | None = 9400,
+        port: int | None | object = _DEFAULT_PORT,
         host: str = "127.0.0.1",
         *,
         pushgateway: str | None = None,
@@ -150,6 +159,8 @@ class PrometheusExporter(Exporter):
         const_labels: Mapping[str, Any] | None = None,
         registry: CollectorRegistry | None = None,
     ):
+        if port is _DEFAULT_PORT:
+            port = None if pushgateway is not None else 9400
         check_port(port)
         if not isinstance(host, str) or not host:
             raise ValueError(f"host must be a non-empty address string such as '127.0.0.1', got {host!r}")
@@ -174,7 +185,8 @@ class PrometheusExporter(Exporter):
         self.pushgateway = pushgateway
         self.job = job
         self.run_id = run_id or new_run_id()
-        self.grouping_key = dict(grouping_key) if grouping_key is not None else {"run": self.run_id}
+        self.grouping_key = (dict(grouping_key) if grouping_key is not None
+                             else {"run": self.run_id, "instance": self.run_id})
         self.push_interval_s = float(push_interval_s)
         self.push_timeout_s = float(push_timeout_s)
         self.push_close_timeout_s = float(push_close_timeout_s)
@@ -265,7 +277,7 @@ class PrometheusExporter(Exporter):
             if self.pushgateway is not None and (self._pusher is not None or self._collector.has_data):
                 # the last state, pushed last; close() waits at most push_close_timeout_s
                 pusher = self._pusher_now()
-                pusher.close(self._collector.frozen() if self._collector.has_data else None)
+                pusher.close(self._collector.frozen(final=True) if self._collector.has_data else None)
                 self._pusher = None  # a later open() (another fit) pushes through a new one
                 for what in self._push_totals:
                     self._push_totals[what] += getattr(pusher, what)

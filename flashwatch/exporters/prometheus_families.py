@@ -44,11 +44,14 @@ class _SnapshotCollector:
             return {"flashwatch_alerts_total": {}}, self._created
         return self._snapshot, self._step_time
 
-    def frozen(self) -> "_FrozenCollector":
+    def frozen(self, final: bool = False) -> "_FrozenCollector":
         """The current state, for a push made later on another thread: its families are built
-        there, at the push, not on the training thread that queues it."""
+        there, at the push, not on the training thread that queues it. ``final``: the run's last
+        push, without ``flashwatch_alert_active`` (an ended run holds no alert)."""
         with self._lock:
             snapshot, step_time = self._state()
+        if final:
+            snapshot = {k: v for k, v in snapshot.items() if k != "flashwatch_alert_active"}
         labels = self._labels
         return _FrozenCollector(lambda: build_families(snapshot, created=self._created, rules=self._rules,
                                                        cache=labels) + service_families(step_time, labels.const))
