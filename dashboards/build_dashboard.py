@@ -197,7 +197,8 @@ def dashboard() -> dict:
                                        {"id": "custom.cellOptions", "value": {"type": "color-text"}}]}]}}),
         _panel(ids, "table", "Heads now (layer x head)",
                "Last value of every per-head signal of the selected heads, sortable by any column.",
-               [_target(f"{m}{{{HEAD_SEL}}}", fmt="table", instant=True, ref=ref)
+               # an aggregation drops __name__: rows of the six queries then share every label and merge
+               [_target(f"max without () ({m}{{{HEAD_SEL}}})", fmt="table", instant=True, ref=ref)
                 for ref, m in zip("ABCDEF", ("flashwatch_delta_drift_z", "flashwatch_repeated_max_ratio",
                                              "flashwatch_repeated_max_ratio_bf16", "flashwatch_max_logit",
                                              "flashwatch_wq_spectral_norm", "flashwatch_delta_error_cumulative"))],

@@ -233,3 +233,12 @@ def test_the_guides_chain_score_expression_is_the_smaller_of_its_two_terms(tmp_p
     out = subprocess.run(["promtool", "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_heads_table_queries_merge_into_one_row_per_head(dash):
+    """Grafana's merge joins the rows of several table queries on the labels they share: a raw
+    selector carries its own __name__, which would keep each query's rows apart (six half-empty
+    rows per head). Every query aggregates, which drops the name."""
+    (panel,) = [p for p in dash["panels"] if p.get("title") == "Heads now (layer x head)"]
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert len(exprs) == 6 and all(re.match(r"max without \(\) \(flashwatch_\w+\{", e) for e in exprs), exprs
