@@ -69,7 +69,7 @@ class AttentionLayer:
         rotary: whether the module rotates its queries: its family does (``Family.rotary``) and
             its forward takes the call's ``position_embeddings`` or it holds a ``rotary_emb``
             (a module of Llama's layout without either does not rotate, so its X meets dQ as is).
-        query_checked: whether the query of a monitored eager call was compared with W^Q X (once).
+        query_checked: whether the query of a monitored call (eager or compiled) was compared with W^Q X (once).
         query_mismatch: that comparison found the query is not W^Q X (a functional QK-norm, a
             query scale, an unannounced rotation): the W^Q-error readings are NaN from then on.
         placement: how this rank holds W^Q in a sharded model (``flashwatch.sharded.QueryPlacement``,

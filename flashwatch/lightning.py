@@ -185,6 +185,8 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
             raise ValueError(f"jsonl must be True or False, got {jsonl!r}")
         if not isinstance(append, bool):
             raise ValueError(f"append must be True or False, got {append!r}")
+        if not isinstance(log_summaries, bool):
+            raise ValueError(f"log_summaries must be True or False, got {log_summaries!r}")
         if run_dir is not None and (not isinstance(run_dir, (str, os.PathLike)) or not os.fspath(run_dir)):
             raise ValueError(f"run_dir must be a folder path (str or os.PathLike) or None, got {run_dir!r}")
         if not isinstance(per_rank_endpoints, bool):

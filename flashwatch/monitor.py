@@ -23,8 +23,8 @@ by the rank that has them.
 
 Logged as "flashwatch" (Python ``logging``): each alert once when it starts (warning, or error
 when critical), its clearing (info), each auto-fix switch (warning), and the first failure of
-each kind inside monitoring (warning with traceback; later ones are only counted in
-``errors``).
+each kind inside monitoring (warning with traceback; later ones are counted in ``errors``, and
+monitored steps that keep failing are logged again at 10, 100, ... in a row).
 
 Example::
 
@@ -117,7 +117,8 @@ class Monitor:
         alerts, alert_counts, switches, detectors, active_alerts: the decisions so far
             (``flashwatch.decisions``).
         global_step: optimizer steps seen by ``step()``.
-        errors: failures inside monitoring (each kind logged once); training never stops for them.
+        errors: failures inside monitoring (each kind logged once, failed steps in a row again at 10,
+            100, ...); training never stops for them.
         rank, world_size: this process's rank in the group the statistics are combined over,
             and its size (0 and 1 without one), as of ``attach``.
         sharding: why the model counts as sharded (FSDP, FSDP2, tensor parallelism, ...), or None.
@@ -268,7 +269,8 @@ class Monitor:
         self._held_runs = [str(getattr(e, "path", e.name)) for e in self._fan.exporters
                            if callable(getattr(e, "holds_run", None)) and e.holds_run()]
         try:
-            self._fan.open(Layout(layers=[(layer.name, layer.total_heads) for layer in layers]))
+            self._fan.open(Layout(layers=[(layer.name, layer.total_heads) for layer in layers],
+                                  config=self.config.to_dict()))
             state, self._pending_state = self._pending_state, None
             resumed, self._detached_state = self._detached_state, None
             if state is None and resumed is not None and [(s["name"], s["num_heads"]) for s in resumed["layers"]] \

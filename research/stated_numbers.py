@@ -211,7 +211,7 @@ def readme_block() -> str:
     b3, s3 = t3["chain"]["blowups"], t3["chain"]["survivors"]
     cosine = _cosine_results()  # the cosine schedule's tests, once analysed: their columns last
     heads = "".join(f" | cosine {_rate(peak)}" for peak, _ in cosine)
-    rows = [f"| rule | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3{heads} | false alarms, "
+    rows = [f"| rule or score | warned >= {MIN_LEAD:,} steps ahead, lr 2e-3 | lr 1.75e-3 | lr 1.5e-3{heads} | false alarms, "
             f"lr 1.75e-3 | lr 1.5e-3{heads} |", "|---|---|---|---|---|---|" + "---|---|" * len(cosine)]
     for r in README_RULES:
         early = "".join(f" {_early(res['table'][r])}/{res['table'][r]['blowups']} |" for _, res in cosine)

@@ -285,6 +285,8 @@ def test_bad_arguments():
         FlashWatchCallback(console="fancy")
     with pytest.raises(ValueError, match=r"run_dir must be a folder path \(str or os.PathLike\) or None, got 123"):
         FlashWatchCallback(run_dir=123)
+    with pytest.raises(ValueError, match=r"log_summaries must be True or False, got 'no'"):
+        FlashWatchCallback(log_summaries="no")
 
 
 def test_the_callback_is_a_callback_of_both_lightning_packages():

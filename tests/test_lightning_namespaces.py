@@ -75,6 +75,18 @@ def test_early_stopping_monitors_a_flashwatch_value(namespace):
     assert watch.monitor.global_step == 3
 
 
+@pytest.mark.parametrize("bound, epochs", [(1e6, 3), (1e-9, 1)])
+def test_early_stopping_as_the_guide_writes_it_stops_only_past_the_bound(bound, epochs):
+    """The GUIDE's guard: divergence_threshold with patience off stops once the max logit is past
+    the bound, and never for a run below it (stopping_threshold would stop a healthy run)."""
+    ns = _namespace("pytorch_lightning")
+    watch = FlashWatchCallback(interval=1, port=None, jsonl=False, console=None)
+    stop = ns.callbacks.EarlyStopping(monitor="flashwatch/max_logit", mode="min", divergence_threshold=bound,
+                                      patience=10**9, check_on_train_epoch_end=True)
+    trainer = _fit(ns, [watch, stop], max_epochs=3)
+    assert trainer.current_epoch == epochs
+
+
 def test_the_monitor_kernels_and_exporters_import_no_lightning():
     """Lightning is an extra: the core imports neither package."""
     import subprocess

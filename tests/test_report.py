@@ -234,3 +234,32 @@ def test_a_metrics_file_that_cannot_be_opened_is_an_error(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "cannot read" in err and "metrics.jsonl" in err
+
+
+def test_the_report_reads_the_thresholds_the_run_recorded(tmp_path):
+    """A run's metrics.jsonl records its MonitorConfig in its open record, and the report draws and
+    captions with those thresholds; a file without them says it shows the defaults."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    monitor = Monitor(MonitorConfig(interval=1, drift_threshold=8.0, max_logit_bound=50.0),
+                      exporters=[JsonlExporter(tmp_path)])
+    monitor.attach(model)
+    data = stdlib_corpus(20_000)
+    for _ in range(2):
+        x, y = sample_batch(data, 2, 16, generator=torch.Generator().manual_seed(0))
+        model(x, y)[1].backward()
+        monitor.step(loss=1.0)
+    monitor.close()
+    (opened,) = read_jsonl(tmp_path / "metrics.jsonl", kinds=("open",))
+    assert opened["monitor_config"]["drift_threshold"] == 8.0
+    run = load_run(tmp_path)
+    assert run.thresholds_recorded and (run.drift_threshold, run.max_logit_bound) == (8.0, 50.0)
+    html = to_html(run)
+    assert "±8, the delta_drift threshold:" in html and "warns at 50." in html and "did not record" not in html
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    stripped = [json.dumps({k: v for k, v in json.loads(l).items() if k != "monitor_config"}) for l in lines]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(stripped) + "\n")  # as files written before
+    old = load_run(tmp_path)
+    assert not old.thresholds_recorded and old.drift_threshold == MonitorConfig().drift_threshold
+    assert "did not record its own" in to_html(old)

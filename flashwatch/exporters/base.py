@@ -45,9 +45,12 @@ class Layout:
     Args:
         layers: one ``(module name, number of heads)`` per attention layer; the list index is
             the ``layer`` label of every per-head metric.
+        config: the Monitor's ``MonitorConfig`` as plain data (``to_dict()``), or None: the
+            thresholds a record of the run is read against (``flashwatch report``).
     """
 
     layers: list[tuple[str, int]] = field(default_factory=list)
+    config: dict | None = None
 
     def __post_init__(self) -> None:
         checked = []

@@ -274,9 +274,11 @@ class JsonlExporter(Exporter):
         self._write(self._f, self._open_record())
 
     def _open_record(self) -> dict:
-        return {"kind": "open", "schema": SCHEMA_VERSION, "time": time.time(),
-                "flashwatch_version": __version__,
-                "layout": [{"name": n, "heads": h} for n, h in self.layout.layers]}
+        record = {"kind": "open", "schema": SCHEMA_VERSION, "time": time.time(), "flashwatch_version": __version__,
+                  "layout": [{"name": n, "heads": h} for n, h in self.layout.layers]}
+        if self.layout.config is not None:  # the thresholds the run was decided by (flashwatch report)
+            record["monitor_config"] = _plain(self.layout.config)
+        return record
 
     def _open_files(self) -> None:
         f = af = None

@@ -82,6 +82,7 @@ OPEN_SCHEMA: dict = {
             "type": "object", "required": ["name", "heads"],
             "properties": {"name": {"type": "string"}, "heads": {"type": "integer", "minimum": 1}},
             "additionalProperties": False}},
+        "monitor_config": {"type": "object"},  # MonitorConfig.to_dict(), when a Monitor opened the file
     },
     "additionalProperties": False,
 }

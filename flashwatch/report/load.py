@@ -39,7 +39,7 @@ class RunData:
     series: dict[str, list[list[float]]]  # metric -> rows x steps
     alerts: list[dict]  # every new alert, in step order
     switches: list[tuple[int, int, str, str]]  # (step, layer, from, to) kernel-variant changes
-    meta: dict = field(default_factory=dict)  # demo.json, when present
+    meta: dict = field(default_factory=dict)  # demo.json, when present; monitor_config also from metrics.jsonl
     coverage: dict[int, list[float]] = field(default_factory=dict)  # layer -> attention coverage per step
 
     @property
@@ -51,6 +51,11 @@ class RunData:
         if self.meta.get("injected"):
             return True
         return any(f"[{INJECTED}]" in str(a.get("message", "")) for a in self.alerts)
+
+    @property
+    def thresholds_recorded(self) -> bool:
+        """Whether the run recorded its MonitorConfig (else the thresholds shown are the defaults)."""
+        return isinstance(self.meta.get("monitor_config"), dict)
 
     @property
     def drift_threshold(self) -> float:  # the run's own, else MonitorConfig's default
@@ -82,15 +87,18 @@ def _metrics_path(path: str | os.PathLike) -> Path:
     return p
 
 
-def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict]]:
-    """The layout of the last ``open`` record and the step records, one per step (the last one written)."""
+def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict], dict | None]:
+    """The layout and MonitorConfig (None if not recorded) of the last ``open`` record, and the step
+    records, one per step (the last one written)."""
     layout: list[tuple[str, int]] = []
+    config: dict | None = None
     by_step: dict[int, dict] = {}
     try:
         for rec in read_jsonl(p, kinds=None):
             kind = rec.get("kind")
             if kind == "open":
                 layout = [(str(x.get("name")), int(x.get("heads", 0))) for x in rec.get("layout", [])]
+                config = rec.get("monitor_config") if isinstance(rec.get("monitor_config"), dict) else None
             elif kind == "step" and isinstance(rec.get("metrics"), dict):
                 by_step[int(rec["step"])] = rec
     except OSError as exc:
@@ -103,7 +111,7 @@ def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict]]:
         raise UnreadableRun(f"{p} {what}: nothing to draw. The report needs the step records a flashwatch run "
                             f"writes (JsonlExporter, FlashWatchCallback's run_dir) once its first monitored step "
                             f"is done")
-    return layout, [by_step[s] for s in sorted(by_step)]
+    return layout, [by_step[s] for s in sorted(by_step)], config
 
 
 def load_run(path: str | os.PathLike) -> RunData:
@@ -118,7 +126,7 @@ def load_run(path: str | os.PathLike) -> RunData:
             flashwatch JSONL).
     """
     p = _metrics_path(path)
-    layout, records = _step_records(p)
+    layout, records, config = _step_records(p)
 
     heads_per_layer = [h for _, h in layout]
     for rec in records:  # a layout is in every open record; fall back on the grids' own shape
@@ -170,6 +178,8 @@ def load_run(path: str | os.PathLike) -> RunData:
             meta = {}
         if not isinstance(meta, dict):
             meta = {}
+    if config is not None and "monitor_config" not in meta:  # the run's own thresholds, as it recorded them
+        meta = {**meta, "monitor_config": config}
     return RunData(path=p, steps=[int(r["step"]) for r in records],
                    loss=[num(r["metrics"].get("flashwatch_loss")) for r in records],
                    grad_norm=[num(r["metrics"].get("flashwatch_grad_norm")) for r in records],

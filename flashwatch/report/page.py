@@ -143,15 +143,16 @@ def to_html(run: RunData) -> str:
     out.append("<p class='cap'>One row per attention head (<code>L</code>layer<code>.H</code>head), one column per "
                "monitored step; grey: not measured. Outlined cells (black): an alert of that signal's rule started there. "
                "Hover a cell for its value.</p>")
+    default = "" if run.thresholds_recorded else " (MonitorConfig's default: this run did not record its own)"
     for hm in HEATMAPS:
         note = ""
         if hm.metric == "flashwatch_delta_drift_z":
-            note = (f" Colour saturates at ±{run.drift_threshold:g}, the delta_drift threshold: full red or blue "
-                    f"is at or past it.")
+            note = (f" Colour saturates at ±{run.drift_threshold:g}, the delta_drift threshold{default}: full red "
+                    f"or blue is at or past it.")
         elif hm.scale == "diverging":
             note = " Colour centred on 0, full red or blue at the run's largest magnitude."
         elif hm.metric == "flashwatch_max_logit":
-            note = f" The max_logit rule warns at {run.max_logit_bound:g}."
+            note = f" The max_logit rule warns at {run.max_logit_bound:g}{default}."
         out.append(f"<h3 style='font-size:15px;margin:18px 0 2px'>{_e(hm.title)}</h3>"
                    f"<p class='cap'>{_e(BY_NAME[hm.metric].help)}{_e(note)}</p>")
         out.append(heatmap_svg(run, hm))
