@@ -807,21 +807,14 @@ class Monitor:
 
 
 def _check_scalar(name: str, value: Any) -> Any:
-    """``value`` if it is None, a real number or a one-element tensor; a one-element numpy array as a
-    float (a host value: no device to wait for); anything else raises."""
+    """``value`` if it is None, a real number or a one-element tensor; a one-element numpy array of
+    numbers as a float (a host value: no device to wait for); anything else (a bool too) raises."""
     if value is None or isinstance(value, numbers.Real) and not isinstance(value, bool):
         return value
-    is_array = type(value).__module__ == "numpy" and hasattr(value, "reshape")
+    is_array = type(value).__module__ == "numpy" and getattr(getattr(value, "dtype", None), "kind", "") in "iuf"
     if isinstance(value, torch.Tensor) or is_array:
         if (value.numel() if isinstance(value, torch.Tensor) else value.size) != 1:
             kind = "a numpy array" if is_array else "a tensor"
             raise ValueError(f"{name} must be a float or a one-element tensor, got {kind} of shape {tuple(value.shape)}")
-        return _numpy_scalar(name, value) if is_array else value
+        return float(value.reshape(())) if is_array else value
     raise TypeError(f"{name} must be None, a float or a one-element tensor, got {type(value).__name__}")
-
-
-def _numpy_scalar(name: str, value: Any) -> float:
-    try:
-        return float(value.reshape(()))
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number; got a numpy array of dtype {value.dtype}") from None
