@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|
-#                                   autotune|kernels|graphs|profile|ddp|host|chaincheck|lab ...]   (default: tests bench)
+#                                   autotune|kernels|graphs|profile|ddp|host|chaincheck|ncu128|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -112,6 +112,12 @@ for step in $steps; do
                 grep -E "shape|plain|stats" "$OUT/host_overhead.log"
                 timeout 200 python3 benchmarks/monitor_overhead.py --json "$OUT/monitor_overhead.json" 2>&1 \
                   | grep -v Warning | tee "$OUT/monitor_overhead.log" | tail -8 ;;
+    # Nsight Compute on the three kernels of one plain forward+backward at D 128, where plain is 0.76-0.80x cuDNN
+    ncu128) timeout 400 ncu --clock-control none --kernel-name regex:'_attn_(fwd|bwd_dq|bwd_dkdv)_kernel' --launch-skip 3 \
+              --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+              --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv \
+              --page details python3 benchmarks/profile_kernels.py --shape 4,32,4096,128 --variants plain \
+              > "$OUT/ncu_d128.csv" 2> "$OUT/ncu_d128.log"; tail -5 "$OUT/ncu_d128.log"; wc -l "$OUT/ncu_d128.csv" ;;
     profile) timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 | tee "$OUT/profile_monitored_step.log" | tail -8
              FLASHWATCH_KERNEL_REDUCTION=0 timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 \
                | tee "$OUT/profile_monitored_step_store.log" | tail -8 ;;
