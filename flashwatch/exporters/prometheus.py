@@ -99,7 +99,14 @@ def _check_const_labels(const_labels: Mapping[str, Any] | None) -> dict[str, str
     return out
 
 
-_DEFAULT_PORT = object()  # 9400, or no server when a Pushgateway is given
+class _DefaultPort:
+    """The default of ``PrometheusExporter(port=...)``: 9400, or no server when a Pushgateway is given."""
+
+    def __repr__(self) -> str:  # what help() shows in the signature
+        return "9400 (None with a pushgateway)"
+
+
+_DEFAULT_PORT = _DefaultPort()
 
 
 class PrometheusExporter(Exporter):
