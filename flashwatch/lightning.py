@@ -202,7 +202,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         self.append = append
         self.console = console
         self.extra_exporters = list(exporters)
-        self.log_summaries = bool(log_summaries)
+        self.log_summaries = log_summaries
         self.per_rank_endpoints = per_rank_endpoints
 
         self.monitor = Monitor(config)  # picks up Lightning's process group at attach

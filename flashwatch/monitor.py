@@ -437,8 +437,7 @@ class Monitor:
         if self._closed:  # counted, so that step labels follow the optimizer if attach() comes again
             self._warn_once("closed", "flashwatch: Monitor.step() after close(): nothing is measured or written; "
                             "call monitor.attach(model) to monitor again")
-            self.global_step += 1
-            self._monitoring = self.global_step % self.config.interval == 0
+            self._advance()
             return []
         if not self._ever_attached:
             self._warn_once("unattached", "flashwatch: Monitor.step() was called before attach(model): only the loss "
@@ -486,15 +485,19 @@ class Monitor:
                     decided.extend(self._decide_safely(pending))
                 else:
                     self._pending = pending
-        self.global_step = t + 1
-        self._monitoring = self.global_step % self.config.interval == 0
-        if self._router is not None:
-            self._router.monitoring = self._monitoring
+        self._advance()
         new.extend(decided)
         stops.extend(a for a in decided if a.rule in self.config.stop_on)
         if stops:
             raise TrainingStopped(stops, stops[0].step)
         return new
+
+    def _advance(self) -> None:
+        """On to the next optimizer step: whether it is monitored, here and in the router."""
+        self.global_step += 1
+        self._monitoring = self.global_step % self.config.interval == 0
+        if self._router is not None:
+            self._router.monitoring = self._monitoring
 
     def flush(self) -> list[Alert]:
         """Decide a monitored step whose values are still on their way to the host.

@@ -228,8 +228,8 @@ class _Block:
         _add(self.drift_sum_sq, e0 * e0, delta_seen)
         _add(self.drift_count, finite.astype(np.int64), delta_seen)
         self.drift_ring.push(e0, delta_seen)
-        drift_measured = self.drift_count > 0  # heads with at least one measured delta error
-        now_measured = drift_measured & delta_seen[:, None]  # ... and one at this step
+        # heads with a measured delta error at this step and a sum of them so far
+        now_measured = (self.drift_count > 0) & delta_seen[:, None]
         sigma = _stack([r.sigma for r in readings], h)
         self.sigma.push(sigma, np.ones(nl, dtype=bool))
         growth = np.where(self.sigma.full[:, None], self.sigma.newest() / self.sigma.oldest(), np.nan)

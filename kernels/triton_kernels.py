@@ -173,10 +173,9 @@ def _probabilities_dot(p, k, acc, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAS
     2**-8 of p; FP16: 2**-11, or 2**-25 absolutely below 2**-14) and multiplied by k as loaded, on
     the tensor cores, exactly in FP32 and accumulated there. P K only scales each row's delta
     error (the measured effect), so its readings move by as much, 2**-8 at most, and less in sums
-    whose terms round independently. The cheapest form: an FP16 product (2**-11) needed a
-    converted copy of the key tile, which cost more instructions and registers than it saved, and
-    in the dQ kernel at D = 128 (triton 3.6, sm_90) came with a wrong dQ (docs/KERNEL_TUNING.md).
-    FP32 inputs take the IEEE product the kernels use for them anyway."""
+    whose terms round independently. (An FP16 product of BF16 inputs would need a converted copy
+    of the key tile, which costs more than it saves: docs/KERNEL_TUNING.md.) FP32 inputs take the
+    IEEE product the kernels use for them anyway."""
     if IEEE:
         acc = _dot(p, k, True, UPCAST, acc)
     else:
