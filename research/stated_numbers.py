@@ -27,6 +27,11 @@ TEST_4 = ROOT / "results/seed-split-4/test.json"  # the fourth protocol's test (
 TEST_2_SEEDS = 24  # the second protocol's test seeds (300-323)
 AUTO_FIX = ROOT / "results/seed-split-6/auto-fix.json"  # the sixth protocol's result (research.auto_fix_effect)
 AUTO_FIX_10 = ROOT / "results/seed-split-10/auto-fix.json"  # the tenth's (cosine schedule), once it has run
+AUTO_FIX_12 = ROOT / "results/seed-split-12/auto-fix.json"  # the twelfth's (cosine, peak 1.75e-3), once it has run
+# the twelfth protocol's claim on what auto_fix costs the runs that would have survived, as its file registers
+# it (research/preregistration/early-warning-protocol-12.md, "Claim 2"): enough survivors, their mean final-loss
+# ratio (fix over twin) and their largest
+COST_MIN_SURVIVORS, COST_MAX_MEAN, COST_MAX_ANY = 6, 1.01, 1.03
 LANDMARK = ROOT / "results/seed-split-5/landmark.json"  # the fifth protocol's test (research.early_warning landmark)
 LANDMARK_TABLE = ROOT / "results/seed-split-5/landmark.md"
 README_ANCHOR = "**What the early warning predicts:"  # where the paragraph starts, whatever its verdict
@@ -142,14 +147,18 @@ def _auto_fix_sentence(result: dict) -> str:
             f"{min(ratios):.3f}-{max(ratios):.3f}x theirs.")
 
 
-def _acting_sentence() -> str:
-    """The README's point on acting on the warnings: the sixth protocol's auto_fix result, or, once
-    the tenth has run, its result on the cosine schedule (prevented blow-ups and what the survivors
-    it switched paid) with the sixth's counts beside it."""
-    sixth = json.loads(AUTO_FIX.read_text())
-    if not AUTO_FIX_10.exists():
-        return _auto_fix_sentence(sixth)
-    tenth = json.loads(AUTO_FIX_10.read_text())
+def cost_verdict(result: dict) -> str:
+    """The twelfth protocol's claim 2 ("auto_fix costs a run that would have survived at most 1% of its
+    final loss") read from an ``auto_fix_effect`` result as registered: "made", "not made" or
+    "undecided" (fewer than ``COST_MIN_SURVIVORS`` survivors)."""
+    if result["survivors"] < COST_MIN_SURVIVORS:
+        return "undecided"
+    low, high = result["survivor_loss_ratio_range"]
+    return "made" if result["survivor_loss_ratio_mean"] <= COST_MAX_MEAN and high <= COST_MAX_ANY else "not made"
+
+
+def _tenth_clause(tenth: dict) -> tuple[str, str]:
+    """The tenth protocol's switches and prevented blow-ups, and what its surviving twins' runs paid."""
     pairs = tenth["pairs"]
     first = [p["first_switch"] for p in pairs if p["first_switch"] is not None]
     rng = tenth["survivor_loss_ratio_range"]
@@ -161,14 +170,42 @@ def _acting_sentence() -> str:
     else:
         loss = (f"; the {tenth['survivors']} surviving twins' runs ({tenth['switched_survivors']} switched) ended "
                 f"at {rng[0]:.3f}-{rng[1]:.3f}x their loss")
-    harmed = tenth["harmed"]
-    fix_blew = sum(1 for p in sixth["pairs"] if not p["fix"]["survivor"])
     switched = f"all {len(pairs)}" if len(first) == len(pairs) else f"{len(first)} of {len(pairs)}"
-    return (f"*Acting on them* (peak {_rate(_peak_9())}, {len(pairs)} seeds beside their SDPA twins): "
-            f"`auto_fix=\"fp32_delta\"` switched {switched} (steps {min(first):,}-{max(first):,}) and prevented "
-            f"{tenth['prevented']} of {tenth['cases']} confirmed blow-ups ({tenth['verdict']}){loss}; {len(harmed)} "
-            f"blew up where the twin did not (constant lr 1.5e-3: {fix_blew} of {len(sixth['pairs'])}, twins "
-            f"{sixth['cases']}).")
+    return (f"switched {switched} (steps {min(first):,}-{max(first):,}) and prevented {tenth['prevented']} of "
+            f"{tenth['cases']} confirmed blow-ups ({tenth['verdict']})"), loss
+
+
+def _acting_sentence() -> str:
+    """The README's point on acting on the warnings: the sixth protocol's auto_fix result; once the
+    tenth has run, its result on the cosine schedule (prevented blow-ups and what the survivors it
+    switched paid) with the sixth's counts beside it; once the twelfth has run too, its result at the
+    lower peak first (prevented blow-ups and its registered claim on the survivors' cost), then the
+    tenth's, then the sixth's."""
+    sixth = json.loads(AUTO_FIX.read_text())
+    if not AUTO_FIX_10.exists():
+        return _auto_fix_sentence(sixth)
+    tenth = json.loads(AUTO_FIX_10.read_text())
+    fix_blew = sum(1 for p in sixth["pairs"] if not p["fix"]["survivor"])
+    sixth_clause = f"(constant lr 1.5e-3: {fix_blew} of {len(sixth['pairs'])}, twins {sixth['cases']})"
+    if not AUTO_FIX_12.exists():
+        did, loss = _tenth_clause(tenth)
+        return (f"*Acting on them* (peak {_rate(_peak_9())}, {len(tenth['pairs'])} seeds beside their SDPA twins): "
+                f"`auto_fix=\"fp32_delta\"` {did}{loss}; {len(tenth['harmed'])} blew up where the twin did not "
+                f"{sixth_clause}.")
+    twelfth = json.loads(AUTO_FIX_12.read_text())
+    first = [p["first_switch"] for p in twelfth["pairs"] if p["first_switch"] is not None]
+    runs = len(twelfth["pairs"])
+    switched = f"all {runs} runs" if len(first) == runs else f"{len(first)} of {runs} runs"
+    low, high = twelfth["survivor_loss_ratio_range"] or (float("nan"), float("nan"))
+    harmed = len(twelfth["harmed"]) + len(tenth["harmed"])
+    return (f"*Acting on them* (cosine schedule, seeds beside their SDPA twins): `auto_fix=\"fp32_delta\"` at peak "
+            f"{_rate(_peak_11())} switched {switched} (steps {min(first):,}-{max(first):,}), prevented "
+            f"{twelfth['prevented']} of {twelfth['cases']} confirmed blow-ups ({twelfth['verdict']}), and the "
+            f"{twelfth['survivors']} that would have survived ({twelfth['switched_survivors']} switched) ended at "
+            f"{twelfth['survivor_loss_ratio_mean']:.3f}x their twins' loss ({low:.3f}-{high:.3f}; at most 1% cost: "
+            f"{cost_verdict(twelfth)}); at peak {_rate(_peak_9())} it prevented {tenth['prevented']} of "
+            f"{tenth['cases']} ({tenth['verdict']}). {harmed} of {runs + len(tenth['pairs'])} blew up where the twin "
+            f"did not {sixth_clause}.")
 
 
 # the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines
@@ -397,7 +434,8 @@ TABLES = {"9": ("<!-- test.md: generated", TEST_1_TABLE.read_text),
           "15 (eleventh landmark)": ("<!-- landmark-11.md: generated",
                                      lambda: _first_table(TEST_11.with_name("landmark.md"))),
           "15 (eleventh, computed after)": ("<!-- post-hoc-11: generated", lambda: post_hoc_table(TEST_11)),
-          "16 (tenth)": ("<!-- auto-fix-10.md: generated", lambda: _first_table(AUTO_FIX_10.with_suffix(".md")))}
+          "16 (tenth)": ("<!-- auto-fix-10.md: generated", lambda: _first_table(AUTO_FIX_10.with_suffix(".md"))),
+          "16 (twelfth)": ("<!-- auto-fix-12.md: generated", lambda: _first_table(AUTO_FIX_12.with_suffix(".md")))}
 
 
 def _readme_span(readme: str) -> tuple[int, int]:

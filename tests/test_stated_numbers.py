@@ -214,7 +214,8 @@ def test_the_headline_says_every_rule_failed_only_where_each_decisive_test_faile
 def test_the_tenth_protocols_result_replaces_the_acting_point_once_it_exists(tmp_path, monkeypatch):
     """Once the tenth protocol (auto_fix on the cosine schedule) has a result, the README's acting
     point reads its switches, prevented blow-ups, the survivors it switched, their loss and the harm,
-    with the sixth's counts beside; before, the sixth's sentence stands."""
+    with the sixth's counts beside; before, the sixth's sentence stands (the twelfth's not yet run)."""
+    monkeypatch.setattr(stated_numbers, "AUTO_FIX_12", tmp_path / "missing-12.json")
     monkeypatch.setattr(stated_numbers, "AUTO_FIX_10", tmp_path / "missing.json")
     assert stated_numbers._acting_sentence() == stated_numbers._auto_fix_sentence(
         json.loads(stated_numbers.AUTO_FIX.read_text()))
@@ -236,3 +237,25 @@ def test_the_tenth_protocols_result_replaces_the_acting_point_once_it_exists(tmp
     flat = " ".join(stated_numbers.readme_block().split())
     assert ("switched all 16 (steps 1,500-1,500) and prevented 9 of 10 confirmed blow-ups (shown); the 1 surviving "
             "twin's run, switched, ended at 1.004x its loss; 0 blew up") in flat
+
+
+def test_the_twelfth_protocols_result_leads_the_acting_point_with_its_registered_cost_claim(tmp_path, monkeypatch):
+    """Once the twelfth protocol has a result, the acting point states its prevented blow-ups and its
+    claim on the survivors' loss as registered: made within the bars, not made above either bar,
+    undecided below 6 survivors; the harm counts both cosine protocols."""
+    flat = " ".join(stated_numbers.readme_block().split())
+    assert "prevented 6 of 6 confirmed blow-ups (shown)" in flat and "at most 1% cost: made" in flat
+    result = json.loads(stated_numbers.AUTO_FIX_12.read_text())
+    assert stated_numbers.cost_verdict(result) == "made"
+    path = tmp_path / "auto-fix.json"
+    monkeypatch.setattr(stated_numbers, "AUTO_FIX_12", path)
+    for change, verdict in (({"survivor_loss_ratio_mean": 1.0101}, "not made"),
+                            ({"survivor_loss_ratio_range": [0.99, 1.031]}, "not made"),
+                            ({"survivors": 5}, "undecided")):
+        changed = {**result, **change}
+        assert stated_numbers.cost_verdict(changed) == verdict
+        path.write_text(json.dumps(changed))
+        assert f"at most 1% cost: {verdict})" in " ".join(stated_numbers.readme_block().split())
+        assert stated_numbers.differences()
+    path.write_text(json.dumps({**result, "harmed": [804, 810]}))
+    assert "2 of 40 blew up where the twin did not" in " ".join(stated_numbers.readme_block().split())
