@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|plainsweep|
-#                                   autotune|kernels|graphs|profile|ddp|host|chaincheck|ncu128|lab ...]   (default: tests bench)
+#                                   autotune|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -120,6 +120,15 @@ for step in $steps; do
               --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv \
               --page details python3 benchmarks/profile_kernels.py --shape 4,32,4096,128 --variants plain \
               > "$OUT/ncu_d128.csv" 2> "$OUT/ncu_d128.log"; tail -5 "$OUT/ncu_d128.log"; wc -l "$OUT/ncu_d128.csv" ;;
+    # Nsight Compute on the D 64 kernels of plain, statistics and fixed (one forward+backward each, after a compiling
+    # pass), at GPT-2 small's call and at 8 x 16 x 2048 x 64, where plain is 0.88x cuDNN
+    ncu64) for shape in 16,12,1024,64 8,16,2048,64; do
+             timeout 150 ncu --clock-control none --kernel-name regex:'_attn_(fwd|bwd_dq|bwd_dkdv)_kernel' --launch-skip 9 \
+               --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+               --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --csv \
+               --page details python3 benchmarks/profile_kernels.py --shape $shape \
+               > "$OUT/ncu_d64_${shape//,/x}.csv" 2> "$OUT/ncu_d64_${shape//,/x}.log"; wc -l "$OUT/ncu_d64_${shape//,/x}.csv"
+           done ;;
     profile) timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 | tee "$OUT/profile_monitored_step.log" | tail -8
              FLASHWATCH_KERNEL_REDUCTION=0 timeout 200 python3 benchmarks/profile_monitored_step.py 2>&1 \
                | tee "$OUT/profile_monitored_step_store.log" | tail -8 ;;
