@@ -15,7 +15,6 @@ skipped.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -52,9 +51,7 @@ def main(argv=None) -> int:
                      "best": best["config"] if best else None})
         print(f"\nshape {shape}: plain f+b {base:.3f} ms (device); statistics on, by dQ configuration:")
         bench.print_sweep(results, best, default)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": bench.environment(), "rows": rows}, f, indent=1)
+    bench.write_sweep_json(args.json, rows)
     return 0
 
 

@@ -16,7 +16,6 @@ kind is marked. A candidate that does not compile or launch is reported and skip
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -60,19 +59,11 @@ def main(argv=None) -> int:
                     r["speed_vs_cudnn"] = cudnn_ms / r["ms"]
             print(f" {kind} (table: {bench.config_label(tuning.TABLE[kind][D])}), fwd+bwd by its configuration, "
                   f"over the table's, and against cuDNN:")
-            for r in results:
-                label = bench.config_label(r["config"])
-                if "ms" not in r:
-                    print(f"  {label:<28} failed: {r['error']}")
-                    continue
-                mark = (" <- best" if r is best else "") + (" (table)" if r["config"] == tuning.TABLE[kind][D] else "")
-                print(f"  {label:<28} {r['ms']:8.3f} ms  {r['over_base']:+7.1%}  {r['speed_vs_cudnn']:.2f}x{mark}")
+            bench.print_sweep(results, best, tuning.TABLE[kind][D], peer_ms=cudnn_ms)
             row["kinds"][kind] = {"table_config": tuning.TABLE[kind][D], "candidates": results,
                                   "best": best["config"] if best else None}
         rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": bench.environment(), "rows": rows}, f, indent=1)
+    bench.write_sweep_json(args.json, rows)
     return 0
 
 

@@ -17,7 +17,6 @@ compile or launch is reported and skipped.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -63,9 +62,7 @@ def main(argv=None) -> int:
         print(f"\nshape {shape}: statistics without rows {1e3 * plain_ms:.1f} us ({bench.config_label(tuning.TABLE['stats'][D])});"
               " with the chain's rows reduced, by configuration (over the call without rows):")
         bench.print_sweep(results, best, table, unit="us")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": bench.environment(), "rows": rows}, f, indent=1)
+    bench.write_sweep_json(args.json, rows)
     return 0
 
 

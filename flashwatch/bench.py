@@ -230,18 +230,29 @@ def config_label(cfg: dict) -> str:
         f" maxnreg {cfg['maxnreg']}" if "maxnreg" in cfg else "")
 
 
-def print_sweep(results: list[dict], best: dict | None, table: dict, unit: str = "ms") -> None:
+def print_sweep(results: list[dict], best: dict | None, table: dict, unit: str = "ms",
+                peer_ms: float | None = None) -> None:
     """One line per candidate of ``sweep_configurations``: tiles, time, overhead; the fastest and the
-    table's entry marked."""
+    table's entry marked. With ``peer_ms`` (a peer's time for the same work, e.g. cuDNN's), also
+    each candidate's speed against it (> 1: faster)."""
     scale = 1e3 if unit == "us" else 1.0
     for r in results:
         c = r["config"]
         label = config_label(c)
         mark = (" <- best" if r is best else "") + (" (table)" if c == table else "")
         if "ms" in r:
-            print(f"  {label:<28} {scale * r['ms']:8.3f} {unit}  {r['over_base']:+7.1%}{mark}")
+            peer = f"  {peer_ms / r['ms']:.2f}x" if peer_ms is not None else ""
+            print(f"  {label:<28} {scale * r['ms']:8.3f} {unit}  {r['over_base']:+7.1%}{peer}{mark}")
         else:
             print(f"  {label:<28} failed: {r['error']}")
+
+
+def write_sweep_json(path: str | None, rows: list[dict]) -> None:
+    """A sweep script's rows, with the environment they were measured in, as JSON at ``path`` (None:
+    nothing written)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=1)
 
 
 def environment() -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -152,6 +154,20 @@ def test_sweep_configurations_times_each_candidate_under_its_override(monkeypatc
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("(table)") and out[1].endswith("<- best") and "1500.000 us" in out[1]
     assert "failed: RuntimeError" in out[2]
+    bench.print_sweep(results, best, cands[0], peer_ms=3.0)  # against a peer: its time over each candidate's
+    out = capsys.readouterr().out.splitlines()
+    assert "1.50x" in out[0] and out[1].endswith("2.00x <- best") and "failed" in out[2]
+
+
+def test_a_sweeps_json_holds_its_rows_and_environment(tmp_path, monkeypatch):
+    """write_sweep_json writes the rows with the environment they were measured in, and nothing
+    without a path."""
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "test"})
+    path = tmp_path / "sweep.json"
+    bench.write_sweep_json(str(path), [{"shape": [1, 2, 3, 4]}])
+    assert json.loads(path.read_text()) == {"environment": {"gpu": "test"}, "rows": [{"shape": [1, 2, 3, 4]}]}
+    bench.write_sweep_json(None, [{"shape": [1]}])
+    assert list(tmp_path.iterdir()) == [path]
 
 
 def test_the_chain_column_times_the_kernels_reduction_against_plain(monkeypatch):
