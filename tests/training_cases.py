@@ -28,17 +28,17 @@ def deterministic():
 
 
 def gradients(config: GPTConfig, device: str, monitored: bool, compile_backend: str | None, steps: int = 3,
-              batch: int = 2) -> list[list[torch.Tensor]]:
-    """Every parameter's gradient at each of ``steps`` steps (BF16 autocast, the same seeds whatever the
-    arguments), with ``Monitor(MonitorConfig(interval=2, mode="observe"))`` attached or not, compiled
+              batch: int = 2, autocast: bool = True) -> list[list[torch.Tensor]]:
+    """Every parameter's gradient at each of ``steps`` steps (BF16 autocast, or FP32 throughout with
+    ``autocast=False``; the same seeds whatever the arguments), with ``Monitor(MonitorConfig(interval=2, mode="observe"))`` attached or not, compiled
     with ``compile_backend`` (None: eager; "inductor" is torch.compile's default). Steps 0 and 2 are
     monitored. Runs under ``deterministic()``: the same arguments give the same bits."""
     with deterministic():
-        return _gradients(config, device, monitored, compile_backend, steps, batch)
+        return _gradients(config, device, monitored, compile_backend, steps, batch, autocast)
 
 
 def _gradients(config: GPTConfig, device: str, monitored: bool, compile_backend: str | None, steps: int,
-               batch: int) -> list[list[torch.Tensor]]:
+               batch: int, autocast: bool) -> list[list[torch.Tensor]]:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = GPT(config).to(device)
@@ -51,7 +51,7 @@ def _gradients(config: GPTConfig, device: str, monitored: bool, compile_backend:
     try:
         for _ in range(steps):
             x = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
-            with torch.autocast(device, dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
                 loss = run(x, x)[1]
             loss.backward()
             out.append([p.grad.clone() for p in model.parameters()])
