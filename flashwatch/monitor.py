@@ -748,19 +748,26 @@ class Monitor:
         Decides a monitored step still in flight first (``flush``), without changing what training
         does next: the alerts it decides are still returned by the next ``step()``, and its actions
         (``auto_fix`` switches, a ``stop_on`` stop) happen there; they are part of the state, so a
-        run resumed from it acts at the same step.
+        run resumed from it acts at the same step. After ``detach()`` or ``close()`` the layers'
+        part is the one they left (a checkpoint saved after training resumes like one saved during
+        it); after ``load_state_dict`` and before ``attach``, the loaded state.
         """
+        if self._router is None and self._pending_state is not None:
+            return dict(self._pending_state)  # loaded before attach: saved as it is until attach applies it
         self._flush(for_next_step=True)
         signals = self._signals.state_dict()
+        layers = [{"name": layer.name, "num_heads": layer.total_heads, "mode": layer.mode,
+                   "variant": layer.variant, "power": self._wq.state_of(layer), "signals": sig,
+                   "chain": layer.chain.state_dict() if layer.chain is not None else None}
+                  for layer, sig in zip(self.layers, signals)]
+        if self._router is None and self._detached_state is not None:
+            layers = self._detached_state["layers"]  # detached (after a fit, close()): the layers as they were left
         return {
             "version": STATE_VERSION,
             "global_step": self.global_step,
             "monitored_steps": self.monitored_steps,
             "config": self.config.to_dict(),
-            "layers": [{"name": layer.name, "num_heads": layer.total_heads, "mode": layer.mode,
-                        "variant": layer.variant, "power": self._wq.state_of(layer), "signals": sig,
-                        "chain": layer.chain.state_dict() if layer.chain is not None else None}
-                       for layer, sig in zip(self.layers, signals)],
+            "layers": layers,
             **self._decisions.state_dict(),
             "errors": self.errors,
             "last": self._last,

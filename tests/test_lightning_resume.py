@@ -46,3 +46,23 @@ def test_resume_at_epoch_boundary_equals_uninterrupted_run(loader, tmp_path, con
             assert parts_steps[step][name] == metrics[name], (step, name)
     _assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
     assert whole.monitor.wq_spectral_norms() == resumed.monitor.wq_spectral_norms()
+
+
+def test_a_checkpoint_saved_after_fit_resumes_like_one_saved_during_it(loader, tmp_path):  # noqa: F811
+    """``trainer.save_checkpoint`` after ``fit()`` (the callback has detached by then) holds the
+    Monitor's layers as training left them: a new Trainer resumes from it and ends where the
+    uninterrupted run does."""
+    config = dict(port=None, console=None, warmup=2, interval=3)
+    whole = FlashWatchCallback(run_dir=tmp_path / "whole", **config)
+    trainer([whole], max_epochs=4).fit(LitGPT(), loader)
+
+    first = FlashWatchCallback(run_dir=tmp_path / "parts", **config)
+    ended = trainer([first], max_epochs=2)
+    ended.fit(LitGPT(), loader)
+    ended.save_checkpoint(tmp_path / "after-fit.ckpt")
+    resumed = FlashWatchCallback(run_dir=tmp_path / "parts", **config)
+    trainer([resumed], max_epochs=4).fit(LitGPT(), loader, ckpt_path=str(tmp_path / "after-fit.ckpt"))
+
+    assert resumed.monitor.global_step == whole.monitor.global_step == 24
+    _assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
+    assert whole.monitor.wq_spectral_norms() == resumed.monitor.wq_spectral_norms()

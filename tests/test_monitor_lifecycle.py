@@ -99,6 +99,30 @@ def test_close_gives_the_model_back_and_later_steps_measure_and_write_nothing(ca
     assert F.scaled_dot_product_attention is sdpa
 
 
+def test_a_state_saved_after_detach_or_close_resumes_the_same_layers(tmp_path):
+    """A checkpoint saved after training ended (Lightning saves after fit(), when the callback has
+    detached; or after close()) holds the layers' signals as they were left, so a new Monitor on the
+    same model resumes from it; a state loaded before attach is saved as loaded."""
+    run = Run(MonitorConfig(interval=2))
+    run.train(4)
+    during = run.monitor.state_dict()
+    run.monitor.detach()
+    after = run.monitor.state_dict()
+    assert [s["name"] for s in after["layers"]] == [s["name"] for s in during["layers"]] != []
+    assert after["global_step"] == during["global_step"] == 4
+    torch.save(after, tmp_path / "after.pt")
+    run.monitor.close()
+    assert run.monitor.state_dict()["layers"] is after["layers"]
+    fresh = Monitor(MonitorConfig(interval=2))
+    fresh.load_state_dict(torch.load(tmp_path / "after.pt", weights_only=False))
+    held = fresh.state_dict()
+    assert held["global_step"] == 4 and [s["name"] for s in held["layers"]] == [s["name"] for s in after["layers"]]
+    assert repr(held["layers"][0]["signals"]) == repr(after["layers"][0]["signals"])
+    fresh.attach(run.model)  # the same layers: the saved signals continue
+    assert fresh.global_step == 4 and len(fresh.layers) == len(after["layers"])
+    fresh.close()
+
+
 def test_close_decides_the_last_monitored_step_and_logs_a_stop_it_cannot_raise(monkeypatch, caplog):
     _defer_like_cuda(monkeypatch)
     keep = Keep()
