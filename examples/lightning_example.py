@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe")
     p.add_argument("--auto-fix", choices=("fixed", "fp32_delta"), default=None)
     p.add_argument("--port", type=int, default=9400, help="Prometheus port (0: any free port)")
-    p.add_argument("--out", default="runs/lightning", help="run folder (logs, JSONL, checkpoint)")
+    p.add_argument("--out", default=None,
+                   help="run folder (logs, JSONL, checkpoint); default runs/lightning-<timestamp>, a new one each run "
+                        "(the callback refuses to start a new run in a folder that already holds one)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     module = LitGPT(layers=2, heads=4, embd=64, block=64, lr=3e-3)
     loader = make_loader(args.batches, batch_size=8, block=64, seed=args.seed)
 
-    out = Path(args.out)
+    out = Path(args.out or f"runs/lightning-{time.strftime('%Y%m%d-%H%M%S')}")
     watch = FlashWatchCallback(interval=args.interval, mode=args.mode, auto_fix=args.auto_fix,
                                port=args.port, run_dir=out / "flashwatch")
     trainer = Trainer(accelerator="cpu", devices=1, max_epochs=args.epochs, precision=args.precision,

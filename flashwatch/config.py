@@ -219,7 +219,10 @@ def _rules(cfg: MonitorConfig, name: str) -> None:
     value = getattr(cfg, name)
     if isinstance(value, str) or not hasattr(value, "__iter__"):
         _fail(name, value, f"a set of rule names out of {', '.join(RULES)}")
-    items = frozenset(value)
+    items = list(value)
+    if not all(isinstance(r, str) for r in items):
+        _fail(name, value, f"a set of rule names (strings) out of {', '.join(RULES)}")
+    items = frozenset(items)
     unknown = sorted(str(r) for r in items if r not in RULES)
     if unknown:
         raise ValueError(f"MonitorConfig.{name}: unknown rule(s) {', '.join(unknown)}; accepted: {', '.join(RULES)}")

@@ -191,6 +191,9 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
             raise ValueError(f"run_dir must be a folder path (str or os.PathLike) or None, got {run_dir!r}")
         if not isinstance(per_rank_endpoints, bool):
             raise ValueError(f"per_rank_endpoints must be True or False, got {per_rank_endpoints!r}")
+        if isinstance(exporters, (str, bytes, os.PathLike)) or callable(getattr(exporters, "export", None)):
+            raise ValueError(f"exporters must be a list of flashwatch.exporters.Exporter instances (the callback "
+                             f"writes run_dir itself), got {exporters!r}: pass exporters=[...] or run_dir=")
         for e in exporters:
             if not all(callable(getattr(e, m, None)) for m in ("open", "export", "close")):
                 raise ValueError(f"exporters must be flashwatch.exporters.Exporter instances, got {type(e).__name__}")

@@ -239,7 +239,7 @@ def readme_block() -> str:
     ranks = _landmark_claims(landmark)[0]
     head = (f"**What the early warning predicts: {'a ranking is shown' if ranks else 'not proven'}"
             f"{', an alarm is not' if ranks and not passed else ''}.** ")
-    intro = (head + f"{verdict} Pre-registered tests (one H200, `docs/EXPERIMENTS.md` §9-15) on runs differing by "
+    intro = (head + f"{verdict} Pre-registered tests (one H200, `docs/EXPERIMENTS.md` §9-16) on runs differing by "
              "seed alone (GPT 6x384, BF16 SDPA; thresholds from 8 other seeds; `chain`: `delta_drift` with "
              "W^Q-error coherence):")
     items = [_landmark_sentence(landmark), _alarm_sentence(r1, r2, t4, passed),

@@ -84,6 +84,7 @@ def test_normalises_sets_and_lists():
     (dict(clear_ratio=1.5), r"MonitorConfig\.clear_ratio"),
     (dict(stop_on="non_finite"), r"MonitorConfig\.stop_on must be a set of rule names out of delta_drift"),
     (dict(stop_on={"nan"}), r"MonitorConfig\.stop_on: unknown rule\(s\) nan; accepted: " + ", ".join(RULES)),
+    (dict(stop_on=[["non_finite"]]), r"MonitorConfig\.stop_on must be a set of rule names \(strings\) out of delta_drift"),
     (dict(power_iters=0), r"MonitorConfig\.power_iters must be an int >= 1"),
     (dict(power_block=0), r"MonitorConfig\.power_block must be an int >= 1"),
     (dict(power_exact_every=-1), r"MonitorConfig\.power_exact_every must be an int >= 0"),

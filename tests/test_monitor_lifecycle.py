@@ -528,6 +528,13 @@ def test_one_exporter_not_in_a_list_is_a_clear_error(tmp_path):
 
     with pytest.raises(TypeError, match=r"exporters must be a list of exporters, e.g. exporters=\[JsonlExporter"):
         Monitor(MonitorConfig(), exporters=JsonlExporter(tmp_path))
+    with pytest.raises(TypeError, match=r"got the path 'runs/x': .* exporters=\[JsonlExporter\('runs/x'\)\]"):
+        Monitor(MonitorConfig(), exporters="runs/x")
+    from flashwatch.lightning import FlashWatchCallback
+
+    for wrong in (JsonlExporter(tmp_path), "runs/x"):
+        with pytest.raises(ValueError, match="exporters must be a list of flashwatch.exporters.Exporter instances"):
+            FlashWatchCallback(exporters=wrong, port=None)
 
 
 def test_a_one_element_numpy_loss_is_a_number_and_a_longer_one_an_error():

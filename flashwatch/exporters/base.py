@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -159,7 +160,10 @@ class FanOut(Exporter):
         self._failures: dict[int, int] = {}  # id(exporter) -> failures
         self._layout: Layout | None = None
         self._opened: list[Exporter] = []
-        if callable(getattr(exporters, "export", None)) or isinstance(exporters, (str, bytes)):
+        if isinstance(exporters, (str, bytes, os.PathLike)):
+            raise TypeError(f"exporters must be a list of exporters, got the path {exporters!r}: to write a run "
+                            f"folder, pass exporters=[JsonlExporter({exporters!r})] (flashwatch.exporters)")
+        if callable(getattr(exporters, "export", None)):
             raise TypeError(f"exporters must be a list of exporters, e.g. exporters=[{type(exporters).__name__}(...)], "
                             f"got one {type(exporters).__name__}")
         for e in exporters:
