@@ -199,7 +199,7 @@ def test_lightning_snippet_runs(tmp_path, monkeypatch):
     exec(compile(snippet, "README.md (Lightning)", "exec"), scope)
     watch = scope["watch"]
     assert watch.monitor.monitored_steps == 2 and watch.monitor.errors == 0
-    assert (tmp_path / "runs" / "my-run" / "metrics.jsonl").exists()
+    assert (tmp_path / "runs" / "my-lit-run" / "metrics.jsonl").exists()
 
 
 def test_the_guide_names_tests_that_exist():
