@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -263,3 +264,41 @@ def test_the_report_reads_the_thresholds_the_run_recorded(tmp_path):
     old = load_run(tmp_path)
     assert not old.thresholds_recorded and old.drift_threshold == MonitorConfig().drift_threshold
     assert "did not record its own" in to_html(old)
+
+
+def test_a_file_holding_two_runs_draws_the_last_with_a_warning_and_a_resumed_run_is_one(tmp_path, caplog):
+    """A script run twice into one folder appends a second run from step 0: the report draws that run
+    alone and says so; a resumed run (an open record, then steps after the first part's first) is
+    drawn whole, without the warning."""
+    def train(steps, monitor, seed):
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        monitor.attach(model)
+        g = torch.Generator().manual_seed(seed)
+        data = stdlib_corpus(50_000)
+        for _ in range(steps):
+            x, y = sample_batch(data, 2, 16, generator=g)
+            _, loss = model(x, y)
+            loss.backward()
+            monitor.step(loss=loss.detach())
+        monitor.close()
+
+    train(6, Monitor(MonitorConfig(interval=2), exporters=[JsonlExporter(tmp_path)]), seed=0)
+    first = load_run(tmp_path).steps
+    train(4, Monitor(MonitorConfig(interval=2), exporters=[JsonlExporter(tmp_path)]), seed=1)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        run = load_run(tmp_path)
+    assert list(first) == [0, 2, 4] and list(run.steps) == [0, 2]
+    assert sum("holds 2 runs" in r.getMessage() for r in caplog.records) == 1
+
+    resumed = tmp_path / "resumed"
+    monitor = Monitor(MonitorConfig(interval=2), exporters=[JsonlExporter(resumed)])
+    train(4, monitor, seed=0)
+    state = monitor.state_dict()
+    again = Monitor(MonitorConfig(interval=2), exporters=[JsonlExporter(resumed)])
+    again.load_state_dict(state)
+    train(4, again, seed=0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        assert list(load_run(resumed).steps) == [0, 2, 4, 6]
+    assert not any("runs" in r.getMessage() and "holds" in r.getMessage() for r in caplog.records)

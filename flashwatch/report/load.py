@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from typing import Any
 from ..config import MonitorConfig
 from ..exporters.jsonl import METRICS_FILE, read_jsonl
 from ..vocabulary import INJECTED
+
+log = logging.getLogger("flashwatch")
 
 __all__ = ["RunData", "UnreadableRun", "load_run", "PER_HEAD_METRICS", "num"]
 
@@ -89,18 +92,29 @@ def _metrics_path(path: str | os.PathLike) -> Path:
 
 def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict], dict | None]:
     """The layout and MonitorConfig (None if not recorded) of the last ``open`` record, and the step
-    records, one per step (the last one written)."""
+    records, one per step (the last one written). A file that holds several runs (a new run started
+    from step 0 after an earlier one's steps, e.g. a script run twice into one folder) gives the last
+    run's steps only, with a warning; a resumed run (its first step after the earlier part's first)
+    continues the earlier part."""
     layout: list[tuple[str, int]] = []
     config: dict | None = None
     by_step: dict[int, dict] = {}
+    segment_start = False  # an open record was read, and no step after it yet
+    runs = 1
     try:
         for rec in read_jsonl(p, kinds=None):
             kind = rec.get("kind")
             if kind == "open":
                 layout = [(str(x.get("name")), int(x.get("heads", 0))) for x in rec.get("layout", [])]
                 config = rec.get("monitor_config") if isinstance(rec.get("monitor_config"), dict) else None
+                segment_start = True
             elif kind == "step" and isinstance(rec.get("metrics"), dict):
-                by_step[int(rec["step"])] = rec
+                step = int(rec["step"])
+                if segment_start:
+                    segment_start = False
+                    if by_step and step <= min(by_step):
+                        by_step, runs = {}, runs + 1  # a new run from its start: the earlier one is not this run
+                by_step[step] = rec
     except OSError as exc:
         raise UnreadableRun(f"cannot read {p}: {exc.strerror or exc}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -111,6 +125,9 @@ def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict], dict | No
         raise UnreadableRun(f"{p} {what}: nothing to draw. The report needs the step records a flashwatch run "
                             f"writes (JsonlExporter, FlashWatchCallback's run_dir) once its first monitored step "
                             f"is done")
+    if runs > 1:
+        log.warning("flashwatch report: %s holds %d runs, each started from step %d; drawing the last one (give each "
+                    "run its own folder)", p, runs, min(by_step))
     return layout, [by_step[s] for s in sorted(by_step)], config
 
 
