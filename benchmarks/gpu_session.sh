@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|plainsweep|
-#                                   autotune|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|lab ...]   (default: tests bench)
+#                                   autotune|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -73,6 +73,11 @@ for step in $steps; do
               timeout 560 python3 benchmarks/monitor_overhead.py --only-compiled --compile max-autotune-no-cudagraphs \
                 --arms "$A" --json "$OUT/monitor_overhead_autotune-${A//[,+]/_}.json" 2>&1 \
                 | tee "$OUT/monitor_overhead_autotune-${A//[,+]/_}.log" | grep -v "Warning\|AUTOTUNE\|triton_mm\|^  " ;;
+    # hostprofile: where the compiled own-kernel step's host time goes, against compiled SDPA's (CPU self time per
+    # operator and runtime call, unmonitored steps), then the same eager
+    hostprofile) timeout 280 python3 benchmarks/step_kernels.py --host --json "$OUT/step_host.json" 2>&1 | tee "$OUT/step_host.log" | grep -v Warning
+                 timeout 200 python3 benchmarks/step_kernels.py --host --eager --json "$OUT/step_host_eager.json" 2>&1 \
+                   | tee "$OUT/step_host_eager.log" | grep -v Warning ;;
     kernels) timeout 300 python3 benchmarks/step_kernels.py --json "$OUT/step_kernels.json" 2>&1 | tee "$OUT/step_kernels.log"
              timeout 200 python3 benchmarks/step_kernels.py --eager --json "$OUT/step_kernels_eager.json" 2>&1 \
                 | tee "$OUT/step_kernels_eager.log" ;;

@@ -1,10 +1,14 @@
 """Where one training step's device time goes, kernel by kernel, in two arms side by side (CUDA):
 GPT-2 small, batch 16 x 1024, bf16, unmonitored steps; torch.profiler over a few steps of each arm,
 device time summed per kernel name and divided by the steps, the kernels sorted by how much more
-time the second arm spends in them.
+time the second arm spends in them. With ``--host``, the host's side instead: the CPU self time of
+every operator and runtime call (custom operators' Python included, launches as cudaLaunchKernel /
+cuLaunchKernel rows with their counts) per step, sorted the same way, and the host time to issue a
+step (no synchronisation inside the timed steps).
 
     PYTHONPATH=. python benchmarks/step_kernels.py                            # SDPA vs own kernel, compiled
     PYTHONPATH=. python benchmarks/step_kernels.py --eager --json kernels.json
+    PYTHONPATH=. python benchmarks/step_kernels.py --host                     # where the host time goes
 
 Arms: ``sdpa`` (the model as it is, torch SDPA) and ``own_kernel`` (flashwatch's kernel through a
 Monitor in own-kernel mode whose only monitored step is the first warm-up step). A kernel's name is
@@ -18,6 +22,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -52,21 +57,28 @@ def profile_arm(arm: str, compiled: bool, args) -> dict:
             step()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if args.host else [ProfilerActivity.CUDA]
+        issue = 0.0
+        with profile(activities=activities) as prof:
             start.record()
             for _ in range(args.steps):
+                t0 = time.perf_counter()
                 step()
+                issue += time.perf_counter() - t0
             end.record()
             torch.cuda.synchronize()
         per_kernel: dict[str, float] = defaultdict(float)
         calls: dict[str, int] = defaultdict(int)
-        for e in prof.key_averages():  # CUDA activity only: every row is a kernel, a copy or a fill
-            if e.self_device_time_total > 0:
-                per_kernel[short_name(e.key)] += e.self_device_time_total / 1000 / args.steps  # us -> ms per step
+        for e in prof.key_averages():
+            # device rows (kernels, copies, fills; CUDA activity only), or with --host the host's: operators
+            # and runtime calls (CPU self time)
+            spent = e.self_cpu_time_total if args.host else e.self_device_time_total
+            if spent > 0:  # device rows have no CPU self time; CPU rows have device time only through kernels
+                per_kernel[short_name(e.key)] += spent / 1000 / args.steps  # us -> ms per step
                 calls[short_name(e.key)] += e.count
         return {"arm": arm + ("@compiled" if compiled else ""), "step_ms": start.elapsed_time(end) / args.steps,
-                "device_ms": sum(per_kernel.values()), "kernels": dict(per_kernel),
-                "calls_per_step": {k: v / args.steps for k, v in calls.items()}}
+                "issue_ms": 1e3 * issue / args.steps, "device_ms": sum(per_kernel.values()), "kernels": dict(per_kernel),
+                "calls_per_step": {k: v / args.steps for k, v in calls.items()}, "host": bool(args.host)}
     finally:
         if monitor is not None:
             monitor.detach()
@@ -76,10 +88,13 @@ def profile_arm(arm: str, compiled: bool, args) -> dict:
 def table(a: dict, b: dict, top: int) -> str:
     names = set(a["kernels"]) | set(b["kernels"])
     rows = sorted(names, key=lambda n: abs(b["kernels"].get(n, 0.0) - a["kernels"].get(n, 0.0)), reverse=True)
-    lines = [f"{a['arm']}: step {a['step_ms']:.2f} ms, kernels {a['device_ms']:.2f} ms;  "
-             f"{b['arm']}: step {b['step_ms']:.2f} ms, kernels {b['device_ms']:.2f} ms;  "
-             f"difference: step {b['step_ms'] - a['step_ms']:+.2f} ms, kernels {b['device_ms'] - a['device_ms']:+.2f} ms",
-             f"{'kernel (ms per step)':70s} {a['arm'][:12]:>12s} {b['arm'][:12]:>12s} {'difference':>11s} {'calls':>11s}"]
+    what = "host self time" if a.get("host") else "kernels"
+    issue = (f"host to issue a step {a['issue_ms']:.2f} / {b['issue_ms']:.2f} ms; " if a.get("host") else "")
+    lines = [f"{a['arm']}: step {a['step_ms']:.2f} ms, {what} {a['device_ms']:.2f} ms;  "
+             f"{b['arm']}: step {b['step_ms']:.2f} ms, {what} {b['device_ms']:.2f} ms;  {issue}"
+             f"difference: step {b['step_ms'] - a['step_ms']:+.2f} ms, {what} {b['device_ms'] - a['device_ms']:+.2f} ms",
+             f"{('operator or runtime call' if a.get('host') else 'kernel') + ' (ms per step)':70s} "
+             f"{a['arm'][:12]:>12s} {b['arm'][:12]:>12s} {'difference':>11s} {'calls':>11s}"]
     for n in rows[:top]:
         ta, tb = a["kernels"].get(n, 0.0), b["kernels"].get(n, 0.0)
         ca, cb = a["calls_per_step"].get(n, 0), b["calls_per_step"].get(n, 0)
@@ -90,6 +105,8 @@ def table(a: dict, b: dict, top: int) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--eager", action="store_true", help="eager arms instead of compiled ones")
+    p.add_argument("--host", action="store_true",
+                   help="the host's side: CPU self time per operator and runtime call, not device time per kernel")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=8)
