@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 @pytest.mark.parametrize("script", ["host_overhead.py", "host_profile.py", "dq_stats_sweep.py", "profile_kernels.py",
                                     "profile_monitored_step.py", "sync_points.py", "step_kernels.py",
-                                    "stats_sweep.py", "training_equivalence.py"])
+                                    "stats_sweep.py", "training_equivalence.py", "plain_sweep.py"])
 def test_gpu_only_benchmark_scripts_exit_2_and_say_they_need_cuda(script):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
@@ -219,6 +219,26 @@ def test_step_kernels_names_a_kernel_by_what_identifies_it():
     assert short_name("triton_red_fused__to_copy_native_layer_norm_12") == "triton_red_fused__to_copy_native_layer_norm"
     assert short_name("_attn_fwd_kernel") == "_attn_fwd_kernel"
     assert short_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD"
+
+
+def test_step_kernels_host_table_names_host_time_and_the_issue_time():
+    """With --host the table reads CPU self time per operator and runtime call, and heads with each
+    arm's time to issue a step; the rows are sorted by the difference between the arms."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_kernels import table
+    finally:
+        sys.path.pop(0)
+    a = {"arm": "sdpa@compiled", "step_ms": 35.0, "issue_ms": 26.0, "device_ms": 20.0, "host": True,
+         "kernels": {"aten::mm": 5.0, "cudaLaunchKernel": 4.0}, "calls_per_step": {"aten::mm": 98, "cudaLaunchKernel": 400}}
+    b = dict(a, arm="own_kernel@compiled", step_ms=37.0, issue_ms=36.0, device_ms=30.0,
+             kernels={"aten::mm": 5.0, "cudaLaunchKernel": 4.5, "flashwatch::attention_grad": 6.0},
+             calls_per_step={"aten::mm": 98, "cudaLaunchKernel": 436, "flashwatch::attention_grad": 12})
+    lines = table(a, b, top=3).splitlines()
+    assert "host self time 20.00 ms" in lines[0] and "host to issue a step 26.00 / 36.00 ms" in lines[0]
+    assert lines[1].startswith("operator or runtime call (ms per step)")
+    assert lines[2].startswith("flashwatch::attention_grad") and lines[3].startswith("cudaLaunchKernel")
+    assert lines[3].rstrip().endswith("400/436")
 
 
 def test_profile_pieces_count_each_host_range_once_with_nesting():
