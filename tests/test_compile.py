@@ -713,10 +713,10 @@ def test_compiled_observe_mode_leaves_the_gradients_of_the_compiled_model(backen
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_fp32_observe_mode_differs_at_most_in_the_last_bits_of_a_tied_weight(backend):
     """In FP32 (no autocast), compiled: every gradient equals the unmonitored model's bit for bit but
-    that of the weight the GPT uses twice (token embedding and output head), which Inductor may sum
-    in another order around the Monitor's operators (a fused graph of another shape): there only
-    rounding may differ, a few units in the last place of that gradient's largest entry. What the
-    GUIDE states."""
+    that of the weight the GPT uses twice (token embedding and output head): without the Monitor
+    Inductor folds the embedding's part into the head's matrix product (addmm), with the Monitor's
+    operators in the graph it adds the two parts after the product. Only rounding may differ there, a
+    few units in the last place of that gradient's largest entry. What the GUIDE states."""
     from flashwatch.tinygpt import GPT, GPTConfig
     from training_cases import gradients
 
