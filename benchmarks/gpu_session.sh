@@ -74,9 +74,9 @@ for step in $steps; do
                 --arms "$A" --json "$OUT/monitor_overhead_autotune-${A//[,+]/_}.json" 2>&1 \
                 | tee "$OUT/monitor_overhead_autotune-${A//[,+]/_}.log" | grep -v "Warning\|AUTOTUNE\|triton_mm\|^  " ;;
     # hostprofile: where the compiled own-kernel step's host time goes, against compiled SDPA's (CPU self time per
-    # operator and runtime call, unmonitored steps), then the same eager
-    hostprofile) timeout 280 python3 benchmarks/step_kernels.py --host --json "$OUT/step_host.json" 2>&1 | tee "$OUT/step_host.log" | grep -v Warning
-                 timeout 200 python3 benchmarks/step_kernels.py --host --eager --json "$OUT/step_host_eager.json" 2>&1 \
+    # operator and runtime call, and per Python function, unmonitored steps), then the same eager
+    hostprofile) timeout 280 python3 benchmarks/step_kernels.py --host --python --json "$OUT/step_host.json" 2>&1 | tee "$OUT/step_host.log" | grep -v Warning
+                 timeout 200 python3 benchmarks/step_kernels.py --host --python --eager --json "$OUT/step_host_eager.json" 2>&1 \
                    | tee "$OUT/step_host_eager.log" | grep -v Warning ;;
     kernels) timeout 300 python3 benchmarks/step_kernels.py --json "$OUT/step_kernels.json" 2>&1 | tee "$OUT/step_kernels.log"
              timeout 200 python3 benchmarks/step_kernels.py --eager --json "$OUT/step_kernels_eager.json" 2>&1 \

@@ -4,11 +4,15 @@ device time summed per kernel name and divided by the steps, the kernels sorted 
 time the second arm spends in them. With ``--host``, the host's side instead: the CPU self time of
 every operator and runtime call (custom operators' Python included, launches as cudaLaunchKernel /
 cuLaunchKernel rows with their counts) per step, sorted the same way, and the host time to issue a
-step (no synchronisation inside the timed steps).
+step (no synchronisation inside the timed steps). With ``--python`` as well, the steps are then run
+once more under ``cProfile``, each from an idle device: self time per Python function per step (what the
+operators' rows of torch.profiler hold: Inductor's wrapper code, custom operators' implementations,
+Triton's launchers), sorted the same way.
 
     PYTHONPATH=. python benchmarks/step_kernels.py                            # SDPA vs own kernel, compiled
     PYTHONPATH=. python benchmarks/step_kernels.py --eager --json kernels.json
     PYTHONPATH=. python benchmarks/step_kernels.py --host                     # where the host time goes
+    PYTHONPATH=. python benchmarks/step_kernels.py --host --python            # and which Python functions spend it
 
 Arms: ``sdpa`` (the model as it is, torch SDPA) and ``own_kernel`` (flashwatch's kernel through a
 Monitor in own-kernel mode whose only monitored step is the first warm-up step). A kernel's name is
@@ -19,7 +23,9 @@ CUDA library kernels their name up to the first template bracket.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import re
 import sys
 import time
@@ -76,13 +82,46 @@ def profile_arm(arm: str, compiled: bool, args) -> dict:
             if spent > 0:  # device rows have no CPU self time; CPU rows have device time only through kernels
                 per_kernel[short_name(e.key)] += spent / 1000 / args.steps  # us -> ms per step
                 calls[short_name(e.key)] += e.count
-        return {"arm": arm + ("@compiled" if compiled else ""), "step_ms": start.elapsed_time(end) / args.steps,
-                "issue_ms": 1e3 * issue / args.steps, "device_ms": sum(per_kernel.values()), "kernels": dict(per_kernel),
-                "calls_per_step": {k: v / args.steps for k, v in calls.items()}, "host": bool(args.host)}
+        result = {"arm": arm + ("@compiled" if compiled else ""), "step_ms": start.elapsed_time(end) / args.steps,
+                  "issue_ms": 1e3 * issue / args.steps, "device_ms": sum(per_kernel.values()),
+                  "kernels": dict(per_kernel), "calls_per_step": {k: v / args.steps for k, v in calls.items()},
+                  "host": bool(args.host)}
+        if getattr(args, "python", False):
+            result["python"] = python_profile(step, args.steps, result["arm"])
+        return result
     finally:
         if monitor is not None:
             monitor.detach()
             monitor.close()
+
+
+def function_name(key: tuple) -> str:
+    """A cProfile key (file, line, function) as ``file.py:line(function)``, the file without its folders;
+    built-in functions keep their name."""
+    file, line, func = key
+    if file == "~" or not file:
+        return func
+    return f"{Path(file).name}:{line}({func})"
+
+
+def python_profile(step, steps: int, arm: str) -> dict:
+    """Self time per Python function per step (ms) and calls per step, ``steps`` steps under cProfile, each
+    started on an idle device (the synchronisation before a step is outside the profile)."""
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        prof.enable()
+        step()
+        prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # key -> (primitive calls, calls, self s, cumulative s, callers)
+    per_fn: dict[str, float] = defaultdict(float)
+    calls: dict[str, float] = defaultdict(float)
+    for key, (_, ncalls, self_s, _, _) in stats.items():
+        per_fn[function_name(key)] += 1e3 * self_s / steps
+        calls[function_name(key)] += ncalls / steps
+    return {"arm": arm, "step_ms": 0.0, "issue_ms": sum(per_fn.values()), "device_ms": sum(per_fn.values()),
+            "kernels": dict(per_fn), "calls_per_step": dict(calls), "host": True}
 
 
 def table(a: dict, b: dict, top: int) -> str:
@@ -107,6 +146,8 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true", help="eager arms instead of compiled ones")
     p.add_argument("--host", action="store_true",
                    help="the host's side: CPU self time per operator and runtime call, not device time per kernel")
+    p.add_argument("--python", action="store_true",
+                   help="with --host: also the Python functions' self time per step (cProfile), arm against arm")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=8)
@@ -117,12 +158,18 @@ def main(argv=None) -> int:
     for name in ("batch", "seq", "warmup", "steps", "top"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.python and not args.host:
+        p.error("--python needs --host (it reads the host's side)")
     if not torch.cuda.is_available():
         print("step_kernels.py needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     a, b = (profile_arm(arm, not args.eager, args) for arm in ("sdpa", "own_kernel"))
     print(f"GPT-2 small, batch {args.batch} x {args.seq}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(table(a, b, args.top))
+    if args.python:
+        print(f"\nPython self time per step under cProfile (ms; the profiler's own cost included), "
+              f"{a['arm']} against {b['arm']}:")
+        print(table(a["python"], b["python"], args.top))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                "args": vars(args), "arms": [a, b]}, indent=1))

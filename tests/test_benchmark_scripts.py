@@ -340,3 +340,39 @@ def test_training_equivalence_reports_a_failing_arm_and_runs_the_rest(monkeypatc
     result = json.loads(out.read_text())
     assert [a["arm"] for a in result["arms"]] == ["sdpa", "sdpa_again", "observe"]
     assert result["failed"] == [{"arm": "own_kernel", "error": "RuntimeError: no deterministic implementation"}]
+
+
+def test_step_kernels_names_a_python_function_by_file_line_and_name():
+    """cProfile's keys become ``file.py:line(function)`` without folders, built-ins keep their name, so
+    the two arms' rows of one function add up under one name."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_kernels import function_name
+    finally:
+        sys.path.pop(0)
+    assert function_name(("/tmp/torchinductor_x/ab/cabc.py", 812, "call")) == "cabc.py:812(call)"
+    assert function_name(("~", 0, "<method 'item' of 'torch._C.TensorBase' objects>")) == \
+        "<method 'item' of 'torch._C.TensorBase' objects>"
+
+
+def test_step_kernels_python_profile_counts_self_time_and_calls_per_step(monkeypatch):
+    """Each profiled step's Python functions: calls divided by the steps, self time in ms per step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import step_kernels
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(step_kernels.torch.cuda, "synchronize", lambda: None)  # no device here
+
+    def leaf():
+        return sum(range(2000))
+
+    def step():
+        leaf()
+        leaf()
+        leaf()
+
+    result = step_kernels.python_profile(step, 4, "arm")
+    name = next(n for n in result["kernels"] if n.endswith("(leaf)"))
+    assert result["calls_per_step"][name] == 3
+    assert 0 < result["kernels"][name] <= result["issue_ms"]
