@@ -150,8 +150,10 @@ def stand_in_kernels():
             setattr(triton_attn, n, copy(saved[0][n]))
         jit.driver = launch.driver = _FakeDriver
         os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path (the kernels above are not interpreted)
+        launch.clear_cache()  # no plan made with the real kernels replays here
         yield
     finally:
+        launch.clear_cache()  # nor one made with the stand-ins after
         for n, kernel in saved[0].items():
             setattr(triton_attn, n, kernel)
         jit.driver, launch.driver = saved[1], saved[2]

@@ -2,18 +2,19 @@
 
 Dynamo and Inductor cannot trace a Python ``autograd.Function`` that launches Triton kernels
 and adds into statistics held by a Python object; they can trace custom operators
-(``torch.library``) with fake implementations and registered autograd. Each
-operator is opaque to the compiler: Inductor calls it as it is, and it runs the same launchers
-(``triton_attn``) or the same reference (``reference``) as the eager path.
+(``torch.library``) with fake implementations, called from ``autograd.Function``s whose
+forward and backward Dynamo traces into the compiled graphs. Each operator is opaque to the
+compiler: Inductor calls it as it is, and it runs the same launchers (``triton_attn``) or the
+same reference (``reference``) as the eager path.
 
 Operators (namespace ``flashwatch``):
 
 - ``attention_with_stats(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta,
   eps, unit_gap, x, rotation, layer)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s
-  forward (one operator: the Python function ``attention`` calls it); its backward is
-  ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
+  forward (one operator: the Python function ``attention`` calls it, through an ``autograd.Function``
+  whose backward is ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
   coverage, causal, sm_scale, eps, unit_gap, x, rotation, layer)`` -> (dq, dk, dv), which adds the
-  statistics. Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
+  statistics). Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
 - ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps, x, rotation, layer)`` -> a view of
   ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
   nothing, since an operator's output could not alias its input and would cost a copy of
@@ -139,9 +140,24 @@ def _on(flag: torch.Tensor) -> bool:
 
 
 def _uses_triton(device: torch.device) -> bool:
+    if device.type == "cuda":  # the common case without an import or an environment read
+        return True
     from . import uses_triton
 
     return uses_triton(device)
+
+
+def _triton_attn():
+    """The Triton launchers (imported on first use: the reference path does not need Triton)."""
+    global _TRITON_ATTN
+    if _TRITON_ATTN is None:
+        from . import triton_attn
+
+        _TRITON_ATTN = triton_attn
+    return _TRITON_ATTN
+
+
+_TRITON_ATTN = None
 
 
 class _NoAutocast:
@@ -160,7 +176,8 @@ class _NoAutocast:
 # --- registration ---------------------------------------------------------------------------------
 
 # The operators are registered with ``torch.library`` directly (one implementation for every
-# device, a fake one for tracing, autograd where registered) rather than through
+# device, a fake one for tracing; autograd through ``autograd.Function``s, no autograd kernel of
+# their own, whose Python wrapper would run at every call of a compiled graph) rather than through
 # ``torch.library.custom_op``, whose Python wrappers around every call cost more host time than
 # the launches (docs/KERNEL_TUNING.md): the output-aliasing check of each call and, for an
 # operator that mutates its arguments, a version bump that walks the schema once per argument.
@@ -223,9 +240,7 @@ def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     fault = faults.rounding_bias_strength()
     if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
-        from . import triton_attn
-
-        o, lse, r, rowmax = triton_attn._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
+        o, lse, r, rowmax = _triton_attn()._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
     else:
         with _NoAutocast(q.device):
             o, lse, r = reference.forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
@@ -262,9 +277,7 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
     residual = r if r.numel() else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
-        from . import triton_attn
-
-        return triton_attn._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None,
+        return _triton_attn()._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None,
                                      causal, sm_scale, eps, stats)
     with _NoAutocast(q.device):
         return reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
@@ -291,7 +304,7 @@ _attention_backward = _operator(
 
 def _attention_with_stats_impl(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
                                unit_gap, x, rotation, layer):
-    # the autograd-carrying operator must be functional: the statistics buffers are inputs here
+    # the forward operator must be functional: the statistics buffers are inputs here
     # (saved for the backward, which adds into them) and nothing in the forward mutates them; x and
     # rotation are only saved for the backward's rows hook
     return _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps)
@@ -309,23 +322,32 @@ _attention_with_stats = _operator(
     _attention_with_stats_impl, _attention_with_stats_fake)
 
 
-def _attention_setup(ctx, inputs, output):
-    q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap, x, rotation, layer = inputs
-    o, lse, r, rowmax, max_logit = output
-    # x, rotation and layer may be None
-    ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation, layer)
-    ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap = causal, sm_scale, eps, unit_gap
+class _Attention(torch.autograd.Function):
+    """Autograd of ``flashwatch::attention_with_stats``: its forward calls the operator, its backward
+    ``flashwatch::attention_grad``. A Function rather than ``torch.library.register_autograd``: the
+    operators then carry no autograd kernel of their own, so a compiled graph that calls them (Dynamo
+    traces this Function's forward and backward into its graphs, as ``_Observe``'s) goes through no
+    Python autograd wrapper per call."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap, x,
+                rotation, layer):
+        o, lse, r, rowmax, max_logit = _attention_with_stats(q, k, v, flag, counts, values, coverage, causal,
+                                                             sm_scale, variant, beta, eps, unit_gap, x, rotation,
+                                                             layer)
+        # x, rotation and layer may be None
+        ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation,
+                              layer)
+        ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap = causal, sm_scale, eps, unit_gap
+        return o
 
-def _attention_grad(ctx, do, *_unused):
-    q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation, layer = ctx.saved_tensors
-    dq, dk, dv = _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values, coverage,
-                                     ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap, x, rotation, layer)
-    return (dq, dk, dv) + (None,) * 13
-
-
-torch.library.register_autograd(qualified("attention_with_stats"), _attention_grad, setup_context=_attention_setup,
-                                lib=_lib)
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation, layer = ctx.saved_tensors
+        dq, dk, dv = _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values,
+                                         coverage, ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap, x, rotation,
+                                         layer)
+        return (dq, dk, dv) + (None,) * 13
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor, stats: AttentionStats,
@@ -343,9 +365,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.
     """
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
-    out = _attention_with_stats(q, k, v, flag, counts, values, coverage, bool(causal), scale, variant, float(beta),
-                                float(eps), float(stats.unit_gap), _detached(x), _detached(rotation), layer)
-    return out[0]
+    return _Attention.apply(q, k, v, flag, counts, values, coverage, bool(causal), scale, variant, float(beta),
+                            float(eps), float(stats.unit_gap), _detached(x), _detached(rotation), layer)
 
 
 # --- observe -----------------------------------------------------------------------------------

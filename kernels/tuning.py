@@ -159,6 +159,16 @@ def hopper_features(kernel: str) -> frozenset | None:
     return parse_hopper(spec).get(kernel)
 
 
+def in_force_is_the_table() -> bool:
+    """Whether every kernel's configuration comes from ``TABLE`` now: no override (``set_override``),
+    no autotuning (FLASHWATCH_AUTOTUNE), no Hopper variant asked for (``set_hopper``, FLASHWATCH_HOPPER).
+    Then a call's configurations depend on its shapes and options alone (what a launch plan may assume)."""
+    if _override or os.environ.get("FLASHWATCH_AUTOTUNE") == "1":
+        return False
+    spec = _hopper_override[0] if _hopper_override else os.environ.get(HOPPER_ENV, "")
+    return not spec or not parse_hopper(spec)  # unset (the default, asked at every call: no parsing), or "off"
+
+
 def hopper_entry(kernel: str, features: frozenset) -> str:
     """The ``TABLE`` entry of a Hopper variant: warp-specialised compilations have their own."""
     return f"{kernel}_hopper_ws" if "ws" in features else f"{kernel}_hopper"
