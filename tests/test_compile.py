@@ -730,3 +730,50 @@ def test_compiled_fp32_observe_mode_differs_at_most_in_the_last_bits_of_a_tied_w
                 assert (a - b).abs().max() <= 8 * torch.finfo(torch.float32).eps * a.abs().max(), name
             else:
                 assert torch.equal(a, b), name
+
+
+def _run_switched(mode: str, backend: str | None, target: str, steps: int = 4, switch_at: int = 2):
+    """Train ``steps`` steps in BF16 (where the variants round differently), layer 0 switched to
+    ``target`` before step ``switch_at`` (as auto_fix's switch sets it: own-kernel mode, the
+    variant); per step, every parameter's gradient."""
+    torch.manual_seed(0)
+    model = Stack().to(torch.bfloat16)
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    run = model if backend is None else torch.compile(model, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    grads = []
+    for step in range(steps):
+        if step == switch_at:
+            monitor.layers[0].mode, monitor.layers[0].variant = "own_kernel", target
+        x, w = (torch.randn(2, 16, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+        (run(x) * w).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        monitor.step()
+    variants = monitor.variants
+    monitor.detach()
+    monitor.close()
+    return grads, variants
+
+
+@pytest.mark.parametrize("target", ["fixed", "fp32_delta"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_switched_mid_run_trains_compiled_as_eager(mode, target):
+    """auto_fix's switch under torch.compile: the compiled model takes the new variant (one
+    recompilation at the switch, no graph break), and every gradient before and after the switch
+    is the eager run's, bit for bit (aot_eager: the same kernels)."""
+    eager, eager_variants = _run_switched(mode, None, target)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, compiled_variants = _run_switched(mode, "aot_eager", target)
+    assert compiled_variants == eager_variants and compiled_variants[0] == target
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2  # the graph before the switch, and the one after it
+    for step, (e, c) in enumerate(zip(eager, compiled)):
+        for a, b in zip(e, c):
+            assert torch.equal(a, b), step
+    if target == "fp32_delta" or mode == "observe":
+        # the switch changed what layer 0 computes (fixed differs from plain only on tied rows, none here)
+        unswitched, _ = _run_switched(mode, None, target, switch_at=99)
+        assert any(not torch.equal(a, b) for a, b in zip(eager[3], unswitched[3]))
