@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bf16", action="store_true", help="train under BF16 autocast")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--embd", type=int, default=128, help="model width; head dim = embd / heads must be 16..128")
+    p.add_argument("--embd", type=int, default=128, help="model width; head dim = embd / heads must be one of 16, 32, 64, 128 (others run unmeasured)")
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -56,6 +56,9 @@ class AttentionLayer:
             the user named, unless it names its family: ``flashwatch.sharded.QueryWeight``).
         mode: ``"own_kernel"`` or ``"observe"`` (auto_fix can move an observed layer to own_kernel).
         variant: the kernel variant in own_kernel mode; ``"sdpa"`` while observed.
+        sdpa_fallback: why the layer's last own-kernel call ran torch SDPA instead of flashwatch's
+            kernel (a call the kernel cannot take: ``flashwatch.call_support``), None where it ran the
+            kernel (or the layer is observed). ``running_variant`` reports ``"sdpa"`` then.
         stats: the layer's ``AttentionStats`` (device tensors; reset after every monitored step).
         calls: attention calls measured during the current monitored step.
         coverage: CPU int64 tensor [attention calls, measured calls] of the current monitored
@@ -98,6 +101,7 @@ class AttentionLayer:
     rotary: bool = field(default=False, init=False, repr=False)
     query_checked: bool = field(default=False, repr=False)
     query_mismatch: bool = field(default=False, repr=False)
+    sdpa_fallback: str | None = field(default=None, repr=False)
     key: Any = field(default=None, repr=False)  # the compiled operators' key of this layer (kernels.ops.register_layer)
     format: str = "bf16"
     placement: Any = field(default=None, repr=False)
@@ -113,6 +117,12 @@ class AttentionLayer:
             self.total_heads = self.placement.shape[0]
         if not self.total_heads:
             self.total_heads = self.num_heads
+
+    @property
+    def running_variant(self) -> str:
+        """What the layer's attention calls run: ``variant``, or ``"sdpa"`` where its own-kernel calls fall
+        back to torch SDPA (``sdpa_fallback``), so a fix variant that cannot run is not reported as running."""
+        return "sdpa" if self.sdpa_fallback is not None else self.variant
 
     @property
     def placement_kind(self) -> str:
@@ -279,6 +289,10 @@ def _query_expression(module: nn.Module) -> str | None:
         if isinstance(child, nn.Linear) and child.out_features % 3 == 0:
             c = child.in_features
             return f"m.{name}.weight[:{child.out_features // 3}].view(H, {child.out_features // 3} // H, {c})"
+    packed = getattr(module, "in_proj_weight", None)  # nn.MultiheadAttention: q, k, v stacked in one parameter
+    if isinstance(packed, torch.Tensor) and packed.dim() == 2 and packed.shape[0] % 3 == 0:
+        c = packed.shape[0] // 3
+        return f"m.in_proj_weight[:{c}].view(H, {c} // H, {packed.shape[1]})"
     return None
 
 

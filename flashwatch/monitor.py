@@ -289,8 +289,9 @@ class Monitor:
         return self.layers
 
     def _log_attached(self, sharding: str | None) -> None:
-        log.info("flashwatch attached to %d attention layers (%s mode, interval %d): %s", len(self.layers),
-                 self.config.mode, self.config.interval, ", ".join(f"{l.index}={l.name}" for l in self.layers))
+        log.info("flashwatch attached to %d attention layer%s (%s mode, interval %d): %s", len(self.layers),
+                 "" if len(self.layers) == 1 else "s", self.config.mode, self.config.interval,
+                 ", ".join(f"{l.index}={l.name}" for l in self.layers))
         if self._reducer is not None:
             log.info("flashwatch: statistics, loss, gradient norm and W^Q norms are combined over %d ranks on "
                      "monitored steps (%s); every rank must call monitor.step() once per optimizer step",
@@ -454,7 +455,7 @@ class Monitor:
             clear_routing_state()  # no forward runs between optimizer steps (one that raised left its layer pushed)
             for layer in self.layers:  # nor the projection input and rotation it took
                 layer.chain_input = layer.chain_rotation = None
-        ran = [layer.variant for layer in self.layers]  # what step t ran, before a decision below switches one
+        ran = [layer.running_variant for layer in self.layers]  # what step t ran, before a decision below switches one
         # what a flush between the steps decided: acted on now, as if decided here
         new, self._due_alerts = self._due_alerts, []
         stops, self._stops_due = self._stops_due, []
@@ -621,7 +622,7 @@ class Monitor:
                             "ignored and the gradient norm is reported as not measured (NaN)", grad_norm, pending.step)
             grad_norm, grad_norm_given = math.nan, False
         t = pending.step
-        ran = pending.variants or [layer.variant for layer in self.layers]
+        ran = pending.variants or [layer.running_variant for layer in self.layers]
         coverage = getattr(pending, "coverage", None) or [None] * len(self.layers)
         readings = []
         per_layer = got.per_layer([layer.total_heads for layer in self.layers])
@@ -712,8 +713,9 @@ class Monitor:
         ``flashwatch_alert_active`` (1.0 while active, 0.0 once cleared).
         """
         # the variants as decided: a switch decided by a flush shows already, as it does when
-        # the same step is decided at the next step()
-        variants = {layer.index: self._decisions.decided_variant(layer)[1] for layer in self.layers}
+        # the same step is decided at the next step(); a layer whose calls fall back to torch SDPA shows "sdpa"
+        variants = {layer.index: "sdpa" if layer.sdpa_fallback is not None else self._decisions.decided_variant(layer)[1]
+                    for layer in self.layers}
         return snapshot(self._last, variants, VARIANT_LABELS, self.alert_counts, self.active_alerts,
                         self._decisions.ever_active)
 

@@ -508,11 +508,14 @@ class Router:
         query = q  # the model's own query tensor (its gradient is dQ for the W^Q-error chain)
         q, k, v, cast = _autocast_inputs(q, k, v) if isinstance(q, torch.Tensor) else (q, k, v, False)
         reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+        if layer.sdpa_fallback != reason:
+            layer.sdpa_fallback = reason
         if reason is not None:
             self._log_once(("fallback", layer.index, reason),
-                           "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls "
-                           "where %s; they are measured beside it where observe mode can", layer.index, layer.name,
-                           reason)
+                           "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel (variant %s) for "
+                           "calls where %s; it reports variant sdpa, and its statistics come from observe mode's pass "
+                           "where that pass can take the call (attention_coverage says how many)", layer.index,
+                           layer.name, layer.variant, reason)
             out = sdpa(*args, **kwargs)
             if self.monitoring and torch.is_grad_enabled():
                 self._observe(layer, args, kwargs, out)
@@ -716,6 +719,7 @@ class Router:
         if layer.mode == "own_kernel":
             qc, kc, vc, cast = _autocast_inputs(q, k, v) if stats is not None else (q, k, v, False)
             reason = unsupported_reason(qc, kc, vc, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+            layer.sdpa_fallback = reason  # at tracing: the compiled call runs what is decided here
             if reason is None:
                 with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
                     return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,

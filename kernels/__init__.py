@@ -26,9 +26,11 @@ import os
 import torch
 
 from . import faults, reference
-from .checks import DTYPES, HEAD_DIMS, VARIANTS, check_options, check_qkv
+from .checks import DTYPES, HEAD_DIMS, VARIANTS, check_options, check_qkv, check_switches
 from .stats import FIELDS as STAT_FIELDS
 from .stats import AttentionStats
+
+check_switches()  # a bad FLASHWATCH_FAST_LAUNCH / FLASHWATCH_KERNEL_REDUCTION fails here, before training starts
 
 __all__ = ["flash_attention", "attention_statistics", "AttentionStats", "VARIANTS", "HEAD_DIMS",
            "DTYPES", "STAT_FIELDS", "reference", "faults", "uses_triton"]

@@ -33,13 +33,28 @@ FIXED_MIN_OFFSET = 1.0 / 64.0
 FIXED_MAX_OFFSET = {torch.bfloat16: 20.0, torch.float32: 20.0, torch.float16: 8.0, torch.float64: 20.0}
 
 
-def switch_on_by_default(variable: str, on: str, off: str) -> bool:
-    """An environment switch read at import: unset or "1" is on, "0" off; any other value is
-    refused with what is accepted (``on``, ``off``: what each setting does)."""
+# The kernels' environment switches: variable -> (what on does, what off does). Each is on by default.
+SWITCHES = {
+    "FLASHWATCH_FAST_LAUNCH": ("the cached launch and launch plans", "every launch through Triton's own"),
+    "FLASHWATCH_KERNEL_REDUCTION": ("reduce in the kernels", "store the rows"),
+}
+
+
+def switch_on_by_default(variable: str) -> bool:
+    """An environment switch of ``SWITCHES``, read at import: unset or "1" is on, "0" off; any other
+    value is refused with what is accepted and what each setting does."""
     value = os.environ.get(variable, "")
     if value not in ("", "0", "1"):
+        on, off = SWITCHES[variable]
         raise ValueError(f"{variable}={value!r}: accepted are 1 or unset ({on}) and 0 ({off})")
     return value != "0"
+
+
+def check_switches() -> None:
+    """Refuse a bad value of any of ``SWITCHES`` now (``import flashwatch.kernels`` calls this), not at
+    the first call that imports the module reading it, where it would stop the kernel path mid-run."""
+    for variable in SWITCHES:
+        switch_on_by_default(variable)
 
 
 def _is_real(value) -> bool:

@@ -66,7 +66,7 @@ __all__ = ["launch", "specialization_key", "clear_cache", "FAST_LAUNCH", "Unsupp
 
 # On: cached launches where eligible; off: every launch through kernel[grid](...) (benchmarks
 # flip it to time both paths).
-FAST_LAUNCH = switch_on_by_default("FLASHWATCH_FAST_LAUNCH", "the cached launch", "every launch through Triton's own")
+FAST_LAUNCH = switch_on_by_default("FLASHWATCH_FAST_LAUNCH")
 
 # The Triton versions whose JITFunction.run this module mirrors (read its source before adding one).
 SUPPORTED_TRITON = ("3.6.",)

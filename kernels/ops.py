@@ -503,7 +503,7 @@ def _unmeasured_call_impl(flag, coverage, layer, reason) -> None:
         return
     coverage[0] += 1
     label = _label(layer)
-    _log_once((label, reason), "flashwatch: layer %s: attention calls where %s are not measured", label, reason)
+    _log_once((label, reason), "flashwatch: layer %s: attention calls where %s", label, reason)
 
 
 def _unmeasured_call_fake(flag, coverage, layer, reason):
@@ -516,5 +516,6 @@ _unmeasured_call = _operator("unmeasured_call(Tensor flag, Tensor(a!) coverage, 
 
 def unmeasured_call(flag: torch.Tensor, coverage: torch.Tensor, layer: torch.Tensor, reason: str) -> None:
     """Count an attention call of ``layer`` (its key, ``register_layer``) that is not measured (on
-    monitored steps), and log ``reason`` once per layer and reason."""
+    monitored steps), and log ``reason`` once per layer and reason (the whole verdict: "<why>: those
+    calls are not measured")."""
     _unmeasured_call(flag, coverage, layer, str(reason))

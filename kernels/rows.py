@@ -29,8 +29,7 @@ from .checks import switch_on_by_default
 from .stats import RowReduction, RowsHook
 
 
-KERNEL_REDUCTION: bool = switch_on_by_default("FLASHWATCH_KERNEL_REDUCTION", "reduce in the kernels",
-                                               "store the rows")
+KERNEL_REDUCTION: bool = switch_on_by_default("FLASHWATCH_KERNEL_REDUCTION")
 
 
 class RowOutputs:

@@ -130,3 +130,35 @@ def test_a_failing_own_kernel_call_is_not_counted_as_measured(monkeypatch):
     monitor, _ = _train(0.0, mode="own_kernel")
     assert monitor.errors >= 1  # logged and counted; training went on with torch SDPA
     assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 0.0, (1,): 0.0}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_fix_variant_whose_calls_fall_back_to_sdpa_is_reported_as_sdpa(compiled, caplog):
+    """Own-kernel mode with a fix variant on calls the kernel cannot take (head dim 8): those calls run
+    torch SDPA, so the kernel-variant gauge, the step records and ``running_variant`` say "sdpa", not
+    the variant that is not running (a dashboard must not show the layer as protected); a layer
+    whose calls the kernel takes (head dim 16) reports its variant. Fail before: fp32_delta read 1."""
+    import logging
+
+    for embd, expected in ((16, "sdpa"), (32, "fp32_delta")):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=embd, block_size=16))
+        monitor = Monitor(MonitorConfig(interval=1, mode="own_kernel", variant="fp32_delta", async_transfer=False))
+        monitor.attach(model)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        with caplog.at_level(logging.WARNING, logger="flashwatch"):
+            for _ in range(2):
+                x = torch.randint(0, 256, (2, 16))
+                _, loss = run(x, x)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                monitor.step(loss=loss.detach())
+        gauge = monitor.snapshot()["flashwatch_kernel_variant"]
+        assert {layer: v for (layer, v), on in gauge.items() if on == 1.0} == {0: expected, 1: expected}, embd
+        assert [layer.running_variant for layer in monitor.layers] == [expected] * 2
+        assert all(layer.variant == "fp32_delta" for layer in monitor.layers)  # what it would run, kept
+        monitor.detach()
+        monitor.close()
+    assert "are not measured are not measured" not in caplog.text
+    if not compiled:
+        assert "it reports variant sdpa" in caplog.text

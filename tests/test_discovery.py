@@ -114,6 +114,25 @@ def test_unrecognised_model_error_lists_what_was_found_and_writes_the_attention_
     assert [f[2] for f in found] == [4] * 4
 
 
+def test_multihead_attention_error_writes_its_packed_query_weight():
+    """nn.MultiheadAttention holds W^Q in its packed in_proj_weight (no query Linear): the error's
+    expression reads it there, and that expression attaches. Fail before: m.<query projection>.weight."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
+
+    model = Model()
+    with pytest.raises(ValueError) as err:
+        find_attention(model)
+    assert "query_weight = lambda m: m.in_proj_weight[:32].view(H, 32 // H, 32)" in str(err.value)
+    H = 2
+    query_weight = lambda m: m.in_proj_weight[:32].view(H, 32 // H, 32)  # noqa: E731
+    found = find_attention(model, attention={"attn": query_weight})
+    assert [f[2] for f in found] == [2]
+
+
 def test_a_forward_that_needs_more_than_x_is_named_in_the_error():
     model = nn.Sequential(HeadsInAConfig(needs_mask=True))
     with pytest.raises(ValueError, match=r"0 \(HeadsInAConfig; c_attn: Linear\(64, 192\)") as err:

@@ -386,3 +386,16 @@ def test_host_ceil_division_matches_triton_cdiv():
 def test_environment_switch_is_read_at_import(value, expected):
     ok, said = read_at_import("FLASHWATCH_FAST_LAUNCH", value, "launch", "FAST_LAUNCH")
     assert ok == (value != "on") and expected in said, said
+
+
+@pytest.mark.parametrize("variable", ["FLASHWATCH_FAST_LAUNCH", "FLASHWATCH_KERNEL_REDUCTION"])
+def test_a_bad_switch_value_is_refused_when_the_monitor_is_imported(variable):
+    """Not at the first attention call, where the kernel path's error would be caught as a monitoring
+    error and the run would go on unmeasured. Fail before: the import succeeded."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **{variable: "on"})
+    out = subprocess.run([sys.executable, "-c", "from flashwatch import Monitor"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and f"{variable}='on': accepted are 1 or unset" in out.stderr, out.stderr

@@ -530,6 +530,8 @@ def test_one_exporter_not_in_a_list_is_a_clear_error(tmp_path):
         Monitor(MonitorConfig(), exporters=JsonlExporter(tmp_path))
     with pytest.raises(TypeError, match=r"got the path 'runs/x': .* exporters=\[JsonlExporter\('runs/x'\)\]"):
         Monitor(MonitorConfig(), exporters="runs/x")
+    with pytest.raises(TypeError, match=r"exporters must be a list of exporters \(flashwatch.exporters: .*got object"):
+        Monitor(MonitorConfig(), exporters=object())
     from flashwatch.lightning import FlashWatchCallback
 
     for wrong in (JsonlExporter(tmp_path), "runs/x"):

@@ -166,7 +166,12 @@ class FanOut(Exporter):
         if callable(getattr(exporters, "export", None)):
             raise TypeError(f"exporters must be a list of exporters, e.g. exporters=[{type(exporters).__name__}(...)], "
                             f"got one {type(exporters).__name__}")
-        for e in exporters:
+        try:
+            listed = list(exporters)
+        except TypeError:
+            raise TypeError(f"exporters must be a list of exporters (flashwatch.exporters: JsonlExporter, "
+                            f"PrometheusExporter, ...), got {type(exporters).__name__}") from None
+        for e in listed:
             self.add(e)
 
     def add(self, exporter: Exporter, layout: Layout | None = None) -> None:
