@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import time
 
 import torch
@@ -89,11 +90,16 @@ def main(argv: list[str] | None = None) -> int:
 
     snap = monitor.snapshot()
     print(f"\n{args.steps} steps in {elapsed:.1f} s; alerts: {len(monitor.alerts)}; errors: {monitor.errors}")
+    def shown(metric: str, key: tuple, fmt: str) -> str:
+        """A head's value, or "not measured" (NaN: never a number standing in for no value)."""
+        value = snap[metric].get(key, math.nan)
+        return format(value, fmt) if math.isfinite(value) else "not measured"
+
     for (layer, head), sigma in snap["flashwatch_wq_spectral_norm"].items():
+        key = (layer, head)
         print(f"layer {layer} head {head}: W^Q norm {sigma:.3f}, drift z "
-              f"{snap['flashwatch_delta_drift_z'][(layer, head)]:+.2f}, max logit "
-              f"{snap['flashwatch_max_logit'][(layer, head)]:.2f}, W^Q-error coherence "
-              f"{snap['flashwatch_wq_error_coherence'][(layer, head)]:.2f}")
+              f"{shown('flashwatch_delta_drift_z', key, '+.2f')}, max logit {shown('flashwatch_max_logit', key, '.2f')}, "
+              f"W^Q-error coherence {shown('flashwatch_wq_error_coherence', key, '.2f')}")
     monitor.close()
     monitor.detach()
     return 0

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             finite = [abs(v) if absolute else v for v in values if math.isfinite(v)]
             return format(max(finite), fmt) if finite else "not measured"
 
-        print(f"layer {layer.index} ({layer.name}, {layer.variant}): max |z| "
+        print(f"layer {layer.index} ({layer.name}, {layer.running_variant}): max |z| "
               f"{peak('flashwatch_delta_drift_z', '.2f', absolute=True)}, BF16 repeated-max "
               f"{peak('flashwatch_repeated_max_ratio_bf16', '.1%')}, max logit {peak('flashwatch_max_logit', '.2f')}, "
               f"W^Q norm {peak('flashwatch_wq_spectral_norm', '.3f')}")
