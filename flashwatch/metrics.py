@@ -93,7 +93,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Fraction of the layer's attention calls at the last monitored step measured in full, delta error "
                "included (calls with attention dropout: repeated maxima and max logit only); NaN: no call."),
     MetricSpec("flashwatch_kernel_variant", "gauge", ("layer", "variant"), "none",
-               "1 for the attention variant a layer runs now, 0 for the others."),
+               "1 for the attention variant a layer runs now (sdpa where its calls run torch SDPA: observed, "
+               "or falling back from flashwatch's kernel), 0 for the others."),
     MetricSpec("flashwatch_alerts_total", "counter", ("rule",), "none", "Alerts raised, by rule."),
     MetricSpec("flashwatch_alert_active", "gauge", ("rule", "layer", "head"), "none",
                "1 while an alert of this rule holds for this layer and head."),
