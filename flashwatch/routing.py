@@ -508,8 +508,7 @@ class Router:
         query = q  # the model's own query tensor (its gradient is dQ for the W^Q-error chain)
         q, k, v, cast = _autocast_inputs(q, k, v) if isinstance(q, torch.Tensor) else (q, k, v, False)
         reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
-        if layer.sdpa_fallback != reason:
-            layer.sdpa_fallback = reason
+        layer.sdpa_fallback = reason
         if reason is not None:
             self._log_once(("fallback", layer.index, reason),
                            "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel (variant %s) for "

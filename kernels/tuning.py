@@ -150,10 +150,15 @@ def set_hopper(spec: str | None) -> None:
     _hopper_override[:] = [] if spec is None else [spec]
 
 
+def _hopper_spec() -> str:
+    """The Hopper specification in force: ``set_hopper``'s, else FLASHWATCH_HOPPER's ("" where neither)."""
+    return _hopper_override[0] if _hopper_override else os.environ.get(HOPPER_ENV, "")
+
+
 def hopper_features(kernel: str) -> frozenset | None:
     """The features of the Hopper variant of ``kernel`` (``fwd`` or ``dkdv``) that is asked for
     (``set_hopper``, else FLASHWATCH_HOPPER), or None: the plain kernel (the default)."""
-    spec = _hopper_override[0] if _hopper_override else os.environ.get(HOPPER_ENV, "")
+    spec = _hopper_spec()
     if not spec:  # the default, asked at every launch: no parsing
         return None
     return parse_hopper(spec).get(kernel)
@@ -165,7 +170,7 @@ def in_force_is_the_table() -> bool:
     Then a call's configurations depend on its shapes and options alone (what a launch plan may assume)."""
     if _override or os.environ.get("FLASHWATCH_AUTOTUNE") == "1":
         return False
-    spec = _hopper_override[0] if _hopper_override else os.environ.get(HOPPER_ENV, "")
+    spec = _hopper_spec()
     return not spec or not parse_hopper(spec)  # unset (the default, asked at every call: no parsing), or "off"
 
 
