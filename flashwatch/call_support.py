@@ -22,7 +22,7 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "query, key and value are not all tensors"
     if attn_mask is not None:
-        return "an attn_mask is given (padding or a custom mask; the kernel takes causal or full attention only)"
+        return "an attn_mask is given (padding or a custom mask)"
     if dropout_p:
         return f"attention dropout is on (dropout_p={dropout_p})"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -49,8 +49,10 @@ def statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, num_h
     Routes: ``"plain"`` (``flashwatch.kernels.attention_statistics``: the Triton pass on CUDA),
     ``"masked"`` (an attn_mask, or query and key lengths that differ without ``is_causal``:
     ``flashwatch.kernels.masked``, dense, padding rows left out), ``"scores"`` (attention dropout:
-    rows, repeated maxima and max logit measured, the delta error not) and None (not measured).
-    ``reason`` says what the call has that the plain pass does not take (None for ``"plain"``).
+    rows, repeated maxima and max logit measured by the plain pass, the delta error not),
+    ``"masked_scores"`` (attention dropout with a mask or unequal lengths: the same, by the dense
+    pass) and None (not measured). ``reason`` says what the call has that the plain pass does not
+    take (None for ``"plain"``).
     """
     from flashwatch.kernels import DTYPES
     from flashwatch.kernels.masked import mask_reason
@@ -61,9 +63,15 @@ def statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, num_h
     if reason is None:
         return "plain", None
     if dropout_p:
-        if unsupported_reason(q, k, v, attn_mask, 0.0, enable_gqa, num_heads) is None:
-            return "scores", reason
-        return None, reason
+        # dropout acts on the probabilities after the softmax: the scores, and so the rows, their
+        # repeated maxima and the max logit, are those of the same call without it
+        route, why = statistics_route(q, k, v, attn_mask, 0.0, is_causal, enable_gqa, num_heads)
+        dropout = f"attention dropout is on (dropout_p={dropout_p})"
+        if route == "plain":
+            return "scores", dropout
+        if route == "masked":
+            return "masked_scores", f"{dropout} and {why}"
+        return None, f"{dropout} and {why}"
     if attn_mask is None and q.dim() == 4 and k.dim() == 4 and q.shape[2] == k.shape[2]:
         return None, reason  # not a mask or a length the dense pass could take
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] \
@@ -80,5 +88,7 @@ def statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, num_h
 MEASURED = {  # what the log says of the calls of each route
     None: "those calls are not measured",
     "scores": "their repeated maxima and max logit are measured, their delta error is not",
+    "masked_scores": "their repeated maxima and max logit are measured by the dense statistics pass, padding rows "
+                     "left out; their delta error is not",
     "masked": "they are measured by the dense statistics pass, padding rows left out",
 }

@@ -13,11 +13,13 @@ small GPTs are not guarantees: for a model with hundreds of heads raise ``drift_
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import numbers
 import re
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable
 
 from .vocabulary import FIX_VARIANTS, FORMATS, MODES, RULES, VARIANTS
 
@@ -165,6 +167,29 @@ class MonitorConfig:
             elif isinstance(v, tuple):
                 out[k] = list(v)
         return out
+
+
+def _keywords_named(init: Callable[..., None]) -> Callable[..., None]:
+    """MonitorConfig's generated ``__init__``, refusing positional arguments and unknown keywords
+    with an error that lists the fields (and the nearest one to a misspelling)."""
+    @functools.wraps(init)
+    def checked(self: MonitorConfig, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError(f"MonitorConfig takes keywords only, e.g. MonitorConfig(interval=10), got {len(args)} "
+                            f"positional argument(s)")
+        names = [f.name for f in fields(MonitorConfig)]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hints = []
+            for k in unknown:
+                near = difflib.get_close_matches(k, names, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            raise TypeError(f"MonitorConfig has no field {', '.join(hints)}; its fields: {', '.join(names)}")
+        init(self, **kwargs)
+    return checked
+
+
+MonitorConfig.__init__ = _keywords_named(MonitorConfig.__init__)  # type: ignore[method-assign]
 
 
 def _fail(name: str, value: Any, accepted: str) -> None:

@@ -128,7 +128,8 @@ class LayerSignals:
     wq_sigma_growth_rate: torch.Tensor | None = None  # d log(sigma) per 1,000 optimizer steps over the window
     repeated_max_bf16_trend: torch.Tensor | None = None  # d(BF16 repeated-max ratio) per 1,000 optimizer steps
     repeated_max_ratio_format: torch.Tensor | None = None  # rows whose P_bar rounds to 1 at 2+ keys in MonitorConfig.format
-    coverage: float = math.nan  # attention calls measured in full / attention calls at this step (NaN: no call)
+    coverage: float = math.nan  # attention calls measured in full / attention calls at this step (0: no call seen)
+    calls: int | None = None  # attention calls of the layer seen at this step (None: not counted)
     delta_measured: bool = True  # whether this step's delta error was measured (False: NaN, not a failure)
 
     @property
@@ -581,9 +582,11 @@ class LossSpikeDetector(Detector):
 
 
 class CoverageDetector(Detector):
-    """``attention_coverage``: a layer called attention at a monitored step and none of its calls
-    was measured (coverage 0). Key (layer, -1); clears at the first monitored step that measures
-    one of the layer's calls; a step without any call (coverage NaN) changes nothing."""
+    """``attention_coverage``: none of a layer's attention calls at a monitored step was measured
+    in full (coverage 0), or flashwatch saw no attention call of the layer at all (its attention
+    is code flashwatch does not reach, or no backward ran). Key (layer, -1); clears at the first
+    monitored step that measures one of the layer's calls; a step whose calls were not counted
+    (coverage NaN: an old recording) changes nothing."""
 
     rule = "attention_coverage"
 
@@ -594,12 +597,19 @@ class CoverageDetector(Detector):
                 continue
             blind = ls.coverage == 0.0
             alert = self._judge((ls.layer, -1), blind, blind, lambda ls=ls: self._alert(
-                signals.step, ls.layer, -1, ls.coverage, 0.0,
-                f"layer {ls.layer}: none of its attention calls at step {signals.step} was measured (coverage 0); "
-                "its signals are blind, not healthy (the flashwatch log names the reason)"))
+                signals.step, ls.layer, -1, ls.coverage, 0.0, self._message(signals.step, ls)))
             if alert:
                 out.append(alert)
         return out
+
+    @staticmethod
+    def _message(step: int, ls: LayerSignals) -> str:
+        if ls.calls == 0:
+            return (f"layer {ls.layer}: flashwatch saw no attention call of it at step {step} (coverage 0): nothing "
+                    "of its attention is measured. Does it call torch.nn.functional.scaled_dot_product_attention "
+                    "(Hugging Face: attn_implementation='sdpa'), with a backward at monitored steps?")
+        return (f"layer {ls.layer}: none of its attention calls at step {step} was measured in full (coverage 0): its "
+                "delta error and drift are blind, not healthy (the flashwatch log names the reason)")
 
 
 def build_detectors(config: Any) -> list[Detector]:

@@ -91,7 +91,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "steps."),
     MetricSpec("flashwatch_attention_coverage", "gauge", ("layer",), "percentunit",
                "Fraction of the layer's attention calls at the last monitored step measured in full, delta error "
-               "included (calls with attention dropout: repeated maxima and max logit only); NaN: no call."),
+               "included (calls with attention dropout: repeated maxima and max logit only); 0 also where no "
+               "attention call of the layer was seen."),
     MetricSpec("flashwatch_kernel_variant", "gauge", ("layer", "variant"), "none",
                "1 for the attention variant a layer runs now (sdpa where its calls run torch SDPA: observed, "
                "or falling back from flashwatch's kernel), 0 for the others."),

@@ -97,6 +97,21 @@ class TrainingStopped(RuntimeError):
                          "; ".join(a.message for a in alerts[:3]) + (" ..." if len(alerts) > 3 else ""))
 
 
+def _uncompiled(model: nn.Module, attention: Mapping[str, Any] | None
+                ) -> tuple[nn.Module, Mapping[str, Any] | None]:
+    """The model ``torch.compile`` wrapped, where ``model`` is its wrapper (the same modules, so
+    the same hooks; the layers are named as in the model itself, without the wrapper's
+    ``_orig_mod.``), and ``attention``'s names without that prefix."""
+    inner = getattr(model, "_orig_mod", None)
+    if not isinstance(inner, nn.Module) or type(model).__name__ != "OptimizedModule":
+        return model, attention
+    prefix = "_orig_mod."
+    if attention is not None:
+        attention = {(k[len(prefix):] if isinstance(k, str) and k.startswith(prefix) else k): v
+                     for k, v in attention.items()}
+    return inner, attention
+
+
 class Monitor:
     """Watches a model's attention during training and raises early warnings.
 
@@ -129,7 +144,11 @@ class Monitor:
     """
 
     def __init__(self, config: MonitorConfig | None = None, exporters: Sequence[Exporter] = (), *,
-                 process_group: Any = AUTO):
+                 process_group: Any = AUTO, **unknown: Any):
+        if unknown:
+            settings = ", ".join(f"{k}={v!r}" for k, v in unknown.items())
+            raise TypeError(f"Monitor got unexpected keyword(s) {', '.join(unknown)}; it takes config, exporters and "
+                            f"process_group. Settings go in a MonitorConfig: Monitor(MonitorConfig({settings}))")
         if config is None:
             config = MonitorConfig()
         if not isinstance(config, MonitorConfig):
@@ -217,6 +236,7 @@ class Monitor:
             self.detach()  # closed: its routing is gone already; keep its state for the layers attached next
         if self._router is not None:
             raise RuntimeError("this Monitor is already attached to a model; call monitor.detach() first")
+        model, attention = _uncompiled(model, attention)
         group = resolve_process_group(self.process_group)
         sharding = self._declared_sharding or sharding_of(model)
         if sharding is not None and attention is None:

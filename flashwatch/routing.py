@@ -46,7 +46,8 @@ Cautions:
 - The model must call ``torch.nn.functional.scaled_dot_product_attention`` through the module
   attribute at call time (``F.scaled_dot_product_attention(...)``, as nanoGPT and Hugging Face
   SDPA attention do); a name imported earlier with ``from torch.nn.functional import ...``
-  is not reached. The Monitor warns when an attached layer saw no call on a monitored step.
+  is not reached. A layer whose calls are never seen at a monitored step reads coverage 0 (the
+  ``attention_coverage`` alert), and the Monitor logs once that it saw no call.
 - Activation checkpointing re-runs the forward in the backward; that adds nothing: the
   statistics are taken in the backward, and the forward's max logit is a maximum.
 - Statistics are collected only where autograd records (``torch.is_grad_enabled()``), so
@@ -484,10 +485,10 @@ class Router:
                 current[1].chain_input = current[1].chain_rotation = None
 
     # the call -----------------------------------------------------------------------------------
-    def _log_once(self, key: tuple, message: str, *args) -> None:
+    def _log_once(self, key: tuple, message: str, *args, level: int = logging.WARNING) -> None:
         if key not in self._logged:
             self._logged.add(key)
-            log.warning(message, *args)
+            log.log(level, message, *args)
 
     def _log_rotation_missing(self, layer: AttentionLayer) -> None:
         self._log_once(("rotation", layer.index),
@@ -628,22 +629,29 @@ class Router:
         """One rows hook for the layer's statistics: each backward takes the newest pending call's."""
         return _PendingRows(layer.chain.pending_hooks)
 
-    def _measure_scores(self, layer: AttentionLayer, q, k, v, out, causal, scale) -> None:
+    def _measure_scores(self, layer: AttentionLayer, q, k, v, out, causal, scale, attn_mask=None,
+                        masked: bool = False) -> None:
         """What a call with attention dropout still shows: rows, repeated maxima and the max logit
-        (functions of the scores alone). Its delta error is not measured: the statistics pass
-        runs with a zero output gradient, which adds exactly 0 to the delta-error sums, and the
-        call is not counted as measured (``coverage``), so the layer's drift reads NaN."""
+        (functions of the scores alone; ``masked``: by the dense pass, with ``attn_mask``). Its
+        delta error is not measured: the statistics pass runs with a zero output gradient, which
+        adds exactly 0 to the delta-error sums, and the call is not counted as measured
+        (``coverage``), so the layer's drift reads NaN."""
         try:
-            from flashwatch.kernels import attention_statistics
+            from flashwatch.kernels import attention_statistics, masked as masked_pass
 
             stats = layer.ensure_stats(q.device)
             stats.rows_hook = None
             dtype = out.dtype
             layer.low_precision = dtype in (torch.bfloat16, torch.float16)
+            args = (q.detach().to(dtype), k.detach().to(dtype), v.detach().to(dtype), out.detach(),
+                    torch.zeros_like(out, dtype=dtype), stats)
             with torch.autocast(q.device.type, enabled=False):
-                attention_statistics(q.detach().to(dtype), k.detach().to(dtype), v.detach().to(dtype), out.detach(),
-                                     torch.zeros_like(out, dtype=dtype), stats, causal=bool(causal), sm_scale=scale,
-                                     eps=self.eps)
+                if masked:
+                    masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=bool(causal),
+                                                     sm_scale=scale if scale is not None else q.shape[-1] ** -0.5,
+                                                     eps=self.eps)
+                else:
+                    attention_statistics(*args, causal=bool(causal), sm_scale=scale, eps=self.eps)
         except Exception as exc:
             self.on_error("observe", exc)
 
@@ -656,14 +664,15 @@ class Router:
                 # autocast cast the inputs inside SDPA: measure what the kernel computed with
                 q, k, v = q.to(out.dtype), k.to(out.dtype), v.to(out.dtype)
             route, reason = statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, layer.num_heads)
-            if route != "plain":
+            if route != "plain":  # measured in full by the dense pass: information; in part or not at all: a warning
                 self._log_once(("observe", layer.index, reason),
                                "flashwatch: layer %d (%s): calls where %s: %s", layer.index, layer.name, reason,
-                               MEASURED[route])
-            if route is None or route == "scores":
+                               MEASURED[route], level=logging.INFO if route == "masked" else logging.WARNING)
+            if route in (None, "scores", "masked_scores"):
                 layer.coverage[0] += 1
-                if route == "scores":
-                    self._measure_scores(layer, q, k, v, out, is_causal, scale)
+                if route is not None:
+                    self._measure_scores(layer, q, k, v, out, is_causal, scale,
+                                         attn_mask if route == "masked_scores" else None, route == "masked_scores")
                 return
             stats = layer.ensure_stats(q.device)
             layer.calls += 1
@@ -756,10 +765,12 @@ class Router:
                                attn_mask=attn_mask if route == "masked" else None, masked=route == "masked",
                                **self._layer_arguments(layer, x, rotation))
         message = f"{reason}: {MEASURED[route]}"
-        if route == "scores":
+        if route in ("scores", "masked_scores"):
+            masked = route == "masked_scores"
             ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),
                                  coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
-                                 layer=layer.key, reason=message)
+                                 layer=layer.key, reason=message, attn_mask=attn_mask if masked else None,
+                                 masked=masked)
         else:
             ops.unmeasured_call(self.flag, layer.coverage, layer.key, message)
         return out

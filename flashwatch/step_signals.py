@@ -13,7 +13,8 @@ float64 numpy array):
   None where they were not measured;
 - ``low_precision`` and ``variant``: what the layer ran at that step;
 - ``calls``: (attention calls, measured calls) of the layer at that step, or None where not
-  counted; the layer's coverage is their ratio (NaN without a call).
+  counted; the layer's coverage is their ratio (0 without a call: nothing of the layer's
+  attention was measured).
 
 Host state kept across steps (``SignalBuilder``; ``state_dict`` for an exact resume): per
 layer the drift sums (``DriftTracker``), the last W+1 spectral norms (``SigmaHistory``), the
@@ -58,10 +59,12 @@ class LayerReading:
 
 
 def _coverage(calls: tuple[int, int] | None) -> float:
-    """Measured calls / attention calls; NaN without a call (nothing to cover)."""
-    if calls is None or not calls[0]:
+    """Measured calls / attention calls; 0 where no attention call of the layer was seen at the
+    monitored step (attention code flashwatch does not reach measures nothing); NaN where calls
+    were not counted (recordings made before coverage was)."""
+    if calls is None:
         return math.nan
-    return calls[1] / calls[0]
+    return calls[1] / calls[0] if calls[0] else 0.0
 
 
 def _array(t: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -283,6 +286,7 @@ class _Block:
         # (H,) tensors per layer, views of fresh (L, H) arrays (a copy where one is reused)
         per_layer = {k: torch.from_numpy(v if v is not nan else nan.copy()).unbind(0) for k, v in out.items()}
         return [LayerSignals(layer=self.first + i, seen=bool(seen[i]), coverage=_coverage(r.calls),
+                             calls=r.calls[0] if r.calls is not None else None,
                              delta_measured=bool(delta_seen[i]),
                              low_precision=True if r.low_precision is None else bool(r.low_precision),
                              variant=r.variant, **{k: v[i] for k, v in per_layer.items()})

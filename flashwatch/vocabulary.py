@@ -189,17 +189,20 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
     RuleSpec(
         "attention_coverage", "warning",
         "None of a layer's attention calls at a monitored step could be measured in full.",
-        "The layer ran attention at the monitored step, but flashwatch measured none of its calls in "
-        "full (flashwatch_attention_coverage is 0): every call used something the statistics cannot "
-        "take, or its statistics pass failed (logged), or its backward never ran. With attention "
-        "dropout the repeated maxima and max logit are still measured, the delta error is not; with "
-        "causal attention over query and key lengths that differ, or a head dimension or dtype "
-        "outside the kernel's, nothing is. The layer's delta error and drift z read NaN and the "
-        "delta_drift rule neither fires nor clears on it (an alert it had holds): blind, not healthy. "
-        "The flashwatch log names the reason once per layer.",
+        "flashwatch measured none of the layer's attention calls at the monitored step in full "
+        "(flashwatch_attention_coverage is 0): every call used something the statistics cannot "
+        "take, or its statistics pass failed (logged), or its backward never ran, or flashwatch saw "
+        "no call at all (the layer's attention is code other than "
+        "torch.nn.functional.scaled_dot_product_attention, such as Hugging Face's eager attention). "
+        "With attention dropout the repeated maxima and max logit are still measured, the delta "
+        "error is not; with causal attention over query and key lengths that differ, or a head "
+        "dimension or dtype outside the kernel's, nothing is. The layer's delta error and drift z "
+        "read NaN and the delta_drift rule neither fires nor clears on it (an alert it had holds): "
+        "blind, not healthy. The flashwatch log names the reason once per layer.",
         "Make the monitored calls measurable: turn attention dropout off (Hugging Face: "
-        "attn_pdrop=0.0), or leave the layer out with MonitorConfig.layers. Until then, do not "
-        "read the layer's silence as health.",
+        "attn_pdrop=0.0), call torch's scaled_dot_product_attention (Hugging Face: "
+        "attn_implementation='sdpa'), or leave the layer out with MonitorConfig.layers. Until then, "
+        "do not read the layer's silence as health.",
         scope="layer", signal="flashwatch_attention_coverage"),
 )
 

@@ -22,7 +22,8 @@ Operators (namespace ``flashwatch``):
   the gradient through unchanged and runs the operator ``observe_statistics``
   (``attention_statistics`` on the saved inputs, output and output gradient).
 - ``score_statistics(q, k, v, out, flag, counts, values, coverage, ...)``: a call with attention
-  dropout: rows, repeated maxima and max logit only (its delta error is not measured).
+  dropout (with or without a mask): rows, repeated maxima and max logit only (its delta error is
+  not measured).
 - ``unmeasured_call(flag, coverage, layer, reason)``: counts an attention call the statistics
   cannot take (logged once per layer and reason).
 
@@ -452,11 +453,12 @@ def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 # --- calls measured in part -----------------------------------------------------------------------
 
-def _score_statistics_impl(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason,
-                           unit_gap) -> None:
+def _score_statistics_impl(q, k, v, out, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked,
+                           layer, reason, unit_gap) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
+    from . import masked as masked_pass
 
     coverage[0] += 1  # an attention call, not measured in full
     label = _label(layer)
@@ -466,34 +468,41 @@ def _score_statistics_impl(q, k, v, out, flag, counts, values, coverage, causal,
         with _NoAutocast(q.device):
             # a zero output gradient adds exactly 0 to the delta-error sums: rows, repeated
             # maxima and the max logit only
-            attention_statistics(q.to(dtype), k.to(dtype), v.to(dtype), out, torch.zeros_like(out),
-                                 _view(counts, values, unit_gap), causal=causal, sm_scale=sm_scale, eps=eps)
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, torch.zeros_like(out), _view(counts, values, unit_gap))
+            if masked:
+                masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
+            else:
+                attention_statistics(*args, causal=causal, sm_scale=sm_scale, eps=eps)
     except Exception:
         _log_once(("score_statistics",), "flashwatch: a statistics pass failed; training goes on unchanged",
                   exc_info=True)
 
 
-def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, causal, sm_scale, eps, layer, reason,
-                           unit_gap):
+def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked,
+                           layer, reason, unit_gap):
     return None
 
 
 _score_statistics = _operator(
     "score_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor flag, Tensor(a!) counts, Tensor(b!) values, "
-    "Tensor(c!) coverage, bool causal, float sm_scale, float eps, Tensor layer, str reason, float unit_gap) -> ()",
+    "Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, Tensor layer, "
+    "str reason, float unit_gap) -> ()",
     _score_statistics_impl, _score_statistics_fake)
 
 
 def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, flag: torch.Tensor,
                      stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float],
-                     eps: float, layer: torch.Tensor, reason: str) -> None:
+                     eps: float, layer: torch.Tensor, reason: str, attn_mask: Optional[torch.Tensor] = None,
+                     masked: bool = False) -> None:
     """For a call whose delta error cannot be measured (attention dropout): add its rows,
-    repeated maxima and max logit into ``stats`` when ``flag`` is set; counted as a call, not
-    as a measured one; ``reason`` logged once per layer (``layer``: its key, ``register_layer``)."""
+    repeated maxima and max logit into ``stats`` when ``flag`` is set (``masked``: by the dense
+    pass of ``flashwatch.kernels.masked``, with ``attn_mask``); counted as a call, not as a
+    measured one; ``reason`` logged once per layer (``layer``: its key, ``register_layer``)."""
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
-    _score_statistics(q.detach(), k.detach(), v.detach(), out.detach(), flag, counts, values, coverage, bool(causal),
-                      scale, float(eps), layer, str(reason), float(stats.unit_gap))
+    mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
+    _score_statistics(q.detach(), k.detach(), v.detach(), out.detach(), flag, counts, values, coverage, mask,
+                      bool(causal), scale, float(eps), bool(masked), layer, str(reason), float(stats.unit_gap))
 
 
 # --- calls that are not measured -----------------------------------------------------------------

@@ -777,3 +777,22 @@ def test_a_layer_switched_mid_run_trains_compiled_as_eager(mode, target):
         # the switch changed what layer 0 computes (fixed differs from plain only on tied rows, none here)
         unswitched, _ = _run_switched(mode, None, target, switch_at=99)
         assert any(not torch.equal(a, b) for a, b in zip(eager[3], unswitched[3]))
+
+
+def test_attaching_the_compiled_wrapper_names_the_layers_as_the_model_does():
+    """``monitor.attach(torch.compile(model))``: the layers are named as in the model itself (fail
+    before: "_orig_mod.blocks.0", which a dashboard then showed and ``MonitorConfig.layers``
+    had to spell), also where ``attention=`` names them through the wrapper; the run is measured."""
+    torch.manual_seed(0)
+    model = Stack()
+    compiled = torch.compile(model, backend="aot_eager")
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    assert [layer.name for layer in monitor.attach(compiled)] == ["blocks.0", "blocks.1", "blocks.2"]
+    (compiled(torch.randn(2, 16, 32)) * 1.0).sum().backward()
+    monitor.step()
+    assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 1.0, (1,): 1.0, (2,): 1.0}
+    monitor.detach()
+    query = lambda m: m.c_attn.weight[:32].view(2, 16, 32)  # noqa: E731
+    named = monitor.attach(compiled, attention={"_orig_mod.blocks.1": query})
+    assert [layer.name for layer in named] == ["blocks.1"]
+    monitor.detach()

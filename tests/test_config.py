@@ -35,8 +35,17 @@ def test_frozen_and_keyword_only():
     c = MonitorConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.interval = 3
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="keywords only"):
         MonitorConfig(5)
+
+
+def test_an_unknown_field_is_named_with_the_nearest_one_and_the_list():
+    """Fail before: Python's "unexpected keyword argument 'intervall'", without the fields."""
+    with pytest.raises(TypeError, match=r"no field 'intervall' \(did you mean 'interval'\?\); its fields: interval, "):
+        MonitorConfig(intervall=10)
+    with pytest.raises(TypeError, match=r"no field 'xyz'; its fields: .*wq_error_chain"):
+        MonitorConfig(xyz=1)
+    assert dataclasses.replace(MonitorConfig(interval=3), window=7) == MonitorConfig(interval=3, window=7)
 
 
 def test_normalises_sets_and_lists():

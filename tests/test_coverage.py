@@ -120,6 +120,26 @@ def test_console_names_layers_below_full_coverage():
     assert "attention coverage L1 50%" in console.summary_line(record)
 
 
+def test_console_says_not_measured_where_no_head_was_measured():
+    """Heads read NaN (not measured, e.g. under attention dropout): the line says "not measured",
+    never "+nan", and leaves NaN heads out of a top list that has measured ones. Fail before:
+    "top |drift z| L0H0 +nan, L0H1 +nan" and "max W^Q-error coherence nan (L0H0)"."""
+    from flashwatch.exporters.base import StepRecord
+    from flashwatch.exporters.console import ConsoleExporter
+    from flashwatch.exporters.testing import synthetic_layout, synthetic_snapshot
+
+    snap = synthetic_snapshot(synthetic_layout(2, 2), step=5)
+    for name in ("flashwatch_delta_drift_z", "flashwatch_wq_error_coherence"):
+        snap[name] = {key: math.nan for key in snap[name]}
+    record = StepRecord(step=5, time=0.0, snapshot=snap, new_alerts=[], active_alerts=[])
+    line = ConsoleExporter("log").summary_line(record)
+    assert "nan" not in line.lower().replace("not measured", "")
+    assert "drift z not measured" in line and "max W^Q-error coherence not measured" in line
+    snap["flashwatch_delta_drift_z"][(1, 0)] = -2.5
+    line = ConsoleExporter("log").summary_line(record)
+    assert "top |drift z| L1H0 -2.50" in line and "+nan" not in line
+
+
 def test_a_failing_own_kernel_call_is_not_counted_as_measured(monkeypatch):
     from flashwatch import kernels
 
@@ -162,3 +182,50 @@ def test_a_fix_variant_whose_calls_fall_back_to_sdpa_is_reported_as_sdpa(compile
     assert "are not measured are not measured" not in caplog.text
     if not compiled:
         assert "it reports variant sdpa" in caplog.text
+
+
+def _manual_attention(self, x):
+    """tinygpt's attention written out (softmax of masked scores), as Hugging Face's eager
+    attention does: no call to torch.nn.functional.scaled_dot_product_attention."""
+    B, T, C = x.shape
+    q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+               for z in self.c_attn(x).split(self.n_embd, dim=2))
+    scores = (q @ k.transpose(-2, -1)) * (C // self.n_head) ** -0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).contiguous().view(B, T, C)
+    return self.resid_dropout(self.c_proj(y))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_layer_whose_attention_flashwatch_never_sees_reads_coverage_0_and_warns(compiled, caplog):
+    """Attention written out by hand (Hugging Face's eager attention) in layer 1: flashwatch sees
+    none of its calls, so its coverage is 0 and attention_coverage fires, naming the cause; the
+    layer that calls SDPA reads 1. Fail before: coverage NaN and no alert, a silence that read
+    as health."""
+    import logging
+    import types
+
+    if compiled:
+        torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0))
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    monitor.attach(model)
+    attn = model.transformer.h[1].attn
+    attn.forward = types.MethodType(_manual_attention, attn)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    alerts = []
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        for _ in range(2):
+            x = torch.randint(0, 256, (2, 16))
+            run(x, x)[1].backward()
+            model.zero_grad(set_to_none=True)
+            alerts += monitor.step()
+    monitor.detach()
+    snap = monitor.snapshot()
+    assert snap["flashwatch_attention_coverage"] == {(0,): 1.0, (1,): 0.0}
+    fired = [a for a in alerts if a.rule == "attention_coverage"]
+    assert [(a.layer, a.step) for a in fired] == [(1, 0)]
+    assert "saw no attention call" in fired[0].message and "attn_implementation='sdpa'" in fired[0].message
+    assert {(a.rule, a.layer) for a in monitor.active_alerts} == {("attention_coverage", 1)}
+    assert any("saw no measured attention call" in r.getMessage() for r in caplog.records)

@@ -275,7 +275,7 @@ def test_bad_arguments():
 
     with pytest.raises(ValueError, match="either config=MonitorConfig.*not both.*interval"):
         FlashWatchCallback(MonitorConfig(), interval=5)
-    with pytest.raises(ValueError, match="unexpected keyword argument 'intervall'.*fields of MonitorConfig"):
+    with pytest.raises(ValueError, match="no field 'intervall' \\(did you mean 'interval'\\?\\).*fields of MonitorConfig"):
         FlashWatchCallback(intervall=5)
     with pytest.raises(ValueError, match=r"MonitorConfig.interval must be an int >= 1"):
         FlashWatchCallback(interval=0)

@@ -9,6 +9,7 @@ Fail before: every call with an attn_mask or unequal query/key lengths was logge
 
 from __future__ import annotations
 
+import logging
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,10 +140,10 @@ class PaddedAttention(nn.Module):
     """nanoGPT attention over a right-padded batch (a key-padding mask), or grouped-query
     attention with enable_gqa=True (two query heads per key head)."""
 
-    def __init__(self, c=32, heads=2, gqa=False):
+    def __init__(self, c=32, heads=2, gqa=False, dropout_p=0.0):
         super().__init__()
         self.c_attn = nn.Linear(c, 3 * c, bias=False)
-        self.n_head, self.gqa = heads, gqa
+        self.n_head, self.gqa, self.dropout_p = heads, gqa, dropout_p
         self.mask = _keep()[:, None, None, :8] if not gqa else None
 
     def forward(self, x):
@@ -151,7 +152,7 @@ class PaddedAttention(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         if self.gqa:
             return F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=self.dropout_p)
 
 
 @pytest.mark.parametrize("gqa", [False, True], ids=["key padding", "enable_gqa"])
@@ -179,3 +180,41 @@ def test_monitor_measures_them_eager_and_compiled_alike(mode, gqa):
     rows = 3 * 8.0 if gqa else float(8 + 7 + 8)  # padding rows left out (lengths 12, 7, 9 cut to 8)
     assert eager[0]["rows"] == [rows, rows]
     assert eager[0] == compiled[0]
+
+
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_a_masked_call_with_attention_dropout_measures_its_scores(mode, caplog):
+    """Hugging Face fine-tuning's usual call: a padding mask and attention dropout. Its rows,
+    repeated maxima and max logit are those of the same call without dropout (dropout acts after
+    the softmax), padding rows left out; its delta error is not measured (the sums stay 0 and the
+    call counts as not measured in full: coverage [1, 0]); eager and compiled alike, and the log
+    names both the dropout and the mask. Fail before: nothing but W^Q was measured, and the log
+    blamed the mask alone."""
+    def run(dropout_p, compiled):
+        torch.manual_seed(0)
+        mod = PaddedAttention(dropout_p=dropout_p)
+        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+        monitor.attach(mod)
+        fn = torch.compile(mod, backend="aot_eager") if compiled else mod
+        x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
+        (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2)).sum().backward()
+        result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
+        monitor.detach()
+        return result
+
+    without = run(0.0, False)
+    with caplog.at_level(logging.INFO, logger="flashwatch"):
+        eager = run(0.1, False)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(0.1, True)
+    assert not counters["graph_break"]
+    assert eager[1] == compiled[1] == [1, 0]
+    assert eager[0]["rows"] == [float(8 + 7 + 8)] * 2  # padding rows left out
+    for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format", "max_logit"):
+        assert eager[0][name] == compiled[0][name] == without[0][name], name
+    for name in ("delta_error", "delta_error_abs", "delta_error_sq"):
+        assert all(v == 0.0 for v in eager[0][name] + compiled[0][name]), name
+    assert any("attention dropout is on (dropout_p=0.1) and an attn_mask is given" in r.getMessage()
+               for r in caplog.records)

@@ -651,10 +651,12 @@ def test_an_observed_call_whose_statistics_pass_fails_is_not_measured(caplog, mo
 
 
 def test_an_observed_forward_without_backward_is_not_a_measured_call(caplog):
-    """Nothing to measure (coverage NaN, no call), and the log asks whether gradients are on."""
+    """Nothing was measured (coverage 0: no call counted, since none reached a backward), the
+    attention_coverage warning says so, and the log asks whether gradients are on."""
     run = Run(MonitorConfig(interval=1))
     with caplog.at_level(logging.WARNING, logger="flashwatch"):
         run.loss(0)  # grad enabled, no backward
-        run.monitor.step(loss=1.0)
-    assert all(math.isnan(v) for v in run.monitor.snapshot()["flashwatch_attention_coverage"].values())
+        alerts = run.monitor.step(loss=1.0)
+    assert all(v == 0.0 for v in run.monitor.snapshot()["flashwatch_attention_coverage"].values())
+    assert {a.rule for a in alerts} == {"attention_coverage"}
     assert any("saw no measured attention call" in r.getMessage() for r in caplog.records)

@@ -532,6 +532,9 @@ def test_one_exporter_not_in_a_list_is_a_clear_error(tmp_path):
         Monitor(MonitorConfig(), exporters="runs/x")
     with pytest.raises(TypeError, match=r"exporters must be a list of exporters \(flashwatch.exporters: .*got object"):
         Monitor(MonitorConfig(), exporters=object())
+    # the class rather than an instance (fail before: accepted, then attach failed on a missing 'self')
+    with pytest.raises(TypeError, match=r"the class JsonlExporter, not an exporter: pass an instance"):
+        Monitor(MonitorConfig(), exporters=[JsonlExporter])
     from flashwatch.lightning import FlashWatchCallback
 
     for wrong in (JsonlExporter(tmp_path), "runs/x"):
@@ -549,3 +552,10 @@ def test_a_one_element_numpy_loss_is_a_number_and_a_longer_one_an_error():
     assert snap["flashwatch_loss"] == 2.5 and snap["flashwatch_grad_norm"] == 0.5
     with pytest.raises(ValueError, match=r"loss must be a float or a one-element tensor, got a numpy array of shape \(2,\)"):
         run.monitor.step(loss=np.array([1.0, 2.0]))
+
+
+def test_settings_given_to_the_monitor_itself_say_where_they_go():
+    """Monitor(interval=5): the error shows the MonitorConfig to write (fail before: Python's bare
+    "unexpected keyword argument")."""
+    with pytest.raises(TypeError, match=r"Settings go in a MonitorConfig: Monitor\(MonitorConfig\(interval=5\)\)"):
+        Monitor(interval=5)

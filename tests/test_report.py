@@ -257,6 +257,12 @@ def test_the_report_reads_the_thresholds_the_run_recorded(tmp_path):
     assert run.thresholds_recorded and (run.drift_threshold, run.max_logit_bound) == (8.0, 50.0)
     html = to_html(run)
     assert "±8, the delta_drift threshold:" in html and "warns at 50." in html and "did not record" not in html
+    # what ran, from the recorded config; no demo.json facts shown as "None" (fail before: "kernel None mode,
+    # variant None, None on None, seed None" and an empty "run" line)
+    from flashwatch.report.page import _facts
+    facts = dict(_facts(run))
+    assert facts["monitoring"] == "observe mode, interval 1"
+    assert "run" not in facts and "None mode" not in html and "seed None" not in html
 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     stripped = [json.dumps({k: v for k, v in json.loads(l).items() if k != "monitor_config"}) for l in lines]

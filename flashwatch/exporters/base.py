@@ -176,6 +176,9 @@ class FanOut(Exporter):
 
     def add(self, exporter: Exporter, layout: Layout | None = None) -> None:
         """Add an exporter; if the fan-out is open already, open it now (errors raise)."""
+        if isinstance(exporter, type):
+            raise TypeError(f"exporters holds the class {exporter.__name__}, not an exporter: pass an instance, "
+                            f"e.g. {exporter.__name__}(...)")
         if not all(callable(getattr(exporter, m, None)) for m in ("open", "export", "close")):
             raise TypeError(
                 f"an exporter needs open(layout), export(record) and close() methods "

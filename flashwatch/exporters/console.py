@@ -152,9 +152,12 @@ class ConsoleExporter(Exporter):
         s = record.snapshot
         parts = [f"flashwatch step {record.step}: loss {_f(s.get('flashwatch_loss'))}, "
                  f"grad norm {_f(s.get('flashwatch_grad_norm'))}"]
-        z = top_heads(s, "flashwatch_delta_drift_z", min(self.top, 3), abs)
+        # NaN ranks last: a NaN at the top means no head was measured (said so, never printed as "nan")
+        z = [t for t in top_heads(s, "flashwatch_delta_drift_z", min(self.top, 3), abs) if not math.isnan(t[2])]
         if z:
             parts.append("top |drift z| " + ", ".join(f"L{l}H{h} {_f(v, '+.2f')}" for l, h, v in z))
+        elif s.get("flashwatch_delta_drift_z"):
+            parts.append("drift z not measured")
         for metric, label in (("flashwatch_repeated_max_ratio", "max repeated-max"),
                               ("flashwatch_repeated_max_ratio_bf16", "bf16"),
                               ("flashwatch_wq_spectral_norm", "max W^Q norm"),
@@ -163,7 +166,7 @@ class ConsoleExporter(Exporter):
             top = top_heads(s, metric, 1)
             if top:
                 l, h, v = top[0]
-                parts.append(f"{label} {_f(v)} (L{l}H{h})")
+                parts.append(f"{label} not measured" if math.isnan(v) else f"{label} {_f(v)} (L{l}H{h})")
         variants = variant_counts(s)
         if variants:
             parts.append("variants " + " ".join(f"{v}x{len(ls)}" for v, ls in sorted(variants.items())))

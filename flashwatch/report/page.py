@@ -43,7 +43,8 @@ def title(run: RunData) -> str:
 
 
 def _facts(run: RunData) -> list[tuple[str, str]]:
-    """(label, text) lines about the run: the file, steps, loss, heads, and what ran (``demo.json``)."""
+    """(label, text) lines about the run: the file, steps, loss, heads, and what ran (``demo.json``,
+    else the recorded ``MonitorConfig``)."""
     m = run.meta
     facts = [("metrics", str(run.path))]
     if run.steps:
@@ -56,19 +57,33 @@ def _facts(run: RunData) -> list[tuple[str, str]]:
         facts.append(("attention", f"{len(layers)} layers, {len(run.rows)} heads: "
                                    + ", ".join(f"{i}={n}" for i, n in enumerate(run.layer_names[:8]))
                                    + (" ..." if len(run.layer_names) > 8 else "")))
-    if m:
-        model = m.get("model") or {}
-        what = m.get("command", "")
-        if model:
-            what += (f": {model.get('n_layer')}-layer GPT, {model.get('n_head')} heads, d={model.get('n_embd')}, "
-                     f"context {model.get('block_size')}, batch {model.get('batch_size')}")
+    model, what = m.get("model") or {}, m.get("command", "")
+    if model:
+        what += (f": {model.get('n_layer')}-layer GPT, {model.get('n_head')} heads, d={model.get('n_embd')}, "
+                 f"context {model.get('block_size')}, batch {model.get('batch_size')}")
+    if what:
         facts.append(("run", what))
-        facts.append(("kernel", f"{m.get('mode')} mode, variant {m.get('variant')}, {m.get('precision')} on "
-                                f"{m.get('device')}, seed {m.get('seed')}"))
-        if m.get("seconds") is not None:
-            stopped = ", interrupted" if m.get("interrupted") else ""
-            facts.append(("time", f"{m.get('seconds')} s, finished {m.get('finished', '')}{stopped}"))
+    kernel = _kernel_fact(m)
+    if kernel:
+        facts.append(("monitoring", kernel))
+    if m.get("seconds") is not None:
+        stopped = ", interrupted" if m.get("interrupted") else ""
+        facts.append(("time", f"{m.get('seconds')} s, finished {m.get('finished', '')}{stopped}"))
     return facts
+
+
+def _kernel_fact(meta: dict) -> str:
+    """What ran, from what the run recorded (``demo.json``'s facts, else the recorded
+    ``MonitorConfig``): only the facts it holds, none shown as "None"."""
+    config = meta.get("monitor_config") if isinstance(meta.get("monitor_config"), dict) else {}
+    mode = meta.get("mode", config.get("mode"))
+    variant = meta.get("variant", config.get("variant"))
+    parts = [f"{mode} mode" if mode is not None else None,
+             f"variant {variant}" if variant is not None and mode != "observe" else None,
+             f"interval {config['interval']}" if config.get("interval") is not None else None,
+             f"{meta['precision']} on {meta['device']}" if meta.get("precision") and meta.get("device") else None,
+             f"seed {meta['seed']}" if meta.get("seed") is not None else None]
+    return ", ".join(p for p in parts if p)
 
 
 def _alerts_table(run: RunData) -> list[str]:
