@@ -59,6 +59,11 @@ def test_attention_dropout_measures_scores_not_delta_error_and_warns(mode, compi
     assert all(math.isfinite(v) and v > 0 for v in snap["flashwatch_max_logit"].values())
     assert all(0.0 <= v <= 1.0 for v in snap["flashwatch_repeated_max_ratio"].values())
     assert monitor.signals()["rows"] == {(layer, head): 32.0 for layer in range(2) for head in range(2)}
+    # W^Q is read from the weights, whatever the calls: each head's exact spectral norm, not a placeholder
+    for layer in monitor.layers:
+        exact = torch.linalg.matrix_norm(layer.query_weight().detach().double(), ord=2)
+        for head, want in enumerate(exact.tolist()):
+            assert snap["flashwatch_wq_spectral_norm"][(layer.index, head)] == pytest.approx(want, rel=1e-4)
 
 
 def test_coverage_alert_clears_once_a_call_is_measured():
@@ -229,3 +234,39 @@ def test_a_layer_whose_attention_flashwatch_never_sees_reads_coverage_0_and_warn
     assert "saw no attention call" in fired[0].message and "attn_implementation='sdpa'" in fired[0].message
     assert {(a.rule, a.layer) for a in monitor.active_alerts} == {("attention_coverage", 1)}
     assert any("saw no measured attention call" in r.getMessage() for r in caplog.records)
+
+
+class _TwoCalls(torch.nn.Module):
+    """One attention layer making two calls a step: one measurable, one with attention dropout."""
+
+    def __init__(self, c=32, heads=2):
+        super().__init__()
+        self.c_attn = torch.nn.Linear(c, 3 * c, bias=False)
+        self.n_head = heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return sdpa(q, k, v, is_causal=True) + sdpa(q, k, v, is_causal=True, dropout_p=0.1)
+
+
+def test_a_layer_measured_in_part_reads_its_fraction_and_raises_no_alert():
+    """Coverage 0.5 (one call of two measured in full): shown on the console, no attention_coverage
+    alert, which is for a layer with nothing measured in full."""
+    from flashwatch.exporters.base import StepRecord
+    from flashwatch.exporters.console import ConsoleExporter
+
+    torch.manual_seed(0)
+    mod = _TwoCalls()
+    monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
+    monitor.attach(mod)
+    x = torch.randn(2, 16, 32)
+    mod(x).sum().backward()
+    alerts = monitor.step()
+    monitor.detach()
+    snap = monitor.snapshot()
+    assert snap["flashwatch_attention_coverage"] == {(0,): 0.5}
+    assert not [a for a in alerts if a.rule == "attention_coverage"]
+    record = StepRecord(step=0, time=0.0, snapshot=snap, new_alerts=[], active_alerts=[])
+    assert "attention coverage L0 50%" in ConsoleExporter("log").summary_line(record)

@@ -69,7 +69,7 @@ def test_every_metric_name_in_the_dashboard_is_in_the_table(builder, dash):
     heatmaps = {METRIC_TOKEN.findall(p["targets"][0]["expr"])[0] for p in dash["panels"] if p["type"] == "heatmap"}
     assert heatmaps == per_head - {"flashwatch_delta_error", "flashwatch_delta_error_cumulative"}
     for name in ("flashwatch_loss", "flashwatch_kernel_variant", "flashwatch_alert_active",
-                 "flashwatch_alerts_total"):
+                 "flashwatch_alerts_total", "flashwatch_attention_coverage"):
         assert name in used, f"the dashboard shows no {name}"
 
 

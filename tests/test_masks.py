@@ -128,6 +128,37 @@ def test_unequal_lengths_and_grouped_query_attention_against_float64_formulas():
                                atol=0)
 
 
+def test_a_finite_additive_bias_on_grouped_query_heads_against_float64_formulas():
+    """An ALiBi-style float mask (finite values added to every score, none of them "masked") over
+    4 query heads on 2 key heads: the dense pass adds the bias to the scores (the max logit
+    includes it) and maps query head h to key head h // 2, as SDPA's enable_gqa does. The other
+    mask tests hold only 0 and the dtype's lowest value, or one key head, where neither shows."""
+    g = torch.Generator().manual_seed(2)
+    hq, hkv = 4, 2
+    q = torch.randn(B, hq, N, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, hkv, N, D, generator=g, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(B, hq, N, D, generator=g, dtype=torch.float64)
+    slopes = torch.tensor([2.0, 1.0, 0.5, 0.25], dtype=torch.float64).view(1, hq, 1, 1)
+    pos = torch.arange(N, dtype=torch.float64)
+    bias = -slopes * (pos[None, :] - pos[:, None]).abs()  # (1, 4, N, N), in [-22, 0]
+    out = _rounded(F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True))
+    stats = AttentionStats(hq)
+    masked.attention_statistics(q, k, v, out, grad, stats, attn_mask=bias, sm_scale=SCALE)
+    got = stats.as_dict()
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    s = q @ kk.transpose(-1, -2) * SCALE + bias
+    top = s.topk(2, dim=-1).values
+    p = torch.softmax(s, dim=-1)
+    err = (grad * out).sum(-1) - (p * (grad @ vv.transpose(-1, -2))).sum(-1)
+    assert got["rows"] == [B * float(N)] * hq
+    assert got["repeated_max_rows"] == (top[..., 1] >= top[..., 0] - 1e-3).sum(dim=(0, 2)).double().tolist()
+    f64 = torch.float64  # statistics are FP32 sums: compared at FP32 precision
+    torch.testing.assert_close(torch.tensor(got["max_logit"], dtype=f64), top[..., 0].amax(dim=(0, 2)).float().double())
+    torch.testing.assert_close(torch.tensor(got["delta_error"], dtype=f64), err.sum(dim=(0, 2)), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(got["delta_error_sq"], dtype=f64), (err * err).sum(dim=(0, 2)), rtol=1e-6,
+                               atol=0)
+
+
 def test_what_the_dense_pass_does_not_take_says_why():
     q, k, v, _ = _inputs()
     assert "lengths that differ" in masked.mask_reason(None, q, k[:, :, :5], causal=True)
@@ -218,3 +249,47 @@ def test_a_masked_call_with_attention_dropout_measures_its_scores(mode, caplog):
         assert all(v == 0.0 for v in eager[0][name] + compiled[0][name]), name
     assert any("attention dropout is on (dropout_p=0.1) and an attn_mask is given" in r.getMessage()
                for r in caplog.records)
+
+
+class CrossAttention(nn.Module):
+    """Queries from the module's input (8 positions), keys and values from a fixed memory of 12
+    positions through the same projection: query and key lengths differ, no mask, not causal."""
+
+    def __init__(self, c=32, heads=2):
+        super().__init__()
+        self.c_attn = nn.Linear(c, 3 * c, bias=False)
+        self.n_head = heads
+        self.memory = torch.randn(3, 12, c, generator=torch.Generator().manual_seed(3))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q = self.c_attn(x)[..., :c].view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        _, k, v = self.c_attn(self.memory).split(c, dim=2)
+        k, v = (z.view(b, 12, self.n_head, c // self.n_head).transpose(1, 2) for z in (k, v))
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_monitor_measures_cross_attention_eager_and_compiled_alike(mode):
+    """Query and key lengths that differ, without a mask: the dense pass measures every row in full."""
+    def run(compiled):
+        torch.manual_seed(0)
+        mod = CrossAttention()
+        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+        monitor.attach(mod)
+        fn = torch.compile(mod, backend="aot_eager") if compiled else mod
+        x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
+        (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2)).sum().backward()
+        result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
+        monitor.detach()
+        return result
+
+    eager = run(False)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run(True)
+    assert not counters["graph_break"]
+    assert eager[1] == compiled[1] == [1, 1]
+    assert eager[0]["rows"] == [3 * 8.0] * 2
+    assert eager[0] == compiled[0]
