@@ -194,16 +194,17 @@ def find_attention(model: nn.Module, attention: Mapping[str, QueryWeightFn] | No
             # a function recognised from the model's structure (a sharded model's) names its family
             found.append((name, modules[name], heads, fn, getattr(fn, "family", None) or "explicit"))
         return found
-    for name, module, family, shape in known_attention(model, heads_from_call=True):
+    failures: list[str] = []
+    for name, module, family, shape in known_attention(model, heads_from_call=True, failures=failures):
         fn = _family_weight_fn(family, shape)
         _check_weight(name, fn(module), shape[0])
         found.append((name, module, shape[0], fn, family.name))
     if not found:
-        raise ValueError(_not_found_message(modules))
+        raise ValueError(_not_found_message(modules, failures))
     return found
 
 
-def known_attention(model: nn.Module, heads_from_call: bool = False
+def known_attention(model: nn.Module, heads_from_call: bool = False, failures: list[str] | None = None
                     ) -> list[tuple[str, nn.Module, Family, tuple[int, int, int]]]:
     """Modules of a known family in module order, by structure alone (no weight is read):
     (name, module, family, (H, D, C)). Children of an attention module are skipped.
@@ -211,7 +212,8 @@ def known_attention(model: nn.Module, heads_from_call: bool = False
     ``heads_from_call``: a module of nanoGPT's layout that names no head count gets it from one
     call of its forward on a (1, 2, C) zero input without gradients: the head dimension of the
     query it passes to ``torch.nn.functional.scaled_dot_product_attention`` (a module whose
-    forward takes other arguments, or makes no such call, is not recognised)."""
+    forward takes other arguments, or makes no such call, is not recognised; ``failures`` gets one
+    line per such module saying why)."""
     out = []
     skip_prefix: str | None = None
     for name, module in model.named_modules():
@@ -219,16 +221,18 @@ def known_attention(model: nn.Module, heads_from_call: bool = False
             continue  # children of an attention module are not attention modules themselves
         hit = match(module)
         if hit is None and heads_from_call:
-            hit = _match_from_call(module)
+            hit = _match_from_call(name, module, failures if failures is not None else [])
         if hit is not None:
             out.append((name, module, *hit))
             skip_prefix = name + "."
     return out
 
 
-def _match_from_call(module: nn.Module) -> tuple[Family, tuple[int, int, int]] | None:
+def _match_from_call(name: str, module: nn.Module, failures: list[str]
+                     ) -> tuple[Family, tuple[int, int, int]] | None:
     """nanoGPT's family and shape for a module of its layout that names no head count, the head
-    count read from the query of one call of its forward (see ``known_attention``)."""
+    count read from the query of one call of its forward (see ``known_attention``); where that
+    fails, why, in ``failures``."""
     import torch.nn.functional as F
 
     c = nanogpt_width(module)
@@ -251,13 +255,17 @@ def _match_from_call(module: nn.Module) -> tuple[Family, tuple[int, int, int]] |
         with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=weight.device.type):
             module.eval()
             module(torch.zeros(1, 2, c, device=weight.device, dtype=weight.dtype))
-    except Exception:  # a forward that needs more than x: not recognised (the error says how to name it)
+    except Exception as exc:  # a forward that needs more than x: not recognised (the error says how to name it)
+        failures.append(f"{name or 'the model'}: its forward, called on a (1, 2, {c}) input to read the head count, "
+                        f"raised {type(exc).__name__}: {str(exc)[:200]}")
         return None
     finally:
         F.scaled_dot_product_attention = sdpa
         for m, mode in training:
             m.training = mode
     if len(set(heads)) != 1 or heads[0] < 1 or c % heads[0]:
+        failures.append(f"{name or 'the model'}: its forward's calls to scaled_dot_product_attention gave no single "
+                        f"head count dividing {c} (query heads seen: {heads or 'none'})")
         return None
     family = next(f for f in FAMILIES if f.name == "nanogpt")
     return family, (heads[0], c // heads[0], c)
@@ -296,15 +304,19 @@ def _query_expression(module: nn.Module) -> str | None:
     return None
 
 
-def _not_found_message(modules: dict) -> str:
-    """What was found, and the ``attention=`` argument to write, with the model's own module names."""
+def _not_found_message(modules: dict, failures: Sequence[str] = ()) -> str:
+    """What was found, and the ``attention=`` argument to write, with the model's own module names
+    (and why modules of nanoGPT's layout that name no head count were not recognised)."""
+    tried = (" Modules of nanoGPT's layout naming no head count were tried and not recognised: "
+             + "; ".join(failures[:3]) + (f" (and {len(failures) - 3} more)" if len(failures) > 3 else "") + "."
+             ) if failures else ""
     candidates = [(n, m) for n, m in modules.items() if n and _looks_like_attention(n, m)]
     # the outermost candidates only: an attention module's children are not attention modules
     outer = [(n, m) for n, m in candidates if not any(n.startswith(o + ".") for o, _ in candidates)]
     if not outer:
         names = [n for n in modules if n][:12]
         return (f"no attention layer found: flashwatch recognises {describe()}, and no module's name or class "
-                f"mentions attention (some module names: {names}). Name the attention modules with "
+                f"mentions attention (some module names: {names}).{tried} Name the attention modules with "
                 "attach(model, attention={'<module name>': lambda m: <its query weight as (heads, head_dim, "
                 "model_dim)>, ...}), one entry per attention module (docs/GUIDE.md, 'Which models are found')")
     shown = []
@@ -316,7 +328,7 @@ def _not_found_message(modules: dict) -> str:
     expression = _query_expression(outer[0][1]) or "m.<query projection>.weight.view(H, D, C)"
     entries = ", ".join(f"{n!r}: query_weight" for n, _ in outer[:3]) + (", ..." if len(outer) > 3 else "")
     return (f"no attention layer found: flashwatch recognises {describe()}. Modules that look like attention: "
-            f"{'; '.join(shown)}{more}. Name them with attach(model, attention=...), H being the number of "
+            f"{'; '.join(shown)}{more}.{tried} Name them with attach(model, attention=...), H being the number of "
             "query heads:\n"
             f"    query_weight = lambda m: {expression}\n"
             f"    monitor.attach(model, attention={{{entries}}})\n"

@@ -647,8 +647,11 @@ class Monitor:
         readings = []
         per_layer = got.per_layer([layer.total_heads for layer in self.layers])
         for layer, variant, calls, (fields, sigma) in zip(self.layers, ran, coverage, per_layer):
-            if not fields["rows"].sum() > 0 and not (calls and calls[0]):
+            measured_rows = fields["rows"].sum() > 0
+            if not measured_rows and not (calls and calls[0]):
                 self._warn_unseen(t, layer)  # no call at all; calls seen but not measured: attention_coverage
+            if calls is not None and not calls[0] and measured_rows:
+                calls = None  # rows measured, yet no call counted here (another rank's calls): coverage unknown
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
                                          low_precision=layer.low_precision, variant=variant, calls=calls))

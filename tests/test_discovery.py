@@ -84,6 +84,57 @@ def test_the_trial_call_leaves_the_random_generator_and_training_mode_as_they_we
     assert model.training and model[0].training and not model[0].c_proj.training
 
 
+class HeadsInAConfigWithSideEffects(HeadsInAConfig):
+    """The same with a BatchNorm (running statistics in training mode) and noise drawn from the
+    random generator in every mode."""
+
+    def __init__(self, c=64, heads=4):
+        super().__init__(c, heads)
+        self.norm = nn.BatchNorm1d(c)
+
+    def forward(self, x, mask=None):
+        x = self.norm(x.transpose(1, 2)).transpose(1, 2) + 1e-3 * torch.rand(x.shape, dtype=x.dtype)
+        return super().forward(x, mask)
+
+
+def test_the_trial_call_draws_nothing_and_updates_no_running_statistics():
+    """Guards the trial call's fork_rng (a forward that draws even in eval mode) and its eval()
+    (a BatchNorm's running statistics, and training mode restored). Catches: either removed."""
+    model = nn.Sequential(HeadsInAConfigWithSideEffects(heads=4))
+    norm = model[0].norm
+    stats = {n: b.clone() for n, b in norm.named_buffers()}
+    torch.manual_seed(7)
+    state = torch.get_rng_state()
+    found = find_attention(model)
+    assert [(name, heads) for name, _, heads, _, _ in found] == [("0", 4)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert int(norm.num_batches_tracked) == 0
+    assert all(torch.equal(b, stats[n]) for n, b in norm.named_buffers())
+    assert model.training and model[0].training and norm.training
+
+
+class TwoHeadCounts(HeadsInAConfig):
+    """Two SDPA calls in one forward with different query head counts (4, then 2): no one head
+    count to read."""
+
+    def forward(self, x, mask=None):
+        b, t, c = x.shape
+        for h in (4, 2):
+            q, k, v = (z.view(b, t, h, c // h).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
+            x = self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
+        return x
+
+
+def test_a_forward_whose_calls_disagree_on_the_head_count_is_not_recognised():
+    """Guards the single-head-count check of the trial call. Catches: calls with 4 and 2 query
+    heads accepted (the first count taken)."""
+    model = nn.Sequential(TwoHeadCounts())
+    with pytest.raises(ValueError, match=r"no attention layer found.*0 \(TwoHeadCounts; c_attn: Linear\(64, 192\)") as err:
+        find_attention(model)
+    assert "no single head count dividing 64 (query heads seen: [4, 2])" in str(err.value)
+    assert F.scaled_dot_product_attention is SDPA
+
+
 class SelfAttention(nn.Module):
     def __init__(self, c=64):
         super().__init__()
@@ -138,6 +189,9 @@ def test_a_forward_that_needs_more_than_x_is_named_in_the_error():
     with pytest.raises(ValueError, match=r"0 \(HeadsInAConfig; c_attn: Linear\(64, 192\)") as err:
         find_attention(model)
     assert "m.c_attn.weight[:64].view(H, 64 // H, 64)" in str(err.value)
+    # and why the trial call did not recognise it (fail before: the forward's error was swallowed)
+    assert ("0: its forward, called on a (1, 2, 64) input to read the head count, raised TypeError: forward() "
+            "needs a mask") in str(err.value)
     assert F.scaled_dot_product_attention is SDPA
 
 
