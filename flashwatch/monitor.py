@@ -839,6 +839,9 @@ class Monitor:
         self._stops_due = [Alert.from_dict(a) for a in state.get("stops_due", [])]
         self._monitoring = self.global_step % self.config.interval == 0
         self._router.monitoring = self._monitoring
+        if self._last is not None:  # exporters serving the latest values continue from the saved step
+            self._fan.resume(StepRecord(step=int(self._last["step"]), time=time.time(), snapshot=self.snapshot(),
+                                        new_alerts=[], active_alerts=self.active_alerts))
 
 
 def _check_scalar(name: str, value: Any) -> Any:

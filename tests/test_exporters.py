@@ -436,3 +436,45 @@ def test_exporters_read_only_the_vocabulary_and_the_metric_table():
 def test_step_record_defaults():
     r = StepRecord(step=1, time=0.0, snapshot={})
     assert r.new_alerts == [] and r.active_alerts == []
+
+
+@pytest.mark.parametrize("load_before_attach", [False, True])
+def test_a_resumed_run_serves_its_saved_counters_before_its_first_step(load_before_attach):
+    """Prometheus after a resume, before the first monitored step: the saved alert counters,
+    active alerts and step, not a fresh run's zeros. Fail before: flashwatch_alerts_total read 0
+    until the first step and then jumped back, which Prometheus reads as a counter reset followed
+    by as many new alerts (the dashboard's alert panels counted them twice)."""
+    import torch
+
+    from flashwatch import Monitor, MonitorConfig
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    def model():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+
+    first = model()
+    monitor = Monitor(MonitorConfig(interval=1, max_logit_bound=-1e3))  # every head alerts at step 0
+    monitor.attach(first)
+    for _ in range(2):
+        x = torch.randint(0, 256, (2, 16))
+        first(x, x)[1].backward()
+        monitor.step(loss=1.0)
+    state = monitor.state_dict()
+    saved = dict(monitor.alert_counts)
+    monitor.close()
+    assert saved["max_logit"] == 2
+
+    prom = PrometheusExporter(port=None)
+    resumed = Monitor(MonitorConfig(interval=1, max_logit_bound=-1e3), exporters=[prom])
+    if load_before_attach:
+        resumed.load_state_dict(state)
+    resumed.attach(model())
+    if not load_before_attach:
+        resumed.load_state_dict(state)
+    reg = prom.registry
+    for rule, n in saved.items():
+        assert reg.get_sample_value("flashwatch_alerts_total", {"rule": rule}) == n, rule
+    assert reg.get_sample_value("flashwatch_step") == 1
+    assert reg.get_sample_value("flashwatch_alert_active", {"rule": "max_logit", "layer": "0", "head": "1"}) == 1
+    resumed.close()

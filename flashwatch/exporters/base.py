@@ -114,6 +114,13 @@ class Exporter:
     def export(self, record: StepRecord) -> None:
         """Called once per monitored step, on the training thread."""
 
+    def resume(self, record: StepRecord) -> None:
+        """Called when the Monitor continues a saved run (``load_state_dict``), with the last
+        monitored step it had decided (``time``: when it resumed); that step was exported before
+        the run was saved, so nothing is written again. An exporter that serves the latest values
+        (Prometheus) serves these until the next monitored step, so that counters continue and
+        do not read 0 in between."""
+
     def close(self) -> None:
         """Called once at the end of the run; release servers and files. Idempotent."""
 
@@ -208,6 +215,12 @@ class FanOut(Exporter):
     def export(self, record: StepRecord) -> None:
         for e in self.exporters:
             self._call(e, "export", record)
+
+    def resume(self, record: StepRecord) -> None:
+        """``Exporter.resume`` of the opened exporters that have it."""
+        for e in self._opened:
+            if callable(getattr(e, "resume", None)):
+                self._call(e, "resume", record)
 
     def close(self) -> None:
         for e in self.exporters:
