@@ -3,8 +3,10 @@
 flashwatch finds ``GPT2Attention`` (fused ``c_attn`` Conv1D) and Llama-style attention
 (``q_proj``, grouped-query attention) by itself; the model must use SDPA attention
 (``attn_implementation="sdpa"``), whose ``torch.nn.functional.scaled_dot_product_attention``
-calls flashwatch routes. Attention dropout and padding masks make flashwatch's kernel fall back
-to SDPA for those calls (logged once), so this example sets dropout to 0 and sends no mask.
+calls flashwatch routes. In own-kernel mode, calls with a padding mask or attention dropout run
+torch SDPA instead of flashwatch's kernel (logged once); masked calls are still measured in full
+beside it, calls with dropout all but their delta error (the attention_coverage alert says so).
+This example sets dropout to 0 and sends no mask, so every call runs and is measured in full.
 
     pip install transformers              # or, from a flashwatch checkout: pip install ".[transformers]"
     python examples/hf_transformers.py --family llama --mode own_kernel --steps 30

@@ -31,6 +31,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 
 import torch
 
@@ -383,15 +384,19 @@ def print_device_table(report: dict, console=None) -> None:
 
 def main(args) -> int:
     """Entry point of ``flashwatch bench`` (arguments parsed in flashwatch.cli)."""
+    try:  # the arguments first: a wrong one is said as such, GPU or not
+        shapes = [parse_shape(s) for s in args.shape] if args.shape else list(DEFAULT_SHAPES)
+    except ValueError as exc:
+        print(f"flashwatch bench: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("flashwatch bench needs a CUDA GPU (it compares Triton kernels with torch SDPA on the device); "
-              "none is visible here.")
+              "none is visible here.", file=sys.stderr)
         return 2
     import os
 
     if args.tune:
         os.environ["FLASHWATCH_AUTOTUNE"] = "1"
-    shapes = [parse_shape(s) for s in args.shape] if args.shape else list(DEFAULT_SHAPES)
     if args.quick:
         shapes = shapes[:2]
     # the extra rows only in the default run: a named shape, mask or dtype times just that

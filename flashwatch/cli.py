@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__
@@ -63,10 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provoke", action="store_true",
                    help="early-warning scenario with an INJECTED fault in flashwatch's kernel (labelled INJECTED)")
     p.set_defaults(func=_cmd_demo)
+    from .report.charts import HEATMAPS  # the report's own list (light: no torch, no numpy)
+
     p = sub.add_parser("report", help="render a run's metrics.jsonl as HTML (default) or PNG",
-                       description="Loss with alert markers and per-head heatmaps over steps (drift z, repeated-max "
-                                   "ratio on BF16 scores, W^Q spectral norm, max logit) from a run folder's "
-                                   "metrics.jsonl.")
+                       description="Loss with alert markers and per-head heatmaps over steps ("
+                                   + "; ".join(h.title for h in HEATMAPS) + ") from a run folder's metrics.jsonl.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (or its metrics.jsonl)")
     p.add_argument("--out", metavar="PATH",
                    help="output file, .html (self-contained) or .png (needs matplotlib); default RUN_DIR/report.html")
@@ -112,7 +114,11 @@ def run_subcommand(parser: argparse.ArgumentParser, argv: list[str] | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_subcommand(build_parser(), argv)
+    try:
+        return run_subcommand(build_parser(), argv)
+    except BrokenPipeError:  # the reader stopped early (`flashwatch metrics | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def test_rounds_take_the_median_and_keep_the_spread():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_without_cuda_it_says_so_and_fails(capsys):
     assert main(["bench", "--quick"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert "needs a CUDA GPU" in capsys.readouterr().err  # errors go to stderr
 
 
 def _row(device: dict) -> dict:
@@ -194,3 +194,10 @@ def test_the_chain_column_times_the_kernels_reduction_against_plain(monkeypatch)
     assert r.xo.shape == (2, 16, SKETCH_DIM)
     with pytest.raises(RuntimeError, match="stored the rows"):
         stats.rows_hook(None, None)
+
+
+def test_a_wrong_shape_is_said_before_the_missing_gpu(capsys):
+    """The argument is checked first (fail before: "needs a CUDA GPU" for --shape 1,2,3)."""
+    assert main(["bench", "--shape", "1,2,3"]) == 2
+    err = capsys.readouterr().err
+    assert "shape must be four positive integers B,H,N,D" in err and "CUDA" not in err

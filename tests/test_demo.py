@@ -149,7 +149,7 @@ def test_port_in_use_says_to_use_port_0(tmp_path, capsys):
         s.listen()
         port = s.getsockname()[1]
         code = cli_main(["demo", "--steps", "2", "--port", str(port), "--run-dir", str(tmp_path / "r")])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # errors go to stderr
     assert code == 2
     assert f"port {port} on 127.0.0.1 is taken" in out and "--port 0" in out
     assert not (tmp_path / "r").exists()

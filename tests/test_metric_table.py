@@ -59,3 +59,15 @@ def test_service_metrics_follow_the_conventions_and_stay_out_of_a_steps_record()
     from flashwatch.exporters.jsonl import STEP_SCHEMA
 
     assert not set(STEP_SCHEMA["properties"]["metrics"]["properties"]) & {m.name for m in SERVICE_METRICS}
+
+
+def test_the_metrics_command_stops_quietly_when_its_reader_does():
+    """``flashwatch metrics | head -1``: no BrokenPipeError traceback (fail before: one on stderr)."""
+    import subprocess
+    import sys
+
+    cmd = subprocess.Popen([sys.executable, "-m", "flashwatch.cli", "metrics"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    cmd.stdout.close()  # the reader is gone before the table is written (Python takes longer to start)
+    err = cmd.stderr.read().decode()
+    assert cmd.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err

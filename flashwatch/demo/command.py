@@ -18,7 +18,7 @@ def main(args) -> int:
         result = run(steps=args.steps, seed=args.seed, device=args.device, port=args.port, run_dir=args.run_dir,
                      provoke=args.provoke, console=console)
     except DemoError as exc:
-        say(console, f"flashwatch demo: {exc}", style="bold red")
+        say(Console(stderr=True, highlight=False), f"flashwatch demo: {exc}", style="bold red")
         return 2
     console.print()
     for i, line in enumerate(report_lines(result)):

@@ -9,10 +9,12 @@ Files (in ``run_dir``):
   ``os.fsync``-ed with ``fsync=True``), so a crash loses at most the line being written; a
   failed write (a full disk) is cut back to the last whole line, so no record is ever glued
   to another.
-  A resumed run appends to the same file: its ``open`` record marks the resumption, and steps
-  written after the checkpoint appear again (readers keep the last record of each step).
+  A resumed run appends to the same file: the resumed process's ``open`` record (one more in
+  the file) marks where it began, and steps written after the checkpoint appear again (readers
+  keep the last record of each step).
 - ``alerts.log`` (:data:`ALERTS_FILE`): one human-readable line per alert raised, e.g.
-  ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.71 threshold=4.5: ...``.
+  ``2026-11-30T05:20:01Z step=120 warning delta_drift layer=3 head=5 value=4.71 threshold=4.5: ...``;
+  after a resume from an older checkpoint, the alerts of the steps run again appear again.
 
 Step record (``kind == "step"``; :data:`SCHEMA`, from ``jsonl_schema``, is the JSON Schema of every record)::
 

@@ -59,7 +59,7 @@ def _facts(run: RunData) -> list[tuple[str, str]]:
                                    + (" ..." if len(run.layer_names) > 8 else "")))
     model, what = m.get("model") or {}, m.get("command", "")
     if model:
-        what += (f": {model.get('n_layer')}-layer GPT, {model.get('n_head')} heads, d={model.get('n_embd')}, "
+        what += (f": {model.get('n_layer')}-layer GPT, {model.get('n_head')} heads, width {model.get('n_embd')}, "
                  f"context {model.get('block_size')}, batch {model.get('batch_size')}")
     if what:
         facts.append(("run", what))
@@ -180,6 +180,6 @@ def to_html(run: RunData) -> str:
                    + "".join(f"<tr><td>{s}</td><td>{l}</td><td>{_e(a)}</td><td>{_e(b)}</td></tr>"
                              for s, l, a, b in run.switches) + "</table>")
     out.append("<p class='cap' style='margin-top:24px'>Written by <code>flashwatch report</code> from "
-               f"{_e(run.path.name)}. Metric definitions: the README's metric table.</p>")
+               f"{_e(run.path.name)}. Metric definitions: docs/SIGNALS.md.</p>")
     out.append("</body></html>")
     return "\n".join(out)
