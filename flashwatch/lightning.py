@@ -132,7 +132,8 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         trainer.fit(model, datamodule)          # http://127.0.0.1:9400/metrics while it runs
         print(watch.monitor.alerts)
 
-    Logged metrics (through ``trainer.loggers``, values of the last monitored step; the finite
+    Logged metrics (through ``trainer.loggers`` at Lightning's logging steps, ``log_every_n_steps``,
+    beside Lightning's own metrics of that step: the values of the last monitored step; the finite
     ones are also in ``trainer.callback_metrics`` after every monitored step, as 0-d tensors, so
     ``EarlyStopping(monitor="flashwatch/max_logit")`` and ``ModelCheckpoint`` can use them). While
     monitoring fails (``monitor.failed_in_a_row`` > 0; the log says why) the measured ones are

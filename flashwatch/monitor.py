@@ -839,9 +839,14 @@ class Monitor:
         self._stops_due = [Alert.from_dict(a) for a in state.get("stops_due", [])]
         self._monitoring = self.global_step % self.config.interval == 0
         self._router.monitoring = self._monitoring
-        if self._last is not None:  # exporters serving the latest values continue from the saved step
-            self._fan.resume(StepRecord(step=int(self._last["step"]), time=time.time(), snapshot=self.snapshot(),
-                                        new_alerts=[], active_alerts=self.active_alerts))
+        if self._last is not None and self._fan.exporters:  # exporters serving the latest values continue from it
+            try:
+                record = StepRecord(step=int(self._last["step"]), time=time.time(), snapshot=self.snapshot(),
+                                    new_alerts=[], active_alerts=self.active_alerts)
+            except Exception as exc:  # the exporters then start as a fresh run's would; the state is loaded
+                self._error("resume_export", exc)
+            else:
+                self._fan.resume(record)
 
 
 def _check_scalar(name: str, value: Any) -> Any:

@@ -273,18 +273,18 @@ class PrometheusExporter(Exporter):
 
     def export(self, record: StepRecord) -> None:
         self._collector.set(checked_copy(record.snapshot, self._known_keys), float(record.time))
-
-    def resume(self, record: StepRecord) -> None:
-        """Serve the resumed run's last step (its alert counters, active alerts and values) until
-        the next monitored step, not a fresh run's zeros: a counter that dropped to 0 and came back
-        would read as a reset followed by new alerts."""
-        if not self._collector.has_data:
-            self.export(record)
         if self.pushgateway is not None:
             now = time.monotonic()
             if now - self._last_push >= self.push_interval_s:
                 self._last_push = now
                 self._push_later()
+
+    def resume(self, record: StepRecord) -> None:
+        """Serve the resumed run's last step (its alert counters, active alerts and values) until
+        the next monitored step, not a fresh run's zeros: a counter that dropped to 0 and came back
+        would read as a reset followed by new alerts (pushed too, where a Pushgateway is named)."""
+        if not self._collector.has_data:
+            self.export(record)
 
     def close(self) -> None:
         try:
