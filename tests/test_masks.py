@@ -186,27 +186,36 @@ class PaddedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=self.dropout_p)
 
 
-@pytest.mark.parametrize("gqa", [False, True], ids=["key padding", "enable_gqa"])
-@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
-def test_monitor_measures_them_eager_and_compiled_alike(mode, gqa):
-    def run(compiled):
-        torch.manual_seed(0)
-        mod = PaddedAttention(gqa=gqa)
-        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
-        monitor.attach(mod)
-        fn = torch.compile(mod, backend="aot_eager") if compiled else mod
-        x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
-        (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2)).sum().backward()
-        result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
-        monitor.detach()
-        return result
+def _one_step(make, mode: str, compiled: bool) -> tuple[dict, list]:
+    """One monitored step of the module ``make()`` builds (input (3, 8, 32)), eager or compiled
+    with aot_eager: its layer's statistics and coverage."""
+    torch.manual_seed(0)
+    mod = make()
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(mod)
+    fn = torch.compile(mod, backend="aot_eager") if compiled else mod
+    x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
+    (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2)).sum().backward()
+    result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
+    monitor.detach()
+    return result
 
-    eager = run(False)
+
+def _eager_then_compiled(make, mode: str) -> tuple[tuple, tuple]:
+    """``_one_step`` eager, then compiled from a fresh Dynamo: no graph break, no recompilation."""
+    eager = _one_step(make, mode, False)
     torch._dynamo.reset()
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = run(True)
+        compiled = _one_step(make, mode, True)
     assert not counters["graph_break"]
+    return eager, compiled
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["key padding", "enable_gqa"])
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_monitor_measures_them_eager_and_compiled_alike(mode, gqa):
+    eager, compiled = _eager_then_compiled(lambda: PaddedAttention(gqa=gqa), mode)
     assert eager[1] == compiled[1] == [1, 1]
     rows = 3 * 8.0 if gqa else float(8 + 7 + 8)  # padding rows left out (lengths 12, 7, 9 cut to 8)
     assert eager[0]["rows"] == [rows, rows]
@@ -221,26 +230,9 @@ def test_a_masked_call_with_attention_dropout_measures_its_scores(mode, caplog):
     call counts as not measured in full: coverage [1, 0]); eager and compiled alike, and the log
     names both the dropout and the mask. Fail before: nothing but W^Q was measured, and the log
     blamed the mask alone."""
-    def run(dropout_p, compiled):
-        torch.manual_seed(0)
-        mod = PaddedAttention(dropout_p=dropout_p)
-        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
-        monitor.attach(mod)
-        fn = torch.compile(mod, backend="aot_eager") if compiled else mod
-        x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
-        (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2)).sum().backward()
-        result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
-        monitor.detach()
-        return result
-
-    without = run(0.0, False)
+    without = _one_step(lambda: PaddedAttention(dropout_p=0.0), mode, False)
     with caplog.at_level(logging.INFO, logger="flashwatch"):
-        eager = run(0.1, False)
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = run(0.1, True)
-    assert not counters["graph_break"]
+        eager, compiled = _eager_then_compiled(lambda: PaddedAttention(dropout_p=0.1), mode)
     assert eager[1] == compiled[1] == [1, 0]
     assert eager[0]["rows"] == [float(8 + 7 + 8)] * 2  # padding rows left out
     for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format", "max_logit"):
@@ -272,24 +264,7 @@ class CrossAttention(nn.Module):
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
 def test_monitor_measures_cross_attention_eager_and_compiled_alike(mode):
     """Query and key lengths that differ, without a mask: the dense pass measures every row in full."""
-    def run(compiled):
-        torch.manual_seed(0)
-        mod = CrossAttention()
-        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
-        monitor.attach(mod)
-        fn = torch.compile(mod, backend="aot_eager") if compiled else mod
-        x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
-        (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2)).sum().backward()
-        result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
-        monitor.detach()
-        return result
-
-    eager = run(False)
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        compiled = run(True)
-    assert not counters["graph_break"]
+    eager, compiled = _eager_then_compiled(CrossAttention, mode)
     assert eager[1] == compiled[1] == [1, 1]
     assert eager[0]["rows"] == [3 * 8.0] * 2
     assert eager[0] == compiled[0]
