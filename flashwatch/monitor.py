@@ -277,7 +277,7 @@ class Monitor:
                               local=[(layer.head_offset, layer.num_heads) for layer in layers] if split else None)
             reducer.check_layout()  # one small collective at attach; raises alike on every rank
             self._reducer, self.rank, self.world_size = reducer, group[1], group[2]
-        router = Router(layers, beta=self.config.beta, eps=self.config.eps, on_error=self._error)
+        router = Router(layers, beta=self.config.beta, eps=self.config.eps, on_error=self._error, root=model)
         router.monitoring = self._monitoring
         self.layers, self._wq, self._chains, self._router = layers, wq, chains, router
         self._signals = SignalBuilder([layer.total_heads for layer in layers], self.config.window)

@@ -105,14 +105,28 @@ def _state() -> _Current:
 
 
 def clear_routing_state() -> None:
-    """Forget which layer is running in this thread: called between optimizer steps, when no
-    forward runs. The exit hook is not called when an eager forward raises (it is not registered
-    with ``always_call``: that would make Dynamo guard on each module's hook id and compile a model
-    compiled block by block once per block), so a forward that raised leaves its layer pushed until
-    then. (Compiled code's shared state needs no clearing: Dynamo applies a traced frame's writes
-    only when the frame completes, and a completed frame pushed and popped alike.)"""
-    _local.stack.clear()
-    _local.current = None
+    """Forget which layer is running: called between optimizer steps, when no forward runs, and
+    (``_begin_forward``) when the model's forward starts. The exit hook is not called when a
+    forward raises (it is not registered with ``always_call``: that would make Dynamo guard on each
+    module's hook id and compile a model compiled block by block once per block), so a forward that
+    raised inside an attached layer leaves that layer pushed, in this thread's state and, where
+    the exception came out of code torch.compile traced, in the shared one: a later attention
+    call outside the attached layers would be routed as that layer's."""
+    _clear((_local, _shared))
+
+
+def _clear(states) -> None:
+    for state in states:
+        state.stack = []  # a new list, not list.clear(): an attribute write Dynamo replays as such
+        state.current = None
+
+
+def _begin_forward(module, args) -> None:
+    """Forward pre-hook of the attached model: its forward starts with no layer routed."""
+    if _compiling():
+        _allowed_under_checkpoint(_clear, (_shared,))
+    else:
+        clear_routing_state()
 
 
 _install_lock = threading.Lock()
@@ -331,8 +345,9 @@ class Router:
     """
 
     def __init__(self, layers: Sequence[AttentionLayer], *, beta: float = 2.0, eps: float = 1e-3,
-                 on_error: Callable[[str, BaseException], None] | None = None):
+                 on_error: Callable[[str, BaseException], None] | None = None, root: Any = None):
         self.layers = list(layers)
+        self.root = root  # the attached model: its forward starts with no layer routed (None: not hooked)
         self.beta, self.eps = beta, eps
         self.on_error = on_error or (lambda kind, exc: log.warning("flashwatch %s failed", kind, exc_info=exc))
         self.flag = torch.zeros((), dtype=torch.int32)  # read by compiled graphs at run time
@@ -360,6 +375,8 @@ class Router:
         if self.installed:
             return
         self._take_over([layer.module for layer in self.layers])
+        if self.root is not None:  # first, and before any hook of the root itself (an attached layer may be the root)
+            self._handles.append(self.root.register_forward_pre_hook(_begin_forward, prepend=True))
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
             self._handles.append(layer.module.register_forward_hook(self._exit_hook))

@@ -235,7 +235,7 @@ def test_detach_restores_the_model_exactly(mode):
     hooks = _hooks(model)
     monitor = Monitor(MonitorConfig(mode=mode, interval=1))
     monitor.attach(model)
-    assert F.scaled_dot_product_attention is not SDPA and _hooks(model) == hooks + 4
+    assert F.scaled_dot_product_attention is not SDPA and _hooks(model) == hooks + 5  # a pair per layer, and the model's pre-hook
     with pytest.raises(RuntimeError, match="already attached"):
         monitor.attach(model)
     model(x)[0].sum().backward()

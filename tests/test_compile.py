@@ -796,3 +796,45 @@ def test_attaching_the_compiled_wrapper_names_the_layers_as_the_model_does():
     named = monitor.attach(compiled, attention={"_orig_mod.blocks.1": query})
     assert [layer.name for layer in named] == ["blocks.1"]
     monitor.detach()
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_after_a_forward_that_raised_inside_a_layer_training_goes_on_as_without_it(backend):
+    """A forward raises inside the monitored layer 0 (``MonitorConfig(layers=[0])``; the user's
+    loop catches it), and training goes on at once: the next forward starts with no layer routed,
+    so layer 1's attention is not routed as layer 0's, and losses and layer 0's rows equal those
+    of the same run without the failure. Fail before: layer 0 stayed routed until the next
+    ``step()`` in eager code (rows doubled), and compiled, its shared state was never cleared:
+    every later backward failed ("modified by an inplace operation")."""
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    def run(fail: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+        monitor = Monitor(MonitorConfig(interval=1, layers=[0], async_transfer=False))
+        monitor.attach(model)
+        boom = {"on": False}
+
+        def raise_once(module, args, out):
+            if boom["on"]:
+                raise RuntimeError("out of memory (simulated)")
+        model.transformer.h[0].attn.c_proj.register_forward_hook(raise_once)
+        run_model = model if backend is None else torch.compile(model, backend=backend)
+        seen = []
+        for step in range(3):
+            x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+            if fail and step == 1:
+                boom["on"] = True
+                with pytest.raises(RuntimeError, match="simulated"):
+                    run_model(x, x)
+                boom["on"] = False
+            _, loss = run_model(x, x)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            monitor.step(loss=loss.detach())
+            seen.append((loss.item(), monitor.signals()["rows"][(0, 0)]))
+        monitor.close()
+        return seen
+
+    assert run(True) == run(False)
