@@ -121,6 +121,16 @@ def _clear(states) -> None:
         state.current = None
 
 
+def _counted_at_backward(coverage: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A hook on an own-kernel call's output: the call counts as one measured call when its
+    backward comes (the kernel's backward adds its statistics), as an observed call does; a
+    forward without backward (a frozen layer's, an evaluation with gradients on) counts nothing."""
+    def count(grad: torch.Tensor) -> None:
+        coverage.add_(1)
+        return None  # the gradient goes on unchanged
+    return count
+
+
 def _begin_forward(module, args) -> None:
     """Forward pre-hook of the attached model: its forward starts with no layer routed."""
     if _compiling():
@@ -537,16 +547,15 @@ class Router:
             if self.monitoring and torch.is_grad_enabled():
                 self._observe(layer, args, kwargs, out)
             return out
-        counted = False
+        monitored = False
         try:
             from flashwatch.kernels import flash_attention
 
-            monitored = self.monitoring and torch.is_grad_enabled()
+            # statistics where a backward can come: autograd records and an input needs a gradient
+            monitored = self.monitoring and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             stats = layer.ensure_stats(q.device) if monitored else None
             if monitored:
                 layer.calls += 1
-                layer.coverage += 1
-                counted = True
                 layer.low_precision = q.dtype in (torch.bfloat16, torch.float16)
                 # the kernel's backward reports its rows through stats.rows_hook, once per call,
                 # in reverse order of the forwards: each call leaves its hook on a stack
@@ -556,12 +565,15 @@ class Router:
                     stack.append(hook)
                 stats.rows_hook = self._pop_rows_hook(layer) if hook is not None else None
             with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
-                return flash_attention(q, k, v, causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
-                                       beta=self.beta, eps=self.eps, stats=stats)
+                out = flash_attention(q, k, v, causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
+                                      beta=self.beta, eps=self.eps, stats=stats)
+            if monitored:
+                out.register_hook(_counted_at_backward(layer.coverage))
+            return out
         except Exception as exc:  # never break training: fall back to the model's own attention
             self.on_error("own_kernel", exc)
-            if counted:
-                layer.coverage[1] -= 1  # counted as measured above: it was not
+            if monitored:
+                layer.coverage[0] += 1  # an attention call, not measured
             return sdpa(*args, **kwargs)
 
     def _chain_hooks(self, layer: AttentionLayer, query: Any, head_dim: int, scale: Any):

@@ -270,3 +270,27 @@ def test_a_layer_measured_in_part_reads_its_fraction_and_raises_no_alert():
     assert not [a for a in alerts if a.rule == "attention_coverage"]
     record = StepRecord(step=0, time=0.0, snapshot=snap, new_alerts=[], active_alerts=[])
     assert "attention coverage L0 50%" in ConsoleExporter("log").summary_line(record)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_a_frozen_layer_whose_attention_has_no_backward_reads_coverage_0(mode, compiled):
+    """Layer 0 and everything below it frozen (a partial fine-tune): its attention gets no backward,
+    so nothing of it is measured but the forward; coverage 0 and the alert, in both modes, eager
+    and compiled. Fail before: own-kernel mode, eager, counted the call at its forward and read
+    coverage 1 with no alert, while the layer's statistics were NaN."""
+    if compiled:
+        torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    for module in (model.transformer.wte, model.transformer.wpe, model.transformer.h[0]):
+        module.requires_grad_(False)
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    x = torch.randint(0, 256, (2, 16))
+    run(x, x)[1].backward()
+    alerts = monitor.step()
+    monitor.detach()
+    assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 0.0, (1,): 1.0}
+    assert [(a.rule, a.layer) for a in alerts if a.rule == "attention_coverage"] == [("attention_coverage", 0)]
