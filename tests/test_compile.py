@@ -711,23 +711,25 @@ def test_compiled_observe_mode_leaves_the_gradients_of_the_compiled_model(backen
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_fp32_observe_mode_differs_at_most_in_the_last_bits_of_a_tied_weight(backend):
-    """In FP32 (no autocast), compiled: every gradient equals the unmonitored model's bit for bit but
-    that of the weight the GPT uses twice (token embedding and output head): without the Monitor
-    Inductor folds the embedding's part into the head's matrix product (addmm), with the Monitor's
-    operators in the graph it adds the two parts after the product. Only rounding may differ there, a
-    few units in the last place of that gradient's largest entry. What the GUIDE states."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16 weights"])
+def test_compiled_observe_mode_without_autocast_differs_at_most_in_the_last_bits_of_a_tied_weight(backend, dtype):
+    """In FP32 or with BF16 weights (no autocast), compiled: every gradient equals the unmonitored
+    model's bit for bit but that of the weight the GPT uses twice (token embedding and output head):
+    without the Monitor Inductor folds the embedding's part into the head's matrix product (addmm),
+    with the Monitor's operators in the graph it adds the two parts after the product. Only rounding
+    may differ there, a few units in the last place of that gradient's largest entry. What the GUIDE
+    states."""
     from flashwatch.tinygpt import GPT, GPTConfig
     from training_cases import gradients
 
     config = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64)
-    plain = gradients(config, "cpu", monitored=False, compile_backend=backend, batch=8, autocast=False)
-    observed = gradients(config, "cpu", monitored=True, compile_backend=backend, batch=8, autocast=False)
+    plain = gradients(config, "cpu", monitored=False, compile_backend=backend, batch=8, autocast=False, dtype=dtype)
+    observed = gradients(config, "cpu", monitored=True, compile_backend=backend, batch=8, autocast=False, dtype=dtype)
     names = [n for n, _ in GPT(config).named_parameters()]
     for a_step, b_step in zip(plain, observed):
         for name, a, b in zip(names, a_step, b_step):
             if name == "transformer.wte.weight":
-                assert (a - b).abs().max() <= 8 * torch.finfo(torch.float32).eps * a.abs().max(), name
+                assert (a - b).abs().max() <= 8 * torch.finfo(dtype).eps * a.abs().max(), name
             else:
                 assert torch.equal(a, b), name
 

@@ -28,20 +28,20 @@ def deterministic():
 
 
 def gradients(config: GPTConfig, device: str, monitored: bool, compile_backend: str | None, steps: int = 3,
-              batch: int = 2, autocast: bool = True) -> list[list[torch.Tensor]]:
-    """Every parameter's gradient at each of ``steps`` steps (BF16 autocast, or FP32 throughout with
-    ``autocast=False``; the same seeds whatever the arguments), with ``Monitor(MonitorConfig(interval=2, mode="observe"))`` attached or not, compiled
+              batch: int = 2, autocast: bool = True, dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
+    """Every parameter's gradient at each of ``steps`` steps (BF16 autocast, or the weights' ``dtype``
+    throughout with ``autocast=False``; the same seeds whatever the arguments), with ``Monitor(MonitorConfig(interval=2, mode="observe"))`` attached or not, compiled
     with ``compile_backend`` (None: eager; "inductor" is torch.compile's default). Steps 0 and 2 are
     monitored. Runs under ``deterministic()``: the same arguments give the same bits."""
     with deterministic():
-        return _gradients(config, device, monitored, compile_backend, steps, batch, autocast)
+        return _gradients(config, device, monitored, compile_backend, steps, batch, autocast, dtype)
 
 
 def _gradients(config: GPTConfig, device: str, monitored: bool, compile_backend: str | None, steps: int,
-               batch: int, autocast: bool) -> list[list[torch.Tensor]]:
+               batch: int, autocast: bool, dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(config).to(device)
+    model = GPT(config).to(device=device, dtype=dtype)
     monitor = Monitor(MonitorConfig(interval=2, mode="observe")) if monitored else None
     if monitor is not None:
         monitor.attach(model)
