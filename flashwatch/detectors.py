@@ -584,9 +584,9 @@ class LossSpikeDetector(Detector):
 class CoverageDetector(Detector):
     """``attention_coverage``: none of a layer's attention calls at a monitored step was measured
     in full (coverage 0), or flashwatch saw no attention call of the layer at all (its attention
-    is code flashwatch does not reach, or no backward ran). Key (layer, -1); clears at the first
-    monitored step that measures one of the layer's calls; a step whose calls were not counted
-    (coverage NaN: an old recording) changes nothing."""
+    is code flashwatch does not reach, or no backward ran). Key (layer, -1); clears by the episode
+    rules (``clear_steps`` monitored steps in a row that measure the layer); a step whose calls
+    were not counted (coverage NaN: an old recording) changes nothing."""
 
     rule = "attention_coverage"
 
