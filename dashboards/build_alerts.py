@@ -128,7 +128,12 @@ def _settings(spec: RuleSpec) -> str:
     missing = [s for s in spec.settings if s not in known]
     if missing:
         raise ValueError(f"rule {spec.name}: settings {missing} are not MonitorConfig fields")
-    shown = [*spec.settings, "clear_ratio"] if spec.decided_by == "monitor" else []
+    if spec.decided_by != "monitor":
+        return ""
+    # how an alert ends: below clear_ratio of its threshold (a value's rule), for clear_steps monitored
+    # steps in a row, and not again for alert_gap steps (warnings; a critical alert ends at once)
+    shown = [*spec.settings, *(["clear_ratio"] if spec.hysteresis else []),
+             *(["clear_steps", "alert_gap"] if spec.severity == "warning" else [])]
     return ", ".join(f"`{s}={getattr(defaults, s)!r}`" for s in shown)
 
 

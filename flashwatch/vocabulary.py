@@ -70,6 +70,8 @@ class RuleSpec:
         settings: the ``MonitorConfig`` fields that decide it.
         decided_by: ``"monitor"`` (a detector decides; Prometheus alerts on the exported
             decision) or ``"prometheus"`` (only Prometheus can see it).
+        hysteresis: whether the rule compares a value with a threshold, so that an alert holds
+            until the value falls below ``clear_ratio`` of it (False: a yes/no condition).
     """
 
     name: str
@@ -81,6 +83,7 @@ class RuleSpec:
     signal: str | None = None
     settings: tuple[str, ...] = ()
     decided_by: str = "monitor"
+    hysteresis: bool = True
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -107,8 +110,8 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "delta_drift", "warning",
         "The delta error of an attention head keeps one sign: BF16 rounding biases its backward.",
         "The error of delta = rowsum(dO * O) that the head's backward used, against the exact "
-        "value, has kept one sign over the monitored steps since warm-up (|drift z| >= "
-        "MonitorConfig.drift_threshold). BF16 rounding of the attention output biases W^Q's "
+        "value, has kept one sign over the head's measured monitored steps (|drift z| >= "
+        "MonitorConfig.drift_threshold, judged once the head has MonitorConfig.warmup of them). BF16 rounding of the attention output biases W^Q's "
         "gradient the same way at every step (Qiu & Yao's mechanism). It is flashwatch's "
         "earliest signal before a BF16 attention failure, but healthy BF16 runs can raise it too: "
         "it says the mechanism is at work, not that the run will fail. Judged only for layers "
@@ -125,13 +128,13 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "Rows whose BF16 maximum repeats rose well above the head's own baseline.",
         "The fraction of softmax rows whose largest BF16 score is reached by two or more keys rose "
         "to at least MonitorConfig.repeated_max_factor times its baseline (its mean over the "
-        "monitored steps after warm-up) and repeated_max_margin above it. Ties at the row maximum "
+        "repeated_max_baseline monitored steps right after warm-up) and repeated_max_margin above it. Ties at the row maximum "
         "make P_bar round to exactly 1 at several keys, which is what makes the BF16 rounding of "
         "P_bar V one-sided. The rise came before every recorded failure, and also in many tested runs "
         "that trained on healthy: it says the mechanism is at work, not that the run will fail.",
         "Read it with delta_drift on the same head: together they are the failure mechanism at "
-        "work. Checkpoint now; to remove the bias, switch the layer to fp32_delta (auto_fix does it "
-        "on this alert by default) or lower the learning rate.",
+        "work. Checkpoint now; to remove the bias, switch the layer to fp32_delta (with "
+        "MonitorConfig(auto_fix=\"fp32_delta\") set, this alert switches it) or lower the learning rate.",
         signal="flashwatch_repeated_max_ratio_bf16",
         settings=("repeated_max_factor", "repeated_max_margin", "warmup", "repeated_max_baseline")),
     RuleSpec(
@@ -173,7 +176,7 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "Stop and restore the last good checkpoint (MonitorConfig(stop_on={\"non_finite\"}) stops "
         "the run). The alerts before it name the layer to blame; resume with fp32_delta on it, a "
         "lower learning rate or gradient clipping.",
-        scope="head or run"),
+        scope="head or run", hysteresis=False),
     RuleSpec(
         "loss_spike", "critical",
         "The loss jumped far above its running mean.",
@@ -203,7 +206,7 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "attn_pdrop=0.0), call torch's scaled_dot_product_attention (Hugging Face: "
         "attn_implementation='sdpa'), or leave the layer out with MonitorConfig.layers. Until then, "
         "do not read the layer's silence as health.",
-        scope="layer", signal="flashwatch_attention_coverage"),
+        scope="layer", signal="flashwatch_attention_coverage", hysteresis=False),
 )
 
 STOPPED_REPORTING = RuleSpec(
