@@ -195,8 +195,8 @@ class _NoAutocast:
 # overload CONTRACT of its name (``flashwatch::attention_with_stats.v2``), and CONTRACT changes with
 # any such change and with any change of a schema (v2: O in (B, N, H, D) memory order; v3: the
 # layer's key a tensor, not an integer; v4: the query's rotation an argument; v5: dQ, dK, dV in
-# (B, N, heads, D) memory order).
-CONTRACT = "v5"
+# (B, N, heads, D) memory order; v6: score_statistics takes a mask).
+CONTRACT = "v6"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
 

@@ -124,7 +124,34 @@ _OUTPUTS_V5 = {**_OUTPUTS_V2,  # the gradients in (B, N, heads, D) memory order,
                ("attention_grad", "plain"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
                                              ((2, 2, 8, 16), (256, 16, 32, 1), "bfloat16"),
                                              ((2, 2, 8, 16), (256, 16, 32, 1), "bfloat16")]}
-FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2, "v5": _OUTPUTS_V5}
+FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2, "v5": _OUTPUTS_V5, "v6": _OUTPUTS_V5}
+
+# Each operator's arguments under the current CONTRACT (v6: score_statistics took attn_mask and
+# masked): a schema that changes must come with a new CONTRACT too, for the same reason.
+SCHEMAS = {"v6": {
+    "attention_with_stats": "(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, Tensor coverage, "
+                            "bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap, "
+                            "Tensor? x, Tensor? rotation, Tensor? layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "attention_grad": "(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
+                      "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, Tensor? rotation, "
+                      "Tensor? layer) -> (Tensor, Tensor, Tensor)",
+    "observe_statistics": "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
+                          "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, "
+                          "float eps, bool masked, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer) -> ()",
+    "score_statistics": "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor flag, Tensor(a!) counts, Tensor(b!) values, "
+                        "Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
+                        "Tensor layer, str reason, float unit_gap) -> ()",
+    "unmeasured_call": "(Tensor flag, Tensor(a!) coverage, Tensor layer, str reason) -> ()",
+}}
+
+
+def test_an_operators_schema_changes_only_with_the_operator_contract():
+    """Fails when an operator's arguments change while ops.CONTRACT stays: code Inductor cached
+    calls the operator by name with the old arguments. Bump CONTRACT and record the schemas here."""
+    assert ops.CONTRACT in SCHEMAS, f"record the schemas of contract {ops.CONTRACT} in SCHEMAS"
+    for name, arguments in SCHEMAS[ops.CONTRACT].items():
+        schema = str(getattr(getattr(torch.ops.flashwatch, name), ops.CONTRACT)._schema)
+        assert schema == f"flashwatch::{name}.{ops.CONTRACT}{arguments}", name
 
 
 def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(interpret_dispatch):
