@@ -63,16 +63,16 @@ def _facts(run: RunData) -> list[tuple[str, str]]:
                  f"context {model.get('block_size')}, batch {model.get('batch_size')}")
     if what:
         facts.append(("run", what))
-    kernel = _kernel_fact(m)
-    if kernel:
-        facts.append(("monitoring", kernel))
+    monitoring = _monitoring_fact(m)
+    if monitoring:
+        facts.append(("monitoring", monitoring))
     if m.get("seconds") is not None:
         stopped = ", interrupted" if m.get("interrupted") else ""
         facts.append(("time", f"{m.get('seconds')} s, finished {m.get('finished', '')}{stopped}"))
     return facts
 
 
-def _kernel_fact(meta: dict) -> str:
+def _monitoring_fact(meta: dict) -> str:
     """What ran, from what the run recorded (``demo.json``'s facts, else the recorded
     ``MonitorConfig``): only the facts it holds, none shown as "None"."""
     config = meta.get("monitor_config") if isinstance(meta.get("monitor_config"), dict) else {}
