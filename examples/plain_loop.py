@@ -8,6 +8,7 @@ logit, the signed delta error and W^Q's spectral norm per head, and raises alert
     python examples/plain_loop.py --mode own_kernel --bf16 --auto-fix fp32_delta
     python examples/plain_loop.py --jsonl runs/plain    # also write one JSON line per monitored step
     python examples/plain_loop.py --compile             # torch.compile(model): measured the same way
+    python examples/plain_loop.py --fp16                # FP16 with a loss scaler, passed to the Monitor
 
 The four lines that matter::
 
@@ -38,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=5, help="monitor every N optimizer steps")
     p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe", help="MonitorConfig.mode")
     p.add_argument("--auto-fix", choices=("fixed", "fp32_delta"), default=None, help="MonitorConfig.auto_fix")
-    p.add_argument("--bf16", action="store_true", help="train under BF16 autocast (else FP32, where ties are rarer)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="train under BF16 autocast (else FP32, where ties are rarer)")
+    precision.add_argument("--fp16", action="store_true",
+                           help="train under FP16 autocast with a loss scaler (torch.amp.GradScaler), passed to the Monitor")
     p.add_argument("--compile", action="store_true", help="train torch.compile(model) (attach the Monitor first)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--heads", type=int, default=4, help="attention heads per block")
@@ -70,18 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     monitor.attach(model)
     run = torch.compile(model) if args.compile else model  # after attach: compiled code is measured too
 
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    # FP16 gradients need a loss scale; the Monitor is told it, to read the delta error in true units
+    scaler = torch.amp.GradScaler("cpu", enabled=args.fp16)
     start = time.perf_counter()
     try:
         for step in range(args.steps):
             x, y = sample_batch(data, args.batch, args.block, generator=torch.Generator().manual_seed(step))
             with autocast():
                 _, loss = run(x, y)
-            loss.backward()
+            scaler.scale(loss).backward()  # without --fp16 the scaler is off: a plain backward
+            scaler.unscale_(opt)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before clipping
-            opt.step()
+            scaler.step(opt)  # without --fp16: opt.step()
+            scaler.update()
             opt.zero_grad(set_to_none=True)
-            monitor.step(loss=loss.detach(), grad_norm=grad_norm)  # alerts are logged by the monitor
+            # alerts are logged by the monitor; after scaler.update(), so it knows this step's loss scale
+            monitor.step(loss=loss.detach(), grad_norm=grad_norm, grad_scaler=scaler)
             if step % 10 == 0:
                 print(f"step {step:4d}  loss {loss.item():.3f}")
     except TrainingStopped as stop:

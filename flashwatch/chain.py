@@ -435,6 +435,20 @@ class LayerChain:
         self.sketch = t[2 * h: 2 * h + self.sketch.numel()].view_as(self.sketch).float().clone()
         self._seen = (t[-2] > 0, t[-1] > 0)  # device scalars: no host sync
 
+    @torch.no_grad()
+    def unscale_(self, factor: torch.Tensor) -> None:
+        """This step's accumulators divided by a loss scale S: ``factor`` = 1/S, a 0-d float64 tensor
+        (``flashwatch.loss_scale``). NaN (a step the scaler skipped, or S unknown) leaves the step
+        unread: its readings NaN and the window state as it was, as for a step nothing fed."""
+        factor = factor.to(self.device)
+        single = factor.float()
+        self.ugv.mul_(single)  # in place: the kernels add into these same tensors
+        self.sketch.mul_(single)
+        self.push_true.mul_(factor)
+        rows, grads = self._seen if self._seen is not None else (self.rows_calls > 0, self.grad_calls > 0)
+        known = factor.isfinite()
+        self._seen = (known & rows, known & grads)  # device booleans: no host sync
+
     def reading(self, lam: float) -> torch.Tensor:
         """This step's readings (len(FIELDS), H) float64 on the device; starts the next step.
 
@@ -577,6 +591,12 @@ class Chains:
         for c in chains:
             c.set_flat(flat[offset: offset + c.flat_size])
             offset += c.flat_size
+
+    def unscale_(self, factor: torch.Tensor) -> None:
+        """Every fed chain's accumulators of this step divided by the loss scale (``LayerChain.unscale_``)."""
+        for c in self.chains:
+            if c.fed:
+                c.unscale_(factor)
 
     def reading(self, layer: Any, window: int) -> torch.Tensor:
         """The layer's readings (len(FIELDS), H) float64 on its statistics' device (NaN without a

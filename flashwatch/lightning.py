@@ -79,7 +79,9 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
     - ``on_train_batch_end``: on monitored steps, add up the micro-batch losses (device
       tensors); once per optimizer step (``trainer.global_step`` advanced, so correct under
       ``accumulate_grad_batches``), ``monitor.step(loss=..., grad_norm=...)``, after the
-      optimizer step, which is when W^Q is read. Then, on logging steps
+      optimizer step, which is when W^Q is read; with a loss scaler (``precision="16-mixed"``
+      on a GPU) the trainer's GradScaler goes with it, so the delta error is in true units and
+      a step the scaler skipped is not measured rather than non-finite. Then, on logging steps
       (``log_every_n_steps``), the scalar summaries go to every trainer logger.
     - ``on_fit_end``, ``on_exception``, ``teardown``: close the exporters (the HTTP server too)
       and detach the Monitor.
@@ -387,7 +389,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         grad_norm = self._grad_norm
         self._reset_step()
         try:
-            self.monitor.step(loss=loss, grad_norm=grad_norm)
+            self.monitor.step(loss=loss, grad_norm=grad_norm, grad_scaler=_grad_scaler(trainer))
         except TrainingStopped as exc:
             self.stopped = exc
             trainer.should_stop = True  # every rank: the alert was decided on the same data everywhere
@@ -466,6 +468,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2 gradients), any other tensor as it is."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _grad_scaler(trainer: "Trainer") -> Any:
+    """The trainer's loss scaler (``precision="16-mixed"``'s GradScaler), or None. Lightning calls
+    ``scaler.update()`` inside its optimizer step, before ``on_train_batch_end``, as
+    ``Monitor.step`` wants it."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) else None
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:

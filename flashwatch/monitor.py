@@ -62,6 +62,7 @@ from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, stru
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
 from .families import query_norm
 from .kernels import STAT_FIELDS, AttentionStats
+from .loss_scale import LossScale, check_grad_scaler, unscale_statistics
 from .routing import CHECKPOINT_FLAG, Router, checkpoint_fallbacks, clear_routing_state
 from .snapshot import extra_signals, host_record, snapshot
 from .step_signals import LayerReading, SignalBuilder
@@ -177,6 +178,7 @@ class Monitor:
         self._decisions = Decisions(config, self._error)
         self.errors = 0
         self._failed_in_a_row = 0  # monitored steps failed since the last one that worked
+        self._loss_scale = LossScale()  # step(grad_scaler=...): the scale each monitored step's backward used
         self._error_kinds: set[str] = set()
         self._warned: set = set()
         self._last = None  # the latest decided step as plain data (host_record), made when first read
@@ -436,13 +438,19 @@ class Monitor:
         """Auto-fix switches: dicts with step, layer, name, from, to, rule."""
         return self._decisions.switches
 
-    def step(self, loss: Any = None, grad_norm: Any = None) -> list[Alert]:
+    def step(self, loss: Any = None, grad_norm: Any = None, *, grad_scaler: Any = None) -> list[Alert]:
         """Close optimizer step ``global_step``; call once per optimizer step, after ``optimizer.step()``.
 
         Args:
             loss: the step's training loss, a float or a 0-d (or one-element) tensor or numpy
                 array; read only on monitored steps, inside the single host transfer.
             grad_norm: the global gradient norm before clipping, likewise (None: not tracked).
+            grad_scaler: FP16 training with a ``torch.amp.GradScaler``: the scaler, at every
+                step, with ``step()`` called after ``scaler.update()``. The delta error and the
+                W^Q-gradient error are then in true units (divided by the loss scale the step's
+                backward used), and a step the scaler skipped (its gradients overflowed) reads them
+                as not measured, and a non-finite ``grad_norm`` there too, instead of raising
+                ``non_finite``. Without it they are in scaled units. No host synchronisation.
 
         Returns:
             alerts that started at this step (empty on unmonitored steps).
@@ -450,11 +458,13 @@ class Monitor:
         After ``close()`` it only counts the step (one warning) until ``attach()`` is called again.
 
         Raises:
-            TypeError, ValueError: loss or grad_norm is not a number or one-element tensor.
+            TypeError, ValueError: loss or grad_norm is not a number or one-element tensor;
+                grad_scaler is not a GradScaler.
             TrainingStopped: an alert of a rule in ``config.stop_on`` started at this step.
         """
         loss = _check_scalar("loss", loss)
         grad_norm = _check_scalar("grad_norm", grad_norm)
+        grad_scaler = check_grad_scaler(grad_scaler)
         if self._closed:  # counted, so that step labels follow the optimizer if attach() comes again
             self._warn_once("closed", "flashwatch: Monitor.step() after close(): nothing is measured or written; "
                             "call monitor.attach(model) to monitor again")
@@ -492,7 +502,7 @@ class Monitor:
             pending = None
             coverage = [tuple(layer.coverage.tolist()) for layer in self.layers]  # CPU counters: no sync
             try:
-                pending = self._collect(t, loss, grad_norm)
+                pending = self._collect(t, loss, grad_norm, grad_scaler)
             except Exception as exc:  # monitoring never stops training
                 self._error("step", exc)
                 self._step_failed(t)
@@ -507,6 +517,8 @@ class Monitor:
                 else:
                     self._pending = pending
         self._advance()
+        if grad_scaler is not None and self._monitoring:
+            self._loss_scale.remember(grad_scaler, self.global_step)  # the scale the next step's backward uses
         new.extend(decided)
         stops.extend(a for a in decided if a.rule in self.config.stop_on)
         if stops:
@@ -575,14 +587,21 @@ class Monitor:
                         "logged above", self._rank_tag(), self._failed_in_a_row, step)
 
     # --- the monitored step: device half -----------------------------------------------------------
-    def _collect(self, t: int, loss: Any, grad_norm: Any) -> Pending:
+    def _collect(self, t: int, loss: Any, grad_norm: Any, grad_scaler: Any = None) -> Pending:
         """Every layer's readings, the W^Q norms, loss and gradient norm: packed, combined over
-        ranks, their host copy started (``flashwatch.collect``)."""
+        ranks, their host copy started (``flashwatch.collect``); the gradient-unit readings divided
+        by the step's loss scale when a ``grad_scaler`` is given (``flashwatch.loss_scale``)."""
+        factor = self._loss_scale.factor(grad_scaler, t) if grad_scaler is not None else None
+
         def read() -> tuple[torch.Tensor, list[torch.Tensor]]:
             self._chains.average(self._reducer)
+            if factor is not None:
+                self._chains.unscale_(factor)
             # every layer at once: (len(STAT_FIELDS) + len(CHAIN_FIELDS), total heads), layers side by side
             if self.layers:
                 stats = AttentionStats.packed_all([layer.stats for layer in self.layers])
+                if factor is not None:
+                    stats = unscale_statistics(stats, factor.to(stats.device))
                 chains = self._chains.readings(self.layers, self.config.window).to(stats.device)
                 packed = torch.cat([stats, chains])
             else:
@@ -595,7 +614,8 @@ class Monitor:
             return packed, sigmas
 
         codes = [VARIANT_CODE[layer.variant] for layer in self.layers]
-        return self._collector.collect(t, read, loss, grad_norm, codes)
+        skipped = factor.isnan() if factor is not None else None
+        return self._collector.collect(t, read, loss, grad_norm, codes, skipped)
 
     def _check_combined(self, red: Any, t: int) -> bool:
         """Checks of a step combined over ranks; False: skip it (a rank could not measure it)."""
@@ -641,6 +661,8 @@ class Monitor:
                             "(pass the total gradient norm, e.g. what clip_grad_norm_ returns); such values are "
                             "ignored and the gradient norm is reported as not measured (NaN)", grad_norm, pending.step)
             grad_norm, grad_norm_given = math.nan, False
+        if got.gradients_skipped and grad_norm_given and not math.isfinite(grad_norm):
+            grad_norm, grad_norm_given = math.nan, False  # the overflow the loss scaler skipped the step for
         t = pending.step
         ran = pending.variants or [layer.running_variant for layer in self.layers]
         coverage = getattr(pending, "coverage", None) or [None] * len(self.layers)
@@ -654,7 +676,8 @@ class Monitor:
                 calls = None  # rows measured, yet no call counted here (another rank's calls): coverage unknown
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
-                                         low_precision=layer.low_precision, variant=variant, calls=calls))
+                                         low_precision=layer.low_precision, variant=variant, calls=calls,
+                                         gradients_measured=not got.gradients_skipped))
             layer.calls = 0
         signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=grad_norm,
                                       readings=readings, loss_given=got.loss_given, grad_norm_given=grad_norm_given)

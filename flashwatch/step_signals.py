@@ -56,6 +56,7 @@ class LayerReading:
     low_precision: bool | None = None
     variant: str | None = None
     calls: tuple[int, int] | None = None
+    gradients_measured: bool = True  # False: the loss scaler skipped the step (its delta error is not measured)
 
 
 def _coverage(calls: tuple[int, int] | None) -> float:
@@ -223,7 +224,7 @@ class _Block:
 
         # calls counted and none measured in full (attention dropout: scores measured, delta error
         # not): the delta error is not measured at this step
-        delta_seen = seen & np.array([r.calls is None or r.calls[1] > 0 for r in readings])
+        delta_seen = seen & np.array([(r.calls is None or r.calls[1] > 0) and r.gradients_measured for r in readings])
         e = f["delta_error"]
         finite = np.isfinite(e)
         e0 = np.where(finite, e, 0.0)

@@ -166,6 +166,33 @@ def _ddp_run(rank: int) -> dict:
     return out
 
 
+def _ddp_scaled(rank: int) -> dict:
+    """DDP with a loss scaler whose scale first overflows the gradients: the skipped steps are not
+    measured on either rank (the skip is combined over the ranks), and nothing raises non_finite."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_tiny_gpt())
+    monitor = Monitor(MonitorConfig(interval=1, warmup=1))
+    monitor.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)
+    delta = []
+    for t in range(5):
+        x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1000 * t + rank))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, x)[1]
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        monitor.step(loss=loss.detach(), grad_scaler=scaler)
+        delta.append(monitor.snapshot()["flashwatch_delta_error"])
+    out = {"delta": delta, "scale": scaler.get_scale(), "non_finite": monitor.alert_counts["non_finite"],
+           "errors": monitor.errors}
+    monitor.detach()
+    return out
+
+
 def _repair(rank: int) -> dict:
     """Variants that differ between ranks (they cannot, short of a bug): every rank adopts the switched one."""
     monitor = Monitor(MonitorConfig(interval=1))
@@ -252,7 +279,7 @@ def _plain_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        result = {"slots": _crafted(rank, "slots"), "two": _crafted(rank, "two"), "ddp": _ddp_run(rank),
+        result = {"slots": _crafted(rank, "slots"), "two": _crafted(rank, "two"), "ddp": _ddp_run(rank), "ddp_scaled": _ddp_scaled(rank),
                   "repair": _repair(rank), "layout": _layout_mismatch(rank), "failure": _failure(rank), "fsdp2": _fsdp2(rank, messages),
                   "messages": messages.messages}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))

@@ -55,6 +55,14 @@ def test_monitor_reduces_across_two_gloo_processes(tmp_path):
             assert r["variants"] == {0: "sdpa", 1: "fp32_delta"} and r["errors"] == 0
         _same(a["snapshot"], b["snapshot"], f"{scheme} snapshot")
 
+    a, b = r0["ddp_scaled"], r1["ddp_scaled"]
+    _same(a, b, "ddp_scaled")
+    assert a["non_finite"] == 0 and a["errors"] == 0
+    unmeasured = [all(math.isnan(v) for v in d.values()) for d in a["delta"]]
+    assert all(u or all(math.isfinite(v) for v in d.values()) for u, d in zip(unmeasured, a["delta"]))
+    # one halving of the scale per skipped step: exactly the steps read as not measured
+    assert 1 <= sum(unmeasured) == round(math.log2(2.0 ** 126 / a["scale"])) < 5
+
     a, b = r0["ddp"], r1["ddp"]
     assert (a["rank"], b["rank"], a["world_size"]) == (0, 1, 2) and a["errors"] == b["errors"] == 0
     assert a["describe"].startswith("1 all-reduce (SUM) of ")
@@ -259,7 +267,7 @@ def test_reducer_layout_and_schemes_without_processes():
                 dist.get_backend = orig
 
     r = FakeReducer(2)
-    assert r.sum_size == (len(STAT_FIELDS) - 1) * 8 + 6 and r.max_size == 8 + 8 + 1 + 2 + 1
+    assert r.sum_size == (len(STAT_FIELDS) - 1) * 8 + 7 and r.max_size == 8 + 8 + 1 + 2 + 1
     assert r.slots and r.collectives == 1 and r.describe().startswith("1 all-reduce (SUM) of ")
     assert FakeReducer(2, slot_bytes_limit=0).collectives == 2
     assert FakeReducer(4096).collectives == 2  # many ranks: the slots would pass the limit
@@ -279,6 +287,14 @@ def test_reducer_layout_and_schemes_without_processes():
     assert torch.equal(red.stats[MAX_ROWS], torch.maximum(stats[MAX_ROWS], 2 * stats[MAX_ROWS]))
     assert red.loss == 3.5 and red.loss_given and not red.grad_norm_given and math.isnan(red.grad_norm)
     assert red.variants == [1, 3] and red.variants_min == [0, 3] and red.steps == (7, 7) and red.failed == 0
+    assert red.gradients_skipped == 0
+    # the loss scaler skipped the step on one rank: counted, the rest as before
+    skipped = r.pack(stats * 2, torch.full((8,), 3.0, dtype=torch.float64), torch.tensor(4.5), None, 7, [1, 3],
+                     torch.tensor(True))
+    buf[: r.sum_size] = local[: r.sum_size] + skipped[: r.sum_size]
+    red = r.unpack(buf)
+    assert red.gradients_skipped == 1 and red.failed == 0 and red.loss == 3.5
+    assert torch.equal(red.stats[SUM_ROWS], 3 * stats[SUM_ROWS])
     assert float(red.sigma.max()) == 3.0 and Reducer.sigma_spread(red) == pytest.approx(2 / 3)
     failed = r.failed_local(torch.device("cpu"))
     buf[: r.sum_size] = local[: r.sum_size] + failed[: r.sum_size]

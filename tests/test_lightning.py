@@ -309,3 +309,31 @@ def test_a_run_dir_that_holds_a_run_is_refused_unless_appending(loader, tmp_path
     assert [r["kind"] for r in read_jsonl(tmp_path, kinds=None)].count("open") == 2  # asked for: appended
     with pytest.raises(ValueError, match="append must be True or False"):
         FlashWatchCallback(append="yes")
+
+
+def test_a_loss_scaled_run_reads_true_units_and_skipped_steps_as_not_measured(loader, tmp_path):
+    """The trainer's GradScaler (Lightning's 16-mixed precision plugin, here on the CPU) goes to the
+    Monitor: with a first scale that overflows the gradients, the skipped step is not measured
+    instead of raising non_finite; the measured steps are in true units: at the first step the
+    delta error equals that of the same step without a scaler (the same weights and batch; FP16
+    gradients that underflow without the scale leave a small difference)."""
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    def fit(scaler, name, epochs=1):
+        watch = FlashWatchCallback(interval=1, port=None, console=None, run_dir=tmp_path / name)
+        trainer([watch], max_epochs=epochs, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]).fit(
+            LitGPT(), loader)
+        deltas = [[float(v) for layer in r["metrics"]["flashwatch_delta_error"] for v in layer]
+                  for r in read_jsonl(tmp_path / name)]
+        return watch, torch.tensor(deltas, dtype=torch.float64)
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 17)  # these FP16 gradients overflow at 2^17, not at 2^16
+    watch, deltas = fit(scaler, "skipping", epochs=2)
+    unmeasured = deltas.isnan().all(dim=1)
+    assert (deltas.isnan() == unmeasured[:, None]).all()  # a step is measured in full or not at all
+    assert unmeasured.sum() == 1 == round(math.log2(2.0 ** 17 / scaler.get_scale()))
+    assert watch.monitor.alert_counts["non_finite"] == 0
+
+    _, plain = fit(None, "plain")  # on the CPU Lightning's 16-mixed has no scaler: true units
+    _, scaled = fit(torch.amp.GradScaler("cpu", init_scale=2.0 ** 16), "scaled")
+    torch.testing.assert_close(scaled[0], plain[0], rtol=1e-3, atol=0)

@@ -476,6 +476,7 @@ def test_detach_then_attach_again_continues_the_signals():
 @pytest.mark.parametrize("script, args", [
     ("plain_loop.py", ["--steps", "6", "--interval", "2", "--mode", "own_kernel", "--bf16", "--auto-fix", "fixed"]),
     ("plain_loop.py", ["--steps", "6", "--interval", "2", "--bf16", "--compile"]),
+    ("plain_loop.py", ["--steps", "6", "--interval", "2", "--fp16"]),
     ("hf_transformers.py", ["--steps", "3", "--interval", "2", "--family", "llama"]),
 ])
 def test_examples_run(script, args, capsys, fresh_dynamo):

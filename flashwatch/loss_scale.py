@@ -1,0 +1,110 @@
+"""FP16 training with a loss scaler: the monitored step's gradient-unit readings in true units.
+
+A ``torch.amp.GradScaler`` multiplies the loss by its scale S before the backward, so every
+gradient the statistics see is S times the true one: the δ error sums (``delta_error``,
+``delta_error_abs``, ``delta_error_tied``; ``delta_error_sq`` by S²) and the W^Q-error
+chain's accumulators (push, true push, sketch). ``Monitor.step(grad_scaler=...)`` divides them
+by the S the step's backward used, on the device, before the one host transfer.
+
+Which S. ``scaler.update()`` ends a step by lowering S (``backoff_factor`` < 1) when the
+step's gradients overflowed (the scaler then skipped the optimizer step) or raising it
+(``growth_factor``) after ``growth_interval`` clean steps. So the S a step's backward uses is the
+one left by the previous step's update: ``LossScale.remember`` keeps a device copy of it at the
+``step()`` call before each monitored step, and at the monitored step a scale now below it says
+the step was skipped. With nothing remembered (the first step seen with this scaler, a resumed
+run), the update left S as it was when its growth tracker is above 0 (a clean step that did not
+grow S); otherwise S is unknown. A skipped step, or one of unknown S, reads its gradient-unit
+values as not measured, not as a divergence: its gradients were not used.
+
+Everything here reads the scaler's device tensors (its scale and growth tracker) without a host
+synchronisation; ``remember`` adds one small device copy to the step before a monitored one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from .kernels import STAT_FIELDS
+
+log = logging.getLogger("flashwatch")
+
+__all__ = ["LossScale", "unscale_statistics", "check_grad_scaler"]
+
+GRADIENT_FIELDS = ("delta_error", "delta_error_abs", "delta_error_tied")  # linear in the output gradient
+SQUARED_FIELDS = ("delta_error_sq",)  # quadratic in it
+_SCALER_STATE = ("_scale", "_growth_tracker", "_per_optimizer_states")  # what this module reads
+
+
+def check_grad_scaler(scaler: Any) -> Any:
+    """``scaler`` if it is an enabled ``torch.amp.GradScaler`` (``torch.cuda.amp.GradScaler`` and
+    FSDP's ``ShardedGradScaler`` are ones), None for None or a disabled one (it scales nothing).
+
+    Raises:
+        TypeError: anything else, or a GradScaler of a torch whose internals this module does not know.
+    """
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler must be the torch.amp.GradScaler that scaled this step's loss, or None; "
+                        f"got {type(scaler).__name__}")
+    if not scaler.is_enabled():
+        return None
+    missing = [name for name in _SCALER_STATE if not hasattr(scaler, name)]
+    if missing:
+        raise TypeError(f"this torch's GradScaler has no {', '.join(missing)}: flashwatch cannot read the loss scale "
+                        f"(torch {torch.__version__}); leave grad_scaler out (the delta error is then in scaled units)")
+    return scaler
+
+
+def unscale_statistics(packed: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``packed`` (len(STAT_FIELDS), heads) float64, as ``AttentionStats.packed_all``, with its
+    gradient-unit rows multiplied by ``factor`` = 1/S (0-d float64 on its device; squared for the
+    squared rows; NaN makes them NaN); the counts and the max logit as they are."""
+    one = torch.ones_like(factor)
+    square = factor * factor
+    rows = [factor if name in GRADIENT_FIELDS else square if name in SQUARED_FIELDS else one for name in STAT_FIELDS]
+    return packed * torch.stack(rows)[:, None]
+
+
+class LossScale:
+    """The loss scale of each monitored step, from the ``GradScaler`` passed to ``Monitor.step``."""
+
+    def __init__(self) -> None:
+        self._remembered: tuple[int, int, torch.Tensor] | None = None  # (step, id(scaler), S for that step)
+        self._warned = False
+
+    def remember(self, scaler: Any, step: int) -> None:
+        """At the ``step()`` call before monitored step ``step`` (after ``scaler.update()``): the S
+        that step's backward will use, copied on the device (no sync)."""
+        scale = scaler._scale
+        if scale is None:  # no loss scaled yet: the first scale() starts from init_scale
+            scale = torch.tensor(float(scaler._init_scale), dtype=torch.float64)
+        self._remembered = (step, id(scaler), scale.detach().to(torch.float64, copy=True))
+
+    def factor(self, scaler: Any, step: int) -> torch.Tensor | None:
+        """1/S of monitored step ``step``'s backward, a 0-d float64 tensor on the scaler's device;
+        NaN where the scaler skipped the step or S is unknown. None: the scaler never scaled a loss
+        (its gradients are in true units)."""
+        remembered, self._remembered = self._remembered, None
+        scale = scaler._scale
+        if scale is None:
+            return None
+        now = scale.detach().to(torch.float64)
+        if scaler._per_optimizer_states:  # scaler.step() ran, scaler.update() not yet
+            if not self._warned:
+                self._warned = True
+                log.warning("flashwatch: Monitor.step(grad_scaler=...) was called before scaler.update(): the loss "
+                            "scale of the step is not known there, so its delta error and W^Q-gradient error read "
+                            "as not measured; call monitor.step() after scaler.update()")
+            return torch.full((), math.nan, dtype=torch.float64, device=now.device)
+        if remembered is not None and remembered[:2] == (step, id(scaler)):
+            used = remembered[2].to(now.device)
+            known = now >= used  # below: the update backed off, the step was skipped
+        else:
+            used = now
+            known = scaler._growth_tracker.detach() > 0  # the update left S unchanged
+        return torch.where(known, 1.0 / used, torch.full_like(used, math.nan))
