@@ -59,8 +59,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         beta: the fixed variant's factor (> 1): it subtracts beta*max on tied rows with a
             positive max, 0 on tied rows with a negative max (guarded, see ``checks``).
         eps: tie tolerance in logits (>= 0) for repeated-max rows.
-        stats: an ``AttentionStats`` to add this call's statistics into (forward: max logit;
-            backward: rows, repeated-max counts, delta error), on the device, without host
+        stats: an ``AttentionStats`` to add this call's statistics into when its backward runs
+            (rows, repeated-max counts, delta error, and the max logit the forward found: a
+            forward without backward adds nothing), on the device, without host
             synchronisation; its ``rows_hook``, if set, is called by the backward with this
             call's per-row delta errors and P K. None costs nothing.
 

@@ -57,7 +57,7 @@ from typing import Callable, Optional
 import torch
 
 from . import faults, reference
-from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats
+from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats, CallMaxLogit
 
 log = logging.getLogger("flashwatch")
 
@@ -226,18 +226,11 @@ def qualified(name: str) -> str:
 
 # --- own kernel ---------------------------------------------------------------------------------
 
-class _MaxLogit:
-    """What the forward kernels write statistics into: the max logit only."""
-
-    def __init__(self, max_logit: torch.Tensor):
-        self.max_logit = max_logit
-
-
 def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     """The forward of ``flashwatch::attention_with_stats``: (out, lse, residual, rowmax, max_logit)."""
     B, H, N, _ = q.shape
-    max_logit = torch.empty((H,), dtype=torch.float32, device=q.device)
-    stats = _MaxLogit(max_logit.fill_(float("-inf"))) if _on(flag) else None
+    stats = CallMaxLogit(H, q.device) if _on(flag) else None
+    max_logit = stats.max_logit if stats is not None else torch.empty((H,), dtype=torch.float32, device=q.device)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     fault = faults.rounding_bias_strength()
     if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there

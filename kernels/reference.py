@@ -32,7 +32,7 @@ import torch
 
 from . import faults
 from .checks import check_options, check_qkv, fixed_offset
-from .stats import AttentionStats
+from .stats import AttentionStats, CallMaxLogit
 
 __all__ = ["flash_attention", "attention_statistics", "forward", "backward", "scores", "row_top2",
            "inject_rounding_bias", "unit_p_gap", "format_tie_flags"]
@@ -112,7 +112,7 @@ def inject_rounding_bias(o_fp32: torch.Tensor, rows: torch.Tensor, strength: flo
     return torch.where(rows.unsqueeze(-1), o_fp32 * factor, o_fp32)
 
 
-def _add_max_logit(stats: AttentionStats, m1) -> None:
+def _add_max_logit(stats: "AttentionStats | CallMaxLogit", m1) -> None:
     stats.max_logit.copy_(torch.maximum(stats.max_logit, m1.amax(dim=(0, 2)).to(torch.float32)))
 
 
@@ -163,7 +163,8 @@ def _no_autocast(fn):
 
 def forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
     """The forward without autograd: (out, lse, residual or None). Adds the max logit into
-    ``stats`` (when given), as the kernel's forward does. Autocast must be off."""
+    ``stats.max_logit`` (when given: a ``CallMaxLogit`` under autograd), as the kernel's forward
+    does. Autocast must be off."""
     dtype = q.dtype
     s = scores(q, k, causal, sm_scale)  # (B, H, N, N)
     m1, m2 = row_top2(s)
@@ -224,14 +225,17 @@ class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
     @_no_autocast
     def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
-        out, lse, residual = forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength)
+        call = CallMaxLogit(q.shape[1], q.device) if stats is not None else None  # folded in at the backward
+        out, lse, residual = forward(q, k, v, causal, sm_scale, variant, beta, eps, call, fault_strength)
         ctx.save_for_backward(q, k, v, out, lse, residual)
-        ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats = causal, sm_scale, eps, stats
+        ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats, ctx.call = causal, sm_scale, eps, stats, call
         return out
 
     @staticmethod
     @_no_autocast
     def backward(ctx, grad_out):
+        if ctx.stats is not None:
+            ctx.call.fold_into(ctx.stats)
         q, k, v, out, lse, residual = ctx.saved_tensors
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, residual, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats)
         return dq, dk, dv, None, None, None, None, None, None, None

@@ -84,6 +84,21 @@ class RowReduction(NamedTuple):
         if r < 16 or r & (r - 1):
             raise ValueError(f"RowReduction.xo: sketch width must be a power of two >= 16, got {r}")
 
+class CallMaxLogit:
+    """One call's own max logit per head, (H,) float32 from -inf, for a forward to write into
+    (the forward kernels and the reference write only ``.max_logit``).
+
+    The call's backward folds it into the layer's ``AttentionStats`` (``fold_into``), so a
+    forward whose backward never runs (an evaluation with gradients on, a forward that raised)
+    adds nothing to the monitored step, as it adds no rows."""
+
+    def __init__(self, num_heads: int, device: torch.device):
+        self.max_logit = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device)
+
+    def fold_into(self, stats: "AttentionStats") -> None:
+        torch.maximum(stats.max_logit, self.max_logit, out=stats.max_logit)  # one launch, no sync
+
+
 COUNT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format")
 SUM_FIELDS = ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied")
 MAX_FIELDS = ("max_logit",)

@@ -27,7 +27,7 @@ from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
 from .launch import launch
 from .reference import unit_p_gap
 from .rows import RowOutputs, row_args, row_flags
-from .stats import AttentionStats
+from .stats import AttentionStats, CallMaxLogit
 from .triton_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel, _attn_stats_kernel
 
 # Set to False only to demonstrate the interpreter bugs (tests do, to prove the workaround matters).
@@ -274,13 +274,16 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        o, lse, r, rowmax = _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength)
+        call = CallMaxLogit(q.shape[1], q.device) if stats is not None else None  # folded in at the backward
+        o, lse, r, rowmax = _forward(q, k, v, causal, sm_scale, variant, beta, eps, call, fault_strength)
         ctx.save_for_backward(q, k, v, o, lse, r, rowmax)
-        ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats = causal, sm_scale, eps, stats
+        ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats, ctx.call = causal, sm_scale, eps, stats, call
         return o
 
     @staticmethod
     def backward(ctx, do):
+        if ctx.stats is not None:
+            ctx.call.fold_into(ctx.stats)
         q, k, v, o, lse, r, rowmax = ctx.saved_tensors
         dq, dk, dv = _backward(do, q, k, v, o, lse, r, rowmax, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats)
         return dq, dk, dv, None, None, None, None, None, None, None

@@ -651,6 +651,34 @@ def test_an_observed_call_whose_statistics_pass_fails_is_not_measured(caplog, mo
     assert all(math.isfinite(v) for v in snap["flashwatch_delta_drift_z"].values())
 
 
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_a_forward_without_backward_adds_nothing_to_the_monitored_step(mode):
+    """An extra forward with gradients on and no backward at a monitored step (an evaluation
+    without no_grad), with logits made far larger than the step's: the step reads what it reads
+    without that forward (max logit included, which the own kernel's forward finds), eager mode."""
+    def one_step(extra: bool) -> dict:
+        run = Run(MonitorConfig(interval=1, mode=mode))
+        if extra:
+            attn = [m for m in run.model.modules() if hasattr(m, "c_attn")]
+            saved = [m.c_attn.weight.detach().clone() for m in attn]
+            with torch.no_grad():
+                for m in attn:
+                    m.c_attn.weight.mul_(8.0)
+            run.loss(7)  # gradients on, never differentiated
+            with torch.no_grad():
+                for m, w in zip(attn, saved):
+                    m.c_attn.weight.copy_(w)
+        run.train(1)
+        snap = run.monitor.snapshot()
+        run.monitor.detach()
+        return snap
+
+    plain, with_extra = one_step(False), one_step(True)
+    for name in ("flashwatch_max_logit", "flashwatch_repeated_max_ratio", "flashwatch_delta_error",
+                 "flashwatch_attention_coverage"):
+        assert with_extra[name] == plain[name], name
+
+
 def test_an_observed_forward_without_backward_is_not_a_measured_call(caplog):
     """Nothing was measured (coverage 0: no call counted, since none reached a backward), the
     attention_coverage warning says so, and the log asks whether gradients are on."""

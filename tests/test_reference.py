@@ -103,7 +103,7 @@ def test_statistics_count_planted_ties_exactly():
     stats = AttentionStats(H, "cpu")
     q.requires_grad_(True)
     out = reference.flash_attention(q, k, v, stats=stats, eps=eps)
-    assert stats.rows.sum() == 0 and torch.isfinite(stats.max_logit).all(), "forward adds the max logit only"
+    assert stats.rows.sum() == 0 and not torch.isfinite(stats.max_logit).any(), "the forward adds nothing"
     out.backward(torch.ones_like(out))
     q = q.detach()
     s = reference.scores(q, k, True, 1 / 8)
@@ -230,3 +230,19 @@ def test_rows_hook_on_float64_inputs_gives_float32():
     assert err.dtype == pk.dtype == torch.float32
     torch.testing.assert_close(err.double(), want_err, rtol=0, atol=1e-6)  # float64 error, float32 rounding
     torch.testing.assert_close(pk.double(), want_pk, rtol=1e-6, atol=1e-6)
+
+
+def test_a_forward_without_backward_adds_no_max_logit():
+    """The forward's max logit reaches the statistics with the call's backward, as its rows do: an
+    evaluation with gradients on (or a forward that raised) adds nothing to a monitored step."""
+    q, k, v = (t.float().requires_grad_(True) for t in _inputs(1, 2, 9, 16))
+    stats = AttentionStats(2)
+    before = stats.max_logit.clone()
+    reference.flash_attention(q * 50, k, v, stats=stats)  # large logits, never differentiated
+    assert torch.equal(stats.max_logit, before) and stats.rows.sum() == 0
+    out = reference.flash_attention(q, k, v, stats=stats)
+    assert torch.equal(stats.max_logit, before)
+    out.sum().backward()
+    want = (q.detach() @ k.detach().transpose(-1, -2) / 4).tril().masked_fill(
+        ~torch.ones(9, 9, dtype=torch.bool).tril(), float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(stats.max_logit, want, rtol=1e-6, atol=1e-6)

@@ -357,3 +357,19 @@ def test_rows_hook_error_propagates_from_the_statistics_pass():
     with pytest.raises(RuntimeError, match="hook failed"):
         attention_statistics(q, k, v, q, q, stats)
     assert stats.rows.tolist() == [20, 20], "the statistics were added before the hook ran"
+
+
+def test_a_forward_without_backward_adds_no_max_logit():
+    """As the reference: the kernel's forward writes the call's own max logit, folded into the
+    statistics when the call's backward runs."""
+    q, k, v = (t.requires_grad_(True) for t in random_qkv(1, 2, 33, 32, seed=3))
+    stats = AttentionStats(2)
+    before = stats.max_logit.clone()
+    flash_attention((q.float() * 40).bfloat16(), k, v, stats=stats)  # never differentiated
+    assert torch.equal(stats.max_logit, before)
+    out = flash_attention(q, k, v, stats=stats)
+    assert torch.equal(stats.max_logit, before)
+    out.backward(torch.ones_like(out))
+    ref = AttentionStats(2)
+    reference.flash_attention(q.detach().double().requires_grad_(True), k.double(), v.double(), stats=ref).sum().backward()
+    torch.testing.assert_close(stats.max_logit, ref.max_logit, rtol=1e-5, atol=1e-5)
