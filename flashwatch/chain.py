@@ -25,7 +25,7 @@ Readings per head and monitored step (``FIELDS``, each (H,) float64):
 - ``coherence``: ||S_h|| / N_h with S_h = lam S_h + dG_h and N_h = lam N_h + ||dG_h||, an
   exponentially weighted window of effective length W (lam = 1 - 1/W): 1 when dG keeps one
   direction, about sqrt((1 - lam) / (1 + lam)) (0.10 at W = 50) when its direction is random;
-  NaN at the first measured step (one sample reads 1 whatever it is).
+  NaN until a second measured step with a non-zero error (one sample reads 1 whatever it is).
 
 Alignment and coherence use a fixed random sketch dG_h Omega (Omega: C x r Gaussian, rounded to
 BF16, r = ``SKETCH_DIM``, the same for every layer of one width, regenerated from a fixed seed):
@@ -491,11 +491,13 @@ class LayerChain:
         dot = (g * prev).flatten(2).sum(2).double()
         den = norm * prev.flatten(2).norm(dim=2).double()
         alignment = torch.where(rows_seen & has_prev & (den > 0), dot / den.clamp_min(1e-300), nan)
+        # one sample is coherent by definition (||g|| / ||g|| = 1): a reading once an earlier step added
+        # a non-zero error to the window (its norm sum above 0 before this step's)
+        earlier = ew_norm > 0
         ew_sum = torch.where(rows_seen4, lam * ew_sum + g, ew_sum)
         ew_norm = torch.where(rows_seen, lam * ew_norm + norm, ew_norm)
         s_norm = ew_sum.flatten(2).norm(dim=2).double()
-        # one sample is coherent by definition (||g|| / ||g|| = 1): not a reading until a second one
-        coherence = torch.where(rows_seen & has_prev & (ew_norm > 0), s_norm / ew_norm.clamp_min(1e-300), nan)
+        coherence = torch.where(rows_seen & earlier, s_norm / ew_norm.clamp_min(1e-300), nan)
         out = torch.stack([torch.where(rows_seen, -stacked("ugv").double(), nan),
                            torch.where(grad_seen, stacked("push_true"), nan), alignment, coherence], dim=1)
         torch._foreach_copy_([c.ew_sum for c in chains], ew_sum.unbind(0))

@@ -10,11 +10,15 @@ Which S. ``scaler.update()`` ends a step by lowering S (``backoff_factor`` < 1) 
 step's gradients overflowed (the scaler then skipped the optimizer step) or raising it
 (``growth_factor``) after ``growth_interval`` clean steps. So the S a step's backward uses is the
 one left by the previous step's update: ``LossScale.remember`` keeps a device copy of it at the
-``step()`` call before each monitored step, and at the monitored step a scale now below it says
-the step was skipped. With nothing remembered (the first step seen with this scaler, a resumed
-run), the update left S as it was when its growth tracker is above 0 (a clean step that did not
-grow S); otherwise S is unknown. A skipped step, or one of unknown S, reads its gradient-unit
-values as not measured, not as a divergence: its gradients were not used.
+``step()`` call before each monitored step. At the monitored step the update has run: a scale
+now below it, or equal to it with the growth tracker reset to 0, says the step was skipped (the
+update backs off and resets the tracker; a floor applied after it with ``update(new_scale=...)``
+can bring the scale back). With nothing remembered (the first step seen with this scaler, a
+resumed run), the update left S as it was when its growth tracker is above 0 (a clean step that
+did not grow S); otherwise S is unknown. A skipped step, or one of unknown S, reads its
+gradient-unit values as not measured, not as a divergence: its gradients were not used. Not
+seen: a skipped step whose scale was then set by hand at or above the one it used, without the
+update's own back-off first.
 
 Everything here reads the scaler's device tensors (its scale and growth tracker) without a host
 synchronisation; ``remember`` adds one small device copy to the step before a monitored one.
@@ -32,7 +36,7 @@ from .kernels import STAT_FIELDS
 
 log = logging.getLogger("flashwatch")
 
-__all__ = ["LossScale", "unscale_statistics", "check_grad_scaler"]
+__all__ = ["LossScale", "unscale_statistics", "check_grad_scaler", "unreadable"]
 
 GRADIENT_FIELDS = ("delta_error", "delta_error_abs", "delta_error_tied")  # linear in the output gradient
 SQUARED_FIELDS = ("delta_error_sq",)  # quadratic in it
@@ -44,20 +48,27 @@ def check_grad_scaler(scaler: Any) -> Any:
     FSDP's ``ShardedGradScaler`` are ones), None for None or a disabled one (it scales nothing).
 
     Raises:
-        TypeError: anything else, or a GradScaler of a torch whose internals this module does not know.
+        TypeError: anything else (the message says what to pass).
     """
     if scaler is None:
         return None
     if not isinstance(scaler, torch.amp.GradScaler):
+        hint = ""
+        if isinstance(scaler, type):
+            hint = " (a class: pass the instance that scaled the loss)"
+        elif isinstance(getattr(scaler, "scaler", None), torch.amp.GradScaler):
+            hint = f" (its .scaler is one: pass {type(scaler).__name__}.scaler)"
         raise TypeError(f"grad_scaler must be the torch.amp.GradScaler that scaled this step's loss, or None; "
-                        f"got {type(scaler).__name__}")
-    if not scaler.is_enabled():
-        return None
+                        f"got {type(scaler).__name__}{hint}")
+    return scaler if scaler.is_enabled() else None
+
+
+def unreadable(scaler: Any) -> str | None:
+    """Why flashwatch cannot read this GradScaler's scale (its torch keeps it elsewhere), or None."""
     missing = [name for name in _SCALER_STATE if not hasattr(scaler, name)]
     if missing:
-        raise TypeError(f"this torch's GradScaler has no {', '.join(missing)}: flashwatch cannot read the loss scale "
-                        f"(torch {torch.__version__}); leave grad_scaler out (the delta error is then in scaled units)")
-    return scaler
+        return f"this torch's GradScaler has no {', '.join(missing)} (torch {torch.__version__})"
+    return None
 
 
 def unscale_statistics(packed: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -101,10 +112,11 @@ class LossScale:
                             "scale of the step is not known there, so its delta error and W^Q-gradient error read "
                             "as not measured; call monitor.step() after scaler.update()")
             return torch.full((), math.nan, dtype=torch.float64, device=now.device)
+        counted = scaler._growth_tracker.detach() > 0  # the update counted a clean step (0: it grew S or backed off)
         if remembered is not None and remembered[:2] == (step, id(scaler)):
             used = remembered[2].to(now.device)
-            known = now >= used  # below: the update backed off, the step was skipped
+            known = (now > used) | ((now == used) & counted)  # below, or back at a floor after a back-off: skipped
         else:
             used = now
-            known = scaler._growth_tracker.detach() > 0  # the update left S unchanged
+            known = counted  # the update left S unchanged
         return torch.where(known, 1.0 / used, torch.full_like(used, math.nan))

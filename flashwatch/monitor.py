@@ -62,7 +62,7 @@ from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, stru
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
 from .families import query_norm
 from .kernels import STAT_FIELDS, AttentionStats
-from .loss_scale import LossScale, check_grad_scaler, unscale_statistics
+from .loss_scale import LossScale, check_grad_scaler, unreadable, unscale_statistics
 from .routing import CHECKPOINT_FLAG, Router, checkpoint_fallbacks, clear_routing_state
 from .snapshot import extra_signals, host_record, snapshot
 from .step_signals import LayerReading, SignalBuilder
@@ -465,6 +465,11 @@ class Monitor:
         loss = _check_scalar("loss", loss)
         grad_norm = _check_scalar("grad_norm", grad_norm)
         grad_scaler = check_grad_scaler(grad_scaler)
+        if grad_scaler is not None and unreadable(grad_scaler):
+            self._warn_once("grad_scaler", "flashwatch: cannot read the loss scale: %s; the delta error and the W^Q-"
+                            "gradient error are in scaled units, and a step the scaler skips raises non_finite",
+                            unreadable(grad_scaler))
+            grad_scaler = None
         if self._closed:  # counted, so that step labels follow the optimizer if attach() comes again
             self._warn_once("closed", "flashwatch: Monitor.step() after close(): nothing is measured or written; "
                             "call monitor.attach(model) to monitor again")
@@ -518,7 +523,10 @@ class Monitor:
                     self._pending = pending
         self._advance()
         if grad_scaler is not None and self._monitoring:
-            self._loss_scale.remember(grad_scaler, self.global_step)  # the scale the next step's backward uses
+            try:
+                self._loss_scale.remember(grad_scaler, self.global_step)  # the scale the next step's backward uses
+            except Exception as exc:  # monitoring never stops training: the next step's scale is then inferred
+                self._error("loss_scale", exc)
         new.extend(decided)
         stops.extend(a for a in decided if a.rule in self.config.stop_on)
         if stops:

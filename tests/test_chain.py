@@ -128,6 +128,16 @@ def test_alignment_and_coherence_follow_the_direction_of_the_error():
     assert torch.allclose(fixed[1:, 2], torch.ones(9, h, dtype=F64), atol=1e-6)
     assert torch.isnan(fixed[0, 3]).all()  # one sample: 1 by definition, so not a reading
     assert torch.allclose(fixed[1:, 3], torch.ones(9, h, dtype=F64), atol=1e-6)
+    # a first step whose error is exactly zero is no sample: head 1 reads no coherence until its second
+    chain = LayerChain(h, d, c, "cpu")
+    g = torch.Generator().manual_seed(4)
+    x, pk = torch.randn(b, n, c, generator=g), torch.randn(b, h, n, d, generator=g)
+    e = torch.randn(b, h, n, generator=g)
+    chain.add_rows(x, e * torch.tensor([1.0, 0.0])[:, None], pk, 0.5)
+    chain.reading(lam)
+    chain.add_rows(x, torch.randn(b, h, n, generator=g), pk, 0.5)
+    second = chain.reading(lam)[3]
+    assert not torch.isnan(second[0]) and torch.isnan(second[1])
     rand = drive(LayerChain(h, d, c, "cpu"), False, 400, lam)
     align = rand[1:, 2].flatten()
     assert align.abs().mean() < 0.2  # random directions: near 0 (sketch noise ~ 1/sqrt(r))

@@ -151,7 +151,55 @@ def test_bad_grad_scaler_is_refused():
     monitor = Monitor()
     with pytest.raises(TypeError, match="grad_scaler must be the torch.amp.GradScaler"):
         monitor.step(grad_scaler=2.0 ** 16)
+    with pytest.raises(TypeError, match="a class: pass the instance"):
+        monitor.step(grad_scaler=torch.amp.GradScaler)
+
+    class Plugin:  # a precision plugin that holds the scaler
+        scaler = torch.amp.GradScaler("cpu")
+
+    with pytest.raises(TypeError, match=r"pass Plugin.scaler"):
+        monitor.step(grad_scaler=Plugin())
     assert check_grad_scaler(torch.amp.GradScaler("cpu", enabled=False)) is None  # scales nothing
+
+
+def test_a_scaler_whose_scale_cannot_be_read_is_warned_about_and_training_goes_on(caplog, monkeypatch):
+    """A torch whose GradScaler keeps its state under other names: one warning, scaled units."""
+    import flashwatch.loss_scale
+
+    monkeypatch.setattr(flashwatch.loss_scale, "_SCALER_STATE", ("_scale", "_growth_tracker_renamed"))
+    plain, _ = _run(2, None)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        scaled, monitor = _run(2, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))
+    assert sum("cannot read the loss scale" in r.getMessage() for r in caplog.records) == 1
+    assert monitor.global_step == 2 and monitor.errors == 0
+    torch.testing.assert_close(_values(scaled[0], "flashwatch_delta_error"),
+                               _values(plain[0], "flashwatch_delta_error") * 2.0 ** 10, rtol=1e-9, atol=0)
+
+
+def test_a_skip_brought_back_to_a_floor_is_still_a_skip():
+    """A floor on the scale (update(), then update(new_scale=floor) when below it): an overflow at the
+    floor leaves the scale where it was, but the update's back-off reset the growth tracker."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126, growth_interval=1000)
+    floor = 2.0 ** 126
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    for _ in range(3):
+        x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, x)[1]
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() < floor:
+            scaler.update(new_scale=floor)
+        opt.zero_grad()
+        assert monitor.step(loss=loss.detach(), grad_scaler=scaler) == []
+        assert all(math.isnan(v) for v in monitor.snapshot()["flashwatch_delta_error"].values())
+    assert scaler.get_scale() == floor
+    monitor.detach()
 
 
 def test_a_remembered_scale_is_used_only_for_its_step():
@@ -161,7 +209,11 @@ def test_a_remembered_scale_is_used_only_for_its_step():
     scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     ls = LossScale()
     ls.remember(scaler, 5)
+    scaler._growth_tracker.fill_(1)  # a clean step counted, the scale as it was
     assert ls.factor(scaler, 5).item() == 0.25
+    ls.remember(scaler, 5)
+    scaler._growth_tracker.fill_(0)  # the same scale, the tracker reset: backed off, then set back (a floor)
+    assert math.isnan(ls.factor(scaler, 5).item())
     ls.remember(scaler, 5)
     scaler._scale.fill_(8.0)  # grew at the update after step 5's backward
     assert ls.factor(scaler, 5).item() == 0.25
