@@ -54,6 +54,42 @@ def test_unmonitored_steps_never_wait_for_the_gpu(mode, compiled):
         monitor.close()
 
 
+def test_with_a_loss_scaler_monitor_step_never_waits_on_unmonitored_steps():
+    """FP16 with a GradScaler: Monitor.step(grad_scaler=...) on unmonitored steps (the one before each
+    monitored step copies the scale the next backward uses) dispatches no synchronizing call. The
+    scaler's own step() waits for its overflow check by design, so only monitor.step is checked."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", growth_interval=3)
+    monitor = Monitor(MonitorConfig(interval=4))
+    monitor.attach(model)
+    x = torch.randint(0, 256, (4, 64), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    checked = 0
+    try:
+        for t in range(14):
+            monitored = monitor.monitoring
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x, x)[1]
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if t > 4 and not monitored:
+                torch.cuda.set_sync_debug_mode("error")
+                checked += 1
+            try:
+                monitor.step(loss=loss.detach(), grad_scaler=scaler)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        monitor.flush()
+        assert checked == 7 and monitor.errors == 0 and monitor.monitored_steps == 4
+        assert monitor.alert_counts["non_finite"] == 0  # a step the scaler skipped is not a divergence
+    finally:
+        monitor.detach()
+        monitor.close()
+
+
 @pytest.mark.parametrize("block", [1, 4])
 def test_the_power_step_and_the_top_pair_never_wait_for_the_gpu(block):
     """The monitored step's W^Q work on CUDA: Cholesky QR (``cholesky_ex``, ``solve_triangular``), the
