@@ -599,7 +599,13 @@ class Monitor:
         """Every layer's readings, the W^Q norms, loss and gradient norm: packed, combined over
         ranks, their host copy started (``flashwatch.collect``); the gradient-unit readings divided
         by the step's loss scale when a ``grad_scaler`` is given (``flashwatch.loss_scale``)."""
-        factor = self._loss_scale.factor(grad_scaler, t) if grad_scaler is not None else None
+        factor = None
+        if grad_scaler is not None:
+            try:
+                factor = self._loss_scale.factor(grad_scaler, t)
+            except Exception as exc:  # every rank must still reach the collective below: gradient units unknown
+                self._error("loss_scale", exc)
+                factor = torch.full((), math.nan, dtype=torch.float64)
 
         def read() -> tuple[torch.Tensor, list[torch.Tensor]]:
             self._chains.average(self._reducer)

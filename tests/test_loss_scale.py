@@ -233,3 +233,17 @@ def test_unscale_statistics_scales_only_the_gradient_rows():
     want = {"delta_error": 0.5, "delta_error_abs": 0.5, "delta_error_tied": 0.5, "delta_error_sq": 0.25}
     for i, name in enumerate(STAT_FIELDS):
         assert torch.equal(out[i], packed[i] * want.get(name, 1.0)), name
+
+
+def test_a_failure_reading_the_scale_is_counted_and_the_step_reads_not_measured(monkeypatch):
+    """Under torch.distributed a rank that raised before the collective would leave the others
+    waiting in it: the failure is reported, the step goes on with its gradient units unknown."""
+    def broken(self, scaler, step):
+        raise RuntimeError("scale unreadable")
+
+    monkeypatch.setattr(LossScale, "factor", broken)
+    steps, monitor = _run(2, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))
+    assert monitor.errors == 2 and monitor.global_step == 2 and monitor.failed_in_a_row == 0
+    assert all(_values(s, "flashwatch_delta_error").isnan().all() for s in steps)
+    assert not _values(steps[-1], "flashwatch_max_logit").isnan().any()  # the rest is measured
+    assert monitor.alert_counts["non_finite"] == 0
