@@ -25,7 +25,8 @@ Readings per head and monitored step (``FIELDS``, each (H,) float64):
 - ``coherence``: ||S_h|| / N_h with S_h = lam S_h + dG_h and N_h = lam N_h + ||dG_h||, an
   exponentially weighted window of effective length W (lam = 1 - 1/W): 1 when dG keeps one
   direction, about sqrt((1 - lam) / (1 + lam)) (0.10 at W = 50) when its direction is random;
-  NaN until a second measured step with a non-zero error (one sample reads 1 whatever it is).
+  NaN until two measured steps have had a non-zero error (one sample reads 1 whatever it is),
+  and at a step whose error is exactly zero.
 
 Alignment and coherence use a fixed random sketch dG_h Omega (Omega: C x r Gaussian, rounded to
 BF16, r = ``SKETCH_DIM``, the same for every layer of one width, regenerated from a fixed seed):
@@ -437,17 +438,17 @@ class LayerChain:
         self._seen = (t[-2] > 0, t[-1] > 0)  # device scalars: no host sync
 
     @torch.no_grad()
-    def unscale_(self, factor: torch.Tensor) -> None:
-        """This step's accumulators divided by a loss scale S: ``factor`` = 1/S, a 0-d float64 tensor
-        (``flashwatch.loss_scale``). NaN (a step the scaler skipped, or S unknown) leaves the step
-        unread: its readings NaN and the window state as it was, as for a step nothing fed."""
-        factor = factor.to(self.device)
-        single = factor.float()
+    def unscale_(self, inverse_scale: torch.Tensor) -> None:
+        """This step's accumulators divided by a loss scale S: ``inverse_scale`` = 1/S, a 0-d float64
+        tensor (``flashwatch.loss_scale``). NaN (a step the scaler skipped, or S unknown) leaves the
+        step unread: its readings NaN and the window state as it was, as for a step nothing fed."""
+        inverse_scale = inverse_scale.to(self.device)
+        single = inverse_scale.float()
         self.ugv.mul_(single)  # in place: the kernels add into these same tensors
         self.sketch.mul_(single)
-        self.push_true.mul_(factor)
+        self.push_true.mul_(inverse_scale)
         rows, grads = self._seen if self._seen is not None else (self.rows_calls > 0, self.grad_calls > 0)
-        known = factor.isfinite()
+        known = inverse_scale.isfinite()
         self._seen = (known & rows, known & grads)  # device booleans: no host sync
 
     def reading(self, lam: float) -> torch.Tensor:
@@ -497,7 +498,7 @@ class LayerChain:
         ew_sum = torch.where(rows_seen4, lam * ew_sum + g, ew_sum)
         ew_norm = torch.where(rows_seen, lam * ew_norm + norm, ew_norm)
         s_norm = ew_sum.flatten(2).norm(dim=2).double()
-        coherence = torch.where(rows_seen & earlier, s_norm / ew_norm.clamp_min(1e-300), nan)
+        coherence = torch.where(rows_seen & earlier & (norm > 0), s_norm / ew_norm.clamp_min(1e-300), nan)
         out = torch.stack([torch.where(rows_seen, -stacked("ugv").double(), nan),
                            torch.where(grad_seen, stacked("push_true"), nan), alignment, coherence], dim=1)
         torch._foreach_copy_([c.ew_sum for c in chains], ew_sum.unbind(0))
@@ -596,11 +597,11 @@ class Chains:
             c.set_flat(flat[offset: offset + c.flat_size])
             offset += c.flat_size
 
-    def unscale_(self, factor: torch.Tensor) -> None:
+    def unscale_(self, inverse_scale: torch.Tensor) -> None:
         """Every fed chain's accumulators of this step divided by the loss scale (``LayerChain.unscale_``)."""
         for c in self.chains:
             if c.fed:
-                c.unscale_(factor)
+                c.unscale_(inverse_scale)
 
     def reading(self, layer: Any, window: int) -> torch.Tensor:
         """The layer's readings (len(FIELDS), H) float64 on its statistics' device (NaN without a

@@ -43,7 +43,7 @@ class Readings:
     grad_norm: float
     loss_given: bool
     grad_norm_given: bool
-    gradients_skipped: bool = False  # the loss scaler skipped the step (or its scale is unknown)
+    grad_units_unknown: bool = False  # the gradients' loss scale is unknown: the scaler skipped the step, ...
 
     def per_layer(self, heads: list[int]) -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
         """Each layer's readings, ``{field: (H,) float64 array}`` over ``FIELDS``, and W^Q norms
@@ -118,18 +118,18 @@ class Collector:
         return [layer.num_heads for layer in self.layers]
 
     def collect(self, t: int, read: Callable[[], tuple[torch.Tensor, list[torch.Tensor]]], loss: Any,
-                grad_norm: Any, variant_codes: list[int], skipped: torch.Tensor | None = None) -> Pending:
+                grad_norm: Any, variant_codes: list[int], grad_units_unknown: torch.Tensor | None = None) -> Pending:
         """Start monitored step ``t``'s host copy. ``read()`` gives every layer's device readings
         side by side, (len(FIELDS), total heads) in layer order, and each layer's (H,) W^Q norms;
         under ``torch.distributed`` a failure there still takes part in the collective (as a
-        "failed" vector). ``skipped``: a 0-d device boolean, whether the loss scaler skipped the
-        step (``flashwatch.loss_scale``); None without a scaler."""
+        "failed" vector). ``grad_units_unknown``: a 0-d device boolean, whether the gradients'
+        loss scale is unknown (``flashwatch.loss_scale``); None without a loss scaler."""
         if self.reducer is not None and self.layers:
-            return self._combined(t, read, loss, grad_norm, variant_codes, skipped)
+            return self._combined(t, read, loss, grad_norm, variant_codes, grad_units_unknown)
         packed, sigmas = read()
-        return self._local(t, packed, sigmas, loss, grad_norm, skipped)
+        return self._local(t, packed, sigmas, loss, grad_norm, grad_units_unknown)
 
-    def _local(self, t, packed, sigmas, loss, grad_norm, skipped=None) -> Pending:
+    def _local(self, t, packed, sigmas, loss, grad_norm, grad_units_unknown=None) -> Pending:
         total, nf = sum(self.heads), len(FIELDS)
         parts: list[torch.Tensor] = []
         device = None
@@ -138,7 +138,7 @@ class Collector:
             parts.append(packed.reshape(-1))  # (F * sum H,)
             parts.append(_side_by_side(sigmas, device))  # (sum H,)
         on_device = []  # names of the scalars that ride in the transfer, in order
-        for name, value in (("loss", loss), ("grad_norm", grad_norm), ("skipped", skipped)):
+        for name, value in (("loss", loss), ("grad_norm", grad_norm), ("grad_units_unknown", grad_units_unknown)):
             if isinstance(value, torch.Tensor):
                 if device is None:
                     device = value.device
@@ -157,11 +157,11 @@ class Collector:
             tail = dict(zip(on_device, h[nf * total + total:].tolist()))
             tail.update(plain)
             return Readings(values, sigma, tail["loss"], tail["grad_norm"], *given,
-                            gradients_skipped=bool(tail.get("skipped", 0.0)))
+                            grad_units_unknown=bool(tail.get("grad_units_unknown", 0.0)))
 
         return Pending(t, host, event, finish)
 
-    def _combined(self, t, read, loss, grad_norm, variant_codes, skipped=None) -> Pending:
+    def _combined(self, t, read, loss, grad_norm, variant_codes, grad_units_unknown=None) -> Pending:
         """Combined over the ranks. The collective runs whatever happened on this rank before it (a
         failure sends a "failed" vector), so no rank is left waiting in it; everything after it is
         decided on identical host data, hence identically on every rank."""
@@ -171,7 +171,7 @@ class Collector:
             packed, sigmas = read()
             packed = packed.to(device)
             sigma = _side_by_side(sigmas, device)
-            local = r.pack(packed, sigma, loss, grad_norm, t, variant_codes, skipped)
+            local = r.pack(packed, sigma, loss, grad_norm, t, variant_codes, grad_units_unknown)
         except Exception as exc:
             self.on_error("step", exc)
             local = r.failed_local(device)
@@ -186,7 +186,7 @@ class Collector:
         for row in CHAIN_MEAN_ROWS:
             values[row] /= self.reducer.world_size
         return Readings(values, red.sigma, red.loss, red.grad_norm, red.loss_given, red.grad_norm_given,
-                        gradients_skipped=red.gradients_skipped > 0)
+                        grad_units_unknown=red.grad_units_unknown > 0)
 
 
 def _side_by_side(sigmas: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -47,7 +47,7 @@ __all__ = ["AUTO", "SLOT_BYTES_LIMIT", "Reducer", "Reduced", "resolve_process_gr
 
 AUTO = "auto"  # Monitor(process_group="auto"): the default group when torch.distributed is initialized
 SLOT_BYTES_LIMIT = 256 * 2**10  # above this many bytes of MAX slots, two collectives instead of one
-_SUM_TAIL = ("loss_sum", "grad_norm_sq_sum", "loss_n", "grad_norm_n", "grad_norm_global", "gradients_skipped",
+_SUM_TAIL = ("loss_sum", "grad_norm_sq_sum", "loss_n", "grad_norm_n", "grad_norm_global", "grad_units_unknown",
              "failed")  # "failed" last: failed_local() sets it
 _SPREAD_RTOL = 1e-6  # W^Q norms of replicas differing more than this are reported
 
@@ -172,7 +172,8 @@ class Reduced:
     ``sigma`` the W^Q norms (max over ranks) and ``sigma_min`` their min; ``variants`` and
     ``variants_min`` the per-layer variant codes' max and min; ``steps`` (min, max) of the
     ranks' step counters; ``failed`` how many ranks could not measure the step;
-    ``gradients_skipped`` on how many ranks the loss scaler skipped it.
+    ``grad_units_unknown`` on how many the gradients' loss scale was unknown (the scaler skipped
+    the step, ``flashwatch.loss_scale``).
     """
 
     stats: torch.Tensor
@@ -186,7 +187,7 @@ class Reduced:
     variants_min: list[int]
     steps: tuple[int, int]
     failed: int
-    gradients_skipped: int = 0
+    grad_units_unknown: int = 0
 
 
 class Reducer:
@@ -208,7 +209,7 @@ class Reducer:
         slot_bytes_limit: largest MAX-slot block (bytes) for the one-collective scheme.
 
     Layout of the local vector (float64): the SUM part, ``sum rows x heads`` then
-    ``loss_sum, grad_norm^2, loss_n, grad_norm_n, grad_norm_global, gradients_skipped, failed``; then the MAX part,
+    ``loss_sum, grad_norm^2, loss_n, grad_norm_n, grad_norm_global, grad_units_unknown, failed`` (``_SUM_TAIL``); then the MAX part,
     ``max rows x heads, sigma (heads), grad_norm, variant codes (layers), step``.
     """
 
@@ -262,12 +263,12 @@ class Reducer:
 
     # packing ----------------------------------------------------------------------------------
     def pack(self, stats: torch.Tensor, sigma: torch.Tensor, loss: Any, grad_norm: Any, step: int,
-             variant_codes: Sequence[int], skipped: torch.Tensor | None = None) -> torch.Tensor:
+             variant_codes: Sequence[int], grad_units_unknown: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's local vector, on ``stats.device`` (no host synchronisation).
 
         ``stats`` (n_fields, heads) and ``sigma`` (heads,) are device tensors; ``loss`` and
-        ``grad_norm`` floats, one-element tensors or None; ``skipped`` a 0-d device boolean (the
-        loss scaler skipped the step) or None.
+        ``grad_norm`` floats, one-element tensors or None; ``grad_units_unknown`` a 0-d device
+        boolean (the gradients' loss scale is unknown: ``flashwatch.loss_scale``) or None.
         """
         dev, f64 = stats.device, torch.float64
         if stats.shape != (self.n_fields, self.local_heads) or sigma.shape != (self.local_heads,):
@@ -281,9 +282,13 @@ class Reducer:
         # what the host knows (Python numbers, counts, variants, step) in one small copy, pinned
         # and asynchronous on CUDA so that packing adds no synchronisation of its own
         global_norm = callable(getattr(grad_norm, "full_tensor", None))  # a DTensor norm: the global one
-        host = [0.0 if loss is None else math.nan, -math.inf if grad_norm is None else math.nan,
-                float(loss is not None), float(grad_norm is not None), float(global_norm), 0.0, 0.0,
-                *map(float, variant_codes), float(step)]
+        # the SUM tail's slots, then the MAX tail's codes and step; the first two slots carry the loss
+        # and the gradient norm themselves (the norm is squared on the device below)
+        slots = {"loss_sum": 0.0 if loss is None else math.nan,
+                 "grad_norm_sq_sum": -math.inf if grad_norm is None else math.nan,
+                 "loss_n": float(loss is not None), "grad_norm_n": float(grad_norm is not None),
+                 "grad_norm_global": float(global_norm), "grad_units_unknown": 0.0, "failed": 0.0}
+        host = [slots[name] for name in _SUM_TAIL] + [*map(float, variant_codes), float(step)]
         for i, v in ((0, loss), (1, grad_norm)):
             if v is not None and not isinstance(v, torch.Tensor):
                 host[i] = float(v)
@@ -300,14 +305,16 @@ class Reducer:
             return v.reshape(1).to(device=dev, dtype=f64)
 
         loss_t, gn_t = one(loss, 0), one(grad_norm, 1)
-        skipped_t = h[5:6] if skipped is None else skipped.detach().reshape(1).to(device=dev, dtype=f64)
+        n, u = len(_SUM_TAIL), _SUM_TAIL.index("grad_units_unknown")
+        units_t = h[u: u + 1] if grad_units_unknown is None else \
+            grad_units_unknown.detach().reshape(1).to(device=dev, dtype=f64)
         gn_sq = gn_t * gn_t if grad_norm is not None else torch.zeros_like(gn_t)
         s = stats.to(f64)
         # rows picked one by one (views): indexing a CUDA tensor with a list of rows would copy
         # the list to the device synchronously, a host sync on every monitored step
         local = torch.cat([
-            *(s[i] for i in self.sum_rows), loss_t, gn_sq, h[2:5], skipped_t, h[6:7],      # SUM part
-            *(s[i] for i in self.max_rows), sigma.to(device=dev, dtype=f64), gn_t, h[7:],  # MAX part
+            *(s[i] for i in self.sum_rows), loss_t, gn_sq, h[2:u], units_t, h[u + 1: n],   # SUM part
+            *(s[i] for i in self.max_rows), sigma.to(device=dev, dtype=f64), gn_t, h[n:],  # MAX part
         ])
         self.last_local = local
         return local
@@ -402,7 +409,9 @@ class Reducer:
         self.last_host = host
         h, nsum, nmax = self.num_heads, len(self.sum_rows), len(self.max_rows)
         head = host[: self.sum_size]
-        loss_sum, gn_sq, loss_n, gn_n, gn_global, skipped, failed = head[nsum * h:].tolist()
+        tail = dict(zip(_SUM_TAIL, head[nsum * h:].tolist()))
+        loss_sum, gn_sq, loss_n, gn_n = (tail[k] for k in ("loss_sum", "grad_norm_sq_sum", "loss_n", "grad_norm_n"))
+        gn_global, units, failed = tail["grad_norm_global"], tail["grad_units_unknown"], tail["failed"]
         mx, mn = self._max_min(host)
         stats = torch.empty(self.n_fields, h, dtype=torch.float64)
         stats[self.sum_rows] = head[: nsum * h].view(nsum, h)
@@ -420,7 +429,7 @@ class Reducer:
                        loss=loss_sum / loss_n if loss_n > 0 else math.nan, loss_given=loss_n > 0,
                        grad_norm=grad_norm, grad_norm_given=gn_n > 0, variants=variants, variants_min=variants_min,
                        steps=steps, failed=int(failed) if math.isfinite(failed) else self.world_size,
-                       gradients_skipped=int(skipped) if math.isfinite(skipped) else 0)
+                       grad_units_unknown=int(units) if math.isfinite(units) else 0)
 
     def split_local(self, local: torch.Tensor) -> dict:
         """One rank's own values from its local vector (host copy): for tests and debugging."""
@@ -428,7 +437,8 @@ class Reducer:
         h, nsum, nmax = self.num_heads, len(self.sum_rows), len(self.max_rows)
         stats = torch.empty(self.n_fields, h, dtype=torch.float64)
         stats[self.sum_rows] = local[: nsum * h].view(nsum, h)
-        loss_sum, gn_sq, loss_n, gn_n, _, _, failed = local[nsum * h: self.sum_size].tolist()
+        tail = dict(zip(_SUM_TAIL, local[nsum * h: self.sum_size].tolist()))
+        loss_sum, loss_n, gn_n = tail["loss_sum"], tail["loss_n"], tail["grad_norm_n"]
         mx = local[self.sum_size:]
         stats[self.max_rows] = mx[: nmax * h].view(nmax, h)
         o = nmax * h

@@ -26,21 +26,20 @@ synchronisation; ``remember`` adds one small device copy to the step before a mo
 
 from __future__ import annotations
 
-import logging
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .kernels import STAT_FIELDS
+from .kernels.stats import GRADIENT_POWER
 
-log = logging.getLogger("flashwatch")
+__all__ = ["LossScale", "unscale_statistics", "check_grad_scaler", "why_unreadable"]
 
-__all__ = ["LossScale", "unscale_statistics", "check_grad_scaler", "unreadable"]
-
-GRADIENT_FIELDS = ("delta_error", "delta_error_abs", "delta_error_tied")  # linear in the output gradient
-SQUARED_FIELDS = ("delta_error_sq",)  # quadratic in it
-_SCALER_STATE = ("_scale", "_growth_tracker", "_per_optimizer_states")  # what this module reads
+_SCALER_STATE = ("_scale", "_init_scale", "_growth_tracker", "_per_optimizer_states")  # what this module reads
+WRONG_ORDER = ("flashwatch: Monitor.step(grad_scaler=...) was called before scaler.update(): the loss scale of "
+               "the step is not known there, so its delta error and W^Q-gradient error read as not measured; call "
+               "monitor.step() after scaler.update()")
 
 
 def check_grad_scaler(scaler: Any) -> Any:
@@ -63,7 +62,7 @@ def check_grad_scaler(scaler: Any) -> Any:
     return scaler if scaler.is_enabled() else None
 
 
-def unreadable(scaler: Any) -> str | None:
+def why_unreadable(scaler: Any) -> str | None:
     """Why flashwatch cannot read this GradScaler's scale (its torch keeps it elsewhere), or None."""
     missing = [name for name in _SCALER_STATE if not hasattr(scaler, name)]
     if missing:
@@ -71,52 +70,54 @@ def unreadable(scaler: Any) -> str | None:
     return None
 
 
-def unscale_statistics(packed: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``packed`` (len(STAT_FIELDS), heads) float64, as ``AttentionStats.packed_all``, with its
-    gradient-unit rows multiplied by ``factor`` = 1/S (0-d float64 on its device; squared for the
-    squared rows; NaN makes them NaN); the counts and the max logit as they are."""
-    one = torch.ones_like(factor)
-    square = factor * factor
-    rows = [factor if name in GRADIENT_FIELDS else square if name in SQUARED_FIELDS else one for name in STAT_FIELDS]
+def unscale_statistics(packed: torch.Tensor, inverse_scale: torch.Tensor) -> torch.Tensor:
+    """``packed`` (len(STAT_FIELDS), heads) float64, as ``AttentionStats.packed_all``, with each sum
+    multiplied by ``inverse_scale`` = 1/S (0-d float64 on its device; NaN makes them NaN) to the
+    power of the output gradient it is homogeneous in (``kernels.stats.GRADIENT_POWER``); the
+    counts and the max logit as they are."""
+    powers = [torch.ones_like(inverse_scale), inverse_scale, inverse_scale * inverse_scale]
+    rows = [powers[GRADIENT_POWER.get(name, 0)] for name in STAT_FIELDS]
     return packed * torch.stack(rows)[:, None]
 
 
 class LossScale:
-    """The loss scale of each monitored step, from the ``GradScaler`` passed to ``Monitor.step``."""
+    """The loss scale of each monitored step, from the ``GradScaler`` passed to ``Monitor.step``.
 
-    def __init__(self) -> None:
-        self._remembered: tuple[int, int, torch.Tensor] | None = None  # (step, id(scaler), S for that step)
-        self._warned = False
+    Args:
+        warn_once: ``warn_once(key, message)``, the Monitor's: logs a message once (on the reporting rank).
+    """
+
+    def __init__(self, warn_once: Callable[[Any, str], None]) -> None:
+        self._remembered: tuple[int, int, torch.Tensor | float] | None = None  # (step, id(scaler), its S)
+        self._warn_once = warn_once
 
     def remember(self, scaler: Any, step: int) -> None:
         """At the ``step()`` call before monitored step ``step`` (after ``scaler.update()``): the S
         that step's backward will use, copied on the device (no sync)."""
         scale = scaler._scale
-        if scale is None:  # no loss scaled yet: the first scale() starts from init_scale
-            scale = torch.tensor(float(scaler._init_scale), dtype=torch.float64)
-        self._remembered = (step, id(scaler), scale.detach().to(torch.float64, copy=True))
+        # no loss scaled yet: the first scale() starts from init_scale (a number: no host-to-device copy)
+        used = float(scaler._init_scale) if scale is None else scale.detach().to(torch.float64, copy=True)
+        self._remembered = (step, id(scaler), used)
 
-    def factor(self, scaler: Any, step: int) -> torch.Tensor | None:
+    def inverse_scale(self, scaler: Any, step: int) -> torch.Tensor | None:
         """1/S of monitored step ``step``'s backward, a 0-d float64 tensor on the scaler's device;
-        NaN where the scaler skipped the step or S is unknown. None: the scaler never scaled a loss
-        (its gradients are in true units)."""
+        NaN where the scaler skipped the step or S is unknown (gradient units unknown). None: the
+        scaler never scaled a loss (its gradients are in true units)."""
         remembered, self._remembered = self._remembered, None
         scale = scaler._scale
         if scale is None:
             return None
         now = scale.detach().to(torch.float64)
         if scaler._per_optimizer_states:  # scaler.step() ran, scaler.update() not yet
-            if not self._warned:
-                self._warned = True
-                log.warning("flashwatch: Monitor.step(grad_scaler=...) was called before scaler.update(): the loss "
-                            "scale of the step is not known there, so its delta error and W^Q-gradient error read "
-                            "as not measured; call monitor.step() after scaler.update()")
-            return torch.full((), math.nan, dtype=torch.float64, device=now.device)
+            self._warn_once("grad_scaler_order", WRONG_ORDER)
+            return torch.full_like(now, math.nan)
         counted = scaler._growth_tracker.detach() > 0  # the update counted a clean step (0: it grew S or backed off)
         if remembered is not None and remembered[:2] == (step, id(scaler)):
-            used = remembered[2].to(now.device)
+            used = remembered[2]
+            used = used.to(now.device) if isinstance(used, torch.Tensor) else torch.full_like(now, used)
             known = (now > used) | ((now == used) & counted)  # below, or back at a floor after a back-off: skipped
         else:
             used = now
             known = counted  # the update left S unchanged
+        known = known & (used > 0)  # a scale that underflowed to 0 scaled nothing measurable
         return torch.where(known, 1.0 / used, torch.full_like(used, math.nan))

@@ -62,7 +62,7 @@ from .distributed import AUTO, Reducer, resolve_process_group, sharding_of, stru
 from .exporters.base import Exporter, FanOut, Layout, StepRecord
 from .families import query_norm
 from .kernels import STAT_FIELDS, AttentionStats
-from .loss_scale import LossScale, check_grad_scaler, unreadable, unscale_statistics
+from .loss_scale import LossScale, check_grad_scaler, unscale_statistics, why_unreadable
 from .routing import CHECKPOINT_FLAG, Router, checkpoint_fallbacks, clear_routing_state
 from .snapshot import extra_signals, host_record, snapshot
 from .step_signals import LayerReading, SignalBuilder
@@ -178,7 +178,8 @@ class Monitor:
         self._decisions = Decisions(config, self._error)
         self.errors = 0
         self._failed_in_a_row = 0  # monitored steps failed since the last one that worked
-        self._loss_scale = LossScale()  # step(grad_scaler=...): the scale each monitored step's backward used
+        self._loss_scale = LossScale(self._warn_once)  # step(grad_scaler=...): each monitored step's loss scale
+        self._units_unknown_in_a_row = 0  # monitored steps whose gradients' loss scale was unknown (skipped)
         self._error_kinds: set[str] = set()
         self._warned: set = set()
         self._last = None  # the latest decided step as plain data (host_record), made when first read
@@ -450,7 +451,9 @@ class Monitor:
                 W^Q-gradient error are then in true units (divided by the loss scale the step's
                 backward used), and a step the scaler skipped (its gradients overflowed) reads them
                 as not measured, and a non-finite ``grad_norm`` there too, instead of raising
-                ``non_finite``. Without it they are in scaled units. No host synchronisation.
+                ``non_finite``; so does a step whose scale is not known (the first monitored step
+                with this scaler or after a resume, where the update before it grew or cut the
+                scale). Without it they are in scaled units. No host synchronisation.
 
         Returns:
             alerts that started at this step (empty on unmonitored steps).
@@ -465,10 +468,10 @@ class Monitor:
         loss = _check_scalar("loss", loss)
         grad_norm = _check_scalar("grad_norm", grad_norm)
         grad_scaler = check_grad_scaler(grad_scaler)
-        if grad_scaler is not None and unreadable(grad_scaler):
+        why = why_unreadable(grad_scaler) if grad_scaler is not None else None
+        if why is not None:
             self._warn_once("grad_scaler", "flashwatch: cannot read the loss scale: %s; the delta error and the W^Q-"
-                            "gradient error are in scaled units, and a step the scaler skips raises non_finite",
-                            unreadable(grad_scaler))
+                            "gradient error are in scaled units, and a step the scaler skips raises non_finite", why)
             grad_scaler = None
         if self._closed:  # counted, so that step labels follow the optimizer if attach() comes again
             self._warn_once("closed", "flashwatch: Monitor.step() after close(): nothing is measured or written; "
@@ -584,6 +587,16 @@ class Monitor:
         self.monitored_steps += 1
         return new
 
+    def _note_units_unknown(self, step: int, unknown: bool) -> None:
+        """Count monitored steps in a row whose gradients' loss scale was unknown (the loss scaler
+        skipped them): the delta error is blind then, so a scaler that keeps skipping, as when every
+        step's gradients overflow, is logged at 10, 100, ... in a row, never only a run of NaN."""
+        self._units_unknown_in_a_row = self._units_unknown_in_a_row + 1 if unknown else 0
+        if self._units_unknown_in_a_row in FAILED_STEPS_REPORTED and self._reporting:
+            log.warning("flashwatch: the loss scaler skipped the last %d monitored steps (step %d the latest), so "
+                        "their delta error and W^Q-gradient error are not measured: are the gradients overflowing "
+                        "at every step?", self._units_unknown_in_a_row, step)
+
     def _step_failed(self, step: int) -> None:
         """Count a monitored step that failed in either half: ``failed_in_a_row`` says that what
         ``snapshot()`` holds is older than the latest monitored step, and the log repeats the count
@@ -599,23 +612,24 @@ class Monitor:
         """Every layer's readings, the W^Q norms, loss and gradient norm: packed, combined over
         ranks, their host copy started (``flashwatch.collect``); the gradient-unit readings divided
         by the step's loss scale when a ``grad_scaler`` is given (``flashwatch.loss_scale``)."""
-        factor = None
+        inverse_scale = None
         if grad_scaler is not None:
             try:
-                factor = self._loss_scale.factor(grad_scaler, t)
+                inverse_scale = self._loss_scale.inverse_scale(grad_scaler, t)
             except Exception as exc:  # every rank must still reach the collective below: gradient units unknown
                 self._error("loss_scale", exc)
-                factor = torch.full((), math.nan, dtype=torch.float64)
+                device = self.layers[0].stats.device if self.layers else None
+                inverse_scale = torch.full((), math.nan, dtype=torch.float64, device=device)  # a fill: no copy
 
         def read() -> tuple[torch.Tensor, list[torch.Tensor]]:
             self._chains.average(self._reducer)
-            if factor is not None:
-                self._chains.unscale_(factor)
+            if inverse_scale is not None:
+                self._chains.unscale_(inverse_scale)
             # every layer at once: (len(STAT_FIELDS) + len(CHAIN_FIELDS), total heads), layers side by side
             if self.layers:
                 stats = AttentionStats.packed_all([layer.stats for layer in self.layers])
-                if factor is not None:
-                    stats = unscale_statistics(stats, factor.to(stats.device))
+                if inverse_scale is not None:
+                    stats = unscale_statistics(stats, inverse_scale.to(stats.device))
                 chains = self._chains.readings(self.layers, self.config.window).to(stats.device)
                 packed = torch.cat([stats, chains])
             else:
@@ -628,8 +642,8 @@ class Monitor:
             return packed, sigmas
 
         codes = [VARIANT_CODE[layer.variant] for layer in self.layers]
-        skipped = factor.isnan() if factor is not None else None
-        return self._collector.collect(t, read, loss, grad_norm, codes, skipped)
+        units_unknown = inverse_scale.isnan() if inverse_scale is not None else None
+        return self._collector.collect(t, read, loss, grad_norm, codes, units_unknown)
 
     def _check_combined(self, red: Any, t: int) -> bool:
         """Checks of a step combined over ranks; False: skip it (a rank could not measure it)."""
@@ -675,7 +689,7 @@ class Monitor:
                             "(pass the total gradient norm, e.g. what clip_grad_norm_ returns); such values are "
                             "ignored and the gradient norm is reported as not measured (NaN)", grad_norm, pending.step)
             grad_norm, grad_norm_given = math.nan, False
-        if got.gradients_skipped and grad_norm_given and not math.isfinite(grad_norm):
+        if got.grad_units_unknown and grad_norm_given and not math.isfinite(grad_norm):
             grad_norm, grad_norm_given = math.nan, False  # the overflow the loss scaler skipped the step for
         t = pending.step
         ran = pending.variants or [layer.running_variant for layer in self.layers]
@@ -690,11 +704,12 @@ class Monitor:
                 calls = None  # rows measured, yet no call counted here (another rank's calls): coverage unknown
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
-                                         low_precision=layer.low_precision, variant=variant, calls=calls,
-                                         gradients_measured=not got.gradients_skipped))
+                                         low_precision=layer.low_precision, variant=variant, calls=calls))
             layer.calls = 0
         signals = self._signals.build(step=t, index=self.monitored_steps, loss=got.loss, grad_norm=grad_norm,
-                                      readings=readings, loss_given=got.loss_given, grad_norm_given=grad_norm_given)
+                                      readings=readings, loss_given=got.loss_given, grad_norm_given=grad_norm_given,
+                                      grad_units_unknown=got.grad_units_unknown)
+        self._note_units_unknown(t, got.grad_units_unknown)
         new = self._decisions.judge(t, signals, self._wq.unmeasured if self._wq else set(), self._reporting)
         self._last = None
         self._last_signals = signals  # host_record(signals) when first read (_last): most steps nobody reads it

@@ -56,7 +56,6 @@ class LayerReading:
     low_precision: bool | None = None
     variant: str | None = None
     calls: tuple[int, int] | None = None
-    gradients_measured: bool = True  # False: the loss scaler skipped the step (its delta error is not measured)
 
 
 def _coverage(calls: tuple[int, int] | None) -> float:
@@ -207,7 +206,7 @@ class _Block:
             self.trend_steps.load_layer(i, ring)
 
     # --- one step ---------------------------------------------------------------------------------
-    def build(self, step: int, readings: list[LayerReading]) -> list[LayerSignals]:
+    def build(self, step: int, readings: list[LayerReading], grad_units_unknown: bool = False) -> list[LayerSignals]:
         h, nl = self.heads, self.num_layers
         names = {name for r in readings for name in r.stats}
         f = {name: _stack([r.stats.get(name) for r in readings], h) for name in names}
@@ -222,9 +221,10 @@ class _Block:
                 return nan
             return np.where(counted, f[name] / safe_rows, nan)
 
-        # calls counted and none measured in full (attention dropout: scores measured, delta error
-        # not): the delta error is not measured at this step
-        delta_seen = seen & np.array([(r.calls is None or r.calls[1] > 0) and r.gradients_measured for r in readings])
+        # the delta error is not measured at this step where calls were counted and none measured in
+        # full (attention dropout: scores measured, delta error not), or where the gradients' loss
+        # scale is unknown (a step the loss scaler skipped)
+        delta_seen = seen & np.array([r.calls is None or r.calls[1] > 0 for r in readings]) & (not grad_units_unknown)
         e = f["delta_error"]
         finite = np.isfinite(e)
         e0 = np.where(finite, e, 0.0)
@@ -354,14 +354,17 @@ class SignalBuilder:
             first += n
 
     def build(self, *, step: int, index: int, loss: float, grad_norm: float, readings: list[LayerReading],
-              loss_given: bool = True, grad_norm_given: bool = True) -> StepSignals:
-        """The signals of monitored step ``step`` (``index`` monitored steps came before it)."""
+              loss_given: bool = True, grad_norm_given: bool = True, grad_units_unknown: bool = False) -> StepSignals:
+        """The signals of monitored step ``step`` (``index`` monitored steps came before it);
+        ``grad_units_unknown``: the step's gradients are in units not known (a step the loss scaler
+        skipped, ``flashwatch.loss_scale``): its delta error is not measured."""
         if len(readings) != len(self.heads):
             raise ValueError(f"{len(readings)} layer readings for {len(self.heads)} layers")
         layers: list[LayerSignals] = []
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # NaN and inf are values here
             for block in self.blocks:
-                layers.extend(block.build(step, readings[block.first: block.first + block.num_layers]))
+                layers.extend(block.build(step, readings[block.first: block.first + block.num_layers],
+                                          grad_units_unknown))
         return StepSignals(step=step, index=index, loss=loss, grad_norm=grad_norm, layers=layers,
                            loss_given=loss_given, grad_norm_given=grad_norm_given)
 

@@ -57,7 +57,7 @@ from typing import Callable, Optional
 import torch
 
 from . import faults, reference
-from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats, CallMaxLogit
+from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats, CallMaxLogit, fold_max_logit
 
 log = logging.getLogger("flashwatch")
 
@@ -266,7 +266,7 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
     if _on(flag):
         stats = _view(counts, values, unit_gap)
         stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation, q)
-        torch.maximum(stats.max_logit, max_logit, out=stats.max_logit)  # the forward's, folded in now (one launch)
+        fold_max_logit(stats, max_logit)  # the forward's, folded in now
         coverage.add_(1)  # one attention call, measured
     residual = r if r.numel() else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

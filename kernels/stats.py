@@ -84,23 +84,12 @@ class RowReduction(NamedTuple):
         if r < 16 or r & (r - 1):
             raise ValueError(f"RowReduction.xo: sketch width must be a power of two >= 16, got {r}")
 
-class CallMaxLogit:
-    """One call's own max logit per head, (H,) float32 from -inf, for a forward to write into
-    (the forward kernels and the reference write only ``.max_logit``).
-
-    The call's backward folds it into the layer's ``AttentionStats`` (``fold_into``), so a
-    forward whose backward never runs (an evaluation with gradients on, a forward that raised)
-    adds nothing to the monitored step, as it adds no rows."""
-
-    def __init__(self, num_heads: int, device: torch.device):
-        self.max_logit = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device)
-
-    def fold_into(self, stats: "AttentionStats") -> None:
-        torch.maximum(stats.max_logit, self.max_logit, out=stats.max_logit)  # one launch, no sync
-
 
 COUNT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format")
 SUM_FIELDS = ("delta_error", "delta_error_abs", "delta_error_sq", "delta_error_tied")
+# the power of the output gradient dO each sum is homogeneous in: a loss scaled by S scales it by S**power
+# (``flashwatch.loss_scale`` divides it back); the counts and the max logit do not depend on dO
+GRADIENT_POWER = {"delta_error": 1, "delta_error_abs": 1, "delta_error_sq": 2, "delta_error_tied": 1}
 MAX_FIELDS = ("max_logit",)
 FIELDS = COUNT_FIELDS + MAX_FIELDS + SUM_FIELDS
 
@@ -236,3 +225,25 @@ class AttentionStats:
 
     def __repr__(self) -> str:
         return f"AttentionStats(num_heads={self.num_heads}, device={self.device}, format={self.format!r})"
+
+
+def fold_max_logit(stats: AttentionStats, max_logit: torch.Tensor) -> None:
+    """``stats.max_logit`` (H,) raised to ``max_logit`` (H,) where that is larger: one call's own max
+    logit, folded in by its backward (one launch, no sync)."""
+    torch.maximum(stats.max_logit, max_logit, out=stats.max_logit)
+
+
+class CallMaxLogit:
+    """One call's own max logit per head, (H,) float32 from -inf, for a forward to write into
+    (the forward kernels and the reference write only ``.max_logit``).
+
+    The call's backward folds it into the layer's ``AttentionStats`` (``fold_into``), so a
+    forward whose backward never runs (an evaluation with gradients on, a forward that raised)
+    adds nothing to the monitored step, as it adds no rows."""
+
+    def __init__(self, num_heads: int, device: torch.device):
+        self.max_logit = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device)
+
+    def fold_into(self, stats: AttentionStats) -> None:
+        """Fold this call's max logit into ``stats`` (``fold_max_logit``); called by the call's backward."""
+        fold_max_logit(stats, self.max_logit)

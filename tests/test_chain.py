@@ -138,6 +138,9 @@ def test_alignment_and_coherence_follow_the_direction_of_the_error():
     chain.add_rows(x, torch.randn(b, h, n, generator=g), pk, 0.5)
     second = chain.reading(lam)[3]
     assert not torch.isnan(second[0]) and torch.isnan(second[1])
+    # nor does a step whose error is exactly zero read the window of one earlier sample (head 1: 1 by definition)
+    chain.add_rows(x, torch.zeros(b, h, n), pk, 0.5)
+    assert torch.isnan(chain.reading(lam)[3]).all()
     rand = drive(LayerChain(h, d, c, "cpu"), False, 400, lam)
     align = rand[1:, 2].flatten()
     assert align.abs().mean() < 0.2  # random directions: near 0 (sketch noise ~ 1/sqrt(r))

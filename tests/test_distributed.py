@@ -287,13 +287,13 @@ def test_reducer_layout_and_schemes_without_processes():
     assert torch.equal(red.stats[MAX_ROWS], torch.maximum(stats[MAX_ROWS], 2 * stats[MAX_ROWS]))
     assert red.loss == 3.5 and red.loss_given and not red.grad_norm_given and math.isnan(red.grad_norm)
     assert red.variants == [1, 3] and red.variants_min == [0, 3] and red.steps == (7, 7) and red.failed == 0
-    assert red.gradients_skipped == 0
+    assert red.grad_units_unknown == 0
     # the loss scaler skipped the step on one rank: counted, the rest as before
     skipped = r.pack(stats * 2, torch.full((8,), 3.0, dtype=torch.float64), torch.tensor(4.5), None, 7, [1, 3],
                      torch.tensor(True))
     buf[: r.sum_size] = local[: r.sum_size] + skipped[: r.sum_size]
     red = r.unpack(buf)
-    assert red.gradients_skipped == 1 and red.failed == 0 and red.loss == 3.5
+    assert red.grad_units_unknown == 1 and red.failed == 0 and red.loss == 3.5
     assert torch.equal(red.stats[SUM_ROWS], 3 * stats[SUM_ROWS])
     assert float(red.sigma.max()) == 3.0 and Reducer.sigma_spread(red) == pytest.approx(2 / 3)
     failed = r.failed_local(torch.device("cpu"))

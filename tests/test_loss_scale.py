@@ -17,6 +17,7 @@ import torch
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.loss_scale import LossScale, check_grad_scaler, unscale_statistics
 from flashwatch.kernels import STAT_FIELDS
+from flashwatch.kernels.stats import GRADIENT_POWER, SUM_FIELDS
 from flashwatch.tinygpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -28,8 +29,10 @@ GRADIENT_SIGNALS = ("flashwatch_delta_error", "flashwatch_delta_error_cumulative
 
 
 def _run(steps: int, scaler: torch.amp.GradScaler | None, pass_scaler: bool = True, lr: float = 1e-2,
-         update_first: bool = True) -> tuple[list[dict], Monitor]:
-    """Train ``steps`` steps, every one monitored; each step's ``Monitor.snapshot()`` and ``signals()``."""
+         update_first: bool = True, overflow_at: tuple[int, ...] = ()) -> tuple[list[dict], Monitor]:
+    """Train ``steps`` steps, every one monitored; each step's ``Monitor.snapshot()`` and ``signals()``.
+    At the steps ``overflow_at`` one gradient entry is made inf before the scaler's step (an overflow
+    outside attention: the attention statistics are finite, the scaler skips the step)."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -47,6 +50,8 @@ def _run(steps: int, scaler: torch.amp.GradScaler | None, pass_scaler: bool = Tr
                 opt.step()
             else:
                 scaler.scale(loss).backward()
+                if len(out) in overflow_at:
+                    model.lm_head.weight.grad[0, 0] = math.inf
                 scaler.step(opt)
                 if update_first:
                     scaler.update()
@@ -115,23 +120,31 @@ def test_a_skipped_step_is_not_measured_and_raises_no_alert():
 
 
 def test_grad_norm_of_a_skipped_step_is_not_measured():
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)
+    """Step 0 clean, step 1 overflows (its scale remembered at step 0's call): step 1's inf gradient
+    norm is the overflow the scaler skipped the step for, not a divergence."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     torch.manual_seed(0)
     model = GPT(CONFIG)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     monitor = Monitor(MonitorConfig(interval=1))
     monitor.attach(model)
-    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(x, x)[1]
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    assert not torch.isfinite(norm)
-    scaler.step(opt)
-    scaler.update()
-    assert monitor.step(loss=loss.detach(), grad_norm=norm, grad_scaler=scaler) == []
-    assert math.isnan(monitor.snapshot()["flashwatch_grad_norm"])
+    norms = []
+    for t in range(2):
+        x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, x)[1]
+        scaler.scale(loss).backward()
+        if t == 1:
+            model.lm_head.weight.grad[0, 0] = math.inf
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert monitor.step(loss=loss.detach(), grad_norm=norm, grad_scaler=scaler) == []
+        norms.append(monitor.snapshot()["flashwatch_grad_norm"])
+    assert math.isfinite(norms[0]) and math.isnan(norms[1]) and not torch.isfinite(norm)
+    assert scaler.get_scale() == 2.0 ** 9
     # the same step without the scaler: the overflow raises non_finite, as it must when nothing says why
     other = Monitor(MonitorConfig(interval=1))
     assert [a.rule for a in other.step(loss=1.0, grad_norm=norm)] == ["non_finite"]
@@ -207,24 +220,24 @@ def test_a_remembered_scale_is_used_only_for_its_step():
     between): there the growth tracker decides, and a tracker of 0 reads as unknown."""
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
     scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
-    ls = LossScale()
+    ls = LossScale(lambda key, message: None)
     ls.remember(scaler, 5)
     scaler._growth_tracker.fill_(1)  # a clean step counted, the scale as it was
-    assert ls.factor(scaler, 5).item() == 0.25
+    assert ls.inverse_scale(scaler, 5).item() == 0.25
     ls.remember(scaler, 5)
     scaler._growth_tracker.fill_(0)  # the same scale, the tracker reset: backed off, then set back (a floor)
-    assert math.isnan(ls.factor(scaler, 5).item())
+    assert math.isnan(ls.inverse_scale(scaler, 5).item())
     ls.remember(scaler, 5)
     scaler._scale.fill_(8.0)  # grew at the update after step 5's backward
-    assert ls.factor(scaler, 5).item() == 0.25
+    assert ls.inverse_scale(scaler, 5).item() == 0.25
     ls.remember(scaler, 5)
     scaler._scale.fill_(2.0)  # backed off: step 5 was skipped
-    assert math.isnan(ls.factor(scaler, 5).item())
+    assert math.isnan(ls.inverse_scale(scaler, 5).item())
     ls.remember(scaler, 5)
     scaler._growth_tracker.fill_(3)
-    assert ls.factor(scaler, 6).item() == 0.5  # not step 6's: the tracker says the update left S as it was
+    assert ls.inverse_scale(scaler, 6).item() == 0.5  # not step 6's: the tracker says the update left S as it was
     scaler._growth_tracker.fill_(0)
-    assert math.isnan(ls.factor(scaler, 6).item())  # grown or backed off: unknown
+    assert math.isnan(ls.inverse_scale(scaler, 6).item())  # grown or backed off: unknown
 
 
 def test_unscale_statistics_scales_only_the_gradient_rows():
@@ -241,9 +254,37 @@ def test_a_failure_reading_the_scale_is_counted_and_the_step_reads_not_measured(
     def broken(self, scaler, step):
         raise RuntimeError("scale unreadable")
 
-    monkeypatch.setattr(LossScale, "factor", broken)
+    monkeypatch.setattr(LossScale, "inverse_scale", broken)
     steps, monitor = _run(2, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))
     assert monitor.errors == 2 and monitor.global_step == 2 and monitor.failed_in_a_row == 0
     assert all(_values(s, "flashwatch_delta_error").isnan().all() for s in steps)
     assert not _values(steps[-1], "flashwatch_max_logit").isnan().any()  # the rest is measured
     assert monitor.alert_counts["non_finite"] == 0
+
+
+def test_a_skip_in_the_middle_of_a_run_leaves_the_window_as_it_was():
+    """A step the scaler skips mid-run: its readings are NaN, and the next measured steps read the
+    same coherence and alignment as if the skipped step had not fed the window (its sketch would
+    otherwise put NaN into the window state for good)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    steps, monitor = _run(8, scaler, overflow_at=(4,))
+    assert monitor.alert_counts["non_finite"] == 0
+    assert _values(steps[4], "flashwatch_delta_error").isnan().all()
+    assert _values(steps[4], "flashwatch_wq_error_coherence").isnan().all()
+    for s in steps[5:]:
+        for name in ("flashwatch_delta_error", "flashwatch_wq_error_coherence", "flashwatch_wq_error_alignment",
+                     "flashwatch_delta_drift_z"):
+            assert not _values(s, name).isnan().any(), name
+
+
+def test_a_scaler_that_skips_every_step_is_logged(caplog):
+    """Every monitored step skipped (gradients that always overflow): not only a run of NaN."""
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        _, monitor = _run(12, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), overflow_at=tuple(range(12)))
+    said = [r.getMessage() for r in caplog.records if "skipped the last" in r.getMessage()]
+    assert len(said) == 1 and "the last 10 monitored steps" in said[0]
+    assert monitor.alert_counts["non_finite"] == 0
+
+
+def test_every_sum_says_how_a_loss_scale_enters_it():
+    assert set(GRADIENT_POWER) == set(SUM_FIELDS)

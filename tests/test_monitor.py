@@ -499,6 +499,29 @@ def test_examples_run(script, args, capsys, fresh_dynamo):
     assert _sdpa_restored()
 
 
+def test_the_fp16_example_passes_its_loss_scaler(monkeypatch, capsys, fresh_dynamo):
+    """examples/plain_loop.py --fp16 hands its GradScaler to every Monitor.step (else its delta error
+    would be in scaled units, and a skipped step would raise non_finite)."""
+    import pathlib
+    import runpy
+
+    given = []
+    real = Monitor.step
+
+    def spy(self, *args, **kwargs):
+        given.append(kwargs.get("grad_scaler"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Monitor, "step", spy)
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "plain_loop.py"
+    n = torch.get_num_threads()
+    try:
+        assert runpy.run_path(str(path))["main"](["--steps", "4", "--interval", "2", "--fp16"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    assert len(given) == 4 and all(isinstance(g, torch.amp.GradScaler) and g.is_enabled() for g in given)
+
+
 def _sdpa_restored():
     import torch.nn.functional as F
 
