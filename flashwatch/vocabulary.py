@@ -172,7 +172,9 @@ RULE_SPECS: tuple[RuleSpec, ...] = (
         "NaN or infinity in the loss, the gradient norm or a head's statistics.",
         "The loss or the gradient norm (layer and head -1), or a head's statistics (delta error, "
         "max logit, W^Q spectral norm), is NaN or infinite: the run has diverged or is diverging. "
-        "The head's cumulative sums skip the value.",
+        "The head's cumulative sums skip the value. FP16 with a loss scaler: pass it, "
+        "monitor.step(..., grad_scaler=scaler), so that a step the scaler skips (its gradients "
+        "overflowed) reads as not measured instead of raising this.",
         "Stop and restore the last good checkpoint (MonitorConfig(stop_on={\"non_finite\"}) stops "
         "the run). The alerts before it name the layer to blame; resume with fp32_delta on it, a "
         "lower learning rate or gradient clipping.",
