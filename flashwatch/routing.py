@@ -268,6 +268,10 @@ def _allowed_under_checkpoint(change, *args) -> None:
         allow(change, *args)
 
 
+def _set_sdpa_fallback(layer: AttentionLayer, reason: str | None) -> None:
+    layer.sdpa_fallback = reason
+
+
 def _autocast_inputs(q, k, v):
     """Cast q, k, v as autocast would for SDPA (to the autocast dtype) when autocast is on."""
     dev = q.device.type
@@ -756,7 +760,9 @@ class Router:
         if layer.mode == "own_kernel":
             qc, kc, vc, cast = _autocast_inputs(q, k, v) if stats is not None else (q, k, v, False)
             reason = unsupported_reason(qc, kc, vc, attn_mask, dropout_p, enable_gqa, layer.num_heads)
-            layer.sdpa_fallback = reason  # at tracing: the compiled call runs what is decided here
+            # at tracing: the compiled call runs what is decided here (a write to outside state, which
+            # activation checkpointing accepts only so)
+            _allowed_under_checkpoint(_set_sdpa_fallback, layer, reason)
             if reason is None:
                 with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
                     return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,

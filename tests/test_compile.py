@@ -579,6 +579,31 @@ def test_activation_checkpointing_is_measured_as_without_it(mode, backend):
         assert checkpointed[1][name] == pytest.approx(per_head, rel=1e-6, abs=1e-12, nan_ok=True), name
 
 
+def test_own_kernel_mode_writes_the_layer_state_it_traces_through_the_checkpoint_allowance(monkeypatch):
+    """Own-kernel mode records at tracing time whether a layer's call falls back to SDPA
+    (``AttentionLayer.sdpa_fallback``): a write to state outside the traced code, which Dynamo
+    (torch 2.11) refuses inside activation checkpointing unless it goes through the allowance the
+    routing state uses; the CPU build tested here accepts it either way, so the allowance's calls
+    are recorded. Fail before: the attribute was written plainly, and on CUDA the checkpointed
+    frame ran eagerly."""
+    from flashwatch import routing
+
+    allowed = []
+    plain = routing._allowed_under_checkpoint
+
+    def recording(change, *args):
+        def change_and_record(*state):  # recorded inside the allowance: the record is a side effect too
+            allowed.append(change.__name__)
+            change(*state)
+        plain(change_and_record, *args)
+
+    monkeypatch.setattr(routing, "_allowed_under_checkpoint", recording)
+    counters.clear()
+    _readings(CheckpointedStack, "own_kernel", "aot_eager")
+    assert not counters["unimplemented"], dict(counters["unimplemented"])
+    assert "_set_sdpa_fallback" in allowed, allowed
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_where_dynamo_runs_a_checkpointed_frame_eagerly_the_monitor_says_so(mode, caplog, monkeypatch):
     """A torch whose Dynamo has no allowance for the hooks' state under activation checkpointing
