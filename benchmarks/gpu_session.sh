@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|plainsweep|
-#                                   autotune|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
+#                                   autotune|autotunekernels|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -78,6 +78,11 @@ for step in $steps; do
     hostprofile) timeout 280 python3 benchmarks/step_kernels.py --host --python --json "$OUT/step_host.json" 2>&1 | tee "$OUT/step_host.log" | grep -v Warning
                  timeout 200 python3 benchmarks/step_kernels.py --host --python --eager --json "$OUT/step_host_eager.json" 2>&1 \
                    | tee "$OUT/step_host_eager.log" | grep -v Warning ;;
+    # autotunekernels: the same under max-autotune-no-cudagraphs (the first compilation autotunes every matrix product)
+    autotunekernels) timeout 540 python3 benchmarks/step_kernels.py --compile-mode max-autotune-no-cudagraphs \
+                       --json "$OUT/step_kernels_autotune.json" > "$OUT/step_kernels_autotune.log" 2>&1
+                     grep -v "AUTOTUNE\|triton_mm\|^  \|Warning\|^E[0-9]\|^strides\|^dtypes\|Autotune Choices" \
+                       "$OUT/step_kernels_autotune.log" | tail -40 ;;
     kernels) timeout 300 python3 benchmarks/step_kernels.py --json "$OUT/step_kernels.json" 2>&1 | tee "$OUT/step_kernels.log"
              timeout 200 python3 benchmarks/step_kernels.py --eager --json "$OUT/step_kernels_eager.json" 2>&1 \
                 | tee "$OUT/step_kernels_eager.log" ;;

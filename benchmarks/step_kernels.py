@@ -11,6 +11,7 @@ Triton's launchers), sorted the same way.
 
     PYTHONPATH=. python benchmarks/step_kernels.py                            # SDPA vs own kernel, compiled
     PYTHONPATH=. python benchmarks/step_kernels.py --eager --json kernels.json
+    PYTHONPATH=. python benchmarks/step_kernels.py --compile-mode max-autotune-no-cudagraphs
     PYTHONPATH=. python benchmarks/step_kernels.py --host                     # where the host time goes
     PYTHONPATH=. python benchmarks/step_kernels.py --host --python            # and which Python functions spend it
 
@@ -54,7 +55,7 @@ def profile_arm(arm: str, compiled: bool, args) -> dict:
     if arm == "own_kernel":  # step 0 is its only monitored step: the profiled steps are unmonitored
         monitor = Monitor(MonitorConfig(mode="own_kernel", interval=10**9))
         monitor.attach(model)
-    run = torch.compile(model) if compiled else model
+    run = torch.compile(model, mode=args.compile_mode) if compiled else model
     x = torch.randint(0, 256, (args.batch, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     step = make_step(run, model, opt, x, x.roll(-1, 1), monitor)
 
@@ -82,7 +83,8 @@ def profile_arm(arm: str, compiled: bool, args) -> dict:
             if spent > 0:  # device rows have no CPU self time; CPU rows have device time only through kernels
                 per_kernel[short_name(e.key)] += spent / 1000 / args.steps  # us -> ms per step
                 calls[short_name(e.key)] += e.count
-        result = {"arm": arm + ("@compiled" if compiled else ""), "step_ms": start.elapsed_time(end) / args.steps,
+        label = "@compiled" + (f"-{args.compile_mode}" if args.compile_mode else "") if compiled else ""
+        result = {"arm": arm + label, "step_ms": start.elapsed_time(end) / args.steps,
                   "issue_ms": 1e3 * issue / args.steps, "device_ms": sum(per_kernel.values()),
                   "kernels": dict(per_kernel), "calls_per_step": {k: v / args.steps for k, v in calls.items()},
                   "host": bool(args.host)}
@@ -148,6 +150,9 @@ def main(argv=None) -> int:
                    help="the host's side: CPU self time per operator and runtime call, not device time per kernel")
     p.add_argument("--python", action="store_true",
                    help="with --host: also the Python functions' self time per step (cProfile), arm against arm")
+    p.add_argument("--compile-mode", default=None, choices=("max-autotune-no-cudagraphs", "max-autotune"),
+                   help="torch.compile's mode for the compiled arms (default: its default mode); the first "
+                        "compilation of an autotuning mode takes minutes")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=8)
@@ -158,6 +163,8 @@ def main(argv=None) -> int:
     for name in ("batch", "seq", "warmup", "steps", "top"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.eager and args.compile_mode:
+        p.error("--compile-mode is for the compiled arms; drop it with --eager")
     if args.python and not args.host:
         p.error("--python needs --host (it reads the host's side)")
     if not torch.cuda.is_available():
