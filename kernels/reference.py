@@ -32,7 +32,7 @@ import torch
 
 from . import faults
 from .checks import check_options, check_qkv, fixed_offset
-from .stats import AttentionStats, CallMaxLogit
+from .stats import AttentionStats, CallMaxLogit, fold_max_logit
 
 __all__ = ["flash_attention", "attention_statistics", "forward", "backward", "scores", "row_top2",
            "inject_rounding_bias", "unit_p_gap", "format_tie_flags"]
@@ -235,7 +235,7 @@ class _ReferenceAttention(torch.autograd.Function):
     @_no_autocast
     def backward(ctx, grad_out):
         if ctx.stats is not None:
-            ctx.call.fold_into(ctx.stats)
+            fold_max_logit(ctx.stats, ctx.call.max_logit)
         q, k, v, out, lse, residual = ctx.saved_tensors
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, residual, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats)
         return dq, dk, dv, None, None, None, None, None, None, None

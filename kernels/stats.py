@@ -237,13 +237,9 @@ class CallMaxLogit:
     """One call's own max logit per head, (H,) float32 from -inf, for a forward to write into
     (the forward kernels and the reference write only ``.max_logit``).
 
-    The call's backward folds it into the layer's ``AttentionStats`` (``fold_into``), so a
+    The call's backward folds it into the layer's ``AttentionStats`` (``fold_max_logit``), so a
     forward whose backward never runs (an evaluation with gradients on, a forward that raised)
     adds nothing to the monitored step, as it adds no rows."""
 
     def __init__(self, num_heads: int, device: torch.device):
         self.max_logit = torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device)
-
-    def fold_into(self, stats: AttentionStats) -> None:
-        """Fold this call's max logit into ``stats`` (``fold_max_logit``); called by the call's backward."""
-        fold_max_logit(stats, self.max_logit)

@@ -27,7 +27,7 @@ from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
 from .launch import launch
 from .reference import unit_p_gap
 from .rows import RowOutputs, row_args, row_flags
-from .stats import AttentionStats, CallMaxLogit
+from .stats import AttentionStats, CallMaxLogit, fold_max_logit
 from .triton_kernels import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_fwd_kernel, _attn_stats_kernel
 
 # Set to False only to demonstrate the interpreter bugs (tests do, to prove the workaround matters).
@@ -283,7 +283,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         if ctx.stats is not None:
-            ctx.call.fold_into(ctx.stats)
+            fold_max_logit(ctx.stats, ctx.call.max_logit)
         q, k, v, o, lse, r, rowmax = ctx.saved_tensors
         dq, dk, dv = _backward(do, q, k, v, o, lse, r, rowmax, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats)
         return dq, dk, dv, None, None, None, None, None, None, None
