@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|plainsweep|
-#                                   autotune|autotunekernels|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
+#                                   autotune|autotunekernels|monitoredkernels|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -83,6 +83,14 @@ for step in $steps; do
                        --json "$OUT/step_kernels_autotune.json" > "$OUT/step_kernels_autotune.log" 2>&1
                      grep -v "AUTOTUNE\|triton_mm\|^  \|Warning\|^E[0-9]\|^strides\|^dtypes\|Autotune Choices" \
                        "$OUT/step_kernels_autotune.log" | tail -40 ;;
+    # monitoredkernels: what a compiled monitored step adds, kernel by kernel (observe against SDPA, then the
+    # own kernel monitored against unmonitored; default compile mode)
+    monitoredkernels) timeout 280 python3 benchmarks/step_kernels.py --arms sdpa,observe_monitored \
+                        --json "$OUT/step_kernels_observe_monitored.json" 2>&1 | grep -v Warning \
+                        | tee "$OUT/step_kernels_observe_monitored.log" | head -30
+                      timeout 280 python3 benchmarks/step_kernels.py --arms own_kernel,own_kernel_monitored \
+                        --json "$OUT/step_kernels_own_kernel_monitored.json" 2>&1 | grep -v Warning \
+                        | tee "$OUT/step_kernels_own_kernel_monitored.log" | head -30 ;;
     kernels) timeout 300 python3 benchmarks/step_kernels.py --json "$OUT/step_kernels.json" 2>&1 | tee "$OUT/step_kernels.log"
              timeout 200 python3 benchmarks/step_kernels.py --eager --json "$OUT/step_kernels_eager.json" 2>&1 \
                 | tee "$OUT/step_kernels_eager.log" ;;

@@ -12,11 +12,15 @@ Triton's launchers), sorted the same way.
     PYTHONPATH=. python benchmarks/step_kernels.py                            # SDPA vs own kernel, compiled
     PYTHONPATH=. python benchmarks/step_kernels.py --eager --json kernels.json
     PYTHONPATH=. python benchmarks/step_kernels.py --compile-mode max-autotune-no-cudagraphs
+    PYTHONPATH=. python benchmarks/step_kernels.py --arms sdpa,observe_monitored   # what a monitored step adds
     PYTHONPATH=. python benchmarks/step_kernels.py --host                     # where the host time goes
     PYTHONPATH=. python benchmarks/step_kernels.py --host --python            # and which Python functions spend it
 
-Arms: ``sdpa`` (the model as it is, torch SDPA) and ``own_kernel`` (flashwatch's kernel through a
-Monitor in own-kernel mode whose only monitored step is the first warm-up step). A kernel's name is
+Arms (``--arms A,B``, default ``sdpa,own_kernel``): ``sdpa`` (the model as it is, torch SDPA),
+``own_kernel`` (flashwatch's kernel through a Monitor in own-kernel mode whose only monitored step is
+the first warm-up step), and ``observe_monitored`` / ``own_kernel_monitored`` (a Monitor at
+``interval=1``: every profiled step is a monitored one, so against ``sdpa`` / ``own_kernel`` they show
+what a monitored step adds, kernel by kernel; its step time includes the step-end read). A kernel's name is
 shortened to what identifies it: Triton kernels keep their name without the launch suffixes,
 CUDA library kernels their name up to the first template bracket.
 """
@@ -46,14 +50,20 @@ def short_name(name: str) -> str:
     return re.sub(r"_\d+(_\d+)*$", "", name) or name
 
 
+# arm -> the Monitor it attaches: (mode, interval), or None for the model as it is
+ARMS = {"sdpa": None, "own_kernel": ("own_kernel", 10**9), "observe_monitored": ("observe", 1),
+        "own_kernel_monitored": ("own_kernel", 1)}
+
+
 def profile_arm(arm: str, compiled: bool, args) -> dict:
-    """Device time per kernel name per step (ms) and the steps' mean wall time, unmonitored steps."""
+    """Device time per kernel name per step (ms) and the steps' mean wall time."""
     torch.manual_seed(0)
     model = gpt2_small(args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     monitor = None
-    if arm == "own_kernel":  # step 0 is its only monitored step: the profiled steps are unmonitored
-        monitor = Monitor(MonitorConfig(mode="own_kernel", interval=10**9))
+    if ARMS[arm] is not None:  # interval 10**9: step 0 is the only monitored step, the profiled ones are not
+        mode, interval = ARMS[arm]
+        monitor = Monitor(MonitorConfig(mode=mode, interval=interval))
         monitor.attach(model)
     run = torch.compile(model, mode=args.compile_mode) if compiled else model
     x = torch.randint(0, 256, (args.batch, args.seq), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
@@ -153,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile-mode", default=None, choices=("max-autotune-no-cudagraphs", "max-autotune"),
                    help="torch.compile's mode for the compiled arms (default: its default mode); the first "
                         "compilation of an autotuning mode takes minutes")
+    p.add_argument("--arms", default="sdpa,own_kernel",
+                   help=f"two arms, the baseline first, comma-separated, from {', '.join(ARMS)}")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=8)
@@ -167,10 +179,13 @@ def main(argv=None) -> int:
         p.error("--compile-mode is for the compiled arms; drop it with --eager")
     if args.python and not args.host:
         p.error("--python needs --host (it reads the host's side)")
+    arms = args.arms.split(",")
+    if len(arms) != 2 or any(a not in ARMS for a in arms):
+        p.error(f"--arms takes two of {', '.join(ARMS)} separated by a comma, got {args.arms!r}")
     if not torch.cuda.is_available():
         print("step_kernels.py needs CUDA (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    a, b = (profile_arm(arm, not args.eager, args) for arm in ("sdpa", "own_kernel"))
+    a, b = (profile_arm(arm, not args.eager, args) for arm in arms)
     print(f"GPT-2 small, batch {args.batch} x {args.seq}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(table(a, b, args.top))
     if args.python:

@@ -376,3 +376,12 @@ def test_step_kernels_python_profile_counts_self_time_and_calls_per_step(monkeyp
     name = next(n for n in result["kernels"] if n.endswith("(leaf)"))
     assert result["calls_per_step"][name] == 3
     assert 0 < result["kernels"][name] <= result["issue_ms"]
+
+
+@pytest.mark.parametrize("arms", ["sdpa", "sdpa,observe,own_kernel", "sdpa,observed"])
+def test_step_kernels_refuses_arms_it_does_not_know_and_lists_the_ones_it_does(arms):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_kernels.py"), "--arms", arms],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--arms takes two of sdpa, own_kernel, observe_monitored, own_kernel_monitored" in proc.stderr
+    assert repr(arms) in proc.stderr
