@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|plainsweep|
-#                                   autotune|autotunekernels|monitoredkernels|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
+#                                   autotune|autotunekernels|monitoredkernels|statsab|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -103,6 +103,9 @@ for step in $steps; do
     bench) timeout 480 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
     ab) befores=$(for b in kernels/_ab_before kernels/_ab_before.py kernels/_ab_before_*; do [ -e "$b" ] && echo "--before $b"; done)
         timeout 400 python3 benchmarks/kernel_ab.py $befores --json "$OUT/kernel_ab.json" 2>&1 | tee "$OUT/kernel_ab.log" ;;
+    # statsab: the observe-mode statistics pass (without and with the chain's rows) against kernels/_ab_before
+    statsab) timeout 300 python3 benchmarks/stats_ab.py --before kernels/_ab_before --json "$OUT/stats_ab.json" 2>&1 \
+               | grep -v Warning | tee "$OUT/stats_ab.log" ;;
     # the opt-in Hopper variants against the default kernels and cuDNN (what would make one a default)
     hopperab) timeout 500 python3 benchmarks/kernel_ab.py --variant plain --cudnn --hopper fwd,dkdv --hopper fwd,tma \
                 --hopper dkdv,tma --hopper fwd,dkdv,tma --json "$OUT/hopper_ab.json" 2>&1 | tee "$OUT/hopper_ab.log" ;;

@@ -102,16 +102,22 @@ def _cast(x, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
 
 
 @triton.jit
+def _top2_combine(a1, a2, b1, b2):
+    """The top two of the union of two multisets, each given by its top two (a1 >= a2, b1 >= b2):
+    a value present in both tops is both first and second."""
+    return tl.maximum(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
+
+
+@triton.jit
 def _top2_update(qk, m1, m2):
     """Merge a tile's scores (BLOCK_M, BLOCK_N) into the running top two of each row,
-    counted with multiplicity: a value present twice is both first and second."""
-    t1 = tl.max(qk, 1)
-    is_top = qk == t1[:, None]
-    n_top = tl.sum(is_top.to(tl.int32), 1)
-    t2 = tl.max(tl.where(is_top, float("-inf"), qk), 1)
-    t2 = tl.where(n_top >= 2, t1, t2)
-    new_m2 = tl.maximum(tl.minimum(m1, t1), tl.maximum(m2, t2))
-    return tl.maximum(m1, t1), new_m2
+    counted with multiplicity: a value present twice is both first and second. Neighbouring
+    columns (held by one thread) pair up as (max, min), then one tree reduction of those pairs
+    (``_top2_combine``): about three max/min a score, and no per-score compare, count or select
+    (instruction counts: docs/KERNEL_TUNING.md)."""
+    a, b = tl.split(tl.reshape(qk, [qk.shape[0], qk.shape[1] // 2, 2]))
+    t1, t2 = tl.reduce((tl.maximum(a, b), tl.minimum(a, b)), 1, _top2_combine)
+    return _top2_combine(m1, m2, t1, t2)
 
 
 @triton.jit
@@ -716,8 +722,8 @@ def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, 
         k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, BLOCK_N, MASKED, CAUSAL, IEEE,
                              UPCAST)
         new_m1, new_m2 = _top2_update(qk, m1, m2)
-        safe = tl.where(new_m1 == float("-inf"), 0.0, new_m1)
-        p = tl.math.exp2((qk - safe[:, None]) * qk_scale)
+        safe = tl.where(new_m1 == float("-inf"), 0.0, new_m1)  # a row that saw only masked scores: no inf - inf
+        p = tl.math.exp2(tl.fma(qk, qk_scale, -(safe * qk_scale)[:, None]))  # one FMA a score
         alpha = tl.math.exp2((tl.where(m1 == float("-inf"), safe, m1) - safe) * qk_scale)
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         l_i = l_i * alpha + tl.sum(p, 1)

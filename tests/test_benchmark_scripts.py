@@ -24,8 +24,9 @@ def test_gpu_only_benchmark_scripts_exit_2_and_say_they_need_cuda(script):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-def test_kernel_ab_exits_2_without_cuda():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--before", "kernels"],
+@pytest.mark.parametrize("script", ["kernel_ab.py", "stats_ab.py"])
+def test_kernel_ab_exits_2_without_cuda(script):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--before", "kernels"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "needs CUDA" in proc.stderr
