@@ -53,7 +53,7 @@ for a key block and its kv head), ``_head`` (a head's base
 pointer), ``_load_rows`` / ``_store_rows`` / ``_load_row_values`` (masked tiles and row values),
 ``_mask_scores``, one step of a query block's key loop ``_key_tile`` (k, v and the masked scores),
 the key ranges ``_unmasked_keys_end`` / ``_keys_end``, and the per-head sums
-``_add_tie_counts`` / ``_add_delta_errors``.
+``_add_row_statistics``.
 
 Cautions:
 - The Triton interpreter (TRITON_INTERPRET=1, CPU; triton 3.6) multiplies bf16 dot operands as
@@ -288,23 +288,27 @@ def _keys_end(start_m, N, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f):
-    """Add a block of rows' repeated-max flags ((BLOCK_M,) bool, False on rows >= N; tied: on
-    FP32 scores, tied_b: on BF16-rounded scores, tied_f: P_bar rounds to 1 at two or more keys
-    in the statistics' format) into the per-head counts of query head h."""
-    tl.atomic_add(ST_REP + h, tl.sum(tied.to(tl.int64), 0))
-    tl.atomic_add(ST_REP_B + h, tl.sum(tied_b.to(tl.int64), 0))
-    tl.atomic_add(ST_REP_F + h, tl.sum(tied_f.to(tl.int64), 0))
+def _sum7(a0, a1, a2, a3, a4, a5, a6, b0, b1, b2, b3, b4, b5, b6):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6
 
 
 @triton.jit
-def _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err):
-    """Add a block of rows' delta errors err ((BLOCK_M,) FP32, 0 on rows >= N) into the per-head
-    sums of query head h: signed, absolute, squared, and over repeated-max rows (tied)."""
-    tl.atomic_add(ST_E + h, tl.sum(err, 0))
-    tl.atomic_add(ST_EABS + h, tl.sum(tl.abs(err), 0))
-    tl.atomic_add(ST_ESQ + h, tl.sum(err * err, 0))
-    tl.atomic_add(ST_ETIED + h, tl.sum(tl.where(tied, err, 0.0), 0))
+def _add_row_statistics(ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, tied_b, tied_f, err):
+    """Add a block of rows' statistics into the per-head sums of query head h: the repeated-max
+    flags ((BLOCK_M,) bool, False on rows >= N; tied: on FP32 scores, tied_b: on BF16-rounded
+    scores, tied_f: P_bar rounds to 1 at two or more keys in the statistics' format) into the
+    counts, the delta errors err ((BLOCK_M,) FP32, 0 on rows >= N) into the signed, absolute,
+    squared and repeated-max-row sums. One reduction of the seven columns (one exchange between
+    the program's warps, not seven), then one atomic add each."""
+    n, nb, nf, e, ea, esq, et = tl.reduce((tied.to(tl.int32), tied_b.to(tl.int32), tied_f.to(tl.int32), err,
+                                           tl.abs(err), err * err, tl.where(tied, err, 0.0)), 0, _sum7)
+    tl.atomic_add(ST_REP + h, n.to(tl.int64))
+    tl.atomic_add(ST_REP_B + h, nb.to(tl.int64))
+    tl.atomic_add(ST_REP_F + h, nf.to(tl.int64))
+    tl.atomic_add(ST_E + h, e)
+    tl.atomic_add(ST_EABS + h, ea)
+    tl.atomic_add(ST_ESQ + h, esq)
+    tl.atomic_add(ST_ETIED + h, et)
 
 
 @triton.jit
@@ -698,8 +702,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         tied_b = (tl.max(nb16, 1) >= 2.0) & row_ok
         tied_f = (tl.max(nfmt, 1) >= 2.0) & row_ok
         err = tl.where(row_ok, delta - dhp, 0.0)
-        _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f)
-        _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
+        _add_row_statistics(ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, tied_b, tied_f, err)
         if ROWS:
             if REDUCE:  # pk is 0 on rows >= N: their q, dO (so P's dP) and err are 0
                 _reduce_rows(tl.where(row_ok[:, None], pk, 0.0), err, row_ok, offs_m, offs_d, b, h, row_base,
@@ -783,9 +786,8 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
     if not ROWS:
         delta_used = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     err = tl.where(row_ok, delta_used - d_i / l_i, 0.0)
-    _add_tie_counts(ST_REP, ST_REP_B, ST_REP_F, h, tied, tied_b, tied_f)
+    _add_row_statistics(ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, tied_b, tied_f, err)
     tl.atomic_max(ST_MAXL + h, tl.max(tl.where(row_ok, s1, float("-inf")), 0))
-    _add_delta_errors(ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, err)
     if ROWS:
         row_base = bh.to(tl.int64) * N
         if REDUCE:
