@@ -331,17 +331,14 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
     pu = tl.sum(pk * u[None, :], 1)  # (BLOCK_M,)
     tl.store(UGV + part, tl.sum(c * pu * xv, 0))
-    # the (D, SKETCH_R) product in column blocks of 16 and in TF32 rather than FP32 FMAs: the
-    # whole product at once in FP32 spilled in both kernels (255 registers and a stack); this way
-    # neither spills at D 64 (register counts: docs/KERNEL_TUNING.md)
-    offs_r = tl.arange(0, 16)
-    pkt = tl.trans(pk)
-    xo_rows = XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R
-    sk_rows = SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R
-    for r0 in range(0, SKETCH_R, 16):
-        xo = tl.load(xo_rows + r0 + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-        sk = tl.dot(pkt, c[:, None] * xo, input_precision="tf32")  # (D, 16)
-        tl.store(sk_rows + r0 + offs_r[None, :], sk)
+    # the (D, SKETCH_R) product at once, on tensor cores in TF32 (neither kernel spills at D 64: 127 and 244
+    # registers; in column blocks of 16 the transposed P K was read back from shared memory once a block:
+    # docs/KERNEL_TUNING.md)
+    offs_r = tl.arange(0, SKETCH_R)
+    xo = tl.load(XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R + offs_r[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    sk = tl.dot(tl.trans(pk), c[:, None] * xo, input_precision="tf32")  # (D, SKETCH_R)
+    tl.store(SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R + offs_r[None, :], sk)
 
 
 @triton.jit
