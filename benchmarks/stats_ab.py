@@ -22,9 +22,6 @@ import sys
 
 import torch
 
-GPT2_SMALL_CALL = (16, 12, 1024, 64)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="an earlier version: a copy of its kernels/ folder")
@@ -45,14 +42,13 @@ def main(argv=None) -> int:
     from flashwatch.kernels import AttentionStats
     from flashwatch.kernels import triton_attn as after
     from kernel_ab import load_before
+    from stats_sweep import shapes, statistics_inputs
 
     versions = {"before": load_before(args.before), "after": after}
-    shapes = [bench.parse_shape(s) for s in args.shape] if args.shape else [GPT2_SMALL_CALL, *bench.DEFAULT_SHAPES]
     rows = []
-    for shape in shapes:
+    for shape in shapes(args.shape):
         B, H, N, D = shape
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q, k, v, out, dout = (torch.randn(B, H, N, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(5))
+        q, k, v, out, dout = statistics_inputs(shape)
         hook = bench.ReducingHook(q, SKETCH_DIM)
         fns = {}
         for name, module in versions.items():

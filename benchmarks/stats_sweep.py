@@ -24,6 +24,20 @@ import torch
 GPT2_SMALL_CALL = (16, 12, 1024, 64)
 
 
+def shapes(given: list[str] | None) -> list[tuple[int, int, int, int]]:
+    """The shapes given as B,H,N,D strings, else GPT-2 small's call, then the bench's four."""
+    from flashwatch import bench
+
+    return [bench.parse_shape(s) for s in given] if given else [GPT2_SMALL_CALL, *bench.DEFAULT_SHAPES]
+
+
+def statistics_inputs(shape) -> tuple[torch.Tensor, ...]:
+    """q, k, v, out, dout (B, H, N, D) BF16 on CUDA, random from a fixed seed: a statistics call's inputs."""
+    B, H, N, D = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return tuple(torch.randn(B, H, N, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(5))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", metavar="B,H,N,D",
@@ -39,12 +53,10 @@ def main(argv=None) -> int:
     from flashwatch.chain import SKETCH_DIM
     from flashwatch.kernels import AttentionStats, attention_statistics, tuning
 
-    shapes = [bench.parse_shape(s) for s in args.shape] if args.shape else [GPT2_SMALL_CALL, *bench.DEFAULT_SHAPES]
     rows = []
-    for shape in shapes:
+    for shape in shapes(args.shape):
         B, H, N, D = shape
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q, k, v, out, dout = (torch.randn(B, H, N, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(5))
+        q, k, v, out, dout = statistics_inputs(shape)
         stats = AttentionStats(H, "cuda")
         hook = bench.ReducingHook(q, SKETCH_DIM)
 
