@@ -88,8 +88,22 @@ class LossScale:
     """
 
     def __init__(self, warn_once: Callable[[Any, str], None]) -> None:
-        self._remembered: tuple[int, int, torch.Tensor | float] | None = None  # (step, id(scaler), its S)
+        # (step, id(scaler) or None for a scale loaded from a checkpoint, its S)
+        self._remembered: tuple[int, int | None, torch.Tensor | float] | None = None
         self._warn_once = warn_once
+
+    def state_dict(self) -> dict | None:
+        """The remembered scale as plain data ({"step", "scale"}), or None: a checkpoint saved between
+        the ``step()`` that remembers it and the monitored step keeps it (one host read of a 0-d tensor)."""
+        if self._remembered is None:
+            return None
+        step, _, scale = self._remembered
+        return {"step": step, "scale": float(scale)}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Continue from ``state_dict()``: the resumed run's scaler (another object) takes the remembered
+        scale at its step."""
+        self._remembered = None if state is None else (int(state["step"]), None, float(state["scale"]))
 
     def remember(self, scaler: Any, step: int) -> None:
         """At the ``step()`` call before monitored step ``step`` (after ``scaler.update()``): the S
@@ -112,7 +126,7 @@ class LossScale:
             self._warn_once("grad_scaler_order", WRONG_ORDER)
             return torch.full_like(now, math.nan)
         counted = scaler._growth_tracker.detach() > 0  # the update counted a clean step (0: it grew S or backed off)
-        if remembered is not None and remembered[:2] == (step, id(scaler)):
+        if remembered is not None and remembered[0] == step and remembered[1] in (None, id(scaler)):
             used = remembered[2]
             used = used.to(now.device) if isinstance(used, torch.Tensor) else torch.full_like(now, used)
             known = (now > used) | ((now == used) & counted)  # below, or back at a floor after a back-off: skipped

@@ -848,6 +848,7 @@ class Monitor:
             **self._decisions.state_dict(),
             "errors": self.errors,
             "last": self._last,
+            "loss_scale": self._loss_scale.state_dict(),
             "due_alerts": [a.to_dict() for a in self._due_alerts],
             "stops_due": [a.to_dict() for a in self._stops_due],
         }
@@ -882,6 +883,7 @@ class Monitor:
         self._signals.load_state_dict([s["signals"] if "signals" in s else {"drift": s["drift"], "sigma": s["sigma"]}
                                        for s in state["layers"]])
         self._wq.load([s["power"] for s in state["layers"]])
+        self._loss_scale.load_state_dict(state.get("loss_scale"))
         self._decisions.load_state_dict(state)
         self.global_step = int(state["global_step"])
         self.monitored_steps = int(state["monitored_steps"])

@@ -8,6 +8,7 @@ one: every signal of the two must agree. The runs are on the CPU in FP32 with BF
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 
@@ -288,3 +289,63 @@ def test_a_scaler_that_skips_every_step_is_logged(caplog):
 
 def test_every_sum_says_how_a_loss_scale_enters_it():
     assert set(GRADIENT_POWER) == set(SUM_FIELDS)
+
+
+def test_a_checkpoint_between_remembering_and_the_monitored_step_keeps_the_scale():
+    """The scale the next monitored step's backward uses is remembered at the step() before it; a run
+    saved there and resumed (a new Monitor, a new scaler loaded from the old one's state) reads that
+    step in true units, as the run that went on does. With growth_interval=1 every clean update grows
+    the scale and resets the growth tracker, so without the remembered scale the step would read as
+    not measured."""
+    def train(steps, model, opt, scaler, monitor, g):
+        for _ in range(steps):
+            x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, x)[1]
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            monitor.step(loss=loss.detach(), grad_scaler=scaler)
+        return monitor.snapshot()["flashwatch_delta_error"]
+
+    def start():
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8,
+                                                                                        growth_interval=1)
+
+    model, opt, scaler = start()
+    monitor = Monitor(MonitorConfig(interval=3, warmup=1))
+    monitor.attach(model)
+    g = torch.Generator().manual_seed(1)
+    train(3, model, opt, scaler, monitor, g)  # steps 0-2; the third step() remembers the scale for step 3, monitored
+    saved = copy.deepcopy((monitor.state_dict(), scaler.state_dict(), model.state_dict(), opt.state_dict(),
+                           g.get_state()))  # copies: the run that goes on updates its tensors in place
+    assert saved[0]["loss_scale"] == {"step": 3, "scale": 2.0 ** 11}  # grown at each of the three updates
+    went_on = train(1, model, opt, scaler, monitor, g)
+    monitor.detach()
+
+    model, opt, scaler = start()
+    model.load_state_dict(saved[2])
+    opt.load_state_dict(saved[3])
+    scaler.load_state_dict(saved[1])
+    g.set_state(saved[4])
+    resumed = Monitor(MonitorConfig(interval=3, warmup=1))
+    resumed.load_state_dict(saved[0])
+    resumed.attach(model)
+    got = train(1, model, opt, scaler, resumed, g)
+    resumed.detach()
+    assert all(math.isfinite(v) for v in went_on.values())
+    assert got == pytest.approx(went_on, rel=1e-6)
+
+    fresh = Monitor(MonitorConfig(interval=3, warmup=1))  # the same resume without the saved scale: not measured
+    fresh.load_state_dict({**saved[0], "loss_scale": None})
+    model, opt, scaler = start()
+    model.load_state_dict(saved[2])
+    opt.load_state_dict(saved[3])
+    scaler.load_state_dict(saved[1])
+    g.set_state(saved[4])
+    fresh.attach(model)
+    assert all(math.isnan(v) for v in train(1, model, opt, scaler, fresh, g).values())
+    fresh.detach()
