@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|plainsweep|
-#                                   autotune|autotunekernels|monitoredkernels|statsab|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
+#                                   autotune|autotunekernels|monitoredkernels|statsab|kernelcheck|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -120,6 +120,14 @@ for step in $steps; do
                  | tee "$OUT/monitor_overhead.log" | grep -v Warning
                timeout 240 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
                  --json "$OUT/monitor_overhead_compiled.json" 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
+    # kernelcheck: after a change to the statistics kernels, in one call of about 9 minutes: their GPU tests (kernels,
+    # the chain's in-kernel reduction), the statistics pass against kernels/_ab_before (statsab), then the Monitor's
+    # cost compiled (default mode)
+    kernelcheck) gpu_tests gpu_kernel_tests 220 tests/test_triton_gpu.py tests/test_chain_kernel_reduction.py
+                 timeout 150 python3 benchmarks/stats_ab.py --before kernels/_ab_before --json "$OUT/stats_ab.json" 2>&1 \
+                   | grep -v Warning | tee "$OUT/stats_ab.log" | tail -24
+                 timeout 200 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
+                   --json "$OUT/monitor_overhead_compiled.json" 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
     # does monitoring change training? the same steps under SDPA, observe and own-kernel mode, eager and compiled
     equivtest) gpu_tests gpu_equivalence 150 tests/test_compile_gpu.py -k leaves_every_gradient ;;  # the GPU test alone (~1 min)
     equivalence) gpu_tests gpu_equivalence 150 tests/test_compile_gpu.py -k leaves_every_gradient
