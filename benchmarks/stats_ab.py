@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="an earlier version: a copy of its kernels/ folder")

@@ -326,26 +326,22 @@ def test_a_checkpoint_between_remembering_and_the_monitored_step_keeps_the_scale
     went_on = train(1, model, opt, scaler, monitor, g)
     monitor.detach()
 
-    model, opt, scaler = start()
-    model.load_state_dict(saved[2])
-    opt.load_state_dict(saved[3])
-    scaler.load_state_dict(saved[1])
-    g.set_state(saved[4])
-    resumed = Monitor(MonitorConfig(interval=3, warmup=1))
-    resumed.load_state_dict(saved[0])
-    resumed.attach(model)
-    got = train(1, model, opt, scaler, resumed, g)
-    resumed.detach()
-    assert all(math.isfinite(v) for v in went_on.values())
-    assert got == pytest.approx(went_on, rel=1e-6)
+    def resume(monitor_state):
+        """The monitored step 3 of a run resumed from ``saved``, its Monitor from ``monitor_state``."""
+        model, opt, scaler = start()
+        model.load_state_dict(saved[2])
+        opt.load_state_dict(saved[3])
+        scaler.load_state_dict(saved[1])
+        g.set_state(saved[4])
+        monitor = Monitor(MonitorConfig(interval=3, warmup=1))
+        monitor.load_state_dict(monitor_state)
+        monitor.attach(model)
+        try:
+            return train(1, model, opt, scaler, monitor, g)
+        finally:
+            monitor.detach()
 
-    fresh = Monitor(MonitorConfig(interval=3, warmup=1))  # the same resume without the saved scale: not measured
-    fresh.load_state_dict({**saved[0], "loss_scale": None})
-    model, opt, scaler = start()
-    model.load_state_dict(saved[2])
-    opt.load_state_dict(saved[3])
-    scaler.load_state_dict(saved[1])
-    g.set_state(saved[4])
-    fresh.attach(model)
-    assert all(math.isnan(v) for v in train(1, model, opt, scaler, fresh, g).values())
-    fresh.detach()
+    assert all(math.isfinite(v) for v in went_on.values())
+    assert resume(saved[0]) == pytest.approx(went_on, rel=1e-6)
+    # the same resume without the saved scale: not measured
+    assert all(math.isnan(v) for v in resume({**saved[0], "loss_scale": None}).values())
