@@ -65,7 +65,7 @@ class AttentionLayer:
             step (counted by the router, also inside compiled graphs; reset by the Monitor).
         low_precision: whether the last measured call's output was BF16/FP16 (None before any).
         chain: the layer's W^Q-error accumulators (``flashwatch.chain.LayerChain``), None where
-            that chain is not defined (explicitly named modules, tensor-parallel weights).
+            that chain is not defined (explicitly named modules, layouts whose W^Q cannot be read).
         chain_input: the module's input at the current monitored call (the projection input X).
         chain_rotation: that call's rotary position embeddings (cos, sin) where the family's
             queries are rotated (None otherwise, or where the call names none).

@@ -47,12 +47,14 @@ attention sees is the projection's output, or that output turned by rotary posit
 (RoPE, ``flashwatch.families``) whose rotation the call names: each row's error is turned back
 (``unrotate``) before it is mapped onto W^Q, on the PyTorch path (the kernels store such rows
 instead of reducing them). Under FSDP the pair comes from the power iteration on the shards
-(``pair_from_products``) and the true gradient's push from the query's gradient; not defined under
-tensor parallelism or a layout the shards cannot be read in: those layers read NaN.
+(``pair_from_products``) and the true gradient's push from the query's gradient; under tensor
+parallelism each rank computes its own heads (their rows, pairs and window state; the true
+gradient's push from the query's gradient), filed under their global indices; not defined for a
+layout the shards cannot be read in: those layers read NaN.
 
 ``LayerChain`` holds one layer's accumulators; ``Chains`` is the Monitor's view of all its
-layers' chains: made at attach, averaged over data-parallel ranks, read, and given the next
-singular pairs at every monitored step.
+layers' chains: made at attach, averaged over the ranks that hold each head, read, and given the
+next singular pairs at every monitored step.
 """
 
 from __future__ import annotations
@@ -258,8 +260,16 @@ class LayerChain:
     next step (removing the weight hook). No host sync.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, width: int, device: torch.device):
+    def __init__(self, num_heads: int, head_dim: int, width: int, device: torch.device, *,
+                 head_offset: int = 0, total_heads: int | None = None):
         self.num_heads, self.head_dim, self.width = num_heads, head_dim, width
+        # under tensor parallelism this rank's heads are [head_offset, head_offset + num_heads) of
+        # total_heads: the ranks' accumulators are combined in those global columns (``flat``)
+        self.head_offset = head_offset
+        self.total_heads = num_heads if total_heads is None else total_heads
+        if head_offset < 0 or head_offset + num_heads > self.total_heads:
+            raise ValueError(f"heads {head_offset}..{head_offset + num_heads - 1} do not fit a layer of "
+                             f"{self.total_heads} heads")
         self.device = torch.device(device)
         self.omega = _omega(width, self.device)
         h, d, r = num_heads, head_dim, SKETCH_DIM
@@ -421,20 +431,39 @@ class LayerChain:
 
     @property
     def flat_size(self) -> int:
-        return 2 * self.num_heads + self.sketch.numel() + 2
+        return self.total_heads * self._per_head + 2
+
+    @property
+    def _per_head(self) -> int:
+        """Values per head in ``flat()``: -ugv, push_true, the sketch (D x r)."""
+        return 2 + self.head_dim * SKETCH_DIM
 
     def flat(self) -> torch.Tensor:
-        """This step's accumulators as one float64 vector (for the mean over data-parallel ranks)."""
+        """This step's accumulators as one float64 vector for combining over ranks: a (total heads,
+        2 + D r) block, each head's row [-ugv, push_true, sketch], this rank's heads in their global
+        rows and zeros elsewhere (tensor parallelism), then this step's call counts (2)."""
         calls = torch.stack([torch.full((), float(n), dtype=torch.float64, device=self.device)
                              for n in (self.rows_calls, self.grad_calls)])
-        return torch.cat([-self.ugv.double(), self.push_true, self.sketch.flatten().double(), calls])
+        rows = torch.cat([-self.ugv.double()[:, None], self.push_true[:, None],
+                          self.sketch.flatten(1).double()], dim=1)  # (H, 2 + D r)
+        if self.total_heads != self.num_heads:
+            full = rows.new_zeros(self.total_heads, rows.shape[1])
+            full[self.head_offset: self.head_offset + self.num_heads] = rows
+            rows = full
+        return torch.cat([rows.flatten(), calls])
 
-    def set_flat(self, t: torch.Tensor) -> None:
-        """Take the accumulators back from ``flat()``'s layout (after the ranks' mean)."""
-        h = self.num_heads
-        self.ugv = (-t[:h]).float()
-        self.push_true = t[h: 2 * h].clone()
-        self.sketch = t[2 * h: 2 * h + self.sketch.numel()].view_as(self.sketch).float().clone()
+    def set_flat(self, t: torch.Tensor, owners: torch.Tensor | float = 1.0) -> None:
+        """Take the accumulators back from ``flat()``'s layout summed over ranks: each head's row
+        divided by how many ranks hold that head (``owners``: a number, or (total heads,) on this
+        device), so the mean over the ranks that computed it."""
+        h, off = self.num_heads, self.head_offset
+        rows = t[:-2].view(self.total_heads, self._per_head)
+        if isinstance(owners, torch.Tensor):
+            owners = owners[off: off + h, None]
+        rows = rows[off: off + h] / owners
+        self.ugv = (-rows[:, 0]).float()
+        self.push_true = rows[:, 1].clone()
+        self.sketch = rows[:, 2:].reshape(self.sketch.shape).float()
         self._seen = (t[-2] > 0, t[-1] > 0)  # device scalars: no host sync
 
     @torch.no_grad()
@@ -524,12 +553,16 @@ class LayerChain:
         return {k: getattr(self, k).detach().cpu().clone() for k in ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm")}
 
     def load_state_dict(self, state: dict) -> None:
+        """From ``state_dict()``: this layer's heads, or every head's (a tensor-parallel rank takes its own)."""
         for k in ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm"):
             mine = getattr(self, k)
-            if tuple(state[k].shape) != tuple(mine.shape):
+            saved = state[k]
+            if self.total_heads != self.num_heads and saved.shape[:1] == (self.total_heads,):
+                saved = saved[self.head_offset: self.head_offset + self.num_heads]
+            if tuple(saved.shape) != tuple(mine.shape):
                 raise ValueError(f"saved W^Q-error state {k} has shape {tuple(state[k].shape)}, this layer needs "
                                  f"{tuple(mine.shape)}")
-            setattr(self, k, state[k].to(device=self.device, dtype=mine.dtype).clone())
+            setattr(self, k, saved.to(device=self.device, dtype=mine.dtype).clone())
         self._projected = self._both = None  # made again from the loaded v
 
 
@@ -547,14 +580,17 @@ class Chains:
         self.layers, self.on_error = layers, on_error
 
     @staticmethod
-    def make(family: str, shape: tuple[int, int, int], device: torch.device, placement: str) -> LayerChain | None:
-        """A layer's chain for its query weight of ``shape`` (heads, D, C) on ``device``, or None where
-        it is not defined: a family without one, or a ``placement`` (``AttentionLayer.placement_kind``)
-        other than a whole weight or FSDP's shards (every rank computes every head's full rows, so
-        the ranks' accumulators average as under DDP; tensor parallelism splits the heads)."""
-        if placement not in ("whole", "fsdp") or family not in CHAIN_FAMILIES:
+    def make(family: str, shape: tuple[int, int, int], device: torch.device, placement: str, *,
+             head_offset: int = 0, total_heads: int | None = None) -> LayerChain | None:
+        """A layer's chain for its query weight of ``shape`` (this rank's heads, D, C) on ``device``,
+        or None where it is not defined: a family without one, or a ``placement``
+        (``AttentionLayer.placement_kind``) other than a whole weight, FSDP's shards (every rank
+        computes every head's full rows) or tensor parallelism (a rank computes its heads' rows:
+        ``head_offset`` of ``total_heads``). The ranks' accumulators of a head average over the
+        ranks that hold it, as under DDP."""
+        if placement not in ("whole", "fsdp", "tensor_parallel") or family not in CHAIN_FAMILIES:
             return None
-        return LayerChain(shape[0], shape[1], shape[2], device)
+        return LayerChain(shape[0], shape[1], shape[2], device, head_offset=head_offset, total_heads=total_heads)
 
     @property
     def chains(self) -> list[LayerChain]:
@@ -579,9 +615,11 @@ class Chains:
 
     def average(self, reducer: Any) -> None:
         """Under data parallelism (``reducer``: a ``flashwatch.distributed.Reducer``, else None): the
-        step's accumulators averaged over the ranks (the gradient DDP applies is the ranks' mean), so
-        every rank computes the same alignment, coherence and window state. A second collective on
-        monitored steps; every rank runs it, also when its own accumulators failed (it then sends NaN)."""
+        step's accumulators averaged over the ranks that hold each head (every rank, or under tensor
+        parallelism the head's owners: ``Reducer.owners``; the gradient DDP applies is the ranks'
+        mean), so those ranks compute the same alignment, coherence and window state. A second
+        collective on monitored steps; every rank runs it, also when its own accumulators failed
+        (it then sends NaN)."""
         chains = self.chains
         if reducer is None or not chains:
             return
@@ -591,11 +629,38 @@ class Chains:
         except Exception as exc:
             self.on_error("wq_error_chain", exc)
             flat = torch.full((size,), math.nan, dtype=torch.float64, device=chains[0].device)
-        reducer.average_(flat)
-        offset = 0
-        for c in chains:
-            c.set_flat(flat[offset: offset + c.flat_size])
-            offset += c.flat_size
+        reducer.sum_(flat)
+        owners = reducer.owners_on(flat.device)  # (every layer's heads,), the reducer's column order
+        offset = column = 0
+        for layer in self.layers:
+            c = layer.chain
+            if c is not None:
+                c.set_flat(flat[offset: offset + c.flat_size], owners[column: column + layer.total_heads])
+                offset += c.flat_size
+            column += layer.total_heads
+
+    def state_of(self, layer: Any) -> dict | None:
+        """The layer's chain state as CPU tensors (None without a chain). Under tensor parallelism
+        every head's, gathered over the tensor-parallel group (one all-reduce: call it on every
+        rank of that group, as ``Monitor.state_dict()`` does), so one rank's checkpoint resumes
+        every rank."""
+        c = layer.chain
+        if c is None:
+            return None
+        state = c.state_dict()
+        if c.total_heads == c.num_heads:
+            return state
+        from .sharded_power import all_reduce_sum
+
+        keys = list(state)
+        full = []
+        for k in keys:
+            t = state[k].double()  # has_prev (bool) and the float32 parts, exactly
+            whole = t.new_zeros((c.total_heads, *t.shape[1:]))
+            whole[c.head_offset: c.head_offset + c.num_heads] = t
+            full.append(whole.to(c.device))
+        full = all_reduce_sum(full, layer.placement.group)
+        return {k: t.cpu().to(state[k].dtype).clone() for k, t in zip(keys, full)}
 
     def unscale_(self, inverse_scale: torch.Tensor) -> None:
         """Every fed chain's accumulators of this step divided by the loss scale (``LayerChain.unscale_``)."""

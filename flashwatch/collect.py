@@ -27,8 +27,9 @@ from .kernels import STAT_FIELDS
 __all__ = ["FIELDS", "CHAIN_MEAN_ROWS", "Pending", "Readings", "Collector"]
 
 FIELDS = tuple(STAT_FIELDS) + tuple(CHAIN_FIELDS)  # rows of a layer's packed readings
-# the chain's rows are identical on every rank (the Monitor averages the accumulators over the
-# ranks first), so their sum over the ranks is divided back by the world size
+# the chain's rows are identical on every rank that holds the head (the Monitor averages the
+# accumulators over those ranks first), so their sum over the ranks is divided back by their number
+# (the world size, or fewer under tensor parallelism: ``Reducer.owners``)
 CHAIN_MEAN_ROWS = tuple(FIELDS.index(n) for n in CHAIN_FIELDS)
 
 
@@ -184,7 +185,7 @@ class Collector:
             return None
         values = red.stats.clone()
         for row in CHAIN_MEAN_ROWS:
-            values[row] /= self.reducer.world_size
+            values[row] /= self.reducer.owners  # each head's readings came from the ranks that hold it
         return Readings(values, red.sigma, red.loss, red.grad_norm, red.loss_given, red.grad_norm_given,
                         grad_units_unknown=red.grad_units_unknown > 0)
 

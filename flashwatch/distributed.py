@@ -234,6 +234,11 @@ class Reducer:
         self.sum_size = len(self.sum_rows) * h + len(_SUM_TAIL)
         self.max_size = len(self.max_rows) * h + h + 1 + self.num_layers + 1
         self.slot_bytes_limit = slot_bytes_limit
+        # how many ranks measure each head (sum heads,), host float64: the divisor of the values that
+        # are means over the ranks (the W^Q-error chain's); every rank, unless tensor parallelism
+        # splits the heads (then counted by ``check_layout``)
+        self.owners = torch.full((h,), float(world_size), dtype=torch.float64)
+        self._owners_on: dict[torch.device, torch.Tensor] = {}
         self.last_local: torch.Tensor | None = None  # this rank's vector of the last monitored step (device)
         self.last_host: torch.Tensor | None = None  # the combined vector as read to the host
         backend = str(_dist().get_backend(group))
@@ -344,7 +349,8 @@ class Reducer:
 
     def check_layout(self) -> None:
         """Once, at attach: every rank attached the same layers and heads (else the packed vectors
-        would not line up). One small MAX all-reduce; every rank raises alike on a mismatch.
+        would not line up). One small MAX all-reduce; every rank raises alike on a mismatch. Under
+        tensor parallelism a second, small SUM all-reduce counts each head's ranks (``owners``).
 
         Raises:
             ValueError: the ranks' layouts differ.
@@ -359,6 +365,29 @@ class Reducer:
             raise ValueError(f"the ranks attached different attention layouts (layers {lo[0]:.0f} to {hi[0]:.0f}, "
                              f"heads {lo[1]:.0f} to {hi[1]:.0f}; this rank: {self.heads}): every rank must attach the "
                              "same model with the same MonitorConfig.layers")
+        if self.local is not None:
+            self._count_owners()
+
+    def _count_owners(self) -> None:
+        """Under tensor parallelism: how many ranks hold each head (one SUM all-reduce, at attach).
+        1 under tensor parallelism alone; the data-parallel replicas' count where both are in the group."""
+        mine = torch.zeros(self.num_heads, dtype=torch.float64)
+        start = 0
+        for (offset, n), h in zip(self.local, self.heads):
+            mine[start + offset: start + offset + n] = 1.0
+            start += h
+        dist = _dist()
+        t = mine.to(self._comm_device(mine))
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self.owners = t.cpu().clamp_min(1.0)  # every head has an owner once the layouts agree (checked)
+        self._owners_on = {}
+
+    def owners_on(self, device: torch.device) -> torch.Tensor:
+        """``owners`` on ``device``, copied there once (no copy on a monitored step)."""
+        device = torch.device(device)
+        if device not in self._owners_on:
+            self._owners_on[device] = self.owners.to(device)
+        return self._owners_on[device]
 
     # the collective -----------------------------------------------------------------------------
     def _comm_device(self, t: torch.Tensor) -> torch.device:
@@ -387,14 +416,16 @@ class Reducer:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         return torch.cat([head, both])
 
-    def average_(self, t: torch.Tensor) -> None:
-        """In place: the mean of ``t`` over the group (one SUM all-reduce). Every rank must call it,
-        with a tensor of the same size. Used for the W^Q-error sketches, which must be combined
-        before their alignment and coherence are computed."""
+    def sum_(self, t: torch.Tensor) -> None:
+        """In place: the sum of ``t`` over the group (one SUM all-reduce). Every rank must call it,
+        with a tensor of the same size. Used for the W^Q-error accumulators, which must be combined
+        before their alignment and coherence are computed (each head's sum then divided by
+        ``owners``)."""
         dist = _dist()
         x = t.to(self._comm_device(t))
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
-        t.copy_(x.to(t.device) / self.world_size)
+        if x is not t:
+            t.copy_(x.to(t.device))
 
     # unpacking ----------------------------------------------------------------------------------
     def _max_min(self, host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

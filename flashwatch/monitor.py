@@ -257,9 +257,9 @@ class Monitor:
                                    variant=self.config.variant if own else "sdpa", format=self.config.format)
             w = layer.query_weight()
             layer.ensure_stats(w.device)
-            shape = layer.placement.shape if layer.placement is not None else tuple(w.shape)
-            layer.chain = (Chains.make(family, shape, w.device, layer.placement_kind)
-                           if self.config.wq_error_chain else None)
+            shape = (layer.num_heads, *layer.placement.shape[1:]) if layer.placement is not None else tuple(w.shape)
+            layer.chain = (Chains.make(family, shape, w.device, layer.placement_kind, head_offset=layer.head_offset,
+                                       total_heads=layer.total_heads) if self.config.wq_error_chain else None)
             norm = query_norm(module)
             if layer.chain is not None and norm is not None:
                 layer.chain = None
@@ -835,7 +835,7 @@ class Monitor:
         signals = self._signals.state_dict()
         layers = [{"name": layer.name, "num_heads": layer.total_heads, "mode": layer.mode,
                    "variant": layer.variant, "power": self._wq.state_of(layer), "signals": sig,
-                   "chain": layer.chain.state_dict() if layer.chain is not None else None}
+                   "chain": self._chains.state_of(layer)}
                   for layer, sig in zip(self.layers, signals)]
         if self._router is None and self._detached_state is not None:
             layers = self._detached_state["layers"]  # detached (after a fit, close()): the layers as they were left

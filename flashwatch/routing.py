@@ -609,15 +609,16 @@ class Router:
         to be W^Q x. The comparison runs once per layer, at its first monitored call with a query
         (eager: in the forward; compiled: when the statistics operator runs), on the call's query
         turned back by its rotation; a mismatch makes the layer's W^Q-error readings NaN from then
-        on, and the log says why. Only a rank's whole weight is compared (a shard would need a
-        collective); the decision changes readings only, never a collective."""
+        on, and the log says why. Only a rank's whole weight, or its heads under tensor parallelism,
+        is compared (a shard would need a collective); the decision changes readings only, never a
+        collective."""
         if not layer.query_checked and isinstance(query, torch.Tensor):
             self._compare_query(layer, query, x, rotation)
         return not layer.query_mismatch
 
     def _compare_query(self, layer: AttentionLayer, query: torch.Tensor, x: torch.Tensor, rotation: Any) -> None:
         layer.query_checked = True
-        if layer.placement is not None:
+        if layer.placement_kind not in ("whole", "tensor_parallel"):
             return
         try:
             residual = query_residual(query.detach(), x, layer.query_weight().detach(), rotation)

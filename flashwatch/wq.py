@@ -121,9 +121,9 @@ class WqNorms:
                         "loss and gradient norm are monitored as usual.",
                         ", ".join(f"{l.index}={l.name}" for l in bad),
                         bad[0].placement.reason if bad[0].placement is not None else sharding)
-        if any(layer.placement_kind not in ("whole", "fsdp") for layer in self.layers):
-            log.info("flashwatch: the W^Q-error metrics (flashwatch_wq_error_*) are NaN for tensor-parallel layers "
-                     "and layouts whose W^Q cannot be read")
+        if bad:
+            log.info("flashwatch: the W^Q-error metrics (flashwatch_wq_error_*) are NaN for layouts whose W^Q "
+                     "cannot be read")
 
     @property
     def unmeasured(self) -> set[int]:

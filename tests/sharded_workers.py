@@ -127,7 +127,7 @@ def train(model: nn.Module, monitor: Monitor, data, *, clip: bool = True, resume
         opt.step()
         opt.zero_grad()
         monitor.step(loss=loss.detach(), grad_norm=grad_norm)
-        records.append({"snapshot": monitor.snapshot(), "wq": monitor.wq_spectral_norms()})
+        records.append({"snapshot": monitor.snapshot(), "wq": monitor.wq_spectral_norms(), "signals": monitor.signals()})
         if resume_at == len(records) - 1:
             import torch.distributed as dist
 

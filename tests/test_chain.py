@@ -148,6 +148,46 @@ def test_alignment_and_coherence_follow_the_direction_of_the_error():
     assert SKETCH_DIM >= 32
 
 
+def test_tensor_parallel_chains_combine_to_the_data_parallel_chain():
+    """Two data-parallel replicas, each split into two tensor-parallel ranks of 2 of 4 heads: the
+    ranks' ``flat()`` summed (as the all-reduce does) and each head divided by its owners (2
+    replicas) give every rank its heads' readings of the replicas' mean error (one chain fed both
+    replicas' rows at half weight: the sums are linear in the rows), over several steps of window
+    state; a saved state of every head resumes a rank."""
+    h, d, c, b, n, lam = 4, 8, 16, 2, 5, 1 - 1 / 5
+    g = torch.Generator().manual_seed(7)
+    u, v = torch.randn(h, d, generator=g), torch.randn(h, c, generator=g)
+    mean = LayerChain(h, d, c, "cpu")
+    split = [[LayerChain(2, d, c, "cpu", head_offset=o, total_heads=h) for o in (0, 2)] for _ in range(2)]
+    mean.set_pair(u, v)
+    for ranks in split:
+        for o, chain in zip((0, 2), ranks):
+            chain.set_pair(u[o: o + 2], v[o: o + 2])
+    for step in range(4):
+        for r in range(2):
+            x = torch.randn(b, n, c, generator=g)
+            e, pk = torch.randn(b, h, n, generator=g), torch.randn(b, h, n, d, generator=g)
+            mean.add_rows(x, e / 2, pk, 0.5)
+            for o, chain in zip((0, 2), split[r]):
+                chain.add_rows(x, e[:, o: o + 2], pk[:, o: o + 2], 0.5)
+        tp = sum(chain.flat() for ranks in split for chain in ranks)
+        for ranks in split:
+            for chain in ranks:
+                chain.set_flat(tp.clone(), torch.full((h,), 2.0, dtype=F64))
+        expected = mean.reading(lam)
+        for ranks in split:
+            got = torch.cat([chain.reading(lam) for chain in ranks], dim=1)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=0, equal_nan=True)
+            assert torch.isfinite(got[0]).all() and bool(torch.isfinite(got[3]).all()) == (step > 0)
+    saved = mean.state_dict()
+    resumed = LayerChain(2, d, c, "cpu", head_offset=2, total_heads=h)
+    resumed.load_state_dict(saved)
+    for key, t in resumed.state_dict().items():
+        assert torch.equal(t, saved[key][2:4]), key
+    with pytest.raises(ValueError, match="do not fit a layer of 4 heads"):
+        LayerChain(2, d, c, "cpu", head_offset=3, total_heads=h)
+
+
 def test_sketch_estimates_inner_products_of_the_error_matrices():
     """<dG Omega, dG' Omega> estimates <dG, dG'>: the cosine of two recorded errors within sketch noise."""
     torch.manual_seed(1)
