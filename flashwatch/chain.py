@@ -549,20 +549,33 @@ class LayerChain:
         self.pending_hooks.clear()
         self.unwatch()
 
-    def state_dict(self) -> dict:
-        return {k: getattr(self, k).detach().cpu().clone() for k in ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm")}
+    _STATE = ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm")  # what a resumed run continues from
 
-    def load_state_dict(self, state: dict) -> None:
-        """From ``state_dict()``: this layer's heads, or every head's (a tensor-parallel rank takes its own)."""
-        for k in ("u", "v", "prev", "has_prev", "ew_sum", "ew_norm"):
-            mine = getattr(self, k)
-            saved = state[k]
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k).detach().cpu().clone() for k in self._STATE}
+
+    def _own(self, state: dict) -> dict:
+        """``state``'s tensors for this layer's heads (a tensor-parallel rank takes its own of every head's);
+        ValueError where they do not fit."""
+        out = {}
+        for k in self._STATE:
+            mine, saved = getattr(self, k), state[k]
             if self.total_heads != self.num_heads and saved.shape[:1] == (self.total_heads,):
                 saved = saved[self.head_offset: self.head_offset + self.num_heads]
             if tuple(saved.shape) != tuple(mine.shape):
                 raise ValueError(f"saved W^Q-error state {k} has shape {tuple(state[k].shape)}, this layer needs "
-                                 f"{tuple(mine.shape)}")
-            setattr(self, k, saved.to(device=self.device, dtype=mine.dtype).clone())
+                                 f"{tuple(mine.shape)} (heads, head dimension or model width differ)")
+            out[k] = saved
+        return out
+
+    def check_state(self, state: dict) -> None:
+        """Raise ValueError unless ``state`` (``state_dict()``) fits this layer."""
+        self._own(state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """From ``state_dict()``: this layer's heads, or every head's (a tensor-parallel rank takes its own)."""
+        for k, saved in self._own(state).items():
+            setattr(self, k, saved.to(device=self.device, dtype=getattr(self, k).dtype).clone())
         self._projected = self._both = None  # made again from the loaded v
 
 

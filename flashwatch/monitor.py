@@ -74,6 +74,9 @@ log = logging.getLogger("flashwatch")
 __all__ = ["Monitor", "TrainingStopped"]
 
 STATE_VERSION = 2  # 1: before the W^Q-error chain (still loaded)
+# the parts every saved state has (``Monitor.state_dict()``; ``Decisions.state_dict()``'s among them)
+STATE_KEYS = ("layers", "global_step", "monitored_steps", "errors", "last", "detectors", "alerts", "alert_counts",
+              "ever_active", "switches")
 # after the first failure (logged with its traceback) a run of failed monitored steps is logged again
 # when it reaches each of these lengths: monitoring that stays broken is never only a counter
 FAILED_STEPS_REPORTED = frozenset(10 ** k for k in range(1, 7))
@@ -856,14 +859,21 @@ class Monitor:
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``. Before ``attach`` the state is kept and applied at attach.
 
+        A state that does not fit changes nothing: every part is checked (and loaded into new
+        objects) before the Monitor or a layer's kernel changes.
+
         Raises:
-            ValueError: the state has another version, or its layers (names, head counts) differ
-                from the attached model's.
+            ValueError: the state has another version or misses a part, or its layers (names, head
+                counts, head dimensions, window length) differ from the attached model's.
         """
         version = state.get("version") if isinstance(state, dict) else None
         if version not in (1, STATE_VERSION):
             raise ValueError(f"not a flashwatch Monitor state of version {STATE_VERSION} "
                              f"(got version {version if isinstance(state, dict) else type(state).__name__})")
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"not a complete flashwatch Monitor state: it has no {', '.join(map(repr, missing))} "
+                             "(pass what Monitor.state_dict() returned)")
         if self._router is None:
             self._pending_state = state
             return
@@ -872,6 +882,26 @@ class Monitor:
         if saved != mine:
             raise ValueError(f"the saved Monitor state has layers {saved}, this model {mine}: resume needs the same "
                              "model and MonitorConfig.layers")
+        # version 1 kept the drift and sigma history at the layer's top level
+        signals = SignalBuilder(self._signals.heads, self.config.window)
+        signals.load_state_dict([s["signals"] if "signals" in s else {"drift": s["drift"], "sigma": s["sigma"]}
+                                 for s in state["layers"]])
+        for layer, s in zip(self.layers, state["layers"]):
+            if layer.chain is not None and s.get("chain") is not None:
+                try:
+                    layer.chain.check_state(s["chain"])
+                except ValueError as exc:
+                    raise ValueError(f"the saved Monitor state does not fit layer {layer.index} ({layer.name}) of "
+                                     f"this model: {exc}") from None
+        decisions = Decisions(self.config, self._error)
+        decisions.load_state_dict(state)
+        loss_scale = LossScale(self._warn_once)
+        loss_scale.load_state_dict(state.get("loss_scale"))
+        counts = {k: int(state[k]) for k in ("global_step", "monitored_steps", "errors")}
+        due_alerts = [Alert.from_dict(a) for a in state.get("due_alerts", [])]
+        stops_due = [Alert.from_dict(a) for a in state.get("stops_due", [])]
+        self._wq.load([s["power"] for s in state["layers"]])  # checks every layer's vectors before it loads one
+        # the state fits: from here on nothing refuses it
         if state.get("config", {}).get("interval") != self.config.interval:
             log.warning("flashwatch: resuming with interval %s, the saved run used %s",
                         self.config.interval, state.get("config", {}).get("interval"))
@@ -879,18 +909,11 @@ class Monitor:
             layer.mode, layer.variant = s["mode"], s["variant"]
             if layer.chain is not None and s.get("chain") is not None:
                 layer.chain.load_state_dict(s["chain"])
-        # version 1 kept the drift and sigma history at the layer's top level
-        self._signals.load_state_dict([s["signals"] if "signals" in s else {"drift": s["drift"], "sigma": s["sigma"]}
-                                       for s in state["layers"]])
-        self._wq.load([s["power"] for s in state["layers"]])
-        self._loss_scale.load_state_dict(state.get("loss_scale"))
-        self._decisions.load_state_dict(state)
-        self.global_step = int(state["global_step"])
-        self.monitored_steps = int(state["monitored_steps"])
-        self.errors = int(state["errors"])
+        self._signals, self._decisions, self._loss_scale = signals, decisions, loss_scale
+        self.global_step, self.monitored_steps, self.errors = (counts[k] for k in ("global_step", "monitored_steps",
+                                                                                  "errors"))
         self._last = state["last"]
-        self._due_alerts = [Alert.from_dict(a) for a in state.get("due_alerts", [])]
-        self._stops_due = [Alert.from_dict(a) for a in state.get("stops_due", [])]
+        self._due_alerts, self._stops_due = due_alerts, stops_due
         self._monitoring = self.global_step % self.config.interval == 0
         self._router.monitoring = self._monitoring
         if self._last is not None and self._fan.exporters:  # exporters serving the latest values continue from it

@@ -107,7 +107,7 @@ class Ring:
     def load_state_dict(self, state: dict) -> None:
         if tuple(state["buffer"].shape) != tuple(self.buffer.shape):
             raise ValueError(f"saved window has shape {tuple(state['buffer'].shape)}, this one "
-                             f"{tuple(self.buffer.shape)} (a different window length or head count)")
+                             f"{tuple(self.buffer.shape)} (another MonitorConfig.window or head count)")
         self.buffer = host_tensor(state["buffer"], torch.float64)
         self.pos, self.filled = int(state["pos"]), int(state["filled"])
 
@@ -314,10 +314,14 @@ class PowerIteration:
     def state_dict(self) -> dict:
         return {"v": self.v.detach().cpu().clone(), "sigma": self.sigma.detach().cpu().clone()}
 
-    def load_state_dict(self, state: dict) -> None:
-        if tuple(state["v"].shape) != tuple(self.v.shape):
+    def check_state(self, state: dict) -> None:
+        """Raise ValueError unless ``state`` (``state_dict()``) fits these vectors."""
+        if tuple(state["v"].shape) != tuple(self.v.shape) or tuple(state["sigma"].shape) != tuple(self.sigma.shape):
             raise ValueError(f"saved power-iteration vectors have shape {tuple(state['v'].shape)}, this "
-                             f"layer needs {tuple(self.v.shape)}")
+                             f"layer needs {tuple(self.v.shape)} (heads, model width, vectors per head)")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.v = state["v"].to(device=self.v.device, dtype=torch.float32).clone()
         self.sigma = state["sigma"].to(device=self.v.device, dtype=torch.float32).clone()
 

@@ -68,10 +68,6 @@ class _Group:
         state = self.power.state_dict()
         return {"v": self.split(state["v"])[i].clone(), "sigma": self.split(state["sigma"])[i].clone()}
 
-    def load(self, states: list[dict]) -> None:
-        self.power.load_state_dict({"v": torch.cat([s["v"] for s in states]),
-                                    "sigma": torch.cat([s["sigma"] for s in states])})
-
 
 class WqNorms:
     """The W^Q spectral norm of every head of ``layers`` (all of them, or none when ``skip``).
@@ -254,14 +250,19 @@ class WqNorms:
         raise KeyError(layer.index)
 
     def load(self, powers: list[dict | None]) -> None:
-        """Per-layer saved vectors in layer order (None where a run saved none)."""
+        """Per-layer saved vectors in layer order (None where a run saved none). Nothing is loaded
+        unless every part fits (ValueError otherwise)."""
+        todo = []  # (power iteration, its state)
         for group in self.groups:
             mine = [_own_heads(layer, powers[layer.index]) for layer in group.layers]
             if all(p is not None for p in mine):
-                group.load(mine)
-        for m in self.sharded.members:
-            if powers[m.layer.index] is not None:
-                m.power.load_state_dict(powers[m.layer.index])
+                todo.append((group.power, {"v": torch.cat([s["v"] for s in mine]),
+                                           "sigma": torch.cat([s["sigma"] for s in mine])}))
+        todo += [(m.power, powers[m.layer.index]) for m in self.sharded.members if powers[m.layer.index] is not None]
+        for power, state in todo:
+            power.check_state(state)
+        for power, state in todo:
+            power.load_state_dict(state)
 
 
 def _raise(kind: str, exc: BaseException) -> None:

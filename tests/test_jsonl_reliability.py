@@ -148,7 +148,7 @@ def test_a_run_folder_recreated_on_a_full_disk_is_tried_again_until_it_works(tmp
         ("open", None), ("step", 3), ("step", 4), ("close", None)]
 
 
-def test_a_line_cut_by_a_crash_is_removed_when_the_run_resumes(tmp_path):
+def test_a_line_cut_by_a_crash_is_moved_aside_when_the_run_resumes(tmp_path):
     exporter = JsonlExporter(tmp_path)
     exporter.open(LAYOUT)
     for s in (0, 10, 20):
@@ -157,15 +157,40 @@ def test_a_line_cut_by_a_crash_is_removed_when_the_run_resumes(tmp_path):
     data = path.read_bytes()
     exporter._f.close()  # the process dies here: no close record
     exporter._f = None
-    path.write_bytes(data[: data.rindex(b"\n", 0, len(data) - 1) + 1 + 40])  # step 20's line cut
+    whole = data.rindex(b"\n", 0, len(data) - 1) + 1
+    path.write_bytes(data[: whole + 40])  # step 20's line cut
     assert steps_of(path, strict=False) == [0, 10]
 
     resumed = JsonlExporter(tmp_path)
     resumed.open(LAYOUT)
     resumed.export(synthetic_record(LAYOUT, step=20))
     resumed.close()
-    assert steps_of(path) == [0, 10, 20]  # strict: the half line is gone, not left mid-file
+    assert steps_of(path) == [0, 10, 20]  # strict: the half line is not left mid-file
     assert [r["kind"] for r in read_jsonl(path, kinds=None)] == ["open", "step", "step", "open", "step", "close"]
+    assert (tmp_path / (METRICS_FILE + ".cut")).read_bytes() == data[whole: whole + 40] + b"\n"  # nothing lost
+
+
+def test_lines_another_program_left_without_a_newline_are_kept(tmp_path, caplog):
+    """A run folder whose metrics file ends in a whole JSON record without its newline, and an alert
+    log of one line without one (both written by another program): opening keeps every byte and
+    writes on after a newline (before, both last lines were removed as if a crash had cut them)."""
+    path, alerts = tmp_path / METRICS_FILE, tmp_path / ALERTS_FILE
+    path.write_bytes(b'{"epoch": 1, "val_loss": 2.5}\n{"epoch": 2, "val_loss": 2.1}')
+    alerts.write_bytes(b"my own notes about this run")
+    exporter = JsonlExporter(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        exporter.open(LAYOUT)
+    exporter.export(synthetic_record(LAYOUT, step=0, alerts=[Alert(rule="max_logit", step=0, layer=0, head=1,
+                                                                   value=1200.0, threshold=1000.0,
+                                                                   severity="warning", message="m")]))
+    exporter.close()
+    lines = path.read_bytes().split(b"\n")
+    assert lines[:2] == [b'{"epoch": 1, "val_loss": 2.5}', b'{"epoch": 2, "val_loss": 2.1}']
+    assert [r.get("kind") for r in read_jsonl(path, kinds=None, strict=True)] == [None, None, "open", "step", "close"]
+    text = alerts.read_text().splitlines()
+    assert text[0] == "my own notes about this run" and "max_logit layer=0 head=1" in text[1]
+    assert not (tmp_path / (METRICS_FILE + ".cut")).exists()
+    assert sum("had no newline" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_the_alert_log_gets_the_new_alerts_only(tmp_path):

@@ -406,6 +406,33 @@ def test_load_state_dict_errors():
         run.monitor.load_state_dict(state)
 
 
+def test_a_state_that_does_not_fit_changes_nothing():
+    """A state from a run whose auto_fix switched every layer, with another window: the load is
+    refused and the Monitor keeps its kernels, state and readings (before: the layers' variants
+    and W^Q-error vectors were loaded, then the window's check refused the rest)."""
+    source = Run(MonitorConfig(interval=1, window=5, warmup=0, auto_fix="fp32_delta", max_logit_bound=-1.0,
+                               auto_fix_on={"max_logit"}))
+    source.train(3)
+    saved = source.monitor.state_dict()
+    assert set(source.monitor.variants.values()) == {"fp32_delta"}
+    run = Run(MonitorConfig(interval=1, window=50), seed=1)
+    run.train(2)
+    before = run.monitor.state_dict()
+    with pytest.raises(ValueError, match=r"another MonitorConfig.window"):
+        run.monitor.load_state_dict(saved)
+    assert set(run.monitor.variants.values()) == {"sdpa"}
+    _assert_same(run.monitor.state_dict(), before, "a refused state")
+    # a model of another width: refused at its first layer, by name
+    wide = Run(MonitorConfig(interval=1, window=5), attach=False)
+    wide.model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=32))
+    wide.monitor.attach(wide.model)
+    with pytest.raises(ValueError, match=r"does not fit layer 0 \(transformer.h.0.attn\).*model width differ"):
+        wide.monitor.load_state_dict(saved)
+    assert set(wide.monitor.variants.values()) == {"sdpa"}
+    with pytest.raises(ValueError, match=r"not a complete flashwatch Monitor state: it has no 'layers'"):
+        Monitor().load_state_dict({"version": 2})
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="config must be a flashwatch.MonitorConfig"):
         Monitor({"interval": 3})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("flashwatch.exporters.jsonl")
 
@@ -17,14 +18,19 @@ class AppendFile:
     The file is unbuffered (every ``write`` goes to the kernel at once), so nothing of a failed
     line waits in a buffer to be glued to the next one. ``end`` is the size of the file at its
     last whole line; a write that fails (a full disk) truncates the file back to it.
+
+    An existing file whose last line has no newline (a line a crash cut off, or text another
+    program wrote) loses nothing when it is opened: a last line that ``complete`` accepts (None:
+    any) is kept and ended with a newline; another is moved to ``<name>.cut`` beside the file
+    (appended there), so that the file goes on with whole lines. Either way one warning says so.
     """
 
-    def __init__(self, path: Path, fsync: bool) -> None:
+    def __init__(self, path: Path, fsync: bool, complete: Callable[[bytes], bool] | None = None) -> None:
         self.path = path
         self.fsync = fsync
         self._f = open_raw(path)
         try:
-            self.end = self._cut_partial_line()
+            self.end = self._end_last_line(complete)
             st = os.fstat(self._f.fileno())
         except BaseException:
             self._f.close()
@@ -32,8 +38,8 @@ class AppendFile:
         self._inode = (st.st_dev, st.st_ino)
         self._damaged = False  # a failed write could not be cut back: start the next line afresh
 
-    def _cut_partial_line(self) -> int:
-        """Truncate a last line without its newline (a crash while writing it); the new size."""
+    def _end_last_line(self, complete: Callable[[bytes], bool] | None) -> int:
+        """End a last line that has no newline (see the class docstring); the new size."""
         size = os.fstat(self._f.fileno()).st_size
         if size == 0:
             return 0
@@ -45,12 +51,22 @@ class AppendFile:
                 return size
             cut = tail.rfind(b"\n")
             if cut >= 0 or tail_start == 0:
-                keep = tail_start + cut + 1  # 0 when the file holds no whole line
-                log.warning("%s: removing its last %d bytes, a line cut off by a crash while it was "
-                            "written", self.path, size - keep)
-                os.ftruncate(self._f.fileno(), keep)
-                return keep
+                break
             tail_start = max(0, tail_start - 65536)
+        keep = tail_start + cut + 1  # 0 when the file holds no whole line
+        line = tail[cut + 1:]
+        if complete is None or complete(line):
+            log.warning("%s: its last line had no newline (written by another program, or cut off by a crash): "
+                        "kept, and ended with one", self.path)
+            self._f.write(b"\n")
+            return size + 1
+        aside = self.path.with_name(self.path.name + ".cut")
+        with open(aside, "ab") as f:
+            f.write(line + b"\n")
+        log.warning("%s: its last %d bytes were not a whole line (cut off by a crash while they were written): "
+                    "moved to %s", self.path, size - keep, aside)
+        os.ftruncate(self._f.fileno(), keep)
+        return keep
 
     def vanished(self) -> bool:
         """True when ``path`` no longer names this file (deleted, or its folder deleted or moved)."""

@@ -167,8 +167,8 @@ def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step"
         kinds: record kinds to yield (``"open"``, ``"step"``, ``"close"``); ``None`` for all.
             By default only ``step`` records.
         strict: raise on a line in the middle of the file that is not a JSON record (by
-            default it is skipped with a warning; the exporter removes a line a crash cut off
-            before it writes on, so only a file damaged otherwise has one). A truncated last
+            default it is skipped with a warning; the exporter moves a line a crash cut off
+            aside before it writes on, so only a file damaged otherwise has one). A truncated last
             line is always skipped: it is the line a crash interrupted.
 
     Non-finite numbers come back as floats (``nan``, ``inf``). Steps written twice (a resumed
@@ -206,6 +206,14 @@ def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step"
             yield _decode(record)
 
 
+def _is_record(line: bytes) -> bool:
+    """Whether ``line`` is one whole JSON object (a record, even without its newline)."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
 # -- exporter -----------------------------------------------------------------------------
 
 class JsonlExporter(Exporter):
@@ -225,7 +233,9 @@ class JsonlExporter(Exporter):
       file back to its last whole record: the file never holds half a record. The Monitor
       counts the failure (``monitor.errors``), logs the first one at WARNING and goes on;
       this exporter counts its own in ``errors``. Later steps are written once the disk has room.
-    - A line a crash cut off is removed when the file is opened again (a resumed run).
+    - A line a crash cut off is moved to ``metrics.jsonl.cut`` when the file is opened again (a
+      resumed run), so the file goes on with whole records; a last line without its newline that
+      is a whole record (or any line of the alert log) is kept and ended with one.
     - A run folder deleted (or moved) while the run writes is noticed at the next monitored
       step: the folder and files are created again, a new ``open`` record starts them, a
       WARNING names the path (``recreated`` counts these), and writing goes on there. Where
@@ -286,7 +296,7 @@ class JsonlExporter(Exporter):
         f = af = None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            f = AppendFile(self.path, self.fsync)
+            f = AppendFile(self.path, self.fsync, complete=_is_record)
             if self.alerts_path is not None:
                 af = AppendFile(self.alerts_path, self.fsync)
         except OSError as exc:
