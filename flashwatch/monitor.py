@@ -46,6 +46,7 @@ import logging
 import math
 import numbers
 import time
+import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -285,6 +286,7 @@ class Monitor:
             self._reducer, self.rank, self.world_size = reducer, group[1], group[2]
         router = Router(layers, beta=self.config.beta, eps=self.config.eps, on_error=self._error, root=model)
         router.monitoring = self._monitoring
+        router.on_taken_over = weakref.WeakMethod(self._taken_over)  # weakly: the router must not keep the Monitor
         self.layers, self._wq, self._chains, self._router = layers, wq, chains, router
         self._signals = SignalBuilder([layer.total_heads for layer in layers], self.config.window)
         self._collector = Collector(layers, self._reducer, self.config.async_transfer, self._error,
@@ -351,6 +353,15 @@ class Monitor:
         self._router = None
         self._unattached()
 
+    def _taken_over(self) -> None:
+        """Another Monitor attached this one's model (its router took the modules over): detached,
+        as the warning said, so that this Monitor neither claims the model nor alerts on calls it
+        can no longer see."""
+        try:
+            self.detach()
+        except Exception as exc:  # never reaches the other Monitor's attach
+            self._error("detach", exc)
+
     def _unattached(self) -> None:
         """No model: the loss and gradient norm are still tracked (no layer readings)."""
         self.layers, self._wq, self._reducer = [], None, None
@@ -415,7 +426,7 @@ class Monitor:
     @property
     def variants(self) -> dict[int, str]:
         """Layer index -> the variant it runs now (``"sdpa"`` for an observed layer)."""
-        return {layer.index: layer.variant for layer in self.layers}
+        return {layer.index: layer.running_variant for layer in self.layers}
 
     @property
     def active_alerts(self) -> list[Alert]:
@@ -737,7 +748,8 @@ class Monitor:
         self._warn_once((layer.index, "no_call"),
                         "flashwatch: layer %d (%s) saw no measured attention call during monitored step %d: does the "
                         "model call torch.nn.functional.scaled_dot_product_attention (Hugging Face: "
-                        "attn_implementation='sdpa') with gradients enabled?", layer.index, layer.name, t)
+                        "attn_implementation='sdpa') with gradients enabled, and is monitor.step() called once per "
+                        "optimizer step (after its backward)?", layer.index, layer.name, t)
 
     # --- errors ------------------------------------------------------------------------------------
     def _on_export_error(self, exporter: Exporter, phase: str, exc: BaseException) -> None:

@@ -370,6 +370,7 @@ class Router:
         self._logged: set = set()
         self._keys: list[int] = []  # the layers' keys of the compiled operators (ops.register_layer), as integers
         self.installed = False
+        self.on_taken_over: Any = None  # a weak reference to call when another router takes the modules over
 
     @property
     def monitoring(self) -> bool:
@@ -427,6 +428,9 @@ class Router:
                         "it is detached from them now, since one Monitor measures a model (call monitor.detach() "
                         "when replacing a Monitor)", names)
             other.remove()
+            tell = other.on_taken_over() if other.on_taken_over is not None else None
+            if tell is not None:
+                tell()
         for m in modules:
             _routers[m] = weakref.ref(self)
 
@@ -472,6 +476,8 @@ class Router:
         def enter(module, args, kwargs):
             router = ref()  # None only while its finalizer takes these hooks off: the call is not routed
             compiling = _compiling()
+            if router is not None and not compiling and _router_of(module) is not router:
+                router = None  # a copy of the module (copy.deepcopy carries its hooks): not an attached layer
             x = None
             # the projection's input X (B, N, C): the module's first input (nanoGPT's x, Hugging
             # Face's hidden_states). Compiled code carries it to the operators on every step

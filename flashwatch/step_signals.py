@@ -216,10 +216,14 @@ class _Block:
         safe_rows = np.where(counted, rows, 1.0)
         nan = np.full((nl, h), np.nan)
 
+        # a head whose scores were not finite (NaN or inf: its max logit says so) has no repeated
+        # maxima to count: a comparison with NaN is false, so its rows would read as none repeated
+        scored = counted & np.isfinite(f["max_logit"])
+
         def ratio(name: str) -> np.ndarray:
             if name not in f:  # a recording made before this count existed: not measured
                 return nan
-            return np.where(counted, f[name] / safe_rows, nan)
+            return np.where(scored, f[name] / safe_rows, nan)
 
         # the delta error is not measured at this step where calls were counted and none measured in
         # full (attention dropout: scores measured, delta error not), or where the gradients' loss

@@ -433,6 +433,22 @@ def test_a_state_that_does_not_fit_changes_nothing():
         Monitor().load_state_dict({"version": 2})
 
 
+def test_a_head_whose_scores_are_not_finite_reads_no_repeated_max_ratio():
+    """A NaN in layer 1's W^Q (head 0's queries NaN): that head's repeated-max ratios read NaN, not
+    0 (a NaN score ties with nothing), and non_finite fires; every other head is measured."""
+    run = Run(MonitorConfig(interval=1, warmup=0))
+    with torch.no_grad():
+        run.model.transformer.h[1].attn.c_attn.weight[0, 0] = float("nan")
+    alerts = run.train(1)
+    snap = run.monitor.snapshot()
+    for name in ("flashwatch_repeated_max_ratio", "flashwatch_repeated_max_ratio_bf16",
+                 "flashwatch_repeated_max_ratio_format"):
+        assert math.isnan(snap[name][(1, 0)]), name
+        assert all(math.isfinite(snap[name][(layer, h)]) for layer in (0, 1) for h in range(4) if (layer, h) != (1, 0))
+    assert math.isnan(snap["flashwatch_max_logit"][(1, 0)])
+    assert "non_finite" in {a.rule for a in alerts}
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="config must be a flashwatch.MonitorConfig"):
         Monitor({"interval": 3})

@@ -13,7 +13,8 @@ import torch
 import flashwatch.collect
 from flashwatch import Monitor, MonitorConfig, TrainingStopped
 from flashwatch.exporters.base import Exporter
-from test_monitor import Run, _assert_same, _defer_like_cuda
+from flashwatch.tinygpt import sample_batch
+from test_monitor import DATA, Run, _assert_same, _defer_like_cuda
 from test_monitor import _detach_runs, _one_thread  # noqa: F401  (autouse: one thread, runs detached)
 
 
@@ -446,14 +447,49 @@ def test_a_second_monitor_on_the_same_model_takes_it_over_from_one_never_detache
     assert "still attached by an earlier Monitor" in caplog.text
     for block in model.transformer.h:
         assert len(block.attn._forward_pre_hooks) == 1 and len(block.attn._forward_hooks) == 1
+    # the earlier one is detached, as the warning says: it neither claims the layers nor alerts on
+    # the calls it no longer sees (before: it kept them and raised attention_coverage every step)
+    assert first.layers == [] and first.step(loss=1.0) == []
     first.detach()  # the earlier one, detached late: nothing of the new one's routing goes
     x, y = sample_batch(stdlib_corpus(5_000), 2, 16, generator=torch.Generator().manual_seed(0))
     model(x, y)[1].backward()
     assert all(layer.stats.rows.sum() > 0 for layer in second.layers)
-    assert all(layer.stats.rows.sum() == 0 for layer in first.layers)
     second.detach()
     assert F.scaled_dot_product_attention is sdpa
     assert all(not block.attn._forward_pre_hooks for block in model.transformer.h)
+
+
+def test_a_deep_copy_of_an_attached_model_is_not_measured_as_it():
+    """copy.deepcopy of an attached model carries flashwatch's hooks (an EMA or a second model made
+    from it): the copy's calls are not the attached layers' and are not counted under them. Fail
+    before: the copy's statistics were added to the original's layers, coverage 1 where the
+    original never ran."""
+    import copy
+
+    run = Run(MonitorConfig(interval=1))
+    twin = copy.deepcopy(run.model)
+    x, y = sample_batch(DATA, 2, 32, generator=torch.Generator().manual_seed(0))
+    twin(x, y)[1].backward()
+    assert all(int(layer.stats.rows.sum()) == 0 for layer in run.monitor.layers)
+    assert all(int(layer.coverage[0]) == 0 for layer in run.monitor.layers)
+    run.train(1)  # the original is measured as before
+    assert all(v == 1.0 for v in run.monitor.snapshot()["flashwatch_attention_coverage"].values())
+
+
+def test_variants_say_what_a_layer_runs_when_it_falls_back_to_sdpa():
+    """Own-kernel mode on a head dimension the kernel does not take (12): the layer runs torch's
+    SDPA, and ``monitor.variants`` says so, as the exported metric does (before: 'plain')."""
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=48, block_size=16))
+    monitor = Monitor(MonitorConfig(interval=1, mode="own_kernel"))
+    monitor.attach(model)
+    x, y = sample_batch(DATA, 2, 16, generator=torch.Generator().manual_seed(0))
+    model(x, y)[1].backward()
+    monitor.step()
+    assert monitor.variants == {0: "sdpa"}
+    assert monitor.snapshot()["flashwatch_kernel_variant"][(0, "sdpa")] == 1.0
+    monitor.detach()
 
 
 def test_a_dropped_monitor_stops_routing_a_model_that_trains_on():
