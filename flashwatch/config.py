@@ -138,6 +138,9 @@ class MonitorConfig:
         if value is None:
             return
         if isinstance(value, str):
+            if not value:
+                raise ValueError("MonitorConfig.layers must not be an empty string (it would match every module name); "
+                                 "use None to monitor every layer, or a regex such as r'\\.h\\.(0|1)\\.'")
             try:
                 re.compile(value)
             except re.error as exc:

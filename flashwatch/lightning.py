@@ -226,7 +226,9 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(interval=self.config.interval, mode=self.config.mode)
+        # one key whatever the settings: a run resumed with another interval or mode continues
+        # from its state (the Monitor says what changed), instead of Lightning dropping it
+        return type(self).__qualname__
 
     @property
     def port(self) -> int | None:
@@ -240,6 +242,14 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:
         return {"monitor": self.monitor.state_dict()}
+
+    def on_load_checkpoint(self, trainer: "Trainer", pl_module: "LightningModule", checkpoint: dict) -> None:
+        # a checkpoint from a flashwatch whose key named the interval and mode
+        # ("FlashWatchCallback{'interval': 10, 'mode': 'observe'}"): its state, where this key has none
+        saved = checkpoint.get("callbacks") or {}
+        older = [k for k in saved if isinstance(k, str) and k.startswith(self.state_key + "{")]
+        if self.state_key not in saved and len(older) == 1:
+            self.load_state_dict(saved[older[0]])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks before on_fit_start for most strategies: the Monitor

@@ -914,11 +914,22 @@ class Monitor:
         stops_due = [Alert.from_dict(a) for a in state.get("stops_due", [])]
         self._wq.load([s["power"] for s in state["layers"]])  # checks every layer's vectors before it loads one
         # the state fits: from here on nothing refuses it
-        if state.get("config", {}).get("interval") != self.config.interval:
+        saved_config = state.get("config", {})
+        if saved_config.get("interval") != self.config.interval:
             log.warning("flashwatch: resuming with interval %s, the saved run used %s",
-                        self.config.interval, state.get("config", {}).get("interval"))
+                        self.config.interval, saved_config.get("interval"))
+        # the layers continue with what the saved run ran (auto_fix's switches among it), unless this
+        # run asks for another mode or variant: then every layer runs what this run's config says
+        asked = (self.config.mode, self.config.variant)
+        saved_asked = (saved_config.get("mode"), saved_config.get("variant"))
+        new_kernels = "mode" in saved_config and saved_asked != asked
+        if new_kernels:
+            ran = ", ".join(f"{layer.index}={s['mode']}/{s['variant']}" for layer, s in zip(self.layers, state["layers"]))
+            log.warning("flashwatch: resuming with mode=%s variant=%s, the saved run used mode=%s variant=%s: every "
+                        "layer runs this run's (the saved run's layers ran %s)", *asked, *saved_asked, ran)
         for layer, s in zip(self.layers, state["layers"]):
-            layer.mode, layer.variant = s["mode"], s["variant"]
+            if not new_kernels:
+                layer.mode, layer.variant = s["mode"], s["variant"]
             if layer.chain is not None and s.get("chain") is not None:
                 layer.chain.load_state_dict(s["chain"])
         self._signals, self._decisions, self._loss_scale = signals, decisions, loss_scale

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -631,7 +632,14 @@ class Router:
         except Exception as exc:
             self.on_error("wq_error_chain", exc)
             return
-        if not residual <= QUERY_TOLERANCE:  # NaN too
+        if not math.isfinite(residual):  # a non-finite query or weight tells nothing: compared again next time
+            layer.query_checked = False
+            self._log_once(("query_nan", layer.index),
+                           "flashwatch: layer %d (%s): its query or W^Q is not finite at this monitored call; whether "
+                           "the query is W^Q x is checked again at the next one", layer.index, layer.name,
+                           level=logging.INFO)
+            return
+        if residual > QUERY_TOLERANCE:
             layer.query_mismatch = True
             self._log_once(("query", layer.index),
                            "flashwatch: layer %d (%s): the query its attention receives is not W^Q x (relative "

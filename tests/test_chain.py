@@ -604,6 +604,34 @@ def test_a_query_changed_by_plain_code_reads_nan(change, caplog):
     monitor.detach()
 
 
+def test_a_non_finite_first_call_does_not_decide_the_query_is_changed(caplog):
+    """A NaN in W^Q at a layer's first monitored call (a bad batch, then repaired): the comparison
+    of the query with W^Q X tells nothing and runs again at the next monitored call, so the chain
+    is measured from then on. Fail before: the NaN residual was taken for a changed query (a
+    QK-norm, a scale) and every later W^Q-error reading was NaN."""
+    import logging
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    weight = model.transformer.h[0].attn.c_attn.weight
+    kept = float(weight[0, 0])
+    with caplog.at_level(logging.INFO, logger="flashwatch"):
+        for step in range(3):
+            with torch.no_grad():
+                weight[0, 0] = math.nan if step == 0 else kept
+            x, y = sample_batch(DATA, 2, 32, generator=torch.Generator().manual_seed(step))
+            model(x, y)[1].backward()
+            model.zero_grad()
+            monitor.step()
+    push = monitor.snapshot()["flashwatch_wq_error_push"]
+    assert all(math.isfinite(push[(layer, h)]) for layer in (0, 1) for h in range(4)), push
+    assert not any("is not W^Q x" in r.getMessage() for r in caplog.records)
+    assert any("is not finite at this monitored call" in r.getMessage() for r in caplog.records)
+    monitor.detach()
+
+
 def test_query_residual_against_exact_constructions():
     """chain.query_residual on queries built from W^Q x exactly (float64 inputs): a bias is a
     constant residual (0), a query rotated by Hugging Face's RoPE reads 0 when the rotation is given

@@ -71,6 +71,7 @@ def test_normalises_sets_and_lists():
     (dict(layers=[1.5]), r"MonitorConfig\.layers: entry 1\.5 must be a module name \(str\) or a layer index"),
     (dict(layers=[-1]), r"MonitorConfig\.layers: entry -1"),
     (dict(layers=[]), r"MonitorConfig\.layers must not be an empty list"),
+    (dict(layers=""), r"MonitorConfig\.layers must not be an empty string"),
     (dict(layers=3), r"MonitorConfig\.layers must be None, a regex string, or a list"),
     (dict(warmup=-1), r"MonitorConfig\.warmup must be an int >= 0"),
     (dict(window=1), r"MonitorConfig\.window must be an int >= 2"),

@@ -66,3 +66,31 @@ def test_a_checkpoint_saved_after_fit_resumes_like_one_saved_during_it(loader, t
     assert resumed.monitor.global_step == whole.monitor.global_step == 24
     _assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
     assert whole.monitor.wq_spectral_norms() == resumed.monitor.wq_spectral_norms()
+
+
+def test_a_run_resumed_with_another_interval_and_variant_keeps_its_state(loader, tmp_path):  # noqa: F811
+    """Resumed with interval 4 and own-kernel ``fp32_delta`` (the remedy the alerts suggest) from a
+    run at interval 3 in observe mode: the Monitor continues from the checkpoint's state (its step
+    count, its records in the same run folder) and every layer runs what the new run asks. Fail
+    before: the callback's state key named the interval and mode, so Lightning dropped the state
+    (steps labelled from 0 again), and a loaded state put back the saved run's kernels. A checkpoint
+    whose key still names them (an earlier flashwatch) is read too."""
+    import torch
+
+    first = FlashWatchCallback(run_dir=tmp_path / "run", port=None, console=None, interval=3)
+    ended = trainer([first], max_epochs=2)
+    ended.fit(LitGPT(), loader)
+    ended.save_checkpoint(tmp_path / "a.ckpt")
+    assert first.monitor.global_step == 12
+    checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=False)
+    checkpoint["callbacks"] = {"FlashWatchCallback{'interval': 3, 'mode': 'observe'}": v
+                               for v in checkpoint["callbacks"].values()}
+    torch.save(checkpoint, tmp_path / "older.ckpt")
+    for name in ("a", "older"):
+        resumed = FlashWatchCallback(run_dir=tmp_path / name, port=None, console=None, interval=4,
+                                     mode="own_kernel", variant="fp32_delta")
+        trainer([resumed], max_epochs=4).fit(LitGPT(), loader, ckpt_path=str(tmp_path / f"{name}.ckpt"))
+        assert resumed.monitor.global_step == 24, name
+        ran = {(layer["mode"], layer["variant"]) for layer in resumed.monitor.state_dict()["layers"]}
+        assert ran == {("own_kernel", "fp32_delta")}, (name, ran)
+        assert [r["step"] for r in read_jsonl(tmp_path / name)] == [12, 16, 20], name
