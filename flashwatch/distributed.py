@@ -17,6 +17,9 @@ How (docs/DISTRIBUTED.md is the user's guide):
 - All-reduce results are bitwise identical on every rank (DDP relies on that to keep its
   replicas identical), so every rank's detectors get identical inputs, hence identical alerts
   and identical ``auto_fix`` switches at the same step, without a broadcast.
+- A second, separate all-reduce carries the W^Q-gradient error chain's accumulators where the
+  chain is on (``flashwatch.chain.Chains.average``): they must be combined before the chain's
+  readings are computed.
 - Checks that cost nothing more (they ride in the same collective): a rank whose local
   measurement failed (every rank then skips the step, instead of one rank skipping the
   collective and the others hanging in it); ranks at different steps; kernel variants that
@@ -35,12 +38,17 @@ part elsewhere), so the one SUM all-reduce hands every rank every head under its
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import nn
+
+log = logging.getLogger("flashwatch")
 
 __all__ = ["AUTO", "SLOT_BYTES_LIMIT", "Reducer", "Reduced", "resolve_process_group", "sharding_of",
            "structural_attention"]
@@ -69,10 +77,15 @@ def resolve_process_group(process_group: Any) -> tuple[Any, int, int] | None:
         ValueError: a group was given but torch.distributed is not initialized, or this
             process is not a member of it.
     """
-    if process_group is None:
-        return None
     dist = _dist()
     ready = dist.is_available() and dist.is_initialized()
+    if process_group is None:
+        if ready and dist.get_world_size() > 1:
+            log.warning("flashwatch: this process is one of %d (torch.distributed) and its Monitor combines nothing "
+                        "(process_group=None): it measures its own batch alone. Give each process its own run_dir "
+                        "and port, or exporters on one process only (their files and ports are not shared)",
+                        dist.get_world_size())
+        return None
     if isinstance(process_group, str):
         if process_group != AUTO:
             raise ValueError(f"process_group must be 'auto', None or a torch.distributed process group, "
@@ -190,6 +203,31 @@ class Reduced:
     grad_units_unknown: int = 0
 
 
+def _all_reduce(dist: Any, t: torch.Tensor, op: Any, group: Any) -> None:
+    """A monitored step's all-reduce; a failure (a timeout, a peer gone) says what it likely means."""
+    try:
+        dist.all_reduce(t, op=op, group=group)
+    except Exception as exc:
+        raise RuntimeError(f"flashwatch's all-reduce of a monitored step failed ({type(exc).__name__}: {exc}). Every "
+                           "rank must call monitor.step() on the same steps: has another rank stopped calling it, or "
+                           "stopped?") from exc
+
+
+def check_owners(owners: torch.Tensor, heads: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless every head (``owners``: ranks holding each head, layers' heads side by
+    side) has a rank in the group."""
+    missing, start = [], 0
+    for layer, h in enumerate(heads):
+        absent = [i for i in range(h) if owners[start + i] < 1]
+        if absent:
+            missing.append(f"layer {layer} heads {absent}")
+        start += h
+    if missing:
+        raise ValueError("under tensor parallelism the Monitor's process group must hold every head's rank: "
+                         f"{'; '.join(missing)} have no rank in it (pass the default group, process_group='auto', "
+                         "or a group that holds all the tensor-parallel ranks)")
+
+
 class Reducer:
     """Packs one rank's monitored step, combines it over the group, unpacks the result.
 
@@ -207,6 +245,8 @@ class Reducer:
             sqrt of the sum of squares. A DTensor norm (``clip_grad_norm_`` on DTensor
             gradients: already the global norm) is taken as it is (max) in either mode.
         slot_bytes_limit: largest MAX-slot block (bytes) for the one-collective scheme.
+        names: the attached layers' names, in layer order (``check_layout`` compares them); None:
+            only the head counts are compared.
 
     Layout of the local vector (float64): the SUM part, ``sum rows x heads`` then
     ``loss_sum, grad_norm^2, loss_n, grad_norm_n, grad_norm_global, grad_units_unknown, failed`` (``_SUM_TAIL``); then the MAX part,
@@ -215,11 +255,12 @@ class Reducer:
 
     def __init__(self, group: Any, rank: int, world_size: int, heads: Sequence[int], *, n_fields: int,
                  max_rows: Sequence[int], grad_norm: str = "max", slot_bytes_limit: int = SLOT_BYTES_LIMIT,
-                 local: Sequence[tuple[int, int]] | None = None):
+                 local: Sequence[tuple[int, int]] | None = None, names: Sequence[str] | None = None):
         if grad_norm not in ("max", "l2"):
             raise ValueError(f"grad_norm must be 'max' or 'l2', got {grad_norm!r}")
         self.group, self.rank, self.world_size = group, rank, world_size
         self.heads = list(heads)
+        self.names = None if names is None else list(names)
         self.local = None if local is None else [(int(o), int(n)) for o, n in local]
         if self.local is not None and (len(self.local) != len(self.heads) or any(
                 o < 0 or n < 0 or o + n > h for (o, n), h in zip(self.local, self.heads))):
@@ -347,30 +388,56 @@ class Reducer:
         self.last_local = local
         return local
 
-    def check_layout(self) -> None:
-        """Once, at attach: every rank attached the same layers and heads (else the packed vectors
-        would not line up). One small MAX all-reduce; every rank raises alike on a mismatch. Under
-        tensor parallelism a second, small SUM all-reduce counts each head's ranks (``owners``).
+    def check_layout(self, *, config: dict | None = None, failed: bool = False) -> None:
+        """Once, at attach: every rank attached the same layers (names and heads) with the same
+        ``config`` (``MonitorConfig.to_dict()``: the settings decide when collectives run and what
+        every rank decides), and no rank failed to attach (``failed``: this rank's exporters or
+        saved state could not be opened; it raises its own error). One small MAX all-reduce (a
+        second one, of the configs, only when they differ); every rank raises alike, so no rank
+        goes on into a collective the others never reach. Under tensor parallelism a SUM
+        all-reduce then counts each head's ranks (``owners``).
 
         Raises:
-            ValueError: the ranks' layouts differ.
+            ValueError: the ranks' layouts or configs differ, or a head has no rank in the group.
+            RuntimeError: another rank failed to attach.
         """
         dist = _dist()
-        mine = [float(self.num_layers), float(self.num_heads), float(sum((i + 1) * h for i, h in enumerate(self.heads)))]
+        names = zlib.crc32("\0".join(self.names).encode()) if self.names is not None else 0.0
+        settings = zlib.crc32(json.dumps(config, sort_keys=True, default=str).encode()) if config is not None else 0.0
+        mine = [float(self.num_layers), float(self.num_heads), float(sum((i + 1) * h for i, h in enumerate(self.heads))),
+                float(names), float(settings), float(failed)]
         t = torch.tensor(mine + [-v for v in mine], dtype=torch.float64)
         t = t.to(self._comm_device(t))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        hi, lo = t[:3].tolist(), [-v for v in t[3:].tolist()]
-        if hi != lo:
+        hi, lo = t[:6].tolist(), [-v for v in t[6:].tolist()]
+        if hi[5] > 0:  # a rank could not attach
+            if failed:
+                return  # this rank raises its own error
+            raise RuntimeError(f"flashwatch: another rank of the group ({self.world_size} ranks) could not attach its "
+                               "Monitor (an exporter that could not open, a saved state that does not fit: that rank's "
+                               "error says which); every rank stops attaching, so that none waits for it in a "
+                               "monitored step's collective")
+        if hi[:4] != lo[:4]:
             raise ValueError(f"the ranks attached different attention layouts (layers {lo[0]:.0f} to {hi[0]:.0f}, "
-                             f"heads {lo[1]:.0f} to {hi[1]:.0f}; this rank: {self.heads}): every rank must attach the "
-                             "same model with the same MonitorConfig.layers")
+                             f"heads {lo[1]:.0f} to {hi[1]:.0f}; this rank: {self.heads}"
+                             f"{', ' + str(self.names) if self.names is not None else ''}): every rank must attach "
+                             "the same model with the same MonitorConfig.layers")
+        if hi[4] != lo[4]:
+            configs = [None] * self.world_size
+            dist.all_gather_object(configs, config, group=self.group)  # every rank is here: the same MAX said so
+            differ = sorted(k for k in configs[0] if any(c.get(k) != configs[0].get(k) for c in configs))
+            raise ValueError(f"the ranks attached with different MonitorConfig settings ({', '.join(differ)}; this "
+                             f"rank: {', '.join(f'{k}={config.get(k)!r}' for k in differ)}): every rank must use the "
+                             "same MonitorConfig (the settings decide when the ranks' collectives run and what "
+                             "every rank decides)")
         if self.local is not None:
             self._count_owners()
 
     def _count_owners(self) -> None:
         """Under tensor parallelism: how many ranks hold each head (one SUM all-reduce, at attach).
-        1 under tensor parallelism alone; the data-parallel replicas' count where both are in the group."""
+        1 under tensor parallelism alone; the data-parallel replicas' count where both are in the
+        group. A head that no rank of the group holds (a group without some tensor-parallel ranks,
+        such as the data-parallel group of a 2-D mesh) raises ``ValueError``."""
         mine = torch.zeros(self.num_heads, dtype=torch.float64)
         start = 0
         for (offset, n), h in zip(self.local, self.heads):
@@ -379,8 +446,9 @@ class Reducer:
         dist = _dist()
         t = mine.to(self._comm_device(mine))
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        self.owners = t.cpu().clamp_min(1.0)  # every head has an owner once the layouts agree (checked)
+        self.owners = t.cpu()
         self._owners_on = {}
+        check_owners(self.owners, self.heads)
 
     def owners_on(self, device: torch.device) -> torch.Tensor:
         """``owners`` on ``device``, copied there once (no copy on a monitored step)."""
@@ -407,13 +475,13 @@ class Reducer:
             buf = x.new_zeros(s + self.world_size * m)
             buf[:s] = x[:s]
             buf[s + self.rank * m: s + (self.rank + 1) * m] = x[s:]
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            _all_reduce(dist, buf, dist.ReduceOp.SUM, self.group)
             return buf
         head = x[:s].clone()
-        dist.all_reduce(head, op=dist.ReduceOp.SUM, group=self.group)
+        _all_reduce(dist, head, dist.ReduceOp.SUM, self.group)
         g = torch.nan_to_num(x[s:], nan=math.inf, posinf=math.inf, neginf=-math.inf)
         both = torch.cat([g, -g])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        _all_reduce(dist, both, dist.ReduceOp.MAX, self.group)
         return torch.cat([head, both])
 
     def sum_(self, t: torch.Tensor) -> None:
@@ -423,7 +491,7 @@ class Reducer:
         ``owners``)."""
         dist = _dist()
         x = t.to(self._comm_device(t))
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        _all_reduce(dist, x, dist.ReduceOp.SUM, self.group)
         if x is not t:
             t.copy_(x.to(t.device))
 

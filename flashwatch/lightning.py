@@ -221,6 +221,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_batches = 0
         self._grad_norm: torch.Tensor | None = None
+        self._plain_grads_replicated = False  # set per fit from the strategy (see _setup_distributed)
 
     # -- identity and state -------------------------------------------------------------------
 
@@ -263,12 +264,22 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
             # Created once: a later fit re-opens the same exporters (same port, same JSONL).
             # Only rank 0 exports: other ranks would fight over the port and the files
             # (per_rank_endpoints: every rank serves its own port).
-            if trainer.is_global_zero:
-                exporters = self._make_exporters(trainer)
-            elif self.per_rank_endpoints and self.port_requested is not None:
-                exporters = [self._make_prometheus(trainer)]
-            else:
-                exporters = []
+            failure, exporters = None, []
+            try:
+                if trainer.is_global_zero:
+                    exporters = self._make_exporters(trainer)
+                elif self.per_rank_endpoints and self.port_requested is not None:
+                    exporters = [self._make_prometheus(trainer)]
+            except Exception as exc:
+                failure = exc
+            # every rank stops alike (a run folder that holds a run, a port in use: rank 0's alone),
+            # so that no rank goes on into attach() and waits there for one that raised
+            if trainer.world_size > 1 and not trainer.strategy.reduce_boolean_decision(failure is None, all=True) \
+                    and failure is None:
+                raise RuntimeError("flashwatch: another rank could not create its exporters (its error says why: a "
+                                   "run_dir that holds a run, a port in use); every rank stops")
+            if failure is not None:
+                raise failure
             for e in exporters:
                 self.monitor.add_exporter(e)  # not attached yet: attach() opens them
             self._exporters_added = True
@@ -313,6 +324,9 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         # DDP: every rank's gradients are the all-reduced ones, so each rank's norm is the global
         # norm; a sharded strategy leaves each rank its shard's gradients: sqrt(sum of squares)
         self.monitor.set_sharding(_strategy_sharding(trainer.strategy))
+        # ModelParallelStrategy: the sharded gradients are DTensors, a plain one is a replicated
+        # parameter's; FSDPStrategy's (FSDP1) plain gradients are this rank's shard
+        self._plain_grads_replicated = type(trainer.strategy).__name__ == "ModelParallelStrategy"
         if trainer.world_size > 1:
             import torch.distributed as dist
 
@@ -372,14 +386,26 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         # Called after the (unscaled) gradients are final and before Lightning clips them.
         if not self.monitor.monitoring or self._grad_norm is not None:
             return
-        grads = [_local(p.grad.detach()) for p in pl_module.parameters() if p.grad is not None]
-        grads = [g for g in grads if g.numel()]  # FSDP: parameters outside this rank's shard have empty views
-        if grads:
-            # One fused norm kernel per device and dtype (as clip_grad_norm_), then the global
-            # L2 norm in FP32; the result stays on the device until the Monitor's one transfer.
-            norms = torch._foreach_norm(grads, 2)
-            device = norms[0].device
-            self._grad_norm = torch.linalg.vector_norm(torch.stack([n.to(device, torch.float32) for n in norms]), 2)
+        # Under a sharded model the ranks' norms are combined as sqrt(sum of squares): each rank
+        # counts a gradient once per copy of it in the group (``_copies``), so that a piece every rank
+        # holds (a replicated parameter beside tensor-parallel ones) adds up to its norm once.
+        sharded, world = self.monitor.sharding is not None, max(self.monitor.world_size, 1)
+        groups: dict[float, list[torch.Tensor]] = {}
+        for p in pl_module.parameters():
+            if p.grad is not None:
+                g = _local(p.grad.detach())
+                if g.numel():  # FSDP: parameters outside this rank's shard have empty views
+                    groups.setdefault(_copies(p.grad, world, self._plain_grads_replicated) if sharded else 1.0,
+                                      []).append(g)
+        if groups:
+            # One fused norm kernel per device and dtype (as clip_grad_norm_) and group of copies, then
+            # the L2 norm in FP32 (no host value: the result stays on the device until the one transfer)
+            squares = []
+            for copies, grads in groups.items():
+                norms = torch._foreach_norm(grads, 2)
+                device = norms[0].device
+                squares.append(torch.stack([n.to(device, torch.float32) for n in norms]).square().sum() / copies)
+            self._grad_norm = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt()
 
     def on_train_batch_end(self, trainer: "Trainer", pl_module: "LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -472,6 +498,21 @@ def _strategy_sharding(strategy: Any) -> str | None:
     if name.startswith("DeepSpeed") and getattr(strategy, "zero_stage_3", False):
         return "DeepSpeed ZeRO-3 partitions the weights"
     return None
+
+
+def _copies(grad: torch.Tensor, world: int, plain_replicated: bool) -> float:
+    """How many ranks of the Monitor's group (``world`` ranks) hold this gradient piece: a DTensor's
+    replicated mesh dimensions times the ranks outside its mesh; a plain tensor: every rank where
+    plain gradients are replicated (beside FSDP2 or tensor-parallel DTensors), else one (FSDP1's
+    flat-parameter shards are plain tensors)."""
+    placements, mesh = getattr(grad, "placements", None), getattr(grad, "device_mesh", None)
+    if placements is None or mesh is None:
+        return float(world) if plain_replicated else 1.0
+    copies = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return float(copies * max(world // mesh.size(), 1))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -281,8 +281,8 @@ class Monitor:
             split = any(layer.num_heads != layer.total_heads for layer in layers)  # tensor parallel: own heads
             reducer = Reducer(*group, [layer.total_heads for layer in layers], n_fields=len(FIELDS),
                               max_rows=layers[0].stats.max_rows(), grad_norm="l2" if sharding else "max",
-                              local=[(layer.head_offset, layer.num_heads) for layer in layers] if split else None)
-            reducer.check_layout()  # one small collective at attach; raises alike on every rank
+                              local=[(layer.head_offset, layer.num_heads) for layer in layers] if split else None,
+                              names=[layer.name for layer in layers])
             self._reducer, self.rank, self.world_size = reducer, group[1], group[2]
         router = Router(layers, beta=self.config.beta, eps=self.config.eps, on_error=self._error, root=model)
         router.monitoring = self._monitoring
@@ -296,11 +296,13 @@ class Monitor:
         self._closed = False
         self._held_runs = [str(getattr(e, "path", e.name)) for e in self._fan.exporters
                            if callable(getattr(e, "holds_run", None)) and e.holds_run()]
+        pending, self._pending_state = self._pending_state, None
+        resumed, self._detached_state = self._detached_state, None
+        failure = None
         try:
             self._fan.open(Layout(layers=[(layer.name, layer.total_heads) for layer in layers],
                                   config=self.config.to_dict()))
-            state, self._pending_state = self._pending_state, None
-            resumed, self._detached_state = self._detached_state, None
+            state = pending
             if state is None and resumed is not None and [(s["name"], s["num_heads"]) for s in resumed["layers"]] \
                     == [(layer.name, layer.total_heads) for layer in layers]:
                 state = resumed  # the same layers again (e.g. a second fit): carry on where detach() left off
@@ -309,9 +311,21 @@ class Monitor:
                 self.load_state_dict(state)
                 if state is resumed:
                     self._due_alerts, self._stops_due = due
-        except BaseException:
-            self.detach()
-            raise
+        except BaseException as exc:
+            failure = exc
+        if self._reducer is not None:
+            try:  # one small collective: the ranks' layouts and configs agree and every rank attached
+                self._reducer.check_layout(config=self.config.to_dict(), failed=failure is not None)
+            except BaseException as exc:
+                failure = failure if failure is not None else exc
+        if failure is not None:
+            # nothing stays attached; no collective here (a rank that failed alone would wait in it):
+            # the state this attach would have continued from is kept for the next one
+            self._router.remove()
+            self._router = None
+            self._unattached()
+            self._pending_state, self._detached_state = pending, resumed
+            raise failure
         if self._reporting:
             self._log_attached(sharding)
         return self.layers
@@ -321,9 +335,12 @@ class Monitor:
                  "" if len(self.layers) == 1 else "s", self.config.mode, self.config.interval,
                  ", ".join(f"{l.index}={l.name}" for l in self.layers))
         if self._reducer is not None:
+            chain = sum(c.flat_size for c in self._chains.chains)
             log.info("flashwatch: statistics, loss, gradient norm and W^Q norms are combined over %d ranks on "
-                     "monitored steps (%s); every rank must call monitor.step() once per optimizer step",
-                     self.world_size, self._reducer.describe())
+                     "monitored steps (%s%s); every rank must call monitor.step() once per optimizer step",
+                     self.world_size, self._reducer.describe(),
+                     f"; before it, the W^Q-gradient error's accumulators: 1 all-reduce (SUM) of {chain} float64 "
+                     f"({chain * 8 / 1024:.1f} KiB)" if chain else "")
         if sharding is not None:
             self._wq.log_placements(sharding)
         no_chain = [f"{l.index}={l.name} ({l.family})" for l in self.layers if l.chain is None]
@@ -636,23 +653,32 @@ class Monitor:
                 inverse_scale = torch.full((), math.nan, dtype=torch.float64, device=device)  # a fill: no copy
 
         def read() -> tuple[torch.Tensor, list[torch.Tensor]]:
+            # the collectives in here (the chain's accumulators, FSDP's power iteration) run on every
+            # rank whatever failed before them on this one: a failure is raised after them, so the
+            # rank sends its "failed" vector to the step's collective as the others send theirs
             self._chains.average(self._reducer)
-            if inverse_scale is not None:
-                self._chains.unscale_(inverse_scale)
-            # every layer at once: (len(STAT_FIELDS) + len(CHAIN_FIELDS), total heads), layers side by side
-            if self.layers:
-                stats = AttentionStats.packed_all([layer.stats for layer in self.layers])
+            failure, packed = None, None
+            try:
                 if inverse_scale is not None:
-                    stats = unscale_statistics(stats, inverse_scale.to(stats.device))
-                chains = self._chains.readings(self.layers, self.config.window).to(stats.device)
-                packed = torch.cat([stats, chains])
-            else:
-                packed = torch.zeros((len(FIELDS), 0), dtype=torch.float64)
+                    self._chains.unscale_(inverse_scale)
+                # every layer at once: (len(STAT_FIELDS) + len(CHAIN_FIELDS), total heads), layers side by side
+                if self.layers:
+                    stats = AttentionStats.packed_all([layer.stats for layer in self.layers])
+                    if inverse_scale is not None:
+                        stats = unscale_statistics(stats, inverse_scale.to(stats.device))
+                    chains = self._chains.readings(self.layers, self.config.window).to(stats.device)
+                    packed = torch.cat([stats, chains])
+                else:
+                    packed = torch.zeros((len(FIELDS), 0), dtype=torch.float64)
+            except Exception as exc:
+                failure = exc
             every = self.config.power_exact_every
             exact = bool(every) and self.monitored_steps % every == every - 1
             sigmas = self._wq.step(exact, self.config.power_iters, self._error,
                                    pairs=bool(self._chains.chains)) if self._wq is not None else []
             self._chains.update_pairs(self._wq)
+            if failure is not None:
+                raise failure
             return packed, sigmas
 
         codes = [VARIANT_CODE[layer.variant] for layer in self.layers]

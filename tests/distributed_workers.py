@@ -216,6 +216,64 @@ def _layout_mismatch(rank: int) -> str:
     return "attached"
 
 
+def _attach_refusals(rank: int) -> dict:
+    """What makes every rank refuse to attach, alike: another layer selected on each rank (same head
+    counts), another interval, an exporter that cannot open on rank 1 only. Each returns
+    (exception type, message) per scenario; nothing stays attached."""
+    from flashwatch.exporters.base import Exporter
+
+    class Broken(Exporter):
+        name = "broken"
+
+        def open(self, layout):
+            raise OSError("injected: cannot open on rank 1")
+
+    out = {}
+    for name, config, exporters in (
+            ("layers", MonitorConfig(layers=[rank]), []),
+            ("interval", MonitorConfig(interval=2 + 2 * rank), []),
+            ("exporter", MonitorConfig(), [Broken()] if rank == 1 else [])):
+        monitor = Monitor(config, exporters)
+        try:
+            monitor.attach(_tiny_gpt())
+            out[name] = ("attached", "")
+        except Exception as exc:
+            assert monitor.layers == [] and monitor._reducer is None and monitor._router is None
+            out[name] = (type(exc).__name__, str(exc))
+    return out
+
+
+def _fsdp2_failure(rank: int) -> dict:
+    """Under FSDP2 rank 1 cannot read its statistics at step 0: the power iteration on the shards still
+    runs its collectives on every rank, both ranks skip the step, and step 1 works (before: rank 1
+    skipped those collectives and gloo aborted the job on the mismatch)."""
+    from torch.distributed.fsdp import fully_shard
+
+    data = stdlib_corpus(100_000)
+    model = _tiny_gpt()
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(model)
+    for t in range(2):
+        x, y = sample_batch(data, 2, 32, generator=torch.Generator().manual_seed(t + 10 * rank))
+        model(x, y)[1].backward()
+        saved = AttentionStats.__dict__["packed_all"]
+        if rank == 1 and t == 0:
+            def broken(stats):
+                raise RuntimeError("injected failure on rank 1")
+            AttentionStats.packed_all = staticmethod(broken)
+        try:
+            monitor.step()
+        finally:
+            AttentionStats.packed_all = saved
+    out = {"errors": monitor.errors, "step": monitor.snapshot()["flashwatch_step"],
+           "sigma": monitor.snapshot()["flashwatch_wq_spectral_norm"]}
+    monitor.detach()
+    return out
+
+
 def _failure(rank: int) -> dict:
     """Rank 1 cannot read its statistics at step 0: every rank skips that step, nobody hangs, step 1 works."""
     data = stdlib_corpus(100_000)
@@ -281,6 +339,7 @@ def _plain_worker(rank: int, port: int, out: str) -> None:
     try:
         result = {"slots": _crafted(rank, "slots"), "two": _crafted(rank, "two"), "ddp": _ddp_run(rank), "ddp_scaled": _ddp_scaled(rank),
                   "repair": _repair(rank), "layout": _layout_mismatch(rank), "failure": _failure(rank), "fsdp2": _fsdp2(rank, messages),
+                  "refusals": _attach_refusals(rank), "fsdp2_failure": _fsdp2_failure(rank),
                   "messages": messages.messages}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:

@@ -124,10 +124,15 @@ def train(model: nn.Module, monitor: Monitor, data, *, clip: bool = True, resume
         loss = model(x, y)[1]
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) if clip else None
+        # the gradients' global norm where they are plain tensors (the unsharded reference runs)
+        plain = all(not hasattr(p.grad, "to_local") for p in model.parameters() if p.grad is not None)
+        true_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                                 if p.grad is not None]))) if plain else None
         opt.step()
         opt.zero_grad()
         monitor.step(loss=loss.detach(), grad_norm=grad_norm)
-        records.append({"snapshot": monitor.snapshot(), "wq": monitor.wq_spectral_norms(), "signals": monitor.signals()})
+        records.append({"snapshot": monitor.snapshot(), "wq": monitor.wq_spectral_norms(), "signals": monitor.signals(),
+                        "grad_norm": true_norm})
         if resume_at == len(records) - 1:
             import torch.distributed as dist
 

@@ -81,6 +81,18 @@ def test_monitor_reduces_across_two_gloo_processes(tmp_path):
     for r in (r0, r1):
         assert "the ranks attached different attention layouts" in r["layout"]
 
+    # every rank refuses alike: other layers (same head counts), another interval, an exporter that
+    # could not open on rank 1 alone (rank 0 is told; before, it attached and would wait for rank 1)
+    a, b = r0["refusals"], r1["refusals"]
+    for r in (a, b):
+        assert r["layers"][0] == "ValueError" and "different attention layouts" in r["layers"][1]
+        assert r["interval"][0] == "ValueError" and "different MonitorConfig settings (interval" in r["interval"][1]
+    assert a["exporter"][0] == "RuntimeError" and "another rank of the group" in a["exporter"][1]
+    assert b["exporter"] == ("OSError", "injected: cannot open on rank 1")
+    f0, f1 = r0["fsdp2_failure"], r1["fsdp2_failure"]
+    assert (f0["errors"], f1["errors"]) == (0, 1) and f0["step"] == f1["step"] == 1.0
+    assert f0["sigma"] == f1["sigma"] and all(math.isfinite(v) and v > 0 for v in f0["sigma"].values())
+
     assert r0["failure"]["new_alerts"] == r1["failure"]["new_alerts"] == [0, LAYERS * HEADS]
     assert (r0["failure"]["errors"], r1["failure"]["errors"]) == (0, 1)
     assert r0["failure"]["step"] == r1["failure"]["step"] == 1.0
@@ -332,3 +344,14 @@ def test_a_rank_that_raises_fails_the_test():
 
     with pytest.raises(Exception, match="exit code 1"):
         _run_ranks(_raising_worker, ())
+
+
+def test_a_head_without_a_rank_in_the_group_is_refused():
+    """Tensor parallelism with a Monitor group that lacks some tensor-parallel ranks (the data-parallel
+    group of a 2-D mesh): heads that no rank of the group holds are refused at attach (before: read
+    -inf W^Q and 0 delta error, with non_finite alerts that differed between the ranks)."""
+    from flashwatch.distributed import check_owners
+
+    check_owners(torch.tensor([1.0, 1.0, 2.0, 2.0]), [4])
+    with pytest.raises(ValueError, match=r"layer 1 heads \[2, 3\] have no rank in it"):
+        check_owners(torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]), [4, 4])

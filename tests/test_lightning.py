@@ -311,6 +311,25 @@ def test_a_run_dir_that_holds_a_run_is_refused_unless_appending(loader, tmp_path
         FlashWatchCallback(append="yes")
 
 
+def test_a_rank_is_told_when_another_could_not_create_its_exporters(tmp_path):
+    """Under several ranks only rank 0 makes the exporters (a run_dir that holds a run, a port in use
+    fail there alone); the ranks decide together, so a rank whose own exporters were fine raises too
+    instead of going on into attach() and waiting there for rank 0 (before: it waited until the
+    process group's timeout). A stand-in trainer: rank 1 of 2, told that another rank failed."""
+    class Strategy:
+        def reduce_boolean_decision(self, decision, all=True):
+            assert decision is True and all
+            return False  # another rank's decision was False
+
+    class Rank1:
+        world_size, is_global_zero, strategy = 2, False, Strategy()
+
+    watch = FlashWatchCallback(run_dir=tmp_path, port=None, console=None)
+    with pytest.raises(RuntimeError, match="another rank could not create its exporters"):
+        watch.on_fit_start(Rank1(), LitGPT())
+    assert watch.monitor.layers == []
+
+
 def test_a_loss_scaled_run_reads_true_units_and_skipped_steps_as_not_measured(loader, tmp_path):
     """The trainer's GradScaler (Lightning's 16-mixed precision plugin, here on the CPU) goes to the
     Monitor: with a first scale that overflows the gradients, the skipped step is not measured
