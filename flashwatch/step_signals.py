@@ -217,7 +217,8 @@ class _Block:
         nan = np.full((nl, h), np.nan)
 
         # a head whose scores were not finite (NaN or inf: its max logit says so) has no repeated
-        # maxima to count: a comparison with NaN is false, so its rows would read as none repeated
+        # maxima to count: a comparison with NaN is false, so its rows would read as none repeated.
+        # (Not the delta error's NaN: a NaN loss makes every head's NaN, scores finite or not.)
         scored = counted & np.isfinite(f["max_logit"])
 
         def ratio(name: str) -> np.ndarray:

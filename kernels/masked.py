@@ -110,10 +110,12 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
             stats.rows.add_(valid.sum(-1))
             stats.repeated_max_rows.add_(tied.sum(-1))
             stats.repeated_max_rows_bf16.add_(tied_bf16.sum(-1))
-            # P through the log-sum-exp, as the plain statistics pass computes it; rows left out are 0
+            # P as the statistics pass computes it, exp(s - m) over its row sum (not exp(s - lse),
+            # which carries lse's rounding: reference._statistics says why); rows left out are 0
             shift = torch.where(valid, m1, torch.zeros_like(m1))[..., None]
-            lse = shift + torch.log(torch.exp(s - shift).sum(-1, keepdim=True).clamp_min(torch.finfo(cd).tiny))
-            p = torch.where(valid[..., None], torch.exp(s - lse), torch.zeros_like(s))
+            e = torch.exp(s - shift)
+            p = torch.where(valid[..., None], e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(cd).tiny),
+                            torch.zeros_like(s))
             do = grad_out[b].to(cd)
             dp = torch.matmul(do, vb.transpose(-1, -2))
             err = torch.where(valid, (do * out[b].to(cd)).sum(-1) - (p * dp).sum(-1), torch.zeros_like(m1))

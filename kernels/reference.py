@@ -14,7 +14,9 @@ Numerics, as the FlashAttention-2 style Triton kernel computes them:
   the forward in the input dtype; dS = P * (dP - delta_used); P and dS are rounded to the input
   dtype for the dV, dQ, dK products, as the kernel feeds them to the tensor cores.
 - statistics: see ``stats.AttentionStats``; delta_hp = rowsum(P * dP), the delta of the exact
-  softmax output in FP32. The per-row outputs of ``AttentionStats.rows_hook``: delta_used -
+  softmax output in FP32; the own kernel's backward takes P through lse as above, the statistics
+  pass of observe mode (``attention_statistics``) as exp(s - m) over its row sum, which at max
+  logits in the thousands keeps the delta error to FP32's accuracy where lse's rounding does not. The per-row outputs of ``AttentionStats.rows_hook``: delta_used -
   delta_hp and P K, an FP32 product of the FP32 P (float64 inputs: computed in float64), always
   handed to the hook (a hook's ``reduction``, which the Triton kernels apply in-kernel, is not
   used here: the hook reduces the rows itself, e.g. ``flashwatch.chain.LayerChain.add_rows``).
@@ -285,9 +287,11 @@ def _statistics(q, k, v, out, grad_out, stats, causal, sm_scale, eps):
     _add_max_logit(stats, m1)
     _add_row_counts(stats, tied, tied_bf16, format_tie_flags(m1, m2, stats.unit_gap))
     cd = s.dtype
-    # P through the log-sum-exp, exactly as the own-kernel backward recomputes it
-    lse = m1 + torch.log(torch.exp(s - m1.unsqueeze(-1)).sum(-1))
-    p = torch.exp(s - lse.unsqueeze(-1))
+    # P as the statistics pass computes it: exp(s - m) over its row sum. Through the log-sum-exp,
+    # exp(s - lse) would carry lse's rounding, |lse| 2^-24 of every P: at max logits in the
+    # thousands a sizeable part of the delta error, itself a rounding residue
+    e = torch.exp(s - m1.unsqueeze(-1))
+    p = e / e.sum(-1, keepdim=True)
     do = grad_out.to(cd)
     dp = torch.matmul(do, _expand_kv(v, q.shape[1]).to(cd).transpose(-1, -2))
     delta_hp = (p * dp).sum(-1)
