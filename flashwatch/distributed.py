@@ -421,7 +421,8 @@ class Reducer:
             raise ValueError(f"the ranks attached different attention layouts (layers {lo[0]:.0f} to {hi[0]:.0f}, "
                              f"heads {lo[1]:.0f} to {hi[1]:.0f}; this rank: {self.heads}"
                              f"{', ' + str(self.names) if self.names is not None else ''}): every rank must attach "
-                             "the same model with the same MonitorConfig.layers")
+                             "the same model with the same MonitorConfig.layers (pipeline stages: one Monitor per "
+                             "stage, process_group= the stage's data-parallel group; docs/DISTRIBUTED.md)")
         if hi[4] != lo[4]:
             configs = [None] * self.world_size
             dist.all_gather_object(configs, config, group=self.group)  # every rank is here: the same MAX said so

@@ -380,3 +380,32 @@ def _raising_worker(rank: int) -> None:
     """Rank 1 raises: what ``_run_ranks`` must not hide."""
     if rank == 1:
         raise ValueError("rank 1 failed on purpose")
+
+
+def _pipeline_worker(rank: int, port: int, out: str) -> None:
+    """Four ranks as two pipeline stages of two data-parallel replicas: stage = rank % 2 holds block
+    `stage` of the model; each stage's Monitor reduces over its replicas (``process_group=`` the
+    stage's group). Saves each rank's snapshot and layer names."""
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    stage = rank % 2
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group, in order
+    block = _tiny_gpt().transformer.h[stage]
+    monitor = Monitor(MonitorConfig(interval=1), process_group=groups[stage])
+    monitor.attach(nn.ModuleDict({f"h{stage}": block}))
+    for t in range(2):
+        x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(100 * t + rank))
+        block(x).pow(2).mean().backward()
+        for p in block.parameters():  # the replicas' mean gradient, as DDP within a stage would
+            dist.all_reduce(p.grad, group=groups[stage])
+            p.grad /= 2
+        torch.optim.SGD(block.parameters(), lr=0.1).step()
+        block.zero_grad()
+        monitor.step()
+    torch.save({"snapshot": monitor.snapshot(), "layers": [layer.name for layer in monitor.layers],
+                "world": monitor.world_size, "errors": monitor.errors}, os.path.join(out, f"rank{rank}.pt"))
+    monitor.detach()

@@ -355,3 +355,18 @@ def test_a_head_without_a_rank_in_the_group_is_refused():
     check_owners(torch.tensor([1.0, 1.0, 2.0, 2.0]), [4])
     with pytest.raises(ValueError, match=r"layer 1 heads \[2, 3\] have no rank in it"):
         check_owners(torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]), [4, 4])
+
+
+def test_pipeline_stages_each_with_a_monitor_over_its_replicas(tmp_path):
+    """Pipeline parallelism, as docs/DISTRIBUTED.md says to monitor it: one Monitor per stage over the
+    stage's data-parallel replicas (ranks 0 and 2 hold block 0, ranks 1 and 3 block 1): each stage's
+    replicas see one combined view of their own layer, and the stages stay apart."""
+    from distributed_workers import _pipeline_worker
+
+    _run_ranks(_pipeline_worker, (_free_ports(), str(tmp_path)), nprocs=4, timeout=120)
+    r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(4)]
+    assert [x["layers"] for x in r] == [["h0.attn"], ["h1.attn"], ["h0.attn"], ["h1.attn"]]
+    assert all(x["world"] == 2 and x["errors"] == 0 for x in r)
+    _same(r[0]["snapshot"], r[2]["snapshot"], "stage 0's replicas")
+    _same(r[1]["snapshot"], r[3]["snapshot"], "stage 1's replicas")
+    assert r[0]["snapshot"]["flashwatch_max_logit"] != r[1]["snapshot"]["flashwatch_max_logit"]
