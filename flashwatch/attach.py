@@ -112,7 +112,7 @@ class AttentionLayer:
         self.rotary = any(f.rotary for f in FAMILIES if f.name == self.family) and _rotates_queries(self.module)
         if self.placement is None:
             self.placement = getattr(self.query_weight_fn, "placement", None)
-        if self.placement is not None and self.placement.kind == "tensor_parallel":
+        if self.placement is not None and self.placement.heads_group is not None:  # tensor parallel
             self.head_offset = self.placement.head_offset
             self.total_heads = self.placement.shape[0]
         if not self.total_heads:

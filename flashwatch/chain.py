@@ -598,8 +598,8 @@ class Chains:
         """A layer's chain for its query weight of ``shape`` (this rank's heads, D, C) on ``device``,
         or None where it is not defined: a family without one, or a ``placement``
         (``AttentionLayer.placement_kind``) other than a whole weight, FSDP's shards (every rank
-        computes every head's full rows) or tensor parallelism (a rank computes its heads' rows:
-        ``head_offset`` of ``total_heads``). The ranks' accumulators of a head average over the
+        computes its heads' full rows) or tensor parallelism (a rank computes its heads' rows:
+        ``head_offset`` of ``total_heads``; also under FSDP2). The ranks' accumulators of a head average over the
         ranks that hold it, as under DDP."""
         if placement not in ("whole", "fsdp", "tensor_parallel") or family not in CHAIN_FAMILIES:
             return None
@@ -672,7 +672,7 @@ class Chains:
             whole = t.new_zeros((c.total_heads, *t.shape[1:]))
             whole[c.head_offset: c.head_offset + c.num_heads] = t
             full.append(whole.to(c.device))
-        full = all_reduce_sum(full, layer.placement.group)
+        full = all_reduce_sum(full, layer.placement.heads_group)
         return {k: t.cpu().to(state[k].dtype).clone() for k, t in zip(keys, full)}
 
     def unscale_(self, inverse_scale: torch.Tensor) -> None:

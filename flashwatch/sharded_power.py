@@ -8,7 +8,8 @@ each completed by one SUM all-reduce over the shard group, batched over every la
 group; the Rayleigh-Ritz estimate needs one more y: 2 * ``power_iters`` + 1 all-reduces of
 sum_layers H * (D + C) * k float32 per monitored step. No rank gathers a weight; the vectors
 and norms are bitwise identical on every rank (they are computed from all-reduce results), and
-equal to an unsharded run's up to float32 summation order.
+equal to an unsharded run's up to float32 summation order. Under FSDP2 over tensor parallelism
+the same runs on the heads of each rank's tensor-parallel shard, over the data-parallel group.
 
 The exact norms (``power_exact_every``, ``Monitor.wq_spectral_norms(exact=True)``) and the
 start vectors at attach need each head's SVD: there, and only there, a layer's W^Q is
@@ -135,14 +136,14 @@ class _Member:
     def __init__(self, layer: Any):
         self.layer = layer
         self.placement: QueryPlacement = layer.placement
-        self.h, self.d, self.c = self.placement.shape
+        self.h, self.d, self.c = self.placement.local_shape  # this rank's heads (all, unless tensor parallel)
         self.power: PowerIteration | None = None
         self.y: torch.Tensor | None = None  # W V (H, D, k) for the current vectors: the W^Q-error chain's pair
 
     def blocks(self) -> list[Block]:
         p = self.placement
         values, start = p.locate(self.layer.module)
-        return query_blocks(values, start, p.param_shape, p.transposed, p.shape)
+        return query_blocks(values, start, p.param_shape, p.transposed, p.local_shape)
 
     def nan(self, *shape: int, device: torch.device) -> torch.Tensor:
         return torch.full(shape, math.nan, dtype=torch.float32, device=device)

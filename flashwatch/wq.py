@@ -235,16 +235,15 @@ class WqNorms:
         return dict(sorted(out.items()))
 
     def state_of(self, layer: AttentionLayer) -> dict | None:
-        """The layer's vectors as plain CPU tensors, every head's. Under tensor parallelism this
-        gathers the ranks' heads (one all-reduce over the tensor-parallel group): call it on every
-        rank of that group (``Monitor.state_dict()`` and ``detach()`` do)."""
+        """The layer's vectors as plain CPU tensors, every head's. Under tensor parallelism (alone
+        or under FSDP2) this gathers the ranks' heads (one all-reduce over the tensor-parallel
+        group): call it on every rank of that group (``Monitor.state_dict()`` and ``detach()`` do)."""
         for group in self.groups:
             if layer in group.layers:
-                state = group.state_of(group.layers.index(layer))
-                return _all_heads(layer, state) if layer.placement_kind == "tensor_parallel" else state
+                return _all_heads(layer, group.state_of(group.layers.index(layer)))
         if layer in self.sharded:
             state = self.sharded.power_of(layer).state_dict()
-            return {"v": state["v"], "sigma": state["sigma"]}
+            return _all_heads(layer, {"v": state["v"], "sigma": state["sigma"]})
         if self.skip is not None or layer.index in self.unsupported:
             return None  # W^Q not measured: no power iteration
         raise KeyError(layer.index)
@@ -258,7 +257,8 @@ class WqNorms:
             if all(p is not None for p in mine):
                 todo.append((group.power, {"v": torch.cat([s["v"] for s in mine]),
                                            "sigma": torch.cat([s["sigma"] for s in mine])}))
-        todo += [(m.power, powers[m.layer.index]) for m in self.sharded.members if powers[m.layer.index] is not None]
+        todo += [(m.power, _own_heads(m.layer, powers[m.layer.index])) for m in self.sharded.members
+                 if powers[m.layer.index] is not None]
         for power, state in todo:
             power.check_state(state)
         for power, state in todo:
@@ -270,14 +270,17 @@ def _raise(kind: str, exc: BaseException) -> None:
 
 
 def _all_heads(layer: AttentionLayer, state: dict) -> dict:
-    """A tensor-parallel layer's state with every rank's heads (zeros elsewhere, summed over the group)."""
+    """The layer's state with every head: as it is, or under tensor parallelism every rank's heads
+    (zeros elsewhere, summed over the tensor-parallel group)."""
     from .sharded_power import all_reduce_sum
 
     off, n, h = layer.head_offset, layer.num_heads, layer.total_heads
+    if n == h:
+        return state
     v = state["v"].new_zeros((h, *state["v"].shape[1:]))
     sigma = state["sigma"].new_zeros(h)
     v[off: off + n], sigma[off: off + n] = state["v"], state["sigma"]
-    v, sigma = all_reduce_sum([v, sigma], layer.placement.group)
+    v, sigma = all_reduce_sum([v, sigma], layer.placement.heads_group)
     return {"v": v.cpu().clone(), "sigma": sigma.cpu().clone()}
 
 

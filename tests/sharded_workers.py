@@ -1,5 +1,6 @@
-"""Helpers of tests/test_sharded.py: rank workers for FSDP2, FSDP1 and tensor parallelism on the CPU
-(gloo), each run beside an unsharded run of the same model on the same global batch.
+"""Helpers of tests/test_sharded.py: rank workers for FSDP2, FSDP1, tensor parallelism and FSDP2 over
+tensor parallelism on the CPU (gloo), each run beside an unsharded run of the same model on the
+same global batch.
 
 Without Lightning, so that the spawned processes import only torch and flashwatch.
 """
@@ -190,6 +191,45 @@ def run_case(case: str, rank: int | None, resume_at: int | None = None) -> dict:
             parallelize_module(block.attn, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
                                                   "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
     return train(model, Monitor(config), data, clip=not tp, resume_at=resume_at)
+
+
+def run_mesh_case(rank: int | None, resume_at: int | None = None) -> dict:
+    """FSDP2 over tensor parallelism on a 2 x 2 mesh (torchtitan's layout: colwise q/k/v, rowwise
+    output, then ``fully_shard`` of each block and the model over the data-parallel dimension):
+    each rank holds half of its two heads' query rows; the data-parallel ranks take their own
+    batches (rank None: the unsharded run of both batches)."""
+    config = MonitorConfig(interval=1, warmup=1, window=2)
+    model = LlamaStyleLM(width=64, heads=4)
+    if rank is None:
+        return train(model, Monitor(config, process_group=None), batches(None), clip=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for block in model.h:
+        parallelize_module(block.attn, mesh["tp"], {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                                    "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+    for block in model.h:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return train(model, Monitor(config), batches(mesh["dp"].get_local_rank()), clip=False, resume_at=resume_at)
+
+
+def mesh_worker(rank: int, port: int, out: str) -> None:
+    """``run_mesh_case`` on 4 ranks (dp 2 x tp 2), uninterrupted and resumed after step 0."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        result = {"mesh": run_mesh_case(rank), "resumed": run_mesh_case(rank, resume_at=0)}
+        if rank == 0:
+            result["unsharded"] = run_mesh_case(None)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
 
 
 CASES = ("fsdp2_nanogpt", "fsdp2_llama", "fsdp1", "tp") + \

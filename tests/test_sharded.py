@@ -1,5 +1,6 @@
-"""Sharded training on the CPU (gloo, 2 processes): FSDP2, FSDP1 and tensor parallelism give the
-per-head values of an unsharded run of the same model on the same global batch.
+"""Sharded training on the CPU (gloo, 2 processes; 4 for FSDP2 over tensor parallelism): FSDP2, FSDP1,
+tensor parallelism and the two on a 2 x 2 mesh give the per-head values of an unsharded run of
+the same model on the same global batch.
 
 Cases (tests/sharded_workers.py): FSDP2 on nanoGPT (fused q/k/v rows: the query rows all on rank
 0, rank 1 holds none), FSDP2 on a Llama-style model with 3 heads of 16 (the shard boundary cuts
@@ -28,7 +29,7 @@ import math
 import pytest
 import torch
 from distributed_workers import _free_ports, _run_ranks, _same
-from sharded_workers import AUTO_FIX, CASES, UNSUPPORTED, close, per_head, worker
+from sharded_workers import AUTO_FIX, CASES, UNSUPPORTED, close, mesh_worker, per_head, worker
 
 from flashwatch.sharded_power import _matvec, _rmatvec, query_blocks
 
@@ -88,10 +89,13 @@ def test_sharded_run_equals_unsharded_run(ranks, case):
             # shards, equal the unsharded run's; the true gradient's push comes from the query's
             # gradient here and from W^Q's own there (float32 sums in another order). The
             # Llama-layout model of these cases takes no rotation: measured as it is, unrotated.
+            # A head whose push nearly cancels (10^4 below the layer's others) magnifies the pair's
+            # float32 rounding in relative terms: the absolute slack is 1e-6 of the step's largest.
             for name in CHAIN:
+                scale = max(abs(v) for v in theirs[name].values())
                 for key, v in theirs[name].items():
                     assert math.isfinite(v), (case, name, key, v)
-                    assert close(mine[name][key], v, 1e-4), (case, name, key, mine[name][key], v)
+                    assert close(mine[name][key], v, 1e-4, 1e-6 * scale), (case, name, key, mine[name][key], v)
     # the power-iteration state: every head's vectors, identical on both ranks (FSDP: replicated;
     # tensor parallelism: gathered), so that a checkpoint written by one rank resumes every rank
     _same(a["state"]["layers"], b["state"]["layers"], f"{case} state")
@@ -150,6 +154,59 @@ def test_tensor_parallel_ranks_decide_alike_under_global_head_indices(ranks):
     assert [(step, layer) for step, layer, _ in a["decisions"]["switches"]] == [(0, 0), (0, 1)]
     for x, y in zip(a["records"], b["records"]):
         _same(x["snapshot"], y["snapshot"], "tensor-parallel snapshots with auto_fix")
+
+
+@pytest.fixture(scope="module")
+def mesh_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mesh")
+    _run_ranks(mesh_worker, (_free_ports(), str(out)), nprocs=4, timeout=240)
+    return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4))
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_over_tensor_parallel_equals_unsharded_run(mesh_ranks):
+    """FSDP2 over tensor parallelism (2 x 2 mesh): every head measured under its global index, the
+    four ranks' snapshots bitwise one view, equal to the unsharded run's within the tolerances of
+    FSDP and tensor parallelism alone (module docstring); the W^Q norms from the power iteration
+    on each tensor-parallel shard's FSDP pieces."""
+    records = [r["mesh"] for r in mesh_ranks]
+    whole = mesh_ranks[0]["unsharded"]
+    for r in records:
+        assert r["kinds"] == ["fsdp", "fsdp"] and r["errors"] == 0
+    for t, ref in enumerate(whole["records"]):
+        for other in records[1:]:
+            _same(records[0]["records"][t]["snapshot"], other["records"][t]["snapshot"], f"step {t}: snapshots")
+        mine, theirs = per_head(records[0]["records"][t]["snapshot"]), per_head(ref["snapshot"])
+        for name in STABLE + COUNTS:
+            assert mine[name].keys() == theirs[name].keys() and len(theirs[name]) == 8, name
+            for key, v in theirs[name].items():
+                assert math.isfinite(v)
+                assert close(mine[name][key], v, 0.0 if name in COUNTS else 1e-5), (t, name, key, mine[name][key], v)
+        true, ref_true = records[0]["records"][t]["signals"]["wq_error_push_true"], ref["signals"]["wq_error_push_true"]
+        assert true.keys() == ref_true.keys()
+        for key, v in ref_true.items():
+            assert v != 0 and close(true[key], v, 1e-4), (t, key, true[key], v)
+        for name in CHAIN + ("flashwatch_wq_error_alignment", "flashwatch_wq_error_coherence"):
+            for key, v in theirs[name].items():
+                assert math.isfinite(mine[name][key]) == math.isfinite(v), (t, name, key, mine[name][key], v)
+    for r in records[1:]:  # every head's vectors on every rank: one rank's checkpoint resumes all
+        _same(records[0]["state"]["layers"], r["state"]["layers"], "state")
+    for mine, ref in zip(records[0]["state"]["layers"], whole["state"]["layers"]):
+        assert mine["power"]["v"].shape == ref["power"]["v"].shape
+        assert torch.allclose(mine["power"]["sigma"], ref["power"]["sigma"], rtol=1e-5)
+    exact = {k: v for r in records for k, v in r["exact"].items()}  # each rank its own heads
+    assert exact.keys() == whole["exact"].keys()
+    for key, v in whole["exact"].items():
+        assert close(exact[key], v, 1e-5), key
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_over_tensor_parallel_resumes_exactly(mesh_ranks):
+    for r in mesh_ranks:
+        assert r["resumed"]["errors"] == 0
+        for t, (x, y) in enumerate(zip(r["mesh"]["records"], r["resumed"]["records"])):
+            _same(x["snapshot"], y["snapshot"], f"step {t}")
+        _same(r["mesh"]["state"], r["resumed"]["state"], "state")
 
 
 def _dense(blocks, shape):
