@@ -99,8 +99,8 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     ``out`` (B, H, N, D) that some other kernel computed and saved for its backward, and that
     output's gradient ``grad_out``: rows, repeated-max counts (FP32 and BF16 scores), the max
     logit, and the delta-error sums of rowsum(grad_out * out) - rowsum(P * dP) (P as exp(s - m)
-    over its row sum; the own kernel's backward takes it through the log-sum-exp, whose rounding
-    at max logits in the thousands the pass does not carry). Runs the Triton
+    over its row sum; the own kernel's backward divides by rowsum(P) instead, which takes out the
+    log-sum-exp's rounding: both keep the delta error at max logits in the thousands). Runs the Triton
     statistics kernel on CUDA (reads the bf16 inputs, accumulates in FP32, no N x N tensor)
     and the reference on the CPU. No host synchronisation. If ``stats.rows_hook`` is set, it is
     called once, before this returns, with the per-row delta errors and P K

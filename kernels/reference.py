@@ -14,9 +14,10 @@ Numerics, as the FlashAttention-2 style Triton kernel computes them:
   the forward in the input dtype; dS = P * (dP - delta_used); P and dS are rounded to the input
   dtype for the dV, dQ, dK products, as the kernel feeds them to the tensor cores.
 - statistics: see ``stats.AttentionStats``; delta_hp = rowsum(P * dP), the delta of the exact
-  softmax output in FP32; the own kernel's backward takes P through lse as above, the statistics
-  pass of observe mode (``attention_statistics``) as exp(s - m) over its row sum, which at max
-  logits in the thousands keeps the delta error to FP32's accuracy where lse's rounding does not. The per-row outputs of ``AttentionStats.rows_hook``: delta_used -
+  softmax output in FP32; the own kernel's backward takes it as rowsum(P * dP) / rowsum(P) with
+  P through lse as above (the row sum takes out lse's FP32 rounding, a factor common to the row),
+  the statistics pass of observe mode (``attention_statistics``) with P as exp(s - m) over its
+  row sum: at max logits in the thousands both keep the delta error to FP32's accuracy. The per-row outputs of ``AttentionStats.rows_hook``: delta_used -
   delta_hp and P K, an FP32 product of the FP32 P (float64 inputs: computed in float64), always
   handed to the hook (a hook's ``reduction``, which the Triton kernels apply in-kernel, is not
   used here: the hook reduces the rows itself, e.g. ``flashwatch.chain.LayerChain.add_rows``).
@@ -216,7 +217,9 @@ def backward(grad_out, q, k, v, out, lse, residual, causal, sm_scale, eps, stats
     if stats is not None:
         m1, m2 = row_top2(s)  # the forward's scores, computed again
         tied, tied_bf16 = tie_flags(m1, m2, eps)
-        err = delta_used - (p * dp).sum(-1)  # delta_used - delta_hp
+        # delta_hp over P's own row sum: exp(s - lse) carries lse's FP32 rounding (|lse| 2^-24), a
+        # factor common to the row that the sum takes out (as the Triton dQ pass does)
+        err = delta_used - (p * dp).sum(-1) / p.sum(-1)  # delta_used - delta_hp
         _add_row_counts(stats, tied, tied_bf16, format_tie_flags(m1, m2, stats.unit_gap))
         _add_delta_stats(stats, err, tied)
         _report_rows(stats, err, p, k)

@@ -603,7 +603,7 @@ def _bf16_lower_bound(t, EXACT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
+def _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
                   offs_m, offs_d,
                   lo, hi, N, sm_scale, qk_scale,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, STATS: tl.constexpr,
@@ -622,12 +622,15 @@ def _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tf
             nfmt = _count_into(qk >= tfmt[:, None], nfmt, UPCAST)  # P_bar rounds to 1 in the format
         dp = _dot(do, tl.trans(v), IEEE, UPCAST)
         if STATS:
-            dhp += tl.sum(p * dp, 1)  # delta of the exact softmax output, FP32
+            # delta of the exact softmax output, FP32: sum P dP over sum P at the end, which takes
+            # out lse's rounding (|lse| 2**-24 of every P, common to the row)
+            dhp += tl.sum(p * dp, 1)
+            psum += tl.sum(p, 1)
         if ROWS:
             pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
         ds = p * (dp - delta[:, None])
         dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
-    return dq, dhp, n32, nb16, nfmt, pk
+    return dq, dhp, psum, n32, nb16, nfmt, pk
 
 
 @triton.jit
@@ -643,7 +646,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     # It first computes delta_used = rowsum(dO * O) (O + R under fp32_delta) for its rows and
     # stores it for the dK/dV kernel, which runs after it: no separate delta launch, and dO is
     # read once for both. With STATS it also counts repeated maxima against the row max the
-    # forward stored, and accumulates delta_hp = rowsum(P * dP) beside dS. With ROWS (needs
+    # forward stored, and accumulates delta_hp = rowsum(P * dP) / rowsum(P) beside dS. With ROWS (needs
     # STATS) it also stores each row's delta error and P K ((B, H, N) and (B, H, N, D) FP32,
     # contiguous), the per-row outputs of AttentionStats.rows_hook; with REDUCE (needs ROWS) it
     # reduces them into the W^Q-error chain's sums instead (_reduce_rows): nothing per row stored.
@@ -665,6 +668,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     v_base = _head(V, b, kvh, svb, svh)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dhp = tl.zeros([BLOCK_M], tl.float32)
+    psum = tl.zeros([BLOCK_M], tl.float32)  # sum of P: 1 up to lse's rounding
     # counts of near-max scores, FP32 and BF16 tests; every column holds the row's count
     n32 = tl.zeros([BLOCK_M, 16], tl.float32)
     nb16 = tl.zeros([BLOCK_M, 16], tl.float32)
@@ -683,22 +687,22 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         tfmt = lse
     qk_scale = sm_scale * 1.4426950408889634
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
-    dq, dhp, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt,
-                                                 k_base, v_base,
-                                           skn, svn, offs_m, offs_d, 0, split, N, sm_scale, qk_scale,
-                                           BLOCK_N, False, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
+                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, 0, split,
+                                                       N, sm_scale, qk_scale, BLOCK_N, False, CAUSAL, STATS, ROWS,
+                                                       DTYPE, IEEE, UPCAST, EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
-    dq, dhp, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt,
-                                                 k_base, v_base,
-                                           skn, svn, offs_m, offs_d, split, hi, N, sm_scale, qk_scale,
-                                           BLOCK_N, True, CAUSAL, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
+                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, split, hi,
+                                                       N, sm_scale, qk_scale, BLOCK_N, True, CAUSAL, STATS, ROWS,
+                                                       DTYPE, IEEE, UPCAST, EXACT_BF16)
     # dQ (B, H, N, D), strides sdqb, sdqh, sdqn (the launcher's grads_like)
     _store_rows(_head(DQ, b, h, sdqb, sdqh), offs_m, sdqn, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))
     if STATS:
         tied = (tl.max(n32, 1) >= 2.0) & row_ok
         tied_b = (tl.max(nb16, 1) >= 2.0) & row_ok
         tied_f = (tl.max(nfmt, 1) >= 2.0) & row_ok
-        err = tl.where(row_ok, delta - dhp, 0.0)
+        err = tl.where(row_ok, delta - dhp / tl.where(psum > 0.0, psum, 1.0), 0.0)
         _add_row_statistics(ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, tied_b, tied_f, err)
         if ROWS:
             if REDUCE:  # pk is 0 on rows >= N: their q, dO (so P's dP) and err are 0

@@ -258,3 +258,35 @@ def _check_row_sums(err, stats):
     assert ((got - want).abs() <= 1e-5 * err.double().abs().sum(dim=(0, 2)) + 1e-9).all(), (got, want)
     torch.testing.assert_close(err.double().abs().sum(dim=(0, 2)), stats.delta_error_abs.double(), rtol=1e-5,
                                atol=1e-9)
+
+
+def delta_error_at_scale(scale: float, attention=flash_attention, statistics=None, seed: int = 7):
+    """The delta-error sums per head of the own kernel (``attention``, its backward's statistics) and,
+    with ``statistics``, of observe mode's pass fed its output, with float64's (delta_used from the
+    BF16 output, delta_hp of the exact softmax) and the max logit: (own, observed or None, truth,
+    max logit). Queries scaled by ``scale`` (max logit ~3.8 at 1, ~1,150 at 300); causal, GQA."""
+    B, H, Hkv, N, D = 2, 4, 2, 33, 64
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, N, D, generator=g) for h in (H, Hkv, Hkv))
+    q = (q * scale).bfloat16().requires_grad_(True)
+    k, v = k.bfloat16(), v.bfloat16()
+    own = AttentionStats(H, "cpu")
+    out = attention(q, k, v, stats=own)
+    grad = torch.randn(out.shape, generator=g).bfloat16()
+    out.backward(grad)
+    seen = None
+    if statistics is not None:
+        seen = AttentionStats(H, "cpu")
+        statistics(q.detach(), k, v, out.detach(), grad, seen)
+    s = q.detach().double() @ expand_kv(k.double(), H).transpose(-1, -2) / D ** 0.5
+    p = torch.softmax(s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf")), -1)
+    dp = grad.double() @ expand_kv(v.double(), H).transpose(-1, -2)
+    rows = (grad.double() * out.detach().double()).sum(-1) - (p * dp).sum(-1)  # (B, H, N)
+    return own, seen, (rows.sum((0, 2)), rows.abs().sum((0, 2))), float(own.max_logit.max())
+
+
+def worst_relative_error(stats: AttentionStats, truth: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """The largest error of a head's delta-error sum against float64's, relative to float64's sum of
+    |row errors| (a head's sum can cancel to near 0, where a plain relative error means nothing)."""
+    total, scale = truth
+    return float(((stats.delta_error.double() - total).abs() / scale).max())

@@ -12,8 +12,8 @@ import torch
 
 from flashwatch.kernels import AttentionStats, attention_statistics, faults, flash_attention, reference
 from attention_oracles import max_err
-from kernel_cases import (check_against_float64, check_statistics, planted_near_ties, planted_ties,
-                          random_qkv)
+from kernel_cases import (check_against_float64, check_statistics, delta_error_at_scale, planted_near_ties,
+                          planted_ties, random_qkv, worst_relative_error)
 
 pytestmark = pytest.mark.usefixtures("interpret_dispatch")
 _cast = None  # set by test_exact_bf16_rounding_fixes_the_interpreter_cast
@@ -97,6 +97,18 @@ def test_statistics_pass_matches_reference_pass():
     scale = want.delta_error_abs
     assert ((got.delta_error - want.delta_error).abs() <= 1e-4 * scale + 1e-6).all()
     torch.testing.assert_close(got.delta_error_abs, want.delta_error_abs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9, 10])
+def test_delta_error_at_large_logits_matches_float64(seed):
+    """At max logits of ~1,050-1,200 both kernels keep the delta error within 0.5% of float64's
+    (relative to its sum of |row errors|): the dQ pass divides rowsum(P dP) by rowsum(P) (P through
+    lse carries lse's FP32 rounding, common to the row), the statistics pass takes P as exp(s - m)
+    over its row sum."""
+    own, seen, truth, max_logit = delta_error_at_scale(300.0, flash_attention, attention_statistics, seed=seed)
+    assert max_logit > 1000
+    assert worst_relative_error(own, truth) < 0.005, worst_relative_error(own, truth)
+    assert worst_relative_error(seen, truth) < 0.005, worst_relative_error(seen, truth)
 
 
 def test_fp32_delta_residual_reaches_the_backward():
