@@ -100,6 +100,10 @@ class MonitorConfig:
         if self.auto_fix is not None:
             _choice(self, "auto_fix", FIX_VARIANTS, extra="or None")
         _rules(self, "auto_fix_on")
+        if self.auto_fix is not None and not self.auto_fix_on:
+            raise ValueError(f"MonitorConfig.auto_fix={self.auto_fix!r} with an empty auto_fix_on would never switch "
+                             f"a layer: name the rules whose alerts switch it (out of {', '.join(RULES)}; default "
+                             f"{', '.join(sorted(MonitorConfig.auto_fix_on))}), or pass auto_fix=None")
         _number(self, "beta", low=1.0, low_open=True, what="a finite number > 1")
         _number(self, "eps", low=0.0, what="a finite number >= 0 (logits)")
         _choice(self, "format", FORMATS)

@@ -81,8 +81,8 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
       ``accumulate_grad_batches``), ``monitor.step(loss=..., grad_norm=...)``, after the
       optimizer step, which is when W^Q is read; with a loss scaler (``precision="16-mixed"``
       on a GPU) the trainer's GradScaler goes with it, so the delta error is in true units and
-      a step the scaler skipped is not measured rather than non-finite. Then, on logging steps
-      (``log_every_n_steps``), the scalar summaries go to every trainer logger.
+      a step the scaler skipped is not measured rather than non-finite. Then, once a monitored
+      step is decided, its scalar summaries go to every trainer logger under its step number.
     - ``on_fit_end``, ``on_exception``, ``teardown``: close the exporters (the HTTP server too)
       and detach the Monitor.
 
@@ -134,12 +134,13 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         trainer.fit(model, datamodule)          # http://127.0.0.1:9400/metrics while it runs
         print(watch.monitor.alerts)
 
-    Logged metrics (through ``trainer.loggers`` at Lightning's logging steps, ``log_every_n_steps``,
-    beside Lightning's own metrics of that step: the values of the last monitored step; the finite
-    ones are also in ``trainer.callback_metrics`` after every monitored step, as 0-d tensors, so
-    ``EarlyStopping(monitor="flashwatch/max_logit")`` and ``ModelCheckpoint`` can use them). While
-    monitoring fails (``monitor.failed_in_a_row`` > 0; the log says why) the measured ones are
-    logged as NaN and left out of ``callback_metrics``, never shown with an older step's values:
+    Logged metrics (through ``trainer.loggers`` once per monitored step, at the Monitor's
+    ``interval`` rather than ``log_every_n_steps``, under that step's number, as Lightning labels
+    the batch's own metrics; the finite ones are also in ``trainer.callback_metrics`` after every
+    monitored step, as 0-d tensors, so ``EarlyStopping(monitor="flashwatch/max_logit")`` and
+    ``ModelCheckpoint`` can use them). A monitored step where monitoring failed
+    (``monitor.failed_in_a_row`` > 0; the log says why) is logged with its measured values as NaN
+    and they leave ``callback_metrics``, never shown with an older step's values:
 
     - ``flashwatch/max_abs_drift_z``: largest |drift z| over all heads (dimensionless, a z-score).
     - ``flashwatch/max_repeated_max_ratio``: largest repeated-max row fraction, FP32 scores (fraction, 0-1).
@@ -218,6 +219,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         self._seen_global_step: int | None = None
         # (monitored step, whether monitoring was failing) last put into callback_metrics
         self._published_step: tuple[int, bool] | None = None
+        self._logged_step: tuple[int, bool] | None = None  # (monitored step, failed) last sent to the loggers
         self._loss_sum: torch.Tensor | float | None = None
         self._loss_batches = 0
         self._grad_norm: torch.Tensor | None = None
@@ -295,6 +297,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         # After restore_training_state: global_step is the resumed one.
         self._seen_global_step = trainer.global_step
         self._published_step = None  # Lightning empties callback_metrics when a fit starts
+        self._logged_step = None
         self._reset_step()
         if self.monitor.global_step != trainer.global_step and trainer.is_global_zero:
             log.warning("flashwatch: the Monitor has counted %d optimizer steps, the trainer %d (a resumed run "
@@ -474,16 +477,19 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         return self._loss_sum / self._loss_batches
 
     def _log_summaries(self, trainer: "Trainer") -> None:
+        """Each monitored step's summaries to the trainer's loggers once, under that step's number
+        (the optimizer step, as Lightning labels the batch's own metrics); a monitored step that
+        failed is logged as not measured (NaN) under its own number."""
         if not trainer.loggers:
             return
-        connector = getattr(trainer, "_logger_connector", None)
-        if connector is not None and not connector.should_update_logs:
-            return
+        failing = self.monitor.failed_in_a_row > 0
+        step = self.monitor.last_failed_step if failing else self.monitor.last_decided_step
+        if step is None or (step, failing) == self._logged_step:
+            return  # nothing new since the last one logged: no per-step host work
         metrics = self._summaries()
         if metrics is None:
-            return  # no monitored step yet
-        # the step Lightning logs its own metrics of this batch under
-        step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", trainer.global_step)
+            return  # no monitored step decided yet
+        self._logged_step = (step, failing)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 

@@ -182,6 +182,7 @@ class Monitor:
         self._decisions = Decisions(config, self._error)
         self.errors = 0
         self._failed_in_a_row = 0  # monitored steps failed since the last one that worked
+        self._last_failed_step: int | None = None
         self._loss_scale = LossScale(self._warn_once)  # step(grad_scaler=...): each monitored step's loss scale
         self._units_unknown_in_a_row = 0  # monitored steps whose gradients' loss scale was unknown (skipped)
         self._error_kinds: set[str] = set()
@@ -633,6 +634,7 @@ class Monitor:
         ``snapshot()`` holds is older than the latest monitored step, and the log repeats the count
         at 10, 100, ... failures in a row."""
         self._failed_in_a_row += 1
+        self._last_failed_step = step
         if self._failed_in_a_row in FAILED_STEPS_REPORTED:
             log.warning("flashwatch%s: the last %d monitored steps all failed (step %d the latest): nothing is "
                         "measured and no alert can fire until this is fixed; the first failure's traceback was "
@@ -809,6 +811,12 @@ class Monitor:
         latest monitored step was measured). While it is above 0, ``snapshot()`` holds the values
         of an older step: show them as not measured, not as current (the Lightning callback does)."""
         return self._failed_in_a_row
+
+    @property
+    def last_failed_step(self) -> int | None:
+        """The optimizer step of the latest monitored step that failed inside flashwatch (None if
+        none has); while ``failed_in_a_row`` is above 0 it is the latest monitored step."""
+        return self._last_failed_step
 
     @property
     def last_decided_step(self) -> int | None:

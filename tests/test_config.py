@@ -64,6 +64,8 @@ def test_normalises_sets_and_lists():
     (dict(variant="exact"), r"MonitorConfig\.variant must be one of 'plain', 'fixed', 'fp32_delta'"),
     (dict(auto_fix="plain"), r"MonitorConfig\.auto_fix must be one of 'fixed', 'fp32_delta' or None"),
     (dict(auto_fix_on={"nope"}), r"MonitorConfig\.auto_fix_on: unknown rule\(s\) nope; accepted: delta_drift"),
+    (dict(auto_fix="fp32_delta", auto_fix_on=set()),
+     r"MonitorConfig\.auto_fix='fp32_delta' with an empty auto_fix_on would never switch a layer"),
     (dict(beta=1.0), r"MonitorConfig\.beta must be a finite number > 1"),
     (dict(beta=float("inf")), r"MonitorConfig\.beta"),
     (dict(eps=-1e-3), r"MonitorConfig\.eps must be a finite number >= 0"),

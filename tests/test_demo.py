@@ -167,3 +167,11 @@ def test_bad_arguments(args, message, tmp_path, capsys):
     code, out = _demo(capsys, *args, "--run-dir", str(tmp_path / "r"))
     assert code == 2 and message in " ".join(out.split()), out
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("make", ["file", "under_a_file"])
+def test_a_run_folder_that_cannot_be_made_is_a_clear_error(tmp_path, capsys, make):
+    (tmp_path / "f").write_text("x")
+    run_dir = tmp_path / "f" if make == "file" else tmp_path / "f" / "run"
+    code, out = _demo(capsys, "--steps", "2", "--port", "0", "--run-dir", str(run_dir))
+    assert code == 2 and "cannot use" in out and "pass a writable folder as --run-dir" in " ".join(out.split()), out

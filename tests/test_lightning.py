@@ -206,12 +206,17 @@ class Recorder(Logger):
         pass
 
 
-def test_summaries_go_to_the_trainer_loggers_every_n_steps(loader, tmp_path):
+def test_summaries_go_to_the_trainer_loggers_at_each_monitored_step(loader, tmp_path):
+    """Every monitored step once, under its own step number (the JSONL's), whatever
+    log_every_n_steps is: never an older monitored step's values under a later step."""
     logger = Recorder()
     watch = FlashWatchCallback(interval=2, port=None, console=None, run_dir=tmp_path)
     trainer([watch], logger=logger, log_every_n_steps=5).fit(LitGPT(), loader)
     ours = [(step, m) for step, m in logger.logged if any(k.startswith("flashwatch/") for k in m)]
-    assert [step for step, _ in ours] == [4, 9]
+    records = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path)}
+    assert [step for step, _ in ours] == sorted(records) == [0, 2, 4, 6, 8, 10]
+    for step, m in ours:
+        assert m["flashwatch/grad_norm"] == pytest.approx(records[step]["flashwatch_grad_norm"], rel=1e-6)
     keys = set(ours[0][1])
     assert keys == {"flashwatch/max_abs_drift_z", "flashwatch/max_repeated_max_ratio",
                     "flashwatch/max_repeated_max_ratio_bf16", "flashwatch/max_wq_spectral_norm",
@@ -235,11 +240,13 @@ def test_while_monitoring_fails_the_summaries_are_not_measured_not_stale(loader,
     t = trainer([watch, BreakAt()], logger=logger, log_every_n_steps=5)
     t.fit(LitGPT(), loader)
     ours = {step: m for step, m in logger.logged if any(k.startswith("flashwatch/") for k in m)}
-    assert sorted(ours) == [4, 9]
-    assert all(math.isfinite(v) for v in ours[4].values())
-    late = ours[9]
-    assert math.isnan(late["flashwatch/max_logit"]) and math.isnan(late["flashwatch/grad_norm"])
-    assert math.isfinite(late["flashwatch/alerts_total"])
+    assert sorted(ours) == [0, 2, 4, 6, 8, 10]
+    for step in (0, 2, 4):
+        assert all(math.isfinite(v) for v in ours[step].values())
+    for step in (6, 8, 10):  # each failed monitored step under its own number, not measured
+        late = ours[step]
+        assert math.isnan(late["flashwatch/max_logit"]) and math.isnan(late["flashwatch/grad_norm"])
+        assert math.isfinite(late["flashwatch/alerts_total"])
     assert watch.monitor.failed_in_a_row == 3 and watch.monitor.last_decided_step == 4
     assert not any(k.startswith("flashwatch/") and "alerts" not in k for k in t.callback_metrics)
 

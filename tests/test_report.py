@@ -195,6 +195,28 @@ def test_binned_grid_keeps_extremes_and_alert_columns(run_dir):
     assert (lo, hi) == (-run.drift_threshold, run.drift_threshold)
 
 
+def test_heatmap_step_labels_sit_under_their_own_columns(run_dir):
+    """The x-axis labels of a heatmap (SVG and PNG share them) are monitored steps, each under its
+    own column: the run monitors every 2nd step, so no label names a step it did not monitor, and
+    each label's x is the middle of that step's column."""
+    run = load_run(run_dir)
+    hm = HEATMAPS[0]
+    full = heatmap_grid(run, hm)
+    ticks = full.step_ticks(8)
+    assert ticks[0] == (0, "0") and len(ticks) >= 4
+    assert all(label == str(run.steps[c]) for c, label in ticks)
+    half = heatmap_grid(run, hm, max_columns=len(run.steps) // 2)  # binned: a column's first step
+    assert all(label == str(half.columns[c][0]) for c, label in half.step_ticks(8))
+    svg = next(s for s in re.findall(r"<svg\b.*?</svg>", render(run_dir).read_text(encoding="utf-8"), flags=re.S)
+               if f"data-metric='{hm.metric}'" in s or f'data-metric="{hm.metric}"' in s)
+    labels = re.findall(r"<text x='([0-9.]+)' y='[0-9.]+' text-anchor='middle' fill='#444'>([^<]+)</text>", svg)
+    assert [label for _, label in labels] == [label for _, label in ticks]
+    xs = [float(x) for x, _ in labels]
+    gaps = {round(b - a, 1) / (cb - ca) for (a, b), (ca, cb) in
+            zip(zip(xs, xs[1:]), zip([c for c, _ in ticks], [c for c, _ in ticks][1:]))}
+    assert max(gaps) - min(gaps) < 0.2  # evenly placed by column: one column width per column
+
+
 def test_the_cumulative_push_heatmap_spans_its_own_values_not_the_drift_threshold(run_dir):
     """The push is in its own units (often 1e-8 or less): a colour range of the drift threshold's
     +-4.5 would draw every cell white."""
@@ -308,3 +330,12 @@ def test_a_file_holding_two_runs_draws_the_last_with_a_warning_and_a_resumed_run
     with caplog.at_level(logging.WARNING, logger="flashwatch"):
         assert list(load_run(resumed).steps) == [0, 2, 4, 6]
     assert not any("runs" in r.getMessage() and "holds" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cut_last_line_is_left_out_with_a_warning(run_dir, tmp_path, caplog):
+    """A run that stopped mid-record: the report draws the whole records and says one was cut."""
+    text = (run_dir / "metrics.jsonl").read_bytes()
+    (tmp_path / "metrics.jsonl").write_bytes(text[:-40])  # the last record cut
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        code = cli_main(["report", str(tmp_path)])
+    assert code == 0 and sum("the last line is cut" in r.getMessage() for r in caplog.records) == 1

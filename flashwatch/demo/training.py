@@ -201,6 +201,11 @@ def run(*, steps: int = DEFAULT_STEPS, seed: int = 0, device: str | None = None,
         raise DemoError(f"{run_dir} already holds a run ({METRICS_FILE}); pass another --run-dir or remove it")
     dev = _device(device)
     port, port_note = _choose_port(console, HOST, port)
+    try:  # after the checks above, which leave no folder behind
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file of that name, a read-only or impossible path
+        raise DemoError(f"cannot use {run_dir} as the run folder ({exc.strerror or exc}); pass a writable folder "
+                        "as --run-dir") from None
 
     mode = "own_kernel" if (dev == "cuda" or provoke) else "observe"
     strength = PROVOKE_STRENGTH if provoke else 0.0

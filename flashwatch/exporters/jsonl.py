@@ -194,8 +194,8 @@ def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step"
                 raise ValueError("not a JSON object")
         except ValueError as exc:
             if i == last:
-                log.info("%s: skipping the truncated last line (%d bytes): the run stopped "
-                         "while writing it", p, len(raw))
+                log.warning("%s: the last line is cut (%d bytes) and is left out: the run stopped while writing "
+                            "it, or is writing it now", p, len(raw))
                 continue
             msg = f"{p}:{i + 1}: not a flashwatch JSONL record ({exc}); the line is {len(raw)} bytes"
             if strict:

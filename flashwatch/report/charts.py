@@ -186,6 +186,13 @@ class HeatmapGrid:
                 break
         return c
 
+    def step_ticks(self, n: int = 8) -> list[tuple[int, str]]:
+        """About ``n`` x-axis ticks ``(column, label)``: evenly spaced columns, each labelled with
+        the first monitored step it holds, so every label sits under the column of its step."""
+        last = len(self.columns) - 1
+        picked = [int(t) for t in nice_ticks(0, last, n) if t == int(t) and 0 <= t <= last] if last > 0 else [0]
+        return [(c, tick_text(self.columns[c][0])) for c in picked if self.columns]
+
 
 def heatmap_grid(run: RunData, hm: Heatmap, max_columns: int = MAX_COLUMNS) -> HeatmapGrid:
     """``hm``'s values for ``run``, binned into at most ``max_columns`` columns (``hm.combine`` per column)."""

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from .charts import (CRITICAL_COLOUR, HEATMAPS, LOSS_COLOUR, NAN_COLOUR, WARNING_COLOUR, alert_markers, anchors,
-                     heatmap_grid, nice_ticks, tick_text)
+                     heatmap_grid)
 from ..vocabulary import INJECTED
 from .load import RunData
 from .page import title
@@ -67,8 +67,8 @@ def to_png(run: RunData, out: str | os.PathLike) -> Path:
         # columns are equally wide, as in the SVG; the x axis counts columns, labelled in steps
         im = ax.imshow(grid.values or [[float("nan")]], aspect="auto", interpolation="nearest", vmin=grid.lo,
                        vmax=grid.hi, cmap=cmap, extent=(-0.5, len(grid.columns) - 0.5, n_rows - 0.5, -0.5))
-        ticks = [t for t in nice_ticks(run.steps[0], run.steps[-1], 8) if run.steps[0] <= t <= run.steps[-1]]
-        ax.set_xticks([grid.column_of(t) for t in ticks], [tick_text(t) for t in ticks], fontsize=8)
+        ticks = grid.step_ticks(8)
+        ax.set_xticks([c for c, _ in ticks], [label for _, label in ticks], fontsize=8)
         ax.set_title(hm.title + (f" ({hm.combine} per column)" if grid.binned else ""), fontsize=10, loc="left")
         if n_rows <= 24:
             ax.set_yticks(range(n_rows), run.row_labels, fontsize=7)

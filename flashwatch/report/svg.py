@@ -121,17 +121,11 @@ def heatmap_svg(run: RunData, hm: Heatmap, width: int = 960) -> str:
     parts += _row_labels(run, left, top, pw, row_h)
     parts.append(f"<rect x='{left}' y='{top}' width='{pw}' height='{ph:.1f}' fill='none' stroke='#999'/>")
 
-    # x axis in steps: a step sits in the middle of its column
-    def col_x(step: float) -> float:
-        return left + (grid.column_of(step) + 0.5) * col_w
-
-    s0, s1 = run.steps[0], run.steps[-1]
-    for t in nice_ticks(s0, s1, 8):
-        if s0 <= t <= s1:
-            xx = col_x(t)
-            parts.append(f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{top + ph:.1f}' y2='{top + ph + 4:.1f}' stroke='#888'/>"
-                         f"<text x='{xx:.1f}' y='{top + ph + 16:.1f}' text-anchor='middle' fill='#444'>"
-                         f"{tick_text(t)}</text>")
+    # x axis in steps: each label under the middle of the column of its step
+    for c, label in grid.step_ticks(8):
+        xx = left + (c + 0.5) * col_w
+        parts.append(f"<line x1='{xx:.1f}' x2='{xx:.1f}' y1='{top + ph:.1f}' y2='{top + ph + 4:.1f}' stroke='#888'/>"
+                     f"<text x='{xx:.1f}' y='{top + ph + 16:.1f}' text-anchor='middle' fill='#444'>{label}</text>")
     if grid.binned:
         parts.append(f"<text x='{left + pw}' y='{top + ph + 30:.1f}' text-anchor='end' fill='#777'>"
                      f"{len(run.steps)} monitored steps in {n_cols} columns ({hm.combine} per column)</text>")
