@@ -259,19 +259,24 @@ def _fsdp2_failure(rank: int) -> dict:
     for t in range(2):
         x, y = sample_batch(data, 2, 32, generator=torch.Generator().manual_seed(t + 10 * rank))
         model(x, y)[1].backward()
-        saved = AttentionStats.__dict__["packed_all"]
-        if rank == 1 and t == 0:
-            def broken(stats):
-                raise RuntimeError("injected failure on rank 1")
-            AttentionStats.packed_all = staticmethod(broken)
-        try:
-            monitor.step()
-        finally:
-            AttentionStats.packed_all = saved
+        _step_failing_on_rank_1_at_step_0(monitor, rank, t)
     out = {"errors": monitor.errors, "step": monitor.snapshot()["flashwatch_step"],
            "sigma": monitor.snapshot()["flashwatch_wq_spectral_norm"]}
     monitor.detach()
     return out
+
+
+def _step_failing_on_rank_1_at_step_0(monitor: Monitor, rank: int, t: int) -> list:
+    """``monitor.step()``, where rank 1 cannot read its statistics at step 0 (an injected error)."""
+    saved = AttentionStats.__dict__["packed_all"]
+    if rank == 1 and t == 0:
+        def broken(stats):
+            raise RuntimeError("injected failure on rank 1")
+        AttentionStats.packed_all = staticmethod(broken)
+    try:
+        return monitor.step()
+    finally:
+        AttentionStats.packed_all = saved
 
 
 def _failure(rank: int) -> dict:
@@ -284,15 +289,7 @@ def _failure(rank: int) -> dict:
     for t in range(2):
         x, y = sample_batch(data, 2, 32, generator=torch.Generator().manual_seed(t + 10 * rank))
         model(x, y)[1].backward()
-        saved = AttentionStats.__dict__["packed_all"]
-        if rank == 1 and t == 0:
-            def broken(stats):
-                raise RuntimeError("injected failure on rank 1")
-            AttentionStats.packed_all = staticmethod(broken)
-        try:
-            steps.append(len(monitor.step()))
-        finally:
-            AttentionStats.packed_all = saved
+        steps.append(len(_step_failing_on_rank_1_at_step_0(monitor, rank, t)))
     out = {"new_alerts": steps, "errors": monitor.errors, "step": monitor.snapshot()["flashwatch_step"]}
     monitor.detach()
     return out

@@ -42,6 +42,19 @@ DELTA = ("flashwatch_delta_error", "flashwatch_delta_error_cumulative")
 CHAIN = ("flashwatch_wq_error_push", "flashwatch_wq_error_push_share")
 
 
+def _tensor_parallel_chain_as_unsharded(record: dict, ref: dict, t: int) -> None:
+    """The W^Q-gradient error of a step under tensor parallelism (``record``) against the unsharded
+    run's (``ref``): the true gradient's push within 1e-4; the readings finite where its are."""
+    true, ref_true = record["signals"]["wq_error_push_true"], ref["signals"]["wq_error_push_true"]
+    assert true.keys() == ref_true.keys()
+    for key, v in ref_true.items():
+        assert v != 0 and close(true[key], v, 1e-4), (t, key, true[key], v)
+    mine, theirs = per_head(record["snapshot"]), per_head(ref["snapshot"])
+    for name in CHAIN + ("flashwatch_wq_error_alignment", "flashwatch_wq_error_coherence"):
+        for key, v in theirs[name].items():
+            assert math.isfinite(mine[name][key]) == math.isfinite(v), (t, name, key, mine[name][key], v)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
@@ -73,13 +86,7 @@ def test_sharded_run_equals_unsharded_run(ranks, case):
             # query's gradient here, W^Q's own there) is no rounding residue: the unsharded run's.
             # The error's readings are functions of the delta error, a float32 rounding residue that
             # the ranks' smaller products round otherwise (as DELTA above): measured, not compared.
-            true, ref_true = x["signals"]["wq_error_push_true"], ref["signals"]["wq_error_push_true"]
-            assert true.keys() == ref_true.keys()
-            for key, v in ref_true.items():
-                assert v != 0 and close(true[key], v, 1e-4), (t, key, true[key], v)
-            for name in CHAIN + ("flashwatch_wq_error_alignment", "flashwatch_wq_error_coherence"):
-                for key, v in theirs[name].items():
-                    assert math.isfinite(mine[name][key]) == math.isfinite(v), (t, name, key, mine[name][key], v)
+            _tensor_parallel_chain_as_unsharded(x, ref, t)
         if t == 0 and case != "tp":
             for name in DELTA:
                 for key, v in theirs[name].items():
@@ -182,13 +189,7 @@ def test_fsdp_over_tensor_parallel_equals_unsharded_run(mesh_ranks):
             for key, v in theirs[name].items():
                 assert math.isfinite(v)
                 assert close(mine[name][key], v, 0.0 if name in COUNTS else 1e-5), (t, name, key, mine[name][key], v)
-        true, ref_true = records[0]["records"][t]["signals"]["wq_error_push_true"], ref["signals"]["wq_error_push_true"]
-        assert true.keys() == ref_true.keys()
-        for key, v in ref_true.items():
-            assert v != 0 and close(true[key], v, 1e-4), (t, key, true[key], v)
-        for name in CHAIN + ("flashwatch_wq_error_alignment", "flashwatch_wq_error_coherence"):
-            for key, v in theirs[name].items():
-                assert math.isfinite(mine[name][key]) == math.isfinite(v), (t, name, key, mine[name][key], v)
+        _tensor_parallel_chain_as_unsharded(records[0]["records"][t], ref, t)
     for r in records[1:]:  # every head's vectors on every rank: one rank's checkpoint resumes all
         _same(records[0]["state"]["layers"], r["state"]["layers"], "state")
     for mine, ref in zip(records[0]["state"]["layers"], whole["state"]["layers"]):
