@@ -3,14 +3,17 @@
     export PYTHONPATH=$PWD; [ -e flashwatch/kernels ] || ln -s ../kernels flashwatch/kernels
     torchrun --nproc-per-node 2 benchmarks/sharded_check.py --device cuda --json $OUT/sharded_check.json
     torchrun --nproc-per-node 2 benchmarks/sharded_check.py --device cpu --small     # CPU, gloo, seconds
+    torchrun --nproc-per-node 4 benchmarks/sharded_check.py --device cuda --cases fsdp_tp   # 2-D mesh
 
 For each case (FSDP2 ``fully_shard``, FSDP1 ``use_orig_params=True``, tensor parallelism with
-torchtitan's layout on a Llama-style model) it:
+torchtitan's layout on a Llama-style model, and, on 4 or more ranks (an even number), FSDP2 over
+that tensor parallelism on a (ranks / 2) x 2 mesh) it:
 
 1. trains ``--steps`` monitored steps (``interval=1``, observe mode, FP32, TF32 off) and records
    each step's per-head W^Q spectral norm, max logit and repeated-max ratios on every rank;
-   rank 0 then trains the unsharded model on the same global batches (both ranks' batches for
-   FSDP, the shared batch for tensor parallelism) and compares: W^Q norms and max logits within
+   rank 0 then trains the unsharded model on the same global batches (every rank's batches for
+   FSDP, the shared batch for tensor parallelism, each data-parallel rank's batch on the 2-D
+   mesh) and compares: W^Q norms and max logits within
    relative 1e-4, the W^Q-gradient chain's true-gradient push (``monitor.signals()``'s
    ``wq_error_push_true``: no rounding residue, so comparable) within relative 1e-3, repeated-max
    ratios within 0.01 absolute (rows on the edge of a tie may round differently when the batch is
@@ -82,7 +85,7 @@ class LlamaStyleLM(nn.Module):
 
 def build(case: str, cfg: GPTConfig, device: torch.device, shard: bool) -> nn.Module:
     torch.manual_seed(0)
-    model = (LlamaStyleLM(cfg) if case == "tp" else GPT(cfg)).to(device)
+    model = (LlamaStyleLM(cfg) if case in ("tp", "fsdp_tp") else GPT(cfg)).to(device)
     if not shard:
         return model
     if case == "fsdp2":
@@ -99,11 +102,31 @@ def build(case: str, cfg: GPTConfig, device: torch.device, shard: bool) -> nn.Mo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,)) if case == "tp" else \
+        init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    tp_mesh = mesh if case == "tp" else mesh["tp"]
     for blk in model.h:
-        parallelize_module(blk["attn"], mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                                               "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        parallelize_module(blk["attn"], tp_mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                                  "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+    if case == "fsdp_tp":  # then FSDP2 over the data-parallel dimension, as torchtitan composes them
+        from torch.distributed.fsdp import fully_shard
+
+        for blk in model.h:
+            fully_shard(blk["attn"], mesh=mesh["dp"])  # a block is a ModuleDict, without forward
+            fully_shard(blk["mlp"], mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     return model
+
+
+def batch_ranks(case: str, rank: int, world: int) -> tuple[list[int], list[int]]:
+    """The batch seeds of this rank and of the unsharded run: each rank its own (FSDP), one shared
+    batch (tensor parallelism), each data-parallel rank its own (2-D mesh: ranks 2r and 2r + 1)."""
+    if case == "tp":
+        return [0], [0]
+    if case == "fsdp_tp":
+        return [rank // 2], list(range(world // 2))
+    return [rank], list(range(world))
 
 
 def batch(data, args, step: int, ranks, device):
@@ -176,10 +199,14 @@ def cost(model, data, args, ranks, device) -> dict:
             "wq_iteration_ms": statistics.median(wq)}
 
 
-def compare(sharded, whole, other) -> dict:
+def compare(sharded, whole, others) -> dict:
+    """The worst difference of rank 0's records (``sharded``) from the unsharded run's (``whole``);
+    every other rank's records (``others``) must equal rank 0's."""
     worst = {m: 0.0 for m in (*METRICS, PUSH_TRUE)}
-    for a, b, ref in zip(sharded, other, whole):
-        assert a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True), "ranks differ"
+    for other in others:
+        assert all(a == b or json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+                   for a, b in zip(sharded, other)), "ranks differ"
+    for a, ref in zip(sharded, whole):
         for m in worst:
             for key, v in ref[m].items():
                 mine = a[m][key]
@@ -194,7 +221,7 @@ def compare(sharded, whole, other) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    p.add_argument("--cases", default="fsdp2,fsdp1,tp")
+    p.add_argument("--cases", default=None, help="default: fsdp2,fsdp1,tp, and fsdp_tp on 4, 6, ... ranks")
     p.add_argument("--small", action="store_true", help="2 x 4 heads, d=64, T=32 (CPU smoke run)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--time-steps", type=int, default=45)
@@ -217,24 +244,27 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    cases = (args.cases or "fsdp2,fsdp1,tp" + (",fsdp_tp" if world >= 4 and world % 2 == 0 else "")).split(",")
+    if "fsdp_tp" in cases and (world < 4 or world % 2):
+        p.error(f"case fsdp_tp needs an even number of ranks >= 4 (a (ranks / 2) x 2 mesh), got {world}")
     data = stdlib_corpus(2_000_000)
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "torch": torch.__version__, "world_size": world,
            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
            "model": {"layers": cfg.n_layer, "heads": cfg.n_head, "width": cfg.n_embd, "seq": cfg.block_size,
                      "batch_per_rank": args.batch}, "cases": {}}
     ok = True
-    for case in args.cases.split(","):
-        shared = [0] if case == "tp" else None  # tensor-parallel ranks share one batch (rank 0's seeds)
+    for case in cases:
+        mine_seeds, whole_seeds = batch_ranks(case, rank, world)
         mine, _ = train(build(case, cfg, device, True), Monitor(MonitorConfig(interval=1)), data, args,
-                        shared or [rank], device, args.steps)
+                        mine_seeds, device, args.steps)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
-        sharded_cost = cost(build(case, cfg, device, True), data, args, shared or [rank], device)
+        sharded_cost = cost(build(case, cfg, device, True), data, args, mine_seeds, device)
         result = {"sharded": sharded_cost}
         if rank == 0:
             whole, _ = train(build(case, cfg, device, False), Monitor(MonitorConfig(interval=1), process_group=None),
-                             data, args, shared or list(range(world)), device, args.steps)
-            worst = compare(gathered[0], whole, gathered[1])
+                             data, args, whole_seeds, device, args.steps)
+            worst = compare(gathered[0], whole, gathered[1:])
             passed = (worst["flashwatch_wq_spectral_norm"] <= 1e-4 and worst["flashwatch_max_logit"] <= 1e-4
                       and worst["flashwatch_repeated_max_ratio"] <= 0.01
                       and worst["flashwatch_repeated_max_ratio_bf16"] <= 0.01 and worst[PUSH_TRUE] <= 1e-3)
