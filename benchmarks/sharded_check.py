@@ -229,6 +229,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=None, help="sequences per rank")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.time_steps < 11:
+        p.error(f"--time-steps must be >= 11 (5 warm-up steps, then at interval 10 at least one monitored and one "
+                f"unmonitored step), got {args.time_steps}")
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32) if args.small else \
         GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
     args.block = cfg.block_size

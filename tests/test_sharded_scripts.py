@@ -14,14 +14,14 @@ from distributed_workers import _free_ports
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Two gloo ranks under torchrun. A rank that aborts in the C++ runtime ("terminate called
+def _torchrun(*args: str, timeout: int = 240, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``nproc`` (two) gloo ranks under torchrun. A rank that aborts in the C++ runtime ("terminate called
     without an active exception", exit code -6) is run once more: on a loaded 2-core machine the
     CPU gloo backend has done so at process exit, after the script's work had finished (seen once
     in three fresh-clone test runs); a second abort fails the test."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for attempt in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                str(_free_ports()), *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
         if proc.returncode == 0 or "exitcode: -6" not in proc.stderr:
@@ -50,6 +50,15 @@ def test_sharded_check_cpu_half_passes(tmp_path):
     assert set(result["cases"]) == {"fsdp1", "tp"} and all(c["passed"] for c in result["cases"].values())
     assert all(c["sharded"]["monitored_ms"] > 0 and c["unsharded_wq_iteration_ms"] > 0
                for c in result["cases"].values())
+
+
+@pytest.mark.timeout(300)
+def test_sharded_check_on_a_2d_mesh_cpu_half_passes():
+    """FSDP2 over tensor parallelism on a 2 x 2 mesh: four gloo ranks."""
+    proc = _torchrun("benchmarks/sharded_check.py", "--device", "cpu", "--small", "--cases", "fsdp_tp",
+                     "--steps", "2", "--time-steps", "12", nproc=4)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "fsdp_tp PASS" in proc.stdout and "RESULT: PASS" in proc.stdout
 
 
 @pytest.mark.timeout(300)
