@@ -83,7 +83,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "||sum dG|| / sum ||dG|| of the W^Q-gradient error over an exponential window of MonitorConfig.window "
                "monitored steps (1: one fixed direction; about 0.1 at window 50 when random)."),
     MetricSpec("flashwatch_max_logit_growth_rate", "gauge", PER_HEAD, "none",
-               "Slope of log(max logit) per 1,000 optimizer steps over the last window of monitored steps."),
+               "Slope of log(max logit) per 1,000 optimizer steps over the last window of monitored steps; NaN "
+               "while a max logit in the window is <= 0 (its log is not defined)."),
     MetricSpec("flashwatch_wq_spectral_norm_growth_rate", "gauge", PER_HEAD, "none",
                "Slope of log(W^Q spectral norm) per 1,000 optimizer steps over the last window of monitored steps."),
     MetricSpec("flashwatch_repeated_max_ratio_bf16_trend", "gauge", PER_HEAD, "none",

@@ -329,7 +329,18 @@ class Monitor:
             raise failure
         if self._reporting:
             self._log_attached(sharding)
+        if self.rank != 0 and self._held_files() and "rank_exporters" not in self._warned:
+            self._warned.add("rank_exporters")  # said by this rank itself: rank 0 does not know
+            log.warning("flashwatch (rank %d): this rank has exporters that write files (%s), and every rank of the "
+                        "group holds the same values: pass exporters on rank 0 only, or give each rank its own "
+                        "run_dir, or the ranks write the same records into one file", self.rank,
+                        ", ".join(self._held_files()))
         return self.layers
+
+    def _held_files(self) -> list[str]:
+        """The run folders or files this Monitor's exporters write."""
+        return [str(e.path if getattr(e, "path", None) is not None else e.run_dir) for e in self._fan.exporters
+                if getattr(e, "path", None) is not None or getattr(e, "run_dir", None) is not None]
 
     def _log_attached(self, sharding: str | None) -> None:
         log.info("flashwatch attached to %d attention layer%s (%s mode, interval %d): %s", len(self.layers),
@@ -513,6 +524,9 @@ class Monitor:
         if not self._ever_attached:
             self._warn_once("unattached", "flashwatch: Monitor.step() was called before attach(model): only the loss "
                             "and gradient norm are tracked until monitor.attach(model) is called")
+        elif self._router is None:
+            self._warn_once("detached", "flashwatch: Monitor.step() after detach(): no attention layer is measured, "
+                            "only the loss and gradient norm are tracked, until monitor.attach(model) is called again")
         t = self.global_step
         if self._held_runs:  # known now whether this run was resumed (a state loaded after attach too)
             if t == 0 and self._reporting:

@@ -261,8 +261,11 @@ class _Block:
                     "alignment": chain["alignment"], "coherence": chain["coherence"]}
         wq_error = {k: np.where(on_chain, v, nan) for k, v in wq_error.items()}
 
-        # torch's log (numpy's may differ in the last bit), one call for both series
-        logs = torch.from_numpy(np.maximum(np.stack([max_logit, sigma]), 1e-30)).log().numpy()
+        # torch's log (numpy's may differ in the last bit), one call for both series; the log of a
+        # max logit <= 0 (a head's scores all negative) is not defined: NaN, so the growth rate of a
+        # window holding one reads NaN, not a slope of log(1e-30) against log(30)
+        both = np.stack([max_logit, sigma])
+        logs = torch.from_numpy(np.where(both > 0, both, np.nan)).log().numpy()
         trends = self._trends(step, seen, {"log_max_logit": logs[0], "log_wq_sigma": logs[1],
                                            "repeated_max_ratio_bf16": rm16})
         window_z = np.full((nl, h), np.nan)

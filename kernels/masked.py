@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import _add_delta_stats, _add_max_logit, _compute_dtype, _expand_kv, row_top2, tie_flags
+from .reference import _add_delta_stats, _add_max_logit, _compute_dtype, _expand_kv, format_tie_flags, row_top2, tie_flags
 from .stats import AttentionStats
 
 __all__ = ["attention_statistics", "mask_reason"]
@@ -110,6 +110,7 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
             stats.rows.add_(valid.sum(-1))
             stats.repeated_max_rows.add_(tied.sum(-1))
             stats.repeated_max_rows_bf16.add_(tied_bf16.sum(-1))
+            stats.repeated_max_rows_format.add_((format_tie_flags(m1, m2, stats.unit_gap) & valid).sum(-1))
             # P as the statistics pass computes it, exp(s - m) over its row sum (not exp(s - lse),
             # which carries lse's rounding: reference._statistics says why); rows left out are 0
             shift = torch.where(valid, m1, torch.zeros_like(m1))[..., None]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 import socket
 import sys
@@ -18,6 +17,7 @@ import traceback
 import pytest
 import torch
 
+from same import assert_same
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.kernels import STAT_FIELDS, AttentionStats
 from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
@@ -325,6 +325,16 @@ def _fsdp2(rank: int, messages: _Messages) -> dict:
     return out
 
 
+def _exporters_on_every_rank(rank: int, out: str) -> None:
+    """Every rank passes a JSONL exporter (of one shared run folder): rank 1 says that it writes
+    what rank 0 writes."""
+    from flashwatch.exporters import JsonlExporter
+
+    monitor = Monitor(MonitorConfig(interval=1), exporters=[JsonlExporter(os.path.join(out, "shared_run"))])
+    monitor.attach(_tiny_gpt())
+    monitor.close()
+
+
 def _plain_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -336,8 +346,9 @@ def _plain_worker(rank: int, port: int, out: str) -> None:
     try:
         result = {"slots": _crafted(rank, "slots"), "two": _crafted(rank, "two"), "ddp": _ddp_run(rank), "ddp_scaled": _ddp_scaled(rank),
                   "repair": _repair(rank), "layout": _layout_mismatch(rank), "failure": _failure(rank), "fsdp2": _fsdp2(rank, messages),
-                  "refusals": _attach_refusals(rank), "fsdp2_failure": _fsdp2_failure(rank),
-                  "messages": messages.messages}
+                  "refusals": _attach_refusals(rank), "fsdp2_failure": _fsdp2_failure(rank)}
+        _exporters_on_every_rank(rank, out)
+        result["messages"] = messages.messages
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -345,29 +356,12 @@ def _plain_worker(rank: int, port: int, out: str) -> None:
 
 # --- comparisons -------------------------------------------------------------------------------------
 
-def _same(a, b, where="value"):
-    """Exact equality, NaN equal to NaN, through dicts, lists and tensors."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.shape == b.shape, where
-        assert torch.equal(torch.nan_to_num(a, nan=1234.5), torch.nan_to_num(b, nan=1234.5)), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _assert_combined(r0: dict, r1: dict, where: str) -> None:
     """Each rank's combined statistics are the sum (counts, delta sums) and max (max logit) of both ranks' own."""
     l0, l1 = r0["local"]["stats"], r1["local"]["stats"]
-    _same(r0["stats"], r1["stats"], f"{where}: combined stats differ between ranks")
+    assert_same(r0["stats"], r1["stats"], f"{where}: combined stats differ between ranks")
     assert torch.equal(r0["stats"][SUM_ROWS], l0[SUM_ROWS] + l1[SUM_ROWS]), where
     assert torch.equal(r0["stats"][MAX_ROWS], torch.maximum(l0[MAX_ROWS], l1[MAX_ROWS])), where
     assert r0["loss"] == r1["loss"] == (r0["local"]["loss"] + r1["local"]["loss"]) / 2, where

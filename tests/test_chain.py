@@ -658,6 +658,28 @@ def test_query_residual_against_exact_constructions():
     assert query_residual(rotated, x, w) > 10 * QUERY_TOLERANCE
 
 
+def test_a_bias_dominated_bf16_query_is_still_w_q_x():
+    """A BF16 query W^Q x + b whose bias is 100 times its spread over tokens (seen when training at a
+    large learning rate) carries rounding of |b| 2^-9, a tenth of the spread: within the query's own
+    rounding, so still W^Q x. A scale or a per-row norm of such a query still reads as not W^Q x."""
+    from flashwatch.chain import QUERY_TOLERANCE, query_residual
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 12, 16, generator=g).bfloat16()
+    w = torch.randn(3, 8, 16, generator=g)
+    lin = torch.einsum("bnc,hdc->bhnd", x.float(), w)
+    spread = (lin - lin.mean(dim=(0, 2), keepdim=True)).norm() / lin.numel() ** 0.5
+    bias = 100 * spread * torch.randn(1, 3, 1, 8, generator=g).sign()
+    q = (lin + bias).bfloat16()
+    r = q.float() - lin
+    r = r - r.mean(dim=(0, 2), keepdim=True)
+    assert r.norm() / (lin - lin.mean(dim=(0, 2), keepdim=True)).norm() > QUERY_TOLERANCE  # the old test failed here
+    assert query_residual(q, x, w) == 0.0
+    assert query_residual((2 * lin + bias).bfloat16(), x, w) > QUERY_TOLERANCE
+    normed = (lin + bias) / (lin + bias).norm(dim=-1, keepdim=True)
+    assert query_residual(normed.bfloat16(), x, w) > QUERY_TOLERANCE
+
+
 def _factor_case(device: str, split: int | None = None):
     """A BF16 activation x (B, N, C) and a float32 factor m (C, H + r) shaped like the chain's;
     with ``split``, m's columns from ``split`` on exact in BF16 (as the chain's Omega is)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_workers import (HEADS, LAYERS, MAX_ROWS, SUM_ROWS, _assert_combined, _free_ports, _Messages,
-                                 _plain_worker, _reduced, _run_ranks, _same, _tiny_gpt)
+                                 _plain_worker, _reduced, _run_ranks, assert_same, _tiny_gpt)
 
 from flashwatch import Monitor
 from flashwatch.distributed import Reducer
@@ -40,6 +40,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's 
 def test_monitor_reduces_across_two_gloo_processes(tmp_path):
     _run_ranks(_plain_worker, (_free_ports(), str(tmp_path)))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    # exporters given on every rank: rank 1 says it writes the records rank 0 writes; rank 0 says nothing
+    assert sum("this rank has exporters that write files" in m for m in r1["messages"]) == 1
+    assert not any("this rank has exporters that write files" in m for m in r0["messages"])
 
     for scheme, collectives in (("slots", 1), ("two", 2)):
         a, b = r0[scheme], r1[scheme]
@@ -53,10 +56,10 @@ def test_monitor_reduces_across_two_gloo_processes(tmp_path):
             assert [(x["rule"], x["step"], x["layer"], x["head"], x["value"]) for x in r["alerts"]] == expected, scheme
             assert [(s["step"], s["layer"], s["to"]) for s in r["switches"]] == [(0, 1, "fp32_delta")], scheme
             assert r["variants"] == {0: "sdpa", 1: "fp32_delta"} and r["errors"] == 0
-        _same(a["snapshot"], b["snapshot"], f"{scheme} snapshot")
+        assert_same(a["snapshot"], b["snapshot"], f"{scheme} snapshot")
 
     a, b = r0["ddp_scaled"], r1["ddp_scaled"]
-    _same(a, b, "ddp_scaled")
+    assert_same(a, b, "ddp_scaled")
     assert a["non_finite"] == 0 and a["errors"] == 0
     unmeasured = [all(math.isnan(v) for v in d.values()) for d in a["delta"]]
     assert all(u or all(math.isfinite(v) for v in d.values()) for u, d in zip(unmeasured, a["delta"]))
@@ -72,9 +75,9 @@ def test_monitor_reduces_across_two_gloo_processes(tmp_path):
         assert not torch.equal(x["local"]["stats"], y["local"]["stats"])  # the ranks saw different data
         assert x["local"]["grad_norm"] == y["local"]["grad_norm"] == x["grad_norm"]  # DDP: one global norm
         assert torch.equal(x["local"]["sigma"], y["local"]["sigma"])  # replicated W^Q, identical norms
-        _same(x["snapshot"], y["snapshot"], f"ddp snapshot at step {x['step']}")
+        assert_same(x["snapshot"], y["snapshot"], f"ddp snapshot at step {x['step']}")
     assert a["alerts"] and a["alerts"] == b["alerts"]
-    _same(a["state"], b["state"], "ddp state_dict")  # cumulative sums, detectors' state, variants
+    assert_same(a["state"], b["state"], "ddp state_dict")  # cumulative sums, detectors' state, variants
 
     assert r0["repair"] == r1["repair"] == {"variants": {0: "fixed", 1: "sdpa"}, "modes": ["own_kernel", "observe"]}
     assert any("ran different variants on different ranks" in m for m in r0["messages"])
@@ -108,7 +111,7 @@ def test_monitor_reduces_across_two_gloo_processes(tmp_path):
         assert x["grad_norm"] == y["grad_norm"] == x["local"]["grad_norm"] and math.isfinite(x["grad_norm"])
     assert all(math.isfinite(v) and v > 0 for v in a["snapshot"]["flashwatch_wq_spectral_norm"].values())
     assert all(math.isfinite(v) for v in a["snapshot"]["flashwatch_delta_error_cumulative"].values())
-    _same(a["snapshot"], b["snapshot"], "fsdp2 snapshot")
+    assert_same(a["snapshot"], b["snapshot"], "fsdp2 snapshot")
 
 
 # --- Lightning's DDP strategy ---------------------------------------------------------------------------
@@ -211,8 +214,8 @@ def test_lightning_ddp_two_ranks_one_view(per_rank, tmp_path):
         assert not torch.equal(x["local"]["stats"], y["local"]["stats"])  # the ranks saw different batches
         assert x["local"]["grad_norm"] == pytest.approx(y["local"]["grad_norm"], rel=1e-6)
         assert x["grad_norm"] == y["grad_norm"]
-        _same(x["snapshot"], y["snapshot"], f"snapshot at step {x['step']}")  # cumulative values, alerts, variants
-    _same(r0["state"], r1["state"], "state_dict")
+        assert_same(x["snapshot"], y["snapshot"], f"snapshot at step {x['step']}")  # cumulative values, alerts, variants
+    assert_same(r0["state"], r1["state"], "state_dict")
 
     # forced alert at step 0 on every head, decided and acted on identically by both ranks
     assert r0["alerts"] == r1["alerts"] and len(r0["alerts"]) == LAYERS * HEADS
@@ -367,6 +370,6 @@ def test_pipeline_stages_each_with_a_monitor_over_its_replicas(tmp_path):
     r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(4)]
     assert [x["layers"] for x in r] == [["h0.attn"], ["h1.attn"], ["h0.attn"], ["h1.attn"]]
     assert all(x["world"] == 2 and x["errors"] == 0 for x in r)
-    _same(r[0]["snapshot"], r[2]["snapshot"], "stage 0's replicas")
-    _same(r[1]["snapshot"], r[3]["snapshot"], "stage 1's replicas")
+    assert_same(r[0]["snapshot"], r[2]["snapshot"], "stage 0's replicas")
+    assert_same(r[1]["snapshot"], r[3]["snapshot"], "stage 1's replicas")
     assert r[0]["snapshot"]["flashwatch_max_logit"] != r[1]["snapshot"]["flashwatch_max_logit"]

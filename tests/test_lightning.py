@@ -17,6 +17,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
+from same import assert_same
 from flashwatch.exporters.jsonl import ALERTS_FILE, METRICS_FILE, read_jsonl, validate_record
 from flashwatch.exporters.prometheus import PortInUseError
 from flashwatch.lightning import FlashWatchCallback
@@ -135,21 +136,6 @@ def test_metrics_jsonl_and_a_forced_alert(precision, loader, tmp_path, caplog):
         urllib.request.urlopen(scrape.url, timeout=2)
 
 
-def _assert_same(a, b, where="state"):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def test_resumed_run_equals_uninterrupted_run(loader, tmp_path):
@@ -165,8 +151,8 @@ def test_resumed_run_equals_uninterrupted_run(loader, tmp_path):
 
     assert first.monitor.global_step == 12
     assert resumed.monitor.global_step == whole.monitor.global_step == 24
-    _assert_same(whole.monitor.snapshot(), resumed.monitor.snapshot(), "snapshot")
-    _assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
+    assert_same(whole.monitor.snapshot(), resumed.monitor.snapshot(), "snapshot")
+    assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
     whole_steps = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "whole")}
     parts_steps = {r["step"]: r["metrics"] for r in read_jsonl(tmp_path / "parts")}
     assert sorted(parts_steps) == sorted(whole_steps) == list(range(0, 24, 2))

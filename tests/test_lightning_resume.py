@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from pytorch_lightning.callbacks import ModelCheckpoint
-from test_lightning import LitGPT, _assert_same, loader, trainer  # noqa: F401  (loader: a fixture)
+from test_lightning import LitGPT, assert_same, loader, trainer  # noqa: F401  (loader: a fixture)
 
 from flashwatch.exporters.jsonl import read_jsonl
 from flashwatch.lightning import FlashWatchCallback
@@ -44,7 +44,7 @@ def test_resume_at_epoch_boundary_equals_uninterrupted_run(loader, tmp_path, con
         assert "flashwatch_wq_spectral_norm" in per_head
         for name in per_head:
             assert parts_steps[step][name] == metrics[name], (step, name)
-    _assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
+    assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
     assert whole.monitor.wq_spectral_norms() == resumed.monitor.wq_spectral_norms()
 
 
@@ -64,7 +64,7 @@ def test_a_checkpoint_saved_after_fit_resumes_like_one_saved_during_it(loader, t
     trainer([resumed], max_epochs=4).fit(LitGPT(), loader, ckpt_path=str(tmp_path / "after-fit.ckpt"))
 
     assert resumed.monitor.global_step == whole.monitor.global_step == 24
-    _assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
+    assert_same(whole.monitor.state_dict(), resumed.monitor.state_dict())
     assert whole.monitor.wq_spectral_norms() == resumed.monitor.wq_spectral_norms()
 
 

@@ -39,8 +39,8 @@ def _keep():
     return keep
 
 
-def _stats(fn) -> dict:
-    stats = AttentionStats(H)
+def _stats(fn, format: str = "bf16") -> dict:
+    stats = AttentionStats(H, format=format)
     fn(stats)
     return stats.as_dict()
 
@@ -79,6 +79,27 @@ def test_right_padding_equals_each_sequence_cut_to_its_length(kind):
             reference.attention_statistics(q[cut], k[cut], v[cut], out[cut], grad[cut], stats, causal=causal)
     want = _stats(oracle)
     assert got["rows"] == [float(sum(LENGTHS))] * H
+    _assert_same(got, want)
+
+
+def test_padded_rows_count_the_format_s_repeated_maxima():
+    """The format's repeated-max rows (P_bar rounding to 1 at two keys in the run's format; FP8 E5M2's
+    coarse grid ties many rows) are counted on a padded batch as on each sequence cut to its length.
+    Fail before: a masked call left them at 0, a ratio of 0 that read as healthy."""
+    q, k, v, grad = _inputs()
+    keep = _keep()
+    mask = keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool).tril()
+    out = _rounded(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    grad = grad * keep[:, None, :, None]
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE),
+                 format="fp8_e5m2")
+
+    def oracle(stats):
+        for b, n in enumerate(LENGTHS):
+            cut = (slice(b, b + 1), slice(None), slice(0, n))
+            reference.attention_statistics(q[cut], k[cut], v[cut], out[cut], grad[cut], stats, causal=True)
+    want = _stats(oracle, format="fp8_e5m2")
+    assert min(want["repeated_max_rows_format"]) > 0
     _assert_same(got, want)
 
 

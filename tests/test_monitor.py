@@ -11,6 +11,7 @@ import torch
 
 import flashwatch
 import flashwatch.collect
+from same import assert_same
 from flashwatch import Monitor, MonitorConfig, TrainingStopped
 from flashwatch.detectors import RULES
 from flashwatch.exporters.base import Exporter
@@ -343,21 +344,6 @@ def test_bf16_drift_is_judged_and_fp32_is_not_by_default():
     assert fp32.train(1) == []
 
 
-def _assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), path
-    else:
-        assert a == b, path
 
 
 @pytest.mark.parametrize("load_before_attach", [False, True])
@@ -389,8 +375,8 @@ def test_resume_continues_bit_for_bit(tmp_path, load_before_attach):
 
     assert whole.monitor.switches, "the run should exercise an auto-fix switch"
     assert whole.monitor.active_alerts, "the run should have active alerts"
-    _assert_same(whole.monitor.state_dict(), second.monitor.state_dict())
-    _assert_same(whole.monitor.snapshot(), second.monitor.snapshot())
+    assert_same(whole.monitor.state_dict(), second.monitor.state_dict())
+    assert_same(whole.monitor.snapshot(), second.monitor.snapshot())
     assert whole.monitor.variants == second.monitor.variants
     for p, q in zip(whole.model.parameters(), second.model.parameters()):
         assert torch.equal(p, q)
@@ -421,7 +407,7 @@ def test_a_state_that_does_not_fit_changes_nothing():
     with pytest.raises(ValueError, match=r"another MonitorConfig.window"):
         run.monitor.load_state_dict(saved)
     assert set(run.monitor.variants.values()) == {"sdpa"}
-    _assert_same(run.monitor.state_dict(), before, "a refused state")
+    assert_same(run.monitor.state_dict(), before, "a refused state")
     # a model of another width: refused at its first layer, by name
     wide = Run(MonitorConfig(interval=1, window=5), attach=False)
     wide.model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=32))
@@ -513,7 +499,7 @@ def test_detach_then_attach_again_continues_the_signals():
     parts.monitor.attach(parts.model)  # e.g. a second trainer.fit with the same callback
     assert parts.monitor.variants == {0: "fixed"}
     parts.train(2)
-    _assert_same(whole.monitor.state_dict(), parts.monitor.state_dict())
+    assert_same(whole.monitor.state_dict(), parts.monitor.state_dict())
 
 
 @pytest.mark.parametrize("script, args", [

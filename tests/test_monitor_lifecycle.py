@@ -14,7 +14,7 @@ import flashwatch.collect
 from flashwatch import Monitor, MonitorConfig, TrainingStopped
 from flashwatch.exporters.base import Exporter
 from flashwatch.tinygpt import sample_batch
-from test_monitor import DATA, Run, _assert_same, _defer_like_cuda
+from test_monitor import DATA, Run, assert_same, _defer_like_cuda
 from test_monitor import _detach_runs, _one_thread  # noqa: F401  (autouse: one thread, runs detached)
 
 
@@ -69,6 +69,23 @@ def test_the_context_manager_lets_training_stopped_through_and_still_closes():
             run.monitor.attach(run.model)
             run.train(2)
     assert keep.closed == 1 and [s for s, _ in keep.records] == [0]
+
+
+def test_steps_after_detach_say_once_that_nothing_is_measured(caplog):
+    """step() after detach() tracks the loss only: it says so once (as before attach and after
+    close), not a run of records with no layer in them and no word why."""
+    run = Run(MonitorConfig(interval=1))
+    run.train(2)
+    run.monitor.detach()
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        run.train(3)
+    assert sum("after detach()" in r.getMessage() for r in caplog.records) == 1
+    run.monitor.attach(run.model)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        run.train(1)
+    assert not any("after detach()" in r.getMessage() for r in caplog.records)
+    run.monitor.close()
 
 
 def test_close_gives_the_model_back_and_later_steps_measure_and_write_nothing(caplog):
@@ -211,7 +228,7 @@ def test_a_stop_decided_by_the_checkpoint_flush_is_saved_and_a_resumed_run_stops
     with pytest.raises(TrainingStopped, match="at step 0 on max_logit") as first_stop:
         first.train(1)  # the run that was not interrupted stops at the same step() call
     assert len(resumed_stop.value.alerts) == len(first_stop.value.alerts) == 8
-    _assert_same(first.monitor.state_dict(), resumed.monitor.state_dict())
+    assert_same(first.monitor.state_dict(), resumed.monitor.state_dict())
 
 
 def test_a_switch_decided_by_the_checkpoint_flush_is_saved_and_applies_at_the_same_step(monkeypatch, tmp_path):

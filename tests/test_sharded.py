@@ -28,7 +28,7 @@ import math
 
 import pytest
 import torch
-from distributed_workers import _free_ports, _run_ranks, _same
+from distributed_workers import _free_ports, _run_ranks, assert_same
 from sharded_workers import AUTO_FIX, CASES, UNSUPPORTED, close, mesh_worker, per_head, worker
 
 from flashwatch.sharded_power import _matvec, _rmatvec, query_blocks
@@ -71,7 +71,7 @@ def test_sharded_run_equals_unsharded_run(ranks, case):
     assert a["kinds"] == b["kinds"] == [expected, expected] and whole["kinds"] == ["whole", "whole"]
     assert a["errors"] == b["errors"] == 0
     for t, (x, y, ref) in enumerate(zip(a["records"], b["records"], whole["records"])):
-        _same(x["snapshot"], y["snapshot"], f"{case} step {t}: the ranks' snapshots")  # one view, bitwise
+        assert_same(x["snapshot"], y["snapshot"], f"{case} step {t}: the ranks' snapshots")  # one view, bitwise
         mine, theirs = per_head(x["snapshot"]), per_head(ref["snapshot"])
         assert mine.keys() == theirs.keys()
         for name in STABLE + COUNTS:
@@ -105,7 +105,7 @@ def test_sharded_run_equals_unsharded_run(ranks, case):
                     assert close(mine[name][key], v, 1e-4, 1e-6 * scale), (case, name, key, mine[name][key], v)
     # the power-iteration state: every head's vectors, identical on both ranks (FSDP: replicated;
     # tensor parallelism: gathered), so that a checkpoint written by one rank resumes every rank
-    _same(a["state"]["layers"], b["state"]["layers"], f"{case} state")
+    assert_same(a["state"]["layers"], b["state"]["layers"], f"{case} state")
     for mine, ref in zip(a["state"]["layers"], whole["state"]["layers"]):
         assert mine["power"]["v"].shape == ref["power"]["v"].shape
         assert torch.allclose(mine["power"]["sigma"], ref["power"]["sigma"], rtol=1e-5)
@@ -132,8 +132,8 @@ def test_sharded_monitor_resumes_exactly(ranks, case):
         whole, resumed = r[case]["records"], r["resumed"][case]["records"]
         assert r["resumed"][case]["errors"] == 0
         for t, (x, y) in enumerate(zip(whole, resumed)):
-            _same(x["snapshot"], y["snapshot"], f"{case} step {t}")
-        _same(r[case]["state"], r["resumed"][case]["state"], f"{case} state")
+            assert_same(x["snapshot"], y["snapshot"], f"{case} step {t}")
+        assert_same(r[case]["state"], r["resumed"][case]["state"], f"{case} state")
 
 
 def test_unsupported_layout_reads_nan_and_measures_the_rest(ranks):
@@ -142,7 +142,7 @@ def test_unsupported_layout_reads_nan_and_measures_the_rest(ranks):
     a, b = (r[UNSUPPORTED] for r in ranks)
     assert a["kinds"] == b["kinds"] == ["unsupported", "unsupported"] and a["errors"] == b["errors"] == 0
     for x, y in zip(a["records"], b["records"]):
-        _same(x["snapshot"], y["snapshot"], "snapshots")
+        assert_same(x["snapshot"], y["snapshot"], "snapshots")
         assert all(math.isnan(v) for v in x["snapshot"]["flashwatch_wq_spectral_norm"].values())
         assert all(math.isfinite(v) for v in x["snapshot"]["flashwatch_max_logit"].values())
         assert x["snapshot"]["flashwatch_alerts_total"][("non_finite",)] == 0
@@ -160,7 +160,7 @@ def test_tensor_parallel_ranks_decide_alike_under_global_head_indices(ranks):
         [(layer, head) for layer in (0, 1) for head in range(4)]
     assert [(step, layer) for step, layer, _ in a["decisions"]["switches"]] == [(0, 0), (0, 1)]
     for x, y in zip(a["records"], b["records"]):
-        _same(x["snapshot"], y["snapshot"], "tensor-parallel snapshots with auto_fix")
+        assert_same(x["snapshot"], y["snapshot"], "tensor-parallel snapshots with auto_fix")
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_fsdp_over_tensor_parallel_equals_unsharded_run(mesh_ranks):
         assert r["kinds"] == ["fsdp", "fsdp"] and r["errors"] == 0
     for t, ref in enumerate(whole["records"]):
         for other in records[1:]:
-            _same(records[0]["records"][t]["snapshot"], other["records"][t]["snapshot"], f"step {t}: snapshots")
+            assert_same(records[0]["records"][t]["snapshot"], other["records"][t]["snapshot"], f"step {t}: snapshots")
         mine, theirs = per_head(records[0]["records"][t]["snapshot"]), per_head(ref["snapshot"])
         for name in STABLE + COUNTS:
             assert mine[name].keys() == theirs[name].keys() and len(theirs[name]) == 8, name
@@ -191,7 +191,7 @@ def test_fsdp_over_tensor_parallel_equals_unsharded_run(mesh_ranks):
                 assert close(mine[name][key], v, 0.0 if name in COUNTS else 1e-5), (t, name, key, mine[name][key], v)
         _tensor_parallel_chain_as_unsharded(records[0]["records"][t], ref, t)
     for r in records[1:]:  # every head's vectors on every rank: one rank's checkpoint resumes all
-        _same(records[0]["state"]["layers"], r["state"]["layers"], "state")
+        assert_same(records[0]["state"]["layers"], r["state"]["layers"], "state")
     for mine, ref in zip(records[0]["state"]["layers"], whole["state"]["layers"]):
         assert mine["power"]["v"].shape == ref["power"]["v"].shape
         assert torch.allclose(mine["power"]["sigma"], ref["power"]["sigma"], rtol=1e-5)
@@ -206,8 +206,8 @@ def test_fsdp_over_tensor_parallel_resumes_exactly(mesh_ranks):
     for r in mesh_ranks:
         assert r["resumed"]["errors"] == 0
         for t, (x, y) in enumerate(zip(r["mesh"]["records"], r["resumed"]["records"])):
-            _same(x["snapshot"], y["snapshot"], f"step {t}")
-        _same(r["mesh"]["state"], r["resumed"]["state"], "state")
+            assert_same(x["snapshot"], y["snapshot"], f"step {t}")
+        assert_same(r["mesh"]["state"], r["resumed"]["state"], "state")
 
 
 def _dense(blocks, shape):

@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from distributed_workers import _free_ports, _run_ranks, _same
+from distributed_workers import _free_ports, _run_ranks, assert_same
 from sharded_workers import LlamaStyleLM, close, nanogpt, per_head, train
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -122,7 +122,7 @@ def test_model_parallel_strategy_equals_unsharded_run(mode, tmp_path):
     reference = _unsharded(mode, r0, r1)
     assert len(r0["snapshots"]) == len(reference) == STEPS
     for t, (a, b, ref) in enumerate(zip(r0["snapshots"], r1["snapshots"], reference)):
-        _same(a, b, f"{mode} step {t}")
+        assert_same(a, b, f"{mode} step {t}")
         mine, theirs = per_head(a), per_head(ref["snapshot"])
         for name in ("flashwatch_max_logit", "flashwatch_wq_spectral_norm", "flashwatch_repeated_max_ratio",
                      "flashwatch_repeated_max_ratio_bf16"):

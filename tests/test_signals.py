@@ -267,3 +267,23 @@ def test_signal_builder_gives_each_layer_what_it_would_get_alone():
         for (k, a), (_, b) in zip(flat(saved), flat(mine)):  # bit for bit, NaN where NaN (an inf max logit's ratios)
             assert (torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
                     if isinstance(a, torch.Tensor) else a == b), k
+
+
+def test_max_logit_growth_rate_is_nan_while_the_window_holds_a_max_logit_at_or_below_zero():
+    """log(max logit) is not defined at or below 0: a window holding such a step reads NaN, never a
+    slope of a clamped log (which swung by 10^4 per 1,000 steps as a max logit crossed 0); once the
+    window holds positive max logits only, the rate is the slope of their log."""
+    from flashwatch.step_signals import LayerReading, SignalBuilder
+
+    window = 3
+    builder = SignalBuilder([1], window)
+    rates = []
+    for step, max_logit in enumerate((-3.0, 2.0, 4.0, 8.0, 16.0)):
+        stats = {"rows": torch.tensor([8.0], dtype=F64), "repeated_max_rows": torch.zeros(1, dtype=F64),
+                 "repeated_max_rows_bf16": torch.zeros(1, dtype=F64), "repeated_max_rows_format": torch.zeros(1, dtype=F64),
+                 "max_logit": torch.tensor([max_logit], dtype=F64), "delta_error": torch.zeros(1, dtype=F64)}
+        reading = LayerReading(stats=stats, sigma=torch.ones(1, dtype=F64), calls=(1, 1))
+        layer = builder.build(step=step, index=step, loss=1.0, grad_norm=1.0, readings=[reading]).layers[0]
+        rates.append(float(layer.max_logit_growth[0]))
+    assert all(math.isnan(r) for r in rates[:3])  # steps 0-2: the window is not full, then holds -3
+    assert rates[3] == pytest.approx(1000 * math.log(2)) and rates[4] == pytest.approx(1000 * math.log(2))
