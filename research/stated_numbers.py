@@ -124,12 +124,11 @@ def _cosine_landmark_sentence() -> str:
         result = json.loads(path.read_text())
         row, base = result["table"][result["primary"]], result["table"][result["baseline"]]
         first, second = landmark_claims(result)
-        verdict = ("undecided" if first == "undecided" else
-                   "shown, and better" if (first, second) == ("separates", "made") else
-                   "shown" if first == "separates" else "not shown")
         clauses.append(f"peak {_rate(peak)} ({result['cases']} blow-ups) {_pct(row['auc'])} against "
-                       f"{_pct(base['auc'])}: {verdict}")
-    return f" On the cosine schedule (secondary analyses): {'; '.join(clauses)}." if clauses else ""
+                       f"{_pct(base['auc'])}")
+    # registered as secondary analyses, reported whatever they show: no claim, so no verdict
+    return (f" On the cosine schedule (secondary analyses, registered without a claim): {'; '.join(clauses)}."
+            if clauses else "")
 
 
 def _auto_fix_sentence(result: dict) -> str:
@@ -175,6 +174,12 @@ def _tenth_clause(tenth: dict) -> tuple[str, str]:
             f"{tenth['cases']} confirmed blow-ups ({tenth['verdict']})"), loss
 
 
+def _switched_of(result: dict) -> str:
+    """How many of the runs whose twin survived were switched, where not all of them were."""
+    n = result["switched_survivors"]
+    return "" if n == result["survivors"] else f" ({n} switched)"
+
+
 def _acting_sentence() -> str:
     """The README's point on acting on the warnings: the sixth protocol's auto_fix result; once the
     tenth has run, its result on the cosine schedule (prevented blow-ups and what the survivors it
@@ -198,14 +203,18 @@ def _acting_sentence() -> str:
     switched = f"all {runs} runs" if len(first) == runs else f"{len(first)} of {runs} runs"
     low, high = twelfth["survivor_loss_ratio_range"] or (float("nan"), float("nan"))
     harmed = len(twelfth["harmed"]) + len(tenth["harmed"])
+    twin_survived = sum(1 for p in twelfth["pairs"] + tenth["pairs"] if p["twin"]["survivor"])
+    blew = [sum(1 for p in r["pairs"] if not p["fix"]["survivor"]) for r in (twelfth, tenth)]
+    # pooled: a seed does not fix the outcome (its reruns differ), so each protocol's fix runs are read
+    # against its twins as groups; "prevented" is the registered claim's word for the confirmed cases
     return (f"*Acting on them* (cosine schedule, seeds beside their SDPA twins): `auto_fix=\"fp32_delta\"` at peak "
-            f"{_rate(_peak_11())} switched {switched} (steps {min(first):,}-{max(first):,}), prevented "
-            f"{twelfth['prevented']} of {twelfth['cases']} confirmed blow-ups ({twelfth['verdict']}), and the "
-            f"{twelfth['survivors']} that would have survived ({twelfth['switched_survivors']} switched) ended at "
+            f"{_rate(_peak_11())} switched {switched} (steps {min(first):,}-{max(first):,}); {blew[0]} of {runs} blew "
+            f"up, their twins {twelfth['cases']} (confirmed; prevented: {twelfth['verdict']}), and the "
+            f"{twelfth['survivors']} that would have survived{_switched_of(twelfth)} ended at "
             f"{twelfth['survivor_loss_ratio_mean']:.3f}x their twins' loss ({low:.3f}-{high:.3f}; at most 1% cost: "
-            f"{cost_verdict(twelfth)}); at peak {_rate(_peak_9())} it prevented {tenth['prevented']} of "
-            f"{tenth['cases']} ({tenth['verdict']}). {harmed} of {runs + len(tenth['pairs'])} blew up where the twin "
-            f"did not {sixth_clause}.")
+            f"{cost_verdict(twelfth)}); at peak {_rate(_peak_9())}, {blew[1]} of {len(tenth['pairs'])}, twins "
+            f"{tenth['cases']} ({tenth['verdict']}). {harmed} of the {twin_survived} whose twin survived blew up "
+            f"{sixth_clause}.")
 
 
 # the rules the README's table shows: the chain candidate, the Monitor's own alerts, the baselines

@@ -240,11 +240,13 @@ def test_the_tenth_protocols_result_replaces_the_acting_point_once_it_exists(tmp
 
 
 def test_the_twelfth_protocols_result_leads_the_acting_point_with_its_registered_cost_claim(tmp_path, monkeypatch):
-    """Once the twelfth protocol has a result, the acting point states its prevented blow-ups and its
-    claim on the survivors' loss as registered: made within the bars, not made above either bar,
-    undecided below 6 survivors; the harm counts both cosine protocols."""
+    """Once the twelfth protocol has a result, the acting point states its fix runs' blow-ups beside
+    their twins' (pooled: a seed does not fix the outcome), the registered "prevented" verdict, and
+    its claim on the survivors' loss as registered: made within the bars, not made above either
+    bar, undecided below 6 survivors; the harm counts the runs of both cosine protocols whose twin
+    survived."""
     flat = " ".join(stated_numbers.readme_block().split())
-    assert "prevented 6 of 6 confirmed blow-ups (shown)" in flat and "at most 1% cost: made" in flat
+    assert "0 of 24 blew up, their twins 6 (confirmed; prevented: shown)" in flat and "at most 1% cost: made" in flat
     result = json.loads(stated_numbers.AUTO_FIX_12.read_text())
     assert stated_numbers.cost_verdict(result) == "made"
     path = tmp_path / "auto-fix.json"
@@ -258,4 +260,4 @@ def test_the_twelfth_protocols_result_leads_the_acting_point_with_its_registered
         assert f"at most 1% cost: {verdict})" in " ".join(stated_numbers.readme_block().split())
         assert stated_numbers.differences()
     path.write_text(json.dumps({**result, "harmed": [804, 810]}))
-    assert "2 of 40 blew up where the twin did not" in " ".join(stated_numbers.readme_block().split())
+    assert "2 of the 18 whose twin survived blew up" in " ".join(stated_numbers.readme_block().split())
