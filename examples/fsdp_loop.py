@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/fsdp_loop.py                   # CPU, gloo
     torchrun --nproc-per-node 2 examples/fsdp_loop.py --device cuda     # one GPU per rank, NCCL
     torchrun --nproc-per-node 2 examples/fsdp_loop.py --fsdp1           # FSDP1, use_orig_params=True
+    torchrun --nproc-per-node 4 examples/fsdp_loop.py --tp 2            # FSDP2 over tensor parallelism, 2 x 2
 
 Every rank attaches a ``Monitor`` to its sharded model and calls ``step()`` once per optimizer
 step; the ranks' statistics are combined on monitored steps, and each head's W^Q spectral norm
@@ -36,11 +37,31 @@ from flashwatch import Monitor, MonitorConfig
 from flashwatch.tinygpt import GPT, Block, GPTConfig, sample_batch, stdlib_corpus
 
 
+def clip_across_meshes(model: torch.nn.Module, max_norm: float):
+    """``clip_grad_norm_`` for gradients on several device meshes (the attention's on the 2-D mesh,
+    the rest on the data-parallel one), which torch's cannot stack: each mesh's global norm, their
+    total, returned as a replicated DTensor, so the Monitor takes it as the global norm it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    by_mesh: dict = {}  # mesh -> its parameters that have gradients
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in ps]).full_tensor() for ps in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for ps in by_mesh.values():  # the scaling, one mesh at a time too
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    mesh = max(by_mesh, key=lambda m: m.ndim)
+    return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--fsdp1", action="store_true", help="FullyShardedDataParallel(use_orig_params=True) instead")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (a (ranks / tp) x tp mesh; "
+                   "the model then has separate q, k, v projections)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--interval", type=int, default=5)
     p.add_argument("--layers", type=int, default=2)
@@ -62,14 +83,32 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         device = torch.device("cpu")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.tp < 1 or world % args.tp or (args.tp > 1 and args.fsdp1):
+        p.error(f"--tp must divide the number of ranks ({world}) and goes with FSDP2, not --fsdp1; got {args.tp}")
+    if args.heads % args.tp:
+        p.error(f"--heads ({args.heads}) must be a multiple of --tp ({args.tp}): each rank holds whole heads")
     if rank != 0:
         logging.getLogger("flashwatch").setLevel(logging.WARNING)  # rank 0 tells the story
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = GPT(GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, block_size=args.block))
+    model = GPT(GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, block_size=args.block,
+                          split_qkv=args.tp > 1))
     model.to(device)
-    if args.fsdp1:
+    replica = rank
+    if args.tp > 1:  # torchtitan's composition: tensor parallelism on the inner dimension, then FSDP2 across it
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        for block in model.transformer.h:
+            parallelize_module(block.attn, mesh["tp"], {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                                        "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        replica = mesh["dp"].get_local_rank()  # the ranks of one replica share its batch
+    elif args.fsdp1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -80,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # foreach=False under tensor parallelism: the fused multi-tensor kernels take tensors of one device mesh
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                            foreach=False if args.tp > 1 else None)
 
     exporters = []
     if args.jsonl and rank == 0:
@@ -91,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     monitor.attach(model)
 
     data = stdlib_corpus(2_000_000)
-    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
+    g = torch.Generator().manual_seed(1000 + replica)  # each replica its own batches
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = sample_batch(data, args.batch, args.block, generator=g)
@@ -104,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(gr) for gr in grads])) \
                 if grads else torch.zeros((), device=device)
             model.clip_grad_norm_(1.0)
+        elif args.tp > 1:
+            grad_norm = clip_across_meshes(model, 1.0)
         else:  # FSDP2: a DTensor, already the global norm
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -119,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"  alerts {len(monitor.alerts)}", flush=True)
     monitor.close()
     if rank == 0:
-        print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s on {dist.get_world_size()} ranks "
-              f"({'FSDP1' if args.fsdp1 else 'FSDP2'}, {args.device})")
+        how = "FSDP1" if args.fsdp1 else f"FSDP2 over tensor parallelism, {world // args.tp} x {args.tp}" \
+            if args.tp > 1 else "FSDP2"
+        print(f"{args.steps} steps in {time.perf_counter() - start:.1f} s on {world} ranks ({how}, {args.device})")
     dist.destroy_process_group()
     return 0
 

@@ -2,7 +2,8 @@
 
 The model is nanoGPT's layout (byte vocabulary, no biases by default, LayerNorm, fused
 ``c_attn``, attention through ``torch.nn.functional.scaled_dot_product_attention(q, k, v,
-is_causal=True)``), at whatever size you ask; the corpus is the Python standard library's own
+is_causal=True)``), at whatever size you ask, or with separate q, k, v projections
+(``GPTConfig(split_qkv=True)``, for tensor parallelism); the corpus is the Python standard library's own
 source text, so it is on every machine and needs no download.
 
 Example::
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "stdlib_corpus", "sample_batch"]
+__all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "SplitQKVAttention", "stdlib_corpus", "sample_batch"]
 
 
 @dataclass
@@ -36,6 +37,7 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = False  # biases in Linear and LayerNorm
+    split_qkv: bool = False  # separate q, k, v, o projections (SplitQKVAttention): tensor-parallel ready
 
 
 class CausalSelfAttention(nn.Module):
@@ -65,6 +67,30 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+class SplitQKVAttention(nn.Module):
+    """Multi-head causal self-attention with separate q, k, v and output projections (the Llama
+    layout, without rotary embeddings). Heads are read from the projections' width
+    (``view(B, T, -1, head_dim)``), so the module runs unchanged on a tensor-parallel rank that holds
+    some of the heads (``ColwiseParallel`` on q, k, v; ``RowwiseParallel`` on o)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if config.n_embd % config.n_head:
+            raise ValueError(f"n_embd={config.n_embd} must be a multiple of n_head={config.n_head}")
+        c = config.n_embd
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(c, c, bias=config.bias) for _ in range(3))
+        self.o_proj = nn.Linear(c, c, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.num_heads, self.head_dim = config.n_head, c // config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(B, T, -1)))
+
+
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -80,7 +106,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = SplitQKVAttention(config) if config.split_qkv else CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -106,7 +132,7 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # scaled residual init (GPT-2)
+            if name.endswith(("c_proj.weight", "o_proj.weight")):  # scaled residual init (GPT-2)
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod

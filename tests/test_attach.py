@@ -498,3 +498,23 @@ def test_unmeasured_attention_reads_nan_not_a_healthy_zero():
         assert all(math.isnan(v) for v in monitor.signals()["drift_window_z"].values())
     finally:
         monitor.detach()
+
+
+def test_the_split_qkv_gpt_is_the_fused_one_and_is_found_with_its_chain():
+    """``GPTConfig(split_qkv=True)`` (separate q, k, v, o projections, for tensor parallelism) draws its
+    weights as the fused model does, so it computes the same function; attach finds its layers as
+    Llama-style attention, with a W^Q-error chain."""
+    from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
+
+    cfg = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
+    torch.manual_seed(0)
+    fused = GPT(GPTConfig(**cfg))
+    torch.manual_seed(0)
+    split = GPT(GPTConfig(**cfg, split_qkv=True))
+    x, y = sample_batch(stdlib_corpus(50_000), 2, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(split(x, y)[1], fused(x, y)[1], rtol=1e-6, atol=1e-6)
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(split)
+    assert [(l.name, l.family, l.num_heads, l.chain is not None) for l in monitor.layers] == \
+        [(f"transformer.h.{i}.attn", "hf_llama", 4, True) for i in range(2)]
+    monitor.detach()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,25 @@ def test_fsdp_loop_example_runs_under_torchrun():
     assert [l.split()[1] for l in lines] == ["0", "5"]  # rank 0 prints the monitored steps, once each
     assert all("max W^Q sigma 0." in l for l in lines)  # measured on the shards, not NaN
     assert "6 steps in" in proc.stdout and "(FSDP2, cpu)" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_loop_example_on_a_2d_mesh_prints_what_fsdp2_alone_prints():
+    """``--tp 2`` on 4 ranks: FSDP2 over tensor parallelism, 2 replicas of 2 tensor-parallel ranks. Its
+    model has separate q, k, v projections initialised from the same draws as the fused one, and the
+    replicas take the 2-rank run's batches, so the monitored values it prints (loss, global gradient
+    norm from several device meshes, W^Q sigma, max logit) are the 2-rank FSDP2 run's."""
+    flat = _torchrun("examples/fsdp_loop.py", "--steps", "6")
+    mesh = _torchrun("examples/fsdp_loop.py", "--steps", "6", "--tp", "2", nproc=4)
+    assert mesh.returncode == 0, mesh.stderr[-3000:]
+    lines = {p: [l for l in proc.stdout.splitlines() if l.startswith("step ")] for p, proc in (("flat", flat),
+                                                                                                ("mesh", mesh))}
+    assert len(lines["mesh"]) == 2 and len(lines["flat"]) == 2, lines
+    for a, b in zip(lines["mesh"], lines["flat"]):  # equal up to one unit of the printed last digit
+        x, y = (re.findall(r"-?\d+\.\d+", line) for line in (a, b))
+        assert a.split()[1] == b.split()[1] and len(x) == len(y) == 4, (a, b)
+        assert all(abs(float(u) - float(v)) <= 1.01 * 10 ** -len(u.split(".")[1]) for u, v in zip(x, y)), (a, b)
+    assert "(FSDP2 over tensor parallelism, 2 x 2, cpu)" in mesh.stdout
 
 
 @pytest.mark.timeout(300)
