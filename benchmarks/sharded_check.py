@@ -6,8 +6,8 @@
     torchrun --nproc-per-node 4 benchmarks/sharded_check.py --device cuda --cases fsdp_tp   # 2-D mesh
 
 For each case (FSDP2 ``fully_shard``, FSDP1 ``use_orig_params=True``, tensor parallelism with
-torchtitan's layout on a Llama-style model, and, on 4 or more ranks (an even number), FSDP2 over
-that tensor parallelism on a (ranks / 2) x 2 mesh) it:
+torchtitan's layout on the tiny GPT with separate q, k, v projections (``split_qkv``), and, on 4
+or more ranks (an even number), FSDP2 over that tensor parallelism on a (ranks / 2) x 2 mesh) it:
 
 1. trains ``--steps`` monitored steps (``interval=1``, observe mode, FP32, TF32 off) and records
    each step's per-head W^Q spectral norm, max logit and repeated-max ratios on every rank;
@@ -28,6 +28,7 @@ Prints a table and ``RESULT: PASS`` (exit 0) or ``FAIL`` (exit 1); ``--json`` wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,7 +39,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from flashwatch import Monitor, MonitorConfig
@@ -49,43 +49,10 @@ METRICS = ("flashwatch_wq_spectral_norm", "flashwatch_max_logit", "flashwatch_re
 PUSH_TRUE = "wq_error_push_true"  # monitor.signals(): the true W^Q gradient's push on sigma_max
 
 
-class LlamaStyleAttention(nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        d = width // heads
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, width, bias=False) for _ in range(3))
-        self.o_proj = nn.Linear(width, width, bias=False)
-        self.num_heads, self.head_dim = heads, d
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
-
-
-class LlamaStyleLM(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        c = cfg.n_embd
-        self.wte = nn.Embedding(cfg.vocab_size, c)
-        self.h = nn.ModuleList(nn.ModuleDict(dict(ln_1=nn.LayerNorm(c), attn=LlamaStyleAttention(c, cfg.n_head),
-                                                  ln_2=nn.LayerNorm(c), mlp=nn.Sequential(
-                                                      nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))))
-                               for _ in range(cfg.n_layer))
-        self.ln_f, self.lm_head = nn.LayerNorm(c), nn.Linear(c, cfg.vocab_size, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.wte(idx)
-        for blk in self.h:
-            x = x + blk["attn"](blk["ln_1"](x))
-            x = x + blk["mlp"](blk["ln_2"](x))
-        logits = self.lm_head(self.ln_f(x))
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-
-
 def build(case: str, cfg: GPTConfig, device: torch.device, shard: bool) -> nn.Module:
     torch.manual_seed(0)
-    model = (LlamaStyleLM(cfg) if case in ("tp", "fsdp_tp") else GPT(cfg)).to(device)
+    tensor_parallel = case in ("tp", "fsdp_tp")  # separate q, k, v projections: whole heads per rank
+    model = GPT(dataclasses.replace(cfg, split_qkv=tensor_parallel)).to(device)
     if not shard:
         return model
     if case == "fsdp2":
@@ -106,15 +73,14 @@ def build(case: str, cfg: GPTConfig, device: torch.device, shard: bool) -> nn.Mo
     mesh = init_device_mesh(device.type, (world,)) if case == "tp" else \
         init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
     tp_mesh = mesh if case == "tp" else mesh["tp"]
-    for blk in model.h:
-        parallelize_module(blk["attn"], tp_mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                                                  "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+    for blk in model.transformer.h:
+        parallelize_module(blk.attn, tp_mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                                               "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
     if case == "fsdp_tp":  # then FSDP2 over the data-parallel dimension, as torchtitan composes them
         from torch.distributed.fsdp import fully_shard
 
-        for blk in model.h:
-            fully_shard(blk["attn"], mesh=mesh["dp"])  # a block is a ModuleDict, without forward
-            fully_shard(blk["mlp"], mesh=mesh["dp"])
+        for blk in model.transformer.h:
+            fully_shard(blk, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     return model
 
