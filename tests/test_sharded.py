@@ -89,8 +89,11 @@ def test_sharded_run_equals_unsharded_run(ranks, case):
             _tensor_parallel_chain_as_unsharded(x, ref, t)
         if t == 0 and case != "tp":
             for name in DELTA:
+                # a head's sum of rounding residues can cancel to exactly 0.0 (layer 1 head 2 of fsdp1 on
+                # one CPU); the sharded run's must then be 0.0 too. Some heads' must not be 0.
+                assert any(v != 0 for v in theirs[name].values()), (case, name, theirs[name])
                 for key, v in theirs[name].items():
-                    assert v != 0 and close(mine[name][key], 2 * v, 1e-6), (case, name, key, mine[name][key], v)
+                    assert close(mine[name][key], 2 * v, 1e-6), (case, name, key, mine[name][key], v)
             # the W^Q-gradient error under FSDP: each rank's rows (twice the unsharded run's per-row
             # gradient), averaged over the ranks, with the pair from the power iteration on the
             # shards, equal the unsharded run's; the true gradient's push comes from the query's
