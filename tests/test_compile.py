@@ -235,7 +235,8 @@ def _hf_chain_eager_and_compiled(make_model, mode: str, length: int, autocast: b
 
 
 def _assert_chain_as_eager(eager: list, compiled: list) -> None:
-    assert all(math.isfinite(v) and v != 0 for v in compiled[0]["flashwatch_wq_error_push"].values())
+    push = compiled[0]["flashwatch_wq_error_push"].values()  # a rounding residue: one head's may cancel to 0.0
+    assert all(math.isfinite(v) for v in push) and any(v != 0 for v in push)
     for e, c in zip(eager, compiled):
         for name in CHAIN_METRICS:
             assert c[name] == pytest.approx(e[name], rel=1e-5, abs=0, nan_ok=True), name
