@@ -1,0 +1,85 @@
+"""The observe-mode statistics pass on a second CUDA stream (opt-in: ``FLASHWATCH_SIDE_STREAM=1``).
+
+The statistics pass of an observed call reads only that call's saved q, k, v, output and output
+gradient, and what it writes (the layer's statistics buffers, the W^Q-error chain's sums) is read
+only by ``Monitor.step``. So it can run beside the model's own backward (torch SDPA's backward and
+the layers before it) instead of before it, on a stream of its own:
+
+- ``statistics_stream(tensors)``: a context in which the pass's launches go to the side stream of
+  the current device, after everything the current stream has queued so far (the pass's inputs);
+  each tensor it reads is recorded on the side stream (``record_stream``), so that the caching
+  allocator does not hand its memory to the main stream before the pass is done with it;
+- at the end of the backward (an autograd engine callback queued by the first pass of the
+  backward) the main stream waits for the side stream: everything after the backward, the
+  optimizer and ``Monitor.step`` included, sees the statistics complete. No host synchronisation.
+
+Not used (the pass runs on the current stream, as without the switch): on the CPU, while a CUDA
+graph is being captured (``torch.compile(mode="reduce-overhead")``: a captured fork must be joined
+inside the capture), and outside a backward (no engine to queue the join on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+__all__ = ["SIDE_STREAM", "statistics_stream"]
+
+
+def _opt_in(variable: str) -> bool:
+    """An off-by-default switch read at import: "1" on, unset or "0" off; anything else refused."""
+    import os
+
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{variable}={value!r}: accepted are 1 (the statistics pass on a side stream) and 0 or "
+                         "unset (on the current stream)")
+    return value == "1"
+
+
+SIDE_STREAM: bool = _opt_in("FLASHWATCH_SIDE_STREAM")
+_streams: dict[int, torch.cuda.Stream] = {}  # device index -> its side stream
+_join_queued: set[int] = set()  # devices whose join is queued for the end of the running backward
+
+
+def _side(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """The side stream of ``device`` where the pass may use one now, else None."""
+    if not SIDE_STREAM or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    engine = torch.autograd.Variable._execution_engine
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _join_queued:
+        try:
+            engine.queue_callback(lambda: _join(index))  # RuntimeError outside a backward
+        except RuntimeError:
+            return None
+        _join_queued.add(index)
+    stream = _streams.get(index)
+    if stream is None:
+        stream = _streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def _join(index: int) -> None:
+    """End of the backward: the current stream of device ``index`` waits for its side stream."""
+    _join_queued.discard(index)
+    torch.cuda.current_stream(index).wait_stream(_streams[index])
+
+
+@contextlib.contextmanager
+def statistics_stream(device: torch.device, tensors: Iterable[Optional[torch.Tensor]]) -> Iterator[None]:
+    """Run the body (one statistics pass) on the device's side stream where one may be used
+    (module docstring), else on the current stream. ``tensors``: every tensor the pass reads that
+    was made outside it (None entries are skipped)."""
+    side = _side(torch.device(device))
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(side)
