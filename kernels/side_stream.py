@@ -9,8 +9,8 @@ the layers before it) instead of before it, on a stream of its own:
   the current device, after everything the current stream has queued so far (the pass's inputs);
   each tensor it reads is recorded on the side stream (``record_stream``), so that the caching
   allocator does not hand its memory to the main stream before the pass is done with it;
-- at the end of the backward (an autograd engine callback queued by the first pass of the
-  backward) the main stream waits for the side stream: everything after the backward, the
+- at the end of the backward (an autograd engine callback queued by each pass) the main stream
+  waits for the side stream: everything after the backward, the
   optimizer and ``Monitor.step`` included, sees the statistics complete. No host synchronisation.
 
 Not used (the pass runs on the current stream, as without the switch): on the CPU, while a CUDA
@@ -41,31 +41,23 @@ def _opt_in(variable: str) -> bool:
 
 SIDE_STREAM: bool = _opt_in("FLASHWATCH_SIDE_STREAM")
 _streams: dict[int, torch.cuda.Stream] = {}  # device index -> its side stream
-_join_queued: set[int] = set()  # devices whose join is queued for the end of the running backward
 
 
 def _side(device: torch.device) -> Optional[torch.cuda.Stream]:
-    """The side stream of ``device`` where the pass may use one now, else None."""
+    """The side stream of ``device`` where the pass may use one now (its join queued for the end of
+    the running backward), else None."""
     if not SIDE_STREAM or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
-    engine = torch.autograd.Variable._execution_engine
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _join_queued:
-        try:
-            engine.queue_callback(lambda: _join(index))  # RuntimeError outside a backward
-        except RuntimeError:
-            return None
-        _join_queued.add(index)
     stream = _streams.get(index)
     if stream is None:
         stream = _streams[index] = torch.cuda.Stream(device=index)
+    try:  # one join a pass (a backward that stopped before its end leaves none pending): an event and a wait
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: torch.cuda.current_stream(index).wait_stream(stream))
+    except RuntimeError:  # not inside a backward
+        return None
     return stream
-
-
-def _join(index: int) -> None:
-    """End of the backward: the current stream of device ``index`` waits for its side stream."""
-    _join_queued.discard(index)
-    torch.cuda.current_stream(index).wait_stream(_streams[index])
 
 
 @contextlib.contextmanager
