@@ -66,7 +66,9 @@ def _readings(mode_side: bool, compiled: bool, monkeypatch) -> list[dict]:
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_side_stream_reads_what_the_current_stream_reads(compiled, monkeypatch):
     """Three monitored steps of the same run, the pass on the current stream and on the side stream:
-    every reading agrees (the statistics' float atomics may add in another order: 1e-5 relative)."""
+    every reading agrees to 1e-4 relative. The statistics' float atomics add in any order, so two
+    runs on the current stream differ too: by up to 2.0e-5 relative (the delta-drift z of a head
+    whose errors nearly cancel, compiled, on one H200), the side stream's run from them by 2.6e-5."""
     serial = _readings(False, compiled, monkeypatch)
     beside = _readings(True, compiled, monkeypatch)
     assert side_stream._streams  # the side stream was used
@@ -76,4 +78,4 @@ def test_the_side_stream_reads_what_the_current_stream_reads(compiled, monkeypat
                 for key, v in values.items():
                     w = b[name][key]
                     if isinstance(v, float) and v == v:
-                        assert w == pytest.approx(v, rel=1e-5, abs=1e-9), (name, key)
+                        assert w == pytest.approx(v, rel=1e-4, abs=1e-9), (name, key)
