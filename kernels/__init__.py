@@ -30,7 +30,7 @@ from .checks import DTYPES, HEAD_DIMS, VARIANTS, check_options, check_qkv, check
 from .stats import FIELDS as STAT_FIELDS
 from .stats import AttentionStats
 
-check_switches()  # a bad FLASHWATCH_FAST_LAUNCH / FLASHWATCH_KERNEL_REDUCTION fails here, before training starts
+check_switches()  # a bad value of an on/off switch (checks.SWITCHES) fails here, before training starts
 
 __all__ = ["flash_attention", "attention_statistics", "AttentionStats", "VARIANTS", "HEAD_DIMS",
            "DTYPES", "STAT_FIELDS", "reference", "faults", "uses_triton"]

@@ -37,28 +37,34 @@ FIXED_MIN_OFFSET = 1.0 / 64.0
 FIXED_MAX_OFFSET = {torch.bfloat16: 20.0, torch.float32: 20.0, torch.float16: 1.0, torch.float64: 20.0}
 
 
-# The kernels' environment switches: variable -> (what on does, what off does). Each is on by default.
+# The kernels' on/off environment switches: variable -> (on when unset, what on does, what off does).
+# Each accepts 1 (on), 0 (off) or unset (its default); any other value is refused.
 SWITCHES = {
-    "FLASHWATCH_FAST_LAUNCH": ("the cached launch and launch plans", "every launch through Triton's own"),
-    "FLASHWATCH_KERNEL_REDUCTION": ("reduce in the kernels", "store the rows"),
+    "FLASHWATCH_FAST_LAUNCH": (True, "the cached launch and launch plans", "every launch through Triton's own"),
+    "FLASHWATCH_KERNEL_REDUCTION": (True, "reduce in the kernels", "store the rows"),
+    "FLASHWATCH_SIDE_STREAM": (False, "observe mode's statistics pass on a second CUDA stream",
+                               "the pass on the current stream"),
+    "FLASHWATCH_AUTOTUNE": (False, "time every candidate block shape at a shape's first call", "the tuned table"),
+    "FLASHWATCH_HOPPER_WS_UNVERIFIED": (False, "accept the feature 'ws' in FLASHWATCH_HOPPER", "refuse it"),
 }
 
 
-def switch_on_by_default(variable: str) -> bool:
-    """An environment switch of ``SWITCHES``, read at import: unset or "1" is on, "0" off; any other
-    value is refused with what is accepted and what each setting does."""
+def switch(variable: str) -> bool:
+    """Whether the environment switch ``variable`` of ``SWITCHES`` is on now: "1" on, "0" off, unset
+    its default; any other value is refused with what is accepted and what each setting does."""
     value = os.environ.get(variable, "")
+    default, on, off = SWITCHES[variable]
     if value not in ("", "0", "1"):
-        on, off = SWITCHES[variable]
-        raise ValueError(f"{variable}={value!r}: accepted are 1 or unset ({on}) and 0 ({off})")
-    return value != "0"
+        unset = "on" if default else "off"
+        raise ValueError(f"{variable}={value!r}: accepted are 1 ({on}), 0 ({off}) or unset ({unset})")
+    return default if value == "" else value == "1"
 
 
 def check_switches() -> None:
     """Refuse a bad value of any of ``SWITCHES`` now (``import flashwatch.kernels`` calls this), not at
     the first call that imports the module reading it, where it would stop the kernel path mid-run."""
     for variable in SWITCHES:
-        switch_on_by_default(variable)
+        switch(variable)
 
 
 def _is_real(value) -> bool:

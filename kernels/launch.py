@@ -59,14 +59,14 @@ from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.driver import driver
 
-from .checks import switch_on_by_default
+from .checks import switch
 
 __all__ = ["launch", "specialization_key", "clear_cache", "FAST_LAUNCH", "UnsupportedArgument", "counts", "Plan",
            "recording", "make_plan", "plan", "keep_plan", "plans_possible"]
 
 # On: cached launches where eligible; off: every launch through kernel[grid](...) (benchmarks
 # flip it to time both paths).
-FAST_LAUNCH = switch_on_by_default("FLASHWATCH_FAST_LAUNCH")
+FAST_LAUNCH = switch("FLASHWATCH_FAST_LAUNCH")
 
 # The Triton versions whose JITFunction.run this module mirrors (read its source before adding one).
 SUPPORTED_TRITON = ("3.6.",)

@@ -25,11 +25,11 @@ from typing import Optional
 
 import torch
 
-from .checks import switch_on_by_default
+from .checks import switch
 from .stats import RowReduction, RowsHook
 
 
-KERNEL_REDUCTION: bool = switch_on_by_default("FLASHWATCH_KERNEL_REDUCTION")
+KERNEL_REDUCTION: bool = switch("FLASHWATCH_KERNEL_REDUCTION")
 
 
 class RowOutputs:

@@ -25,21 +25,12 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from .checks import switch
+
 __all__ = ["SIDE_STREAM", "statistics_stream"]
 
 
-def _opt_in(variable: str) -> bool:
-    """An off-by-default switch read at import: "1" on, unset or "0" off; anything else refused."""
-    import os
-
-    value = os.environ.get(variable, "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{variable}={value!r}: accepted are 1 (the statistics pass on a side stream) and 0 or "
-                         "unset (on the current stream)")
-    return value == "1"
-
-
-SIDE_STREAM: bool = _opt_in("FLASHWATCH_SIDE_STREAM")
+SIDE_STREAM: bool = switch("FLASHWATCH_SIDE_STREAM")  # read at import (kernels.checks)
 _streams: dict[int, torch.cuda.Stream] = {}  # device index -> its side stream
 
 

@@ -25,6 +25,8 @@ import os
 
 import torch
 
+from .checks import switch
+
 
 def _cfg(bm, bn, warps, stages, maxnreg=None):
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
@@ -132,7 +134,7 @@ def parse_hopper(spec: str) -> dict[str, frozenset]:
         raise ValueError(f"{HOPPER_ENV}: unknown {', '.join(map(repr, bad))} in {spec!r}; accepted: a comma-separated "
                          f"list of kernels {HOPPER_KERNELS} and features {HOPPER_FEATURES}, or 1/on, 0/off")
     features = {t for t in tokens if t in HOPPER_FEATURES}
-    if "ws" in features and os.environ.get(WS_UNVERIFIED_ENV) != "1":
+    if "ws" in features and not switch(WS_UNVERIFIED_ENV):
         raise ValueError(f"{HOPPER_ENV}: 'ws' (warp specialisation) is refused in {spec!r}: its forward gave wrong "
                          "outputs with the causal mask on an H200 (docs/KERNEL_TUNING.md); accepted: the kernels "
                          f"{HOPPER_KERNELS} with 'tma' or without it. To debug it, set {WS_UNVERIFIED_ENV}=1")
@@ -168,7 +170,7 @@ def in_force_is_the_table() -> bool:
     """Whether every kernel's configuration comes from ``TABLE`` now: no override (``set_override``),
     no autotuning (FLASHWATCH_AUTOTUNE), no Hopper variant asked for (``set_hopper``, FLASHWATCH_HOPPER).
     Then a call's configurations depend on its shapes and options alone (what a launch plan may assume)."""
-    if _override or os.environ.get("FLASHWATCH_AUTOTUNE") == "1":
+    if _override or switch("FLASHWATCH_AUTOTUNE"):
         return False
     spec = _hopper_spec()
     return not spec or not parse_hopper(spec)  # unset (the default, asked at every call: no parsing), or "off"
@@ -198,7 +200,7 @@ def choose(kind: str, q: torch.Tensor, causal: bool, bench) -> dict:
     if q.device.type != "cuda":
         return INTERPRETER[kind]
     D = q.shape[-1]
-    if bench is None or os.environ.get("FLASHWATCH_AUTOTUNE") != "1":
+    if bench is None or not switch("FLASHWATCH_AUTOTUNE"):
         return TABLE[kind][D]
     key = (kind, D, q.dtype, causal, q.shape[2])
     if key not in _chosen:

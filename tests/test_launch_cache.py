@@ -388,7 +388,8 @@ def test_environment_switch_is_read_at_import(value, expected):
     assert ok == (value != "on") and expected in said, said
 
 
-@pytest.mark.parametrize("variable", ["FLASHWATCH_FAST_LAUNCH", "FLASHWATCH_KERNEL_REDUCTION"])
+@pytest.mark.parametrize("variable", ["FLASHWATCH_FAST_LAUNCH", "FLASHWATCH_KERNEL_REDUCTION", "FLASHWATCH_SIDE_STREAM",
+                                      "FLASHWATCH_AUTOTUNE", "FLASHWATCH_HOPPER_WS_UNVERIFIED"])
 def test_a_bad_switch_value_is_refused_when_the_monitor_is_imported(variable):
     """Not at the first attention call, where the kernel path's error would be caught as a monitoring
     error and the run would go on unmeasured. Fail before: the import succeeded."""
@@ -398,4 +399,5 @@ def test_a_bad_switch_value_is_refused_when_the_monitor_is_imported(variable):
     env = dict(os.environ, **{variable: "on"})
     out = subprocess.run([sys.executable, "-c", "from flashwatch import Monitor"], env=env, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode != 0 and f"{variable}='on': accepted are 1 or unset" in out.stderr, out.stderr
+    assert out.returncode != 0 and f"{variable}='on': accepted are 1 (" in out.stderr, out.stderr
+    assert "0 (" in out.stderr and "or unset (" in out.stderr, out.stderr  # what each setting does

@@ -13,6 +13,7 @@ import torch
 
 from flashwatch import Monitor, MonitorConfig
 from flashwatch.kernels import side_stream
+from flashwatch.kernels.checks import switch
 from flashwatch.tinygpt import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +29,8 @@ def test_a_bad_switch_value_is_refused_with_what_is_accepted(value):
 
 
 def test_off_by_default_and_on_the_current_stream_where_no_side_stream_may_be_used(monkeypatch):
-    assert side_stream._opt_in("FLASHWATCH_SIDE_STREAM_UNSET_FOR_THIS_TEST") is False
+    monkeypatch.delenv("FLASHWATCH_SIDE_STREAM", raising=False)
+    assert switch("FLASHWATCH_SIDE_STREAM") is False
     monkeypatch.setattr(side_stream, "SIDE_STREAM", True)
     ran = []
     with side_stream.statistics_stream(torch.device("cpu"), [torch.zeros(1)]):  # the CPU: no stream
