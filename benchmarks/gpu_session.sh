@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|plainsweep|
-#                                   autotune|autotunekernels|monitoredkernels|statsab|kernelcheck|sidestream|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
+#                                   autotune|autotunekernels|monitoredkernels|statsab|kernelcheck|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -129,15 +129,6 @@ for step in $steps; do
                    | grep -v Warning | tee "$OUT/stats_ab.log" | tail -24
                  timeout 170 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
                    --json "$OUT/monitor_overhead_compiled.json" 2>&1 | tee "$OUT/monitor_overhead_compiled.log" | grep -v Warning ;;
-    # sidestream: the observe-mode statistics pass on a side stream (FLASHWATCH_SIDE_STREAM=1): its GPU test, then observe
-    # mode's cost compiled (default mode) with the pass on the current stream and on the side stream, alternated, one
-    # process each (from run to run the steps moved by up to 0.12 ms on 2026-12-05, the effect measured 0.16-0.85 ms)
-    sidestream) gpu_tests gpu_side_stream 200 tests/test_side_stream.py
-                for run in 0a 1a 0b 1b; do
-                  FLASHWATCH_SIDE_STREAM=${run:0:1} timeout 80 python3 benchmarks/monitor_overhead.py --only-compiled \
-                    --compile default --arms sdpa,sdpa+observe --json "$OUT/monitor_overhead_side$run.json" 2>&1 \
-                    | tee "$OUT/monitor_overhead_side$run.log" | grep -v Warning | tail -3
-                done ;;
     # does monitoring change training? the same steps under SDPA, observe and own-kernel mode, eager and compiled
     equivtest) gpu_tests gpu_equivalence 150 tests/test_compile_gpu.py -k leaves_every_gradient ;;  # the GPU test alone (~1 min)
     equivalence) gpu_tests gpu_equivalence 150 tests/test_compile_gpu.py -k leaves_every_gradient

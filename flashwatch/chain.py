@@ -295,7 +295,7 @@ class LayerChain:
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
         self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
-        self._projected = None  # (weakref to x, the stream it was made on, x . v, x Omega) of the current call (_project)
+        self._projected = None  # (weakref to x, x . v, x Omega) of the current call (see _project)
         self._both: _Factor | None = None  # [v^T | Omega] (C, H + r) for _project
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
@@ -318,18 +318,15 @@ class LayerChain:
         past the call would change when the model's memory is freed (under CUDA graphs,
         ``torch.compile(mode="reduce-overhead")``, a graph recorded on an unmonitored step refuses
         to replay when a tensor it freed then is still alive)."""
-        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
-        if self._projected is None or self._projected[0]() is not x or self._projected[1] != stream:
-            # made on another stream (the statistics pass on its side stream, ``kernels.side_stream``):
-            # made again here rather than read before that stream is done with it
+        if self._projected is None or self._projected[0]() is not x:
             self._check(x, t)
             h = self.num_heads
             if self._both is None:
                 # (C, H + r): v split in two BF16 terms, Omega exact in BF16 in one
                 self._both = _Factor(torch.cat([self.v.T, self.omega], dim=1), split=h)
             xv, xo = self._both.times_split(x, h)  # one product for both: (B, H, N), (B, N, r) float32
-            self._projected = (weakref.ref(x), stream, xv, xo)
-        return self._projected[2], self._projected[3]
+            self._projected = (weakref.ref(x), xv, xo)
+        return self._projected[1], self._projected[2]
 
     def _along_u(self, t: torch.Tensor) -> torch.Tensor:
         """t (B, H, N, D) . u_h -> (B, H, N), in float32 (no (B, H, N, D) product formed)."""

@@ -740,13 +740,8 @@ class Router:
                 try:
                     from flashwatch.kernels import attention_statistics, masked
 
-                    from flashwatch.kernels.side_stream import statistics_stream
-
                     stats.rows_hook = rows_hook
-                    read = (*saved, grad_out, attn_mask, getattr(rows_hook, "x", None),
-                            *(getattr(rows_hook, "rotation", None) or ()))
-                    with torch.autocast(grad_out.device.type, enabled=False), \
-                            statistics_stream(grad_out.device, read):
+                    with torch.autocast(grad_out.device.type, enabled=False):
                         if mask_route:
                             masked.attention_statistics(*saved, grad_out.to(saved[3].dtype), stats,
                                                         attn_mask=attn_mask, causal=causal,

@@ -42,8 +42,6 @@ FIXED_MAX_OFFSET = {torch.bfloat16: 20.0, torch.float32: 20.0, torch.float16: 1.
 SWITCHES = {
     "FLASHWATCH_FAST_LAUNCH": (True, "the cached launch and launch plans", "every launch through Triton's own"),
     "FLASHWATCH_KERNEL_REDUCTION": (True, "reduce in the kernels", "store the rows"),
-    "FLASHWATCH_SIDE_STREAM": (False, "observe mode's statistics pass on a second CUDA stream",
-                               "the pass on the current stream"),
     "FLASHWATCH_AUTOTUNE": (False, "time every candidate block shape at a shape's first call", "the tuned table"),
     "FLASHWATCH_HOPPER_WS_UNVERIFIED": (False, "accept the feature 'ws' in FLASHWATCH_HOPPER", "refuse it"),
 }

@@ -57,7 +57,6 @@ from typing import Callable, Optional
 import torch
 
 from . import faults, reference
-from .side_stream import statistics_stream
 from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats, CallMaxLogit, fold_max_logit
 
 log = logging.getLogger("flashwatch")
@@ -376,7 +375,7 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
     coverage.add_(1)  # one attention call, measured here
     dtype = out.dtype  # autocast cast the inputs inside the model's SDPA: measure what it computed with
     try:
-        with _NoAutocast(q.device), statistics_stream(q.device, (q, k, v, out, grad_out, x, rotation, attn_mask)):
+        with _NoAutocast(q.device):
             stats = _view(counts, values, unit_gap)
             stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation, q)
             args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), stats)
