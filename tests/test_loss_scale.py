@@ -83,7 +83,8 @@ def test_a_scaled_run_reads_what_the_unscaled_run_reads():
             x, y = _values(a, name), _values(b, name)
             assert torch.equal(x.isnan(), y.isnan()), (t, name)
             torch.testing.assert_close(y, x, rtol=1e-9, atol=0, equal_nan=True, msg=f"step {t}: {name}")
-    assert _values(plain[-1], "flashwatch_delta_error").abs().min() > 0  # the comparison compares something
+    errors = _values(plain[-1], "flashwatch_delta_error")  # the comparison compares something: a head's sum
+    assert errors.isfinite().all() and (errors != 0).any()  # of rounding residues may cancel to exactly 0.0
     assert not _values(plain[-1], "flashwatch_wq_error_coherence").isnan().any()
 
 

@@ -138,7 +138,9 @@ def test_power_iteration_exact_on_request_and_nan_recovery():
     assert torch.isfinite(pi.v).all()  # the bad head kept its previous vectors
     est = pi.step(w)
     assert torch.allclose(est, spectral_norm_exact(w), rtol=1e-3)
-    assert torch.allclose(pi.exact(w * 2), spectral_norm_exact(w * 2), rtol=1e-6)
+    # two float32 routes to sigma_max (the batched SVD and matrix_norm): about 6 ulp apart on one CPU
+    # (69% of 1e-6), a few more with another LAPACK build or instruction set
+    assert torch.allclose(pi.exact(w * 2), spectral_norm_exact(w * 2), rtol=1e-5)
 
 
 def test_power_iteration_state_round_trip_and_errors():
