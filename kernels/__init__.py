@@ -29,8 +29,10 @@ from . import faults, reference
 from .checks import DTYPES, HEAD_DIMS, VARIANTS, check_options, check_qkv, check_switches
 from .stats import FIELDS as STAT_FIELDS
 from .stats import AttentionStats
+from .tuning import HOPPER_ENV, parse_hopper
 
 check_switches()  # a bad value of an on/off switch (checks.SWITCHES) fails here, before training starts
+parse_hopper(os.environ.get(HOPPER_ENV, ""))  # and a bad FLASHWATCH_HOPPER (read again at each launch)
 
 __all__ = ["flash_attention", "attention_statistics", "AttentionStats", "VARIANTS", "HEAD_DIMS",
            "DTYPES", "STAT_FIELDS", "reference", "faults", "uses_triton"]

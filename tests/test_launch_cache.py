@@ -401,3 +401,16 @@ def test_a_bad_switch_value_is_refused_when_the_monitor_is_imported(variable):
                          text=True, timeout=120)
     assert out.returncode != 0 and f"{variable}='on': accepted are 1 (" in out.stderr, out.stderr
     assert "0 (" in out.stderr and "or unset (" in out.stderr, out.stderr  # what each setting does
+
+
+
+def test_a_bad_hopper_specification_is_refused_when_the_monitor_is_imported():
+    """FLASHWATCH_HOPPER is parsed at each launch; a bad one is refused at import too, not at the
+    first attention call of a run. Fail before: the import succeeded."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLASHWATCH_HOPPER="fwd,wgmma")
+    out = subprocess.run([sys.executable, "-c", "from flashwatch import Monitor"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "FLASHWATCH_HOPPER: unknown 'wgmma'" in out.stderr, out.stderr
