@@ -25,9 +25,10 @@ Compiled arms also report the recompilations and graph breaks Dynamo counted.
 
 Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--steps`` timed
 steps (CUDA events around every step, read once at the end, so timing adds no host sync).
-Reported: mean step time, mean monitored / unmonitored step, and the overheads the Monitor
-issue targets: mean step <= 1% above its baseline, monitored step <= 15% above an
-unmonitored one. The JSON also keeps, per arm, what tells a device-bound step from a
+Reported: mean step time, mean monitored / unmonitored step, and the overheads against the
+aims: mean step <= 1% above its baseline, monitored step <= 10% above an unmonitored one
+(by the means, and by the medians: with 6 monitored steps an arm, one slow step moves the
+mean by points). The JSON also keeps, per arm, what tells a device-bound step from a
 host-bound one and one arm's compiled code from another's:
 
 - ``step_ms`` / ``step_monitored``: every timed step (device time between CUDA events) and
@@ -247,7 +248,9 @@ def _run_arm(name: str, args) -> dict:
         monitor.close()
     return {"arm": name, "mean_ms": statistics.mean(times), "median_ms": statistics.median(times),
             "monitored_ms": statistics.mean(mon) if mon else None,
-            "unmonitored_ms": statistics.mean(unmon) if unmon else None, "steps": len(times),
+            "unmonitored_ms": statistics.mean(unmon) if unmon else None,
+            "monitored_median_ms": statistics.median(mon) if mon else None,
+            "unmonitored_median_ms": statistics.median(unmon) if unmon else None, "steps": len(times),
             "monitored_steps": len(mon), "final_loss": float(loss.detach()),
             "step_ms": times, "step_monitored": flags, "host_ms": host[args.warmup:],
             "host_enqueue_ms": {"unmonitored": statistics.mean(idle[False]) if idle[False] else None,
@@ -305,20 +308,23 @@ def main(argv=None) -> int:
         a["mean_overhead_vs_baseline"] = a["mean_ms"] / b["mean_ms"] - 1.0
         if a["monitored_ms"] and a["unmonitored_ms"] and a["monitored_steps"] < a["steps"]:
             a["monitored_vs_unmonitored"] = a["monitored_ms"] / a["unmonitored_ms"] - 1.0
+            a["monitored_vs_unmonitored_median"] = a["monitored_median_ms"] / a["unmonitored_median_ms"] - 1.0
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{'tiny GPT' if args.tiny else 'GPT-2 small'}, batch {args.batch} x {args.seq}, bf16, {device_name}, "
           f"torch {torch.__version__}")
     print(f"{'arm':28s} {'mean ms':>8s} {'median':>8s} {'monitored':>10s} {'unmonitored':>12s} "
-          f"{'vs baseline':>12s} {'mon vs unmon':>13s} {'host/step':>10s}")
+          f"{'vs baseline':>12s} {'mon vs unmon':>13s} {'(medians)':>10s} {'host/step':>10s}")
     for a in arms:
         if "error" in a:
             print(f"{a['arm']:28s} failed: {a['error']}")
             continue
         over = a.get("mean_overhead_vs_baseline")
         rel = a.get("monitored_vs_unmonitored")
+        rel_median = a.get("monitored_vs_unmonitored_median")
         print(f"{a['arm']:28s} {a['mean_ms']:8.2f} {a['median_ms']:8.2f} "
               f"{a['monitored_ms'] or float('nan'):10.2f} {a['unmonitored_ms'] or float('nan'):12.2f} "
               f"{'' if over is None else f'{100 * over:+.2f}%':>12s} {'' if rel is None else f'{100 * rel:+.1f}%':>13s}"
+              f" {'' if rel_median is None else f'{100 * rel_median:+.1f}%':>10s}"
               f" {_fmt(a['host_enqueue_ms']['unmonitored']):>10s}"
               + (f"  graphs {a['unique_graphs']}, graph breaks {a['graph_breaks']}" if "unique_graphs" in a else ""))
     if args.json:

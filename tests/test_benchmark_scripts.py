@@ -130,6 +130,12 @@ def test_monitor_overhead_compiled_arms_run_on_the_cpu(tmp_path):
         assert sum(arm["step_monitored"]) == arm["monitored_steps"]
         assert arm["host_enqueue_ms"]["unmonitored"] > 0 and isinstance(arm["generated_code"], list)
     assert arms["sdpa+observe@default"]["host_enqueue_ms"]["monitored"] > 0
+    observed = arms["sdpa+observe@default"]  # the overheads by the medians too (one slow step moves a mean)
+    times = observed["step_ms"]
+    mon = sorted(t for t, m in zip(times, observed["step_monitored"]) if m)
+    unmon = sorted(t for t, m in zip(times, observed["step_monitored"]) if not m)
+    assert observed["monitored_vs_unmonitored_median"] == pytest.approx(
+        (mon[0] + mon[1]) / (unmon[0] + unmon[1]) - 1.0)  # two of each: a median is their mean
 
 
 def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was():
