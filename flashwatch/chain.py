@@ -190,20 +190,29 @@ class _Factor:
 
     split_product = True  # False once a torch without mm's out_dtype refused it (a process-wide fact)
 
-    def __init__(self, m: torch.Tensor, split: int | None = None):
+    def __init__(self, m: torch.Tensor, split: int | None = None, parts: torch.Tensor | None = None):
         self.m = m.float().contiguous()
         self.k = self.m.shape[1]
         self.split = self.k if split is None else split
         if not 0 <= self.split <= self.k:
             raise ValueError(f"split must be between 0 and the factor's {self.k} columns, got {split}")
-        self._parts: torch.Tensor | None = None  # [hi | lo] (C, k + split) BF16, made at the first BF16 x
+        # [hi | lo] (C, k + split) BF16: given (``stacked``), or made at the first BF16 x
+        self._parts: torch.Tensor | None = parts
 
     def parts(self) -> torch.Tensor:
         if self._parts is None:
-            hi = self.m.to(torch.bfloat16)
-            lo = (self.m[:, :self.split] - hi[:, :self.split].float()).to(torch.bfloat16)
-            self._parts = torch.cat([hi, lo], dim=1)
+            self._parts = _split_parts(self.m, self.split)
         return self._parts
+
+    @staticmethod
+    def stacked(ms: torch.Tensor, split: int) -> "list[_Factor]":
+        """One factor per matrix of ``ms`` (L, C, k), their BF16 parts made together where the split
+        product applies (CUDA): the same values as each made alone, in a handful of launches
+        however many layers."""
+        ms = ms.float().contiguous()
+        parts = _split_parts(ms, split) if _Factor.split_product and ms.is_cuda else None
+        return [_Factor(m, split, None if parts is None else p) for m, p in
+                zip(ms.unbind(0), [None] * len(ms) if parts is None else parts.unbind(0))]
 
     def times_split(self, x: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For x (B, N, C): (x @ m[:, :h] transposed to (B, h, N), x @ m[:, h:] (B, N, k - h)), both
@@ -235,6 +244,14 @@ class _Factor:
             except (TypeError, NotImplementedError, RuntimeError):  # mm without out_dtype (torch before 2.8),
                 _Factor.split_product = False  # or a build that refuses it: the FP32 product from now on
         return None
+
+
+def _split_parts(m: torch.Tensor, split: int) -> torch.Tensor:
+    """[hi | lo] (..., C, k + split) BF16 for m (..., C, k) float32: hi = m in BF16, lo = what hi
+    misses of m's first ``split`` columns, in BF16."""
+    hi = m.to(torch.bfloat16)
+    lo = (m[..., :split] - hi[..., :split].float()).to(torch.bfloat16)
+    return torch.cat([hi, lo], dim=-1)
 
 
 def _split_applies(x: torch.Tensor) -> bool:
@@ -297,12 +314,31 @@ class LayerChain:
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
         self._projected = None  # (weakref to x, x . v, x Omega) of the current call (see _project)
         self._both: _Factor | None = None  # [v^T | Omega] (C, H + r) for _project
+        self._siblings: list[LayerChain] = []  # chains whose pairs were set with this one's (``Chains.start``)
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
         self.u, self.v = u.to(self.device, torch.float32), v.to(self.device, torch.float32)
         self._projected = None
         self._both = None  # [v^T | Omega] (C, H + r), made at the first call
+
+    @staticmethod
+    @torch.no_grad()
+    def make_factors(chains: "list[LayerChain]") -> None:
+        """Each chain's [v^T | Omega] (``_project``'s factor) for its current pair, the chains of one
+        shape and device made together (a monitored step's launches do not grow with the depth of
+        the model), for those that have none; the same factors each would make alone."""
+        groups: dict[tuple, list[LayerChain]] = {}
+        for c in chains:
+            if c._both is not None:
+                continue
+            groups.setdefault((c.num_heads, c.width, c.device), []).append(c)
+        for members in groups.values():
+            first = members[0]
+            vt = torch.stack([c.v for c in members]).transpose(1, 2)  # (L, C, H)
+            omega = first.omega.expand(len(members), *first.omega.shape)  # (L, C, r): one Omega per width
+            for c, factor in zip(members, _Factor.stacked(torch.cat([vt, omega], dim=2), split=first.num_heads)):
+                c._both = factor
 
     def _check(self, x: torch.Tensor, t: torch.Tensor) -> None:
         """x must be (B, N, C) matching t's (B, ., N, .)."""
@@ -322,8 +358,9 @@ class LayerChain:
             self._check(x, t)
             h = self.num_heads
             if self._both is None:
-                # (C, H + r): v split in two BF16 terms, Omega exact in BF16 in one
-                self._both = _Factor(torch.cat([self.v.T, self.omega], dim=1), split=h)
+                # (C, H + r): v split in two BF16 terms, Omega exact in BF16 in one; made for every chain
+                # whose pair was set with this one (held from the monitored step's first call to its end)
+                LayerChain.make_factors(self._siblings if self in self._siblings else [self])
             xv, xo = self._both.times_split(x, h)  # one product for both: (B, H, N), (B, N, r) float32
             self._projected = (weakref.ref(x), xv, xo)
         return self._projected[1], self._projected[2]
@@ -388,8 +425,12 @@ class LayerChain:
                              f"{(self.num_heads, self.head_dim, self.width)}")
         self._touched = True
         g = grad_rows.to(self.device)
-        gv = (g * self.v[:, None, :]).sum(2, dtype=torch.float64)  # (H, D)
-        self.push_true -= (gv * self.u).sum(1)
+        if g.stride(2) <= g.stride(1):  # C runs along memory (nn.Linear's layout): sum over C first
+            gv = (g * self.v[:, None, :]).sum(2, dtype=torch.float64)  # (H, D)
+            self.push_true -= (gv * self.u).sum(1)
+        else:  # D runs along memory (Conv1D's transposed layout): over D first, a contiguous reduction too
+            gu = (g * self.u[:, :, None]).sum(1, dtype=torch.float64)  # (H, C)
+            self.push_true -= (gu * self.v).sum(1)
         self.grad_calls += 1
 
     def watch_weight(self, param: Any, transposed: bool, active: Callable[[], bool],
@@ -618,10 +659,14 @@ class Chains:
 
     def start(self, wq: Any) -> None:
         """At attach: each chain starts from the exact top singular pairs of its W^Q (``WqNorms``)."""
+        started = []
         for index, (u, v) in wq.pairs().items():
             chain = self.layers[index].chain
             if chain is not None:
                 chain.set_pair(u, v)
+                started.append(chain)
+        for chain in started:  # the first call that needs a factor makes every chain's (``_project``)
+            chain._siblings = started
 
     def update_pairs(self, wq: Any) -> None:
         """After a monitored step's power iteration: each chain gets the top singular pairs of the

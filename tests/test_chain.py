@@ -726,6 +726,33 @@ def test_the_factors_bf16_parts_sum_to_it_within_2_to_the_minus_16():
     assert err.max() > 0  # the case has entries that BF16 twice does not hold exactly
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_factors_made_together_are_those_made_one_by_one(device):
+    """``LayerChain.make_factors``: the first call of a monitored step that needs a factor makes every
+    chain's whose pair was set with it (one stack, not one set of launches per layer), bit for bit
+    the factor and BF16 parts each chain would make alone; a chain whose factor exists keeps it."""
+    from flashwatch.chain import _Factor, _split_parts
+
+    torch.manual_seed(5)
+    chains = [LayerChain(3, 4, 16, device) for _ in range(3)]
+    for c in chains:
+        c.set_pair(torch.randn(3, 4, device=device), torch.randn(3, 16, device=device))
+        c._siblings = chains
+    x = torch.randn(2, 5, 16, device=device)
+    chains[1]._project(x, torch.zeros(2, 3, 5, 4, device=device))
+    assert all(c._both is not None for c in chains)
+    for c in chains:
+        alone = _Factor(torch.cat([c.v.T, c.omega], dim=1), split=3)
+        assert torch.equal(c._both.m, alone.m) and c._both.split == 3
+        assert torch.equal(c._both.parts(), alone.parts())
+    kept = chains[0]._both
+    chains[2].set_pair(torch.randn(3, 4, device=device), torch.randn(3, 16, device=device))
+    chains[2]._project(x, torch.zeros(2, 3, 5, 4, device=device))
+    assert chains[0]._both is kept and torch.equal(chains[2]._both.m, torch.cat([chains[2].v.T, chains[2].omega], dim=1))
+    ms = torch.randn(3, 16, 7, device=device)
+    assert torch.equal(_split_parts(ms, 3), torch.stack([_split_parts(m, 3) for m in ms]))
+
+
 @pytest.mark.parametrize("split", [None, 4], ids=["all-split", "omega-exact"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_projection_of_a_bf16_activation_matches_float64(device, split):
