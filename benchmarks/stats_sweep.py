@@ -1,6 +1,6 @@
 """Configurations of the observe-mode statistics kernel with the W^Q-error chain's rows, by device time.
 
-    python benchmarks/stats_sweep.py [--shape B,H,N,D ...] [--json sweep.json]     (needs CUDA)
+    python benchmarks/stats_sweep.py [--shape B,H,N,D ...] [--wide] [--json sweep.json]     (needs CUDA)
 
 On a monitored step in observe mode the statistics kernel of a layer with a W^Q-error chain also
 accumulates P K and reduces each row's delta error onto the chain's sums in its epilogue
@@ -24,6 +24,16 @@ import torch
 GPT2_SMALL_CALL = (16, 12, 1024, 64)
 
 
+def wide_candidates() -> list[dict]:
+    """``--wide``: tiles beyond ``tuning.CANDIDATES["stats_rows"]`` (stages, warps, 16- and 32-row tiles,
+    register caps), none of which the autotuner tries."""
+    from flashwatch.kernels.tuning import _cfg
+
+    return [_cfg(64, 32, 4, 2), _cfg(64, 64, 4, 4), _cfg(128, 32, 4, 3), _cfg(128, 64, 4, 3), _cfg(128, 32, 8, 4),
+            _cfg(32, 32, 4, 3), _cfg(64, 32, 8, 3), _cfg(64, 64, 8, 3), _cfg(32, 32, 2, 3), _cfg(64, 16, 4, 3),
+            _cfg(128, 16, 8, 3), _cfg(64, 32, 4, 3, maxnreg=96), _cfg(64, 32, 4, 3, maxnreg=112)]
+
+
 def shapes(given: list[str] | None) -> list[tuple[int, int, int, int]]:
     """The shapes given as B,H,N,D strings, else GPT-2 small's call, then the bench's four."""
     from flashwatch import bench
@@ -43,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", action="append", metavar="B,H,N,D",
                     help="shape(s) (default: GPT-2 small's call, then the bench's four)")
     ap.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    ap.add_argument("--wide", action="store_true", help="also time the tiles of wide_candidates()")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("stats_sweep needs CUDA", file=sys.stderr)
@@ -53,6 +64,9 @@ def main(argv=None) -> int:
     from flashwatch.chain import SKETCH_DIM
     from flashwatch.kernels import AttentionStats, attention_statistics, tuning
 
+    if args.wide:  # this process only: the sweep reads the candidates from tuning
+        tuning.CANDIDATES["stats_rows"] = tuning.CANDIDATES["stats_rows"] + [
+            c for c in wide_candidates() if c not in tuning.CANDIDATES["stats_rows"]]
     rows = []
     for shape in shapes(args.shape):
         B, H, N, D = shape

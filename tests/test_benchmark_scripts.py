@@ -392,3 +392,19 @@ def test_step_kernels_refuses_arms_it_does_not_know_and_lists_the_ones_it_does(a
     assert proc.returncode == 2, proc.stderr
     assert "--arms takes two of sdpa, own_kernel, observe_monitored, own_kernel_monitored" in proc.stderr
     assert repr(arms) in proc.stderr
+
+
+def test_the_wide_statistics_sweep_tries_only_tiles_the_kernel_accepts():
+    """``stats_sweep.py --wide``: causal key loops take whole key blocks (BLOCK_M % BLOCK_N == 0), and
+    none repeats an autotuner candidate."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import stats_sweep
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from flashwatch.kernels import tuning
+
+    wide = stats_sweep.wide_candidates()
+    assert wide and all(c["BLOCK_M"] % c["BLOCK_N"] == 0 for c in wide)
+    assert not [c for c in wide if c in tuning.CANDIDATES["stats_rows"]]
+    assert len({tuple(sorted(c.items())) for c in wide}) == len(wide)
