@@ -314,7 +314,9 @@ class LayerChain:
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
         self._projected = None  # (weakref to x, x . v, x Omega) of the current call (see _project)
         self._both: _Factor | None = None  # [v^T | Omega] (C, H + r) for _project
-        self._siblings: list[LayerChain] = []  # chains whose pairs were set with this one's (``Chains.start``)
+        # chains whose pairs were set with this one's (``Chains.start``), held weakly: no reference cycle keeps
+        # a detached Monitor's chains (and their device memory) alive
+        self._siblings: list[weakref.ref] = []
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
@@ -360,7 +362,8 @@ class LayerChain:
             if self._both is None:
                 # (C, H + r): v split in two BF16 terms, Omega exact in BF16 in one; made for every chain
                 # whose pair was set with this one (held from the monitored step's first call to its end)
-                LayerChain.make_factors(self._siblings if self in self._siblings else [self])
+                siblings = [c for c in (ref() for ref in self._siblings) if c is not None]
+                LayerChain.make_factors(siblings if self in siblings else [self])
             xv, xo = self._both.times_split(x, h)  # one product for both: (B, H, N), (B, N, r) float32
             self._projected = (weakref.ref(x), xv, xo)
         return self._projected[1], self._projected[2]
@@ -665,8 +668,9 @@ class Chains:
             if chain is not None:
                 chain.set_pair(u, v)
                 started.append(chain)
+        refs = [weakref.ref(chain) for chain in started]
         for chain in started:  # the first call that needs a factor makes every chain's (``_project``)
-            chain._siblings = started
+            chain._siblings = refs
 
     def update_pairs(self, wq: Any) -> None:
         """After a monitored step's power iteration: each chain gets the top singular pairs of the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -737,7 +738,7 @@ def test_the_factors_made_together_are_those_made_one_by_one(device):
     chains = [LayerChain(3, 4, 16, device) for _ in range(3)]
     for c in chains:
         c.set_pair(torch.randn(3, 4, device=device), torch.randn(3, 16, device=device))
-        c._siblings = chains
+        c._siblings = [weakref.ref(s) for s in chains]
     x = torch.randn(2, 5, 16, device=device)
     chains[1]._project(x, torch.zeros(2, 3, 5, 4, device=device))
     assert all(c._both is not None for c in chains)
@@ -751,6 +752,9 @@ def test_the_factors_made_together_are_those_made_one_by_one(device):
     assert chains[0]._both is kept and torch.equal(chains[2]._both.m, torch.cat([chains[2].v.T, chains[2].omega], dim=1))
     ms = torch.randn(3, 16, 7, device=device)
     assert torch.equal(_split_parts(ms, 3), torch.stack([_split_parts(m, 3) for m in ms]))
+    gone = weakref.ref(chains[1])
+    del chains, c, kept
+    assert gone() is None  # the chains do not hold one another alive
 
 
 @pytest.mark.parametrize("split", [None, 4], ids=["all-split", "omega-exact"])
