@@ -210,9 +210,8 @@ class _Factor:
         product applies (CUDA): the same values as each made alone, in a handful of launches
         however many layers."""
         ms = ms.float().contiguous()
-        parts = _split_parts(ms, split) if _Factor.split_product and ms.is_cuda else None
-        return [_Factor(m, split, None if parts is None else p) for m, p in
-                zip(ms.unbind(0), [None] * len(ms) if parts is None else parts.unbind(0))]
+        parts = _split_parts(ms, split).unbind(0) if _Factor.split_product and ms.is_cuda else [None] * len(ms)
+        return [_Factor(m, split, p) for m, p in zip(ms.unbind(0), parts)]
 
     def times_split(self, x: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For x (B, N, C): (x @ m[:, :h] transposed to (B, h, N), x @ m[:, h:] (B, N, k - h)), both
