@@ -66,6 +66,7 @@ from typing import Any, Callable
 import torch
 
 from .families import FAMILIES
+from .kernels import uses_triton
 from .signals import top_eigenvector
 
 __all__ = ["FIELDS", "SKETCH_DIM", "CHAIN_FAMILIES", "LayerChain", "Chains", "top_pair", "pair_from_products",
@@ -319,7 +320,8 @@ class LayerChain:
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
-        self.u, self.v = u.to(self.device, torch.float32), v.to(self.device, torch.float32)
+        self.u = u.to(self.device, torch.float32).contiguous()  # contiguous: the kernels read them so
+        self.v = v.to(self.device, torch.float32).contiguous()
         self._projected = None
         self._both = None  # [v^T | Omega] (C, H + r), made at the first call
 
@@ -427,7 +429,11 @@ class LayerChain:
                              f"{(self.num_heads, self.head_dim, self.width)}")
         self._touched = True
         g = grad_rows.to(self.device)
-        if g.stride(2) <= g.stride(1):  # C runs along memory (nn.Linear's layout): sum over C first
+        if uses_triton(g.device):  # one launch (flashwatch.kernels.chain_sums), the same sums
+            from .kernels import chain_sums
+
+            chain_sums.subtract_push(g, self.u, self.v, self.push_true)
+        elif g.stride(2) <= g.stride(1):  # C runs along memory (nn.Linear's layout): sum over C first
             gv = (g * self.v[:, None, :]).sum(2, dtype=torch.float64)  # (H, D)
             self.push_true -= (gv * self.u).sum(1)
         else:  # D runs along memory (Conv1D's transposed layout): over D first, a contiguous reduction too
@@ -512,7 +518,7 @@ class LayerChain:
             owners = owners[off: off + h, None]
         rows = rows[off: off + h] / owners
         self.ugv = (-rows[:, 0]).float()
-        self.push_true = rows[:, 1].clone()
+        self.push_true = rows[:, 1].clone(memory_format=torch.contiguous_format)
         self.sketch = rows[:, 2:].reshape(self.sketch.shape).float()
         self._seen = (t[-2] > 0, t[-1] > 0)  # device scalars: no host sync
 
@@ -625,7 +631,8 @@ class LayerChain:
     def load_state_dict(self, state: dict) -> None:
         """From ``state_dict()``: this layer's heads, or every head's (a tensor-parallel rank takes its own)."""
         for k, saved in self._own(state).items():
-            setattr(self, k, saved.to(device=self.device, dtype=getattr(self, k).dtype).clone())
+            setattr(self, k, saved.to(device=self.device, dtype=getattr(self, k).dtype)
+                    .clone(memory_format=torch.contiguous_format))
         self._projected = self._both = None  # made again from the loaded v
 
 

@@ -9,8 +9,9 @@ statistics kernels, and call ``finish()`` after the launch. Two modes:
   kernel reduces its block of rows in its epilogue into one slot of two partial-sum buffers, a
   scalar and a (D, r) sketch per (batch, head, row block): 4 * B * H * cdiv(N, BLOCK_M) * (D r + 1)
   bytes, against 4 * B * H * N * (D + 1) for the rows; ``finish()`` sums them over batch and
-  blocks into the reduction's per-head sums (plain stores and two sums: no float atomics, no
-  contention between programs, the same order in every run); no per-row buffer exists.
+  blocks into the reduction's per-head sums (plain stores, then one launch of
+  ``chain_sums.add_partials``: no float atomics, no contention between programs, the same order
+  in every run); no per-row buffer exists.
 
 Where reduce mode is used (``KERNEL_REDUCTION``, from the environment variable
 FLASHWATCH_KERNEL_REDUCTION at import): unset or "1": everywhere, "0": nowhere (every launch
@@ -25,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from . import chain_sums
 from .checks import switch
 from .stats import RowReduction, RowsHook
 
@@ -64,8 +66,7 @@ class RowOutputs:
         reduction's per-head sums and its ``done()``."""
         if self.reduction is not None:
             r = self.reduction
-            r.ugv.add_(self.part_ugv.sum(dim=(0, 2)))
-            r.sketch.add_(self.part_sketch.sum(dim=(0, 2)))
+            chain_sums.add_partials(self.part_ugv, self.part_sketch, r.ugv, r.sketch)  # one launch
             r.done()
         elif self.hook is not None:
             self.hook(self.err, self.pk)
