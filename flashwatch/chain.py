@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -214,25 +214,22 @@ class _Factor:
         parts = _split_parts(ms, split).unbind(0) if _Factor.split_product and ms.is_cuda else [None] * len(ms)
         return [_Factor(m, split, p) for m, p in zip(ms.unbind(0), parts)]
 
-    def times_split(self, x: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For x (B, N, C): (x @ m[:, :h] transposed to (B, h, N), x @ m[:, h:] (B, N, k - h)), both
-        float32 and contiguous, the layouts the kernels read; the split product's lo terms are
-        added straight into them (three kernels: the product, an addition, and an addition or a
-        copy). ``split`` must be h (the chain: v split, Omega in one term) or every column."""
+    def times(self, x: torch.Tensor, h: int) -> "_Projection":
+        """x (B, N, C) @ m in float32 as views of one product (the product's single launch, no
+        copies): x @ m[:, :h] as (B, h, N) and x @ m[:, h:] as (B, N, k - h), each with its split
+        product's low term where it has one. ``split`` must be h (the chain: v split, Omega in
+        one term) or every column."""
         B, N, k, s = x.shape[0], x.shape[1], self.k, self.split
         if s not in (h, k):
             raise ValueError(f"a factor split in its first {s} of {k} columns is read apart at {h}: "
                              f"split must be {h} or {k}")
         y = self._split_product(x)
         if y is None:
-            y = x.float() @ self.m  # (B, N, k)
-            return y[..., :h].transpose(1, 2).contiguous(), y[..., h:].contiguous()
+            y = (x.float() @ self.m).view(B, N, k)
+            return _Projection(y[..., :h].transpose(1, 2), None, y[..., h:], None)
         y = y.view(B, N, k + s)  # [x hi | x lo]
-        first = torch.empty((B, h, N), dtype=torch.float32, device=x.device)
-        torch.add(y[..., :h], y[..., k: k + h], out=first.transpose(1, 2))
-        if s == h:  # the chain's case: the rest is one BF16 term, copied out (one op)
-            return first, y[..., h:k].contiguous()
-        return first, torch.add(y[..., h:k], y[..., k + h:])
+        return _Projection(y[..., :h].transpose(1, 2), y[..., k: k + h].transpose(1, 2), y[..., h:k],
+                           y[..., k + h:] if s == k else None)
 
     def _split_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x (..., C) @ [hi | lo] as (prod(...), k + split) float32 where the split product applies, else None."""
@@ -246,6 +243,25 @@ class _Factor:
         return None
 
 
+class _Projection(NamedTuple):
+    """One call's x . v_h and x Omega (float32 views of one product, ``_Factor.times``): ``xv`` (B, H, N)
+    and ``xo`` (B, N, r), each with the low term of a split product to add (``xv_lo``, ``xo_lo``) or
+    None. The Triton kernels read ``xv``, ``xv_lo`` and ``xo`` in place (``RowReduction``)."""
+
+    xv: torch.Tensor
+    xv_lo: torch.Tensor | None
+    xo: torch.Tensor
+    xo_lo: torch.Tensor | None
+
+    def along_v(self) -> torch.Tensor:
+        """x . v_h (B, H, N), the terms added."""
+        return self.xv if self.xv_lo is None else self.xv + self.xv_lo
+
+    def along_omega(self) -> torch.Tensor:
+        """x Omega (B, N, r), the terms added."""
+        return self.xo if self.xo_lo is None else self.xo + self.xo_lo
+
+
 def _split_parts(m: torch.Tensor, split: int) -> torch.Tensor:
     """[hi | lo] (..., C, k + split) BF16 for m (..., C, k) float32: hi = m in BF16, lo = what hi
     misses of m's first ``split`` columns, in BF16."""
@@ -255,7 +271,7 @@ def _split_parts(m: torch.Tensor, split: int) -> torch.Tensor:
 
 
 def _split_applies(x: torch.Tensor) -> bool:
-    """Whether ``_Factor.times_split`` multiplies x in BF16 parts: a BF16 tensor on CUDA (where mm has out_dtype)."""
+    """Whether ``_Factor.times`` multiplies x in BF16 parts: a BF16 tensor on CUDA (where mm has out_dtype)."""
     return x.dtype == torch.bfloat16 and x.is_cuda
 
 
@@ -312,7 +328,7 @@ class LayerChain:
         self.pending_hooks: list = []  # own-kernel mode: rows hooks of calls whose backward has not run
         self.weight_hook = None  # handle of the W^Q gradient hook of the current monitored step
         self._seen = None  # (rows seen, query gradient seen) as device booleans after a ranks' mean
-        self._projected = None  # (weakref to x, x . v, x Omega) of the current call (see _project)
+        self._projected = None  # (weakref to x, its _Projection) of the current call (see _project)
         self._both: _Factor | None = None  # [v^T | Omega] (C, H + r) for _project
         # chains whose pairs were set with this one's (``Chains.start``), held weakly: no reference cycle keeps
         # a detached Monitor's chains (and their device memory) alive
@@ -349,9 +365,9 @@ class LayerChain:
             raise ValueError(f"projection input of shape {tuple(x.shape)} does not match attention tensors "
                              f"{tuple(t.shape)} (expected (B, N, {self.width}))")
 
-    def _project(self, x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x . v_h (B, H, N), x Omega (B, N, r)) for one call's projection input x (B, N, C), made once
-        per call: the rows hook and the query's gradient hook of a call share the same x.
+    def _project(self, x: torch.Tensor, t: torch.Tensor) -> _Projection:
+        """x . v_h (B, H, N) and x Omega (B, N, r) for one call's projection input x (B, N, C), made once
+        per call (one product): the rows hook and the query's gradient hook of a call share the same x.
 
         x is remembered weakly: x is the model's activation, which its backward frees; holding it
         past the call would change when the model's memory is freed (under CUDA graphs,
@@ -365,9 +381,8 @@ class LayerChain:
                 # whose pair was set with this one (held from the monitored step's first call to its end)
                 siblings = [c for c in (ref() for ref in self._siblings) if c is not None]
                 LayerChain.make_factors(siblings if self in siblings else [self])
-            xv, xo = self._both.times_split(x, h)  # one product for both: (B, H, N), (B, N, r) float32
-            self._projected = (weakref.ref(x), xv, xo)
-        return self._projected[1], self._projected[2]
+            self._projected = (weakref.ref(x), self._both.times(x, h))  # one product for both
+        return self._projected[1]
 
     def _along_u(self, t: torch.Tensor) -> torch.Tensor:
         """t (B, H, N, D) . u_h -> (B, H, N), in float32 (no (B, H, N, D) product formed)."""
@@ -385,10 +400,10 @@ class LayerChain:
         self._touched = True
         if rotation is not None:
             pk = unrotate(pk, rotation)
-        xv, xo = self._project(x, pk)
+        projection = self._project(x, pk)
         c = (-scale) * e_rows.float()  # (B, H, N)
-        self.ugv += (c * self._along_u(pk) * xv).sum(dim=(0, 2))
-        weighted = c[..., None] * xo[:, None]  # (B, H, N, r)
+        self.ugv += (c * self._along_u(pk) * projection.along_v()).sum(dim=(0, 2))
+        weighted = c[..., None] * projection.along_omega()[:, None]  # (B, H, N, r)
         self.sketch += torch.matmul(pk.float().transpose(-1, -2), weighted).sum(0)  # (H, D, r)
         self.rows_calls += 1
 
@@ -401,8 +416,8 @@ class LayerChain:
         from .kernels.stats import RowReduction
 
         self._touched = True
-        xv, xo = self._project(x, q)
-        return RowReduction(self.u, xv, xo, self.ugv, self.sketch, self._rows_added)
+        p = self._project(x, q)  # read in place by the kernels: the chain's Omega has no low term
+        return RowReduction(self.u, p.xv, p.xo, self.ugv, self.sketch, self._rows_added, xv_lo=p.xv_lo)
 
     def _rows_added(self) -> None:
         self.rows_calls += 1
@@ -415,7 +430,7 @@ class LayerChain:
         self._touched = True
         if rotation is not None:
             dq = unrotate(dq, rotation)
-        xv, _ = self._project(x, dq)
+        xv = self._project(x, dq).along_v()
         self.push_true -= (self._along_u(dq) * xv).sum(dim=(0, 2)).double()
         self.grad_calls += 1
 

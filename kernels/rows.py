@@ -47,6 +47,7 @@ class RowOutputs:
         if self.reduction is not None:
             self.reduction.check(q)
             r = self.reduction
+            layout = r.layout()  # xv and xo contiguous, or read in place from the chain's product
             blocks = -(-N // block_m)
             # one slot per program, (B, H, blocks) order; every slot is written by its program
             self.part_ugv = torch.empty((B, H, blocks), dtype=torch.float32, device=q.device)
@@ -54,7 +55,7 @@ class RowOutputs:
                                            device=q.device)
             # ERR_ROWS and PK are never written in reduce mode: any FP32 pointer will do
             self.args = (self.part_ugv,) * 2 + (r.u, r.xv, r.xo, self.part_ugv, self.part_sketch)
-            self.flags = dict(ROWS=True, REDUCE=True, SKETCH_R=r.xo.shape[-1])
+            self.flags = dict(ROWS=True, REDUCE=True, SKETCH_R=r.xo.shape[-1], **layout)
         else:
             self.err = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
             self.pk = torch.empty((B, H, N, D), dtype=torch.float32, device=q.device)
@@ -78,5 +79,5 @@ def row_args(rows: Optional[RowOutputs], dummy: torch.Tensor) -> tuple:
 
 
 def row_flags(rows: Optional[RowOutputs]) -> dict:
-    """The kernels' per-row constexpr flags (ROWS, REDUCE, SKETCH_R)."""
+    """The kernels' per-row constexpr flags (ROWS, REDUCE, SKETCH_R, X_STRIDE, XV_LO)."""
     return rows.flags if rows is not None else dict(ROWS=False, REDUCE=False)

@@ -57,10 +57,14 @@ class RowReduction(NamedTuple):
     - ``ugv[h] += sum_rows c (pk . u[h]) xv[:, h]``  (u_h^T dG_h v_h for the call's dG_h);
     - ``sketch[h] += sum_rows c pk^T xo``  ((D, r): dG_h Omega).
 
-    Fields (FP32, contiguous, on q's device): ``u`` (H, D), ``xv`` (B, H, N), ``xo`` (B, N, r)
-    with r a power of two >= 16, ``ugv`` (H,) and ``sketch`` (H, D, r) added into in place
-    (each program's share is summed after the launch, ``rows.RowOutputs``); ``done()`` is called
-    once the kernel was launched.
+    Fields (FP32, on q's device): ``u`` (H, D), ``xv`` (B, H, N), ``xo`` (B, N, r) with r a
+    power of two >= 16, ``ugv`` (H,) and ``sketch`` (H, D, r) added into in place (each
+    program's share is summed after the launch, ``rows.RowOutputs``); ``done()`` is called once
+    the kernel was launched. ``u``, ``ugv`` and ``sketch`` are contiguous. ``xv`` and ``xo`` are
+    contiguous, or both columns of one product y (B * N, s) read in place: ``xv`` with strides
+    (N s, 1, s), ``xo`` with strides (N s, s, 1); then ``xv_lo`` (optional, None: none) is a
+    second term of x . v_h, a view of y like ``xv`` further along its rows, added to it (the
+    chain's split product: ``flashwatch.chain._Factor``).
     """
 
     u: torch.Tensor
@@ -69,6 +73,7 @@ class RowReduction(NamedTuple):
     ugv: torch.Tensor
     sketch: torch.Tensor
     done: Callable[[], object]
+    xv_lo: Optional[torch.Tensor] = None
 
     def check(self, q: torch.Tensor) -> None:
         """Raise ValueError unless the factors fit q (B, H, N, D)."""
@@ -77,12 +82,43 @@ class RowReduction(NamedTuple):
         want = {"u": (H, D), "xv": (B, H, N), "xo": (B, N, r), "ugv": (H,), "sketch": (H, D, r)}
         for name, shape in want.items():
             t = getattr(self, name)
-            if (tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous()
-                    or t.device != q.device):
-                raise ValueError(f"RowReduction.{name}: expected a contiguous float32 tensor of shape {shape} on "
-                                 f"{q.device}, got {tuple(t.shape)} {t.dtype} on {t.device}")
+            if tuple(t.shape) != shape or t.dtype != torch.float32 or t.device != q.device or (
+                    name not in ("xv", "xo") and not t.is_contiguous()):
+                raise ValueError(f"RowReduction.{name}: expected a{' contiguous' if name not in ('xv', 'xo') else ''} "
+                                 f"float32 tensor of shape {shape} on {q.device}, got {tuple(t.shape)} {t.dtype} on "
+                                 f"{t.device}")
         if r < 16 or r & (r - 1):
             raise ValueError(f"RowReduction.xo: sketch width must be a power of two >= 16, got {r}")
+        self.layout()
+
+    def layout(self) -> dict:
+        """The kernels' constexprs for reading ``xv`` and ``xo``: X_STRIDE (0: both contiguous, else
+        the product's row stride s) and XV_LO (the low term's column offset from ``xv``, 0: none);
+        ValueError for any other layout."""
+        xv, xo, lo = self.xv, self.xo, self.xv_lo
+        if lo is None and xv.is_contiguous() and xo.is_contiguous():
+            return dict(X_STRIDE=0, XV_LO=0)
+        B, N, r = xo.shape
+        s = xo.stride(1)
+        if not (_strides_fit(xo, (N * s, s, 1)) and _strides_fit(xv, (N * s, 1, s)) and s >= 1):
+            raise ValueError(f"RowReduction: xv {tuple(xv.shape)} strides {xv.stride()} and xo {tuple(xo.shape)} "
+                             f"strides {xo.stride()} are neither contiguous nor columns of one (B * N, s) product "
+                             f"(xv strides (N s, 1, s), xo strides (N s, s, 1))")
+        offset = 0
+        if lo is not None:
+            offset = lo.data_ptr() - xv.data_ptr()
+            if (lo.shape != xv.shape or lo.dtype != xv.dtype or lo.device != xv.device or not _strides_fit(lo, xv.stride())
+                    or offset <= 0 or offset % lo.element_size() or offset // lo.element_size() + xv.shape[1] > s):
+                raise ValueError("RowReduction.xv_lo: expected a view of xv's product with xv's shape and strides, "
+                                 f"further along its rows; got {tuple(lo.shape)} strides {lo.stride()} at "
+                                 f"{offset} bytes from xv")
+            offset //= lo.element_size()
+        return dict(X_STRIDE=s, XV_LO=offset)
+
+
+def _strides_fit(t: torch.Tensor, strides: tuple) -> bool:
+    """Whether t has these strides in every dimension of more than one element."""
+    return all(n == 1 or st == want for n, st, want in zip(t.shape, t.stride(), strides))
 
 
 COUNT_FIELDS = ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format")

@@ -313,12 +313,15 @@ def _add_row_statistics(ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ, ST_ET
 
 @triton.jit
 def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_scale, U, XV, XO, UGV, SKETCH,
-                 HEAD_DIM: tl.constexpr, SKETCH_R: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, SKETCH_R: tl.constexpr, X_STRIDE: tl.constexpr, XV_LO: tl.constexpr):
     """The W^Q-gradient error of a block of rows, reduced in place of storing it (``REDUCE``).
 
     pk (BLOCK_M, D) FP32 (0 on rows >= N), err (BLOCK_M,) FP32 (0 on rows >= N); the call's
-    factors: U (H, D) the head's u, XV (B, H, N) x . v_h, XO (B, N, SKETCH_R) x Omega, all FP32
-    contiguous. With c = -sm_scale * err, the error's rows dQ_err = c pk give this block's share
+    factors: U (H, D) the head's u, XV (B, H, N) x . v_h, XO (B, N, SKETCH_R) x Omega, all FP32:
+    contiguous (X_STRIDE 0), or X_STRIDE > 0: columns of one (B * N, X_STRIDE) product y, x . v_h
+    at XV[row * X_STRIDE + h] (plus XV[row * X_STRIDE + XV_LO + h], its low part, where XV_LO > 0)
+    and x Omega at XO[row * X_STRIDE + j] (row = b * N + n: the product as the chain makes it,
+    read in place). With c = -sm_scale * err, the error's rows dQ_err = c pk give this block's share
     of query head h's sums: UGV[part] = sum_rows c (pk . u_h)(x . v_h) (of u_h^T dG_h v_h) and
     SKETCH[part] (D, SKETCH_R) = pk^T (c x Omega) (of dG_h Omega), FP32 (the sketch's product on
     tensor cores in TF32, each factor kept to 10 explicit bits: within 2^-9 of each term, far
@@ -328,15 +331,24 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     atomics: no contention, and the same sum in every run)."""
     c = -sm_scale * err
     u = tl.load(U + h * HEAD_DIM + offs_d)
-    xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
+    x_rows = (b.to(tl.int64) * N + offs_m) * X_STRIDE  # (BLOCK_M,) the rows of y (X_STRIDE > 0)
+    if X_STRIDE == 0:
+        xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
+    else:
+        xv = tl.load(XV + x_rows + h, mask=row_ok, other=0.0)
+        if XV_LO != 0:
+            xv += tl.load(XV + x_rows + XV_LO + h, mask=row_ok, other=0.0)
     pu = tl.sum(pk * u[None, :], 1)  # (BLOCK_M,)
     tl.store(UGV + part, tl.sum(c * pu * xv, 0))
     # the (D, SKETCH_R) product at once, on tensor cores in TF32 (neither kernel spills at D 64: 127 and 244
     # registers; in column blocks of 16 the transposed P K was read back from shared memory once a block:
     # docs/KERNEL_TUNING.md)
     offs_r = tl.arange(0, SKETCH_R)
-    xo = tl.load(XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R + offs_r[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    if X_STRIDE == 0:
+        xo = tl.load(XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R + offs_r[None, :],
+                     mask=row_ok[:, None], other=0.0)
+    else:
+        xo = tl.load(XO + x_rows[:, None] + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     sk = tl.dot(tl.trans(pk), c[:, None] * xo, input_precision="tf32")  # (D, SKETCH_R)
     tl.store(SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R + offs_r[None, :], sk)
 
@@ -641,7 +653,8 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr,
-                        REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16):
+                        REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16, X_STRIDE: tl.constexpr = 0,
+                        XV_LO: tl.constexpr = 0):
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # It first computes delta_used = rowsum(dO * O) (O + R under fp32_delta) for its rows and
     # stores it for the dK/dV kernel, which runs after it: no separate delta launch, and dO is
@@ -708,7 +721,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
             if REDUCE:  # pk is 0 on rows >= N: their q, dO (so P's dP) and err are 0
                 _reduce_rows(tl.where(row_ok[:, None], pk, 0.0), err, row_ok, offs_m, offs_d, b, h, row_base,
                              _block_part(bh, start_m, N, BLOCK_M), N, sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM,
-                             SKETCH_R)
+                             SKETCH_R, X_STRIDE, XV_LO)
             else:
                 tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
                 _store_rows(PK + bh.to(tl.int64) * N * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk)
@@ -744,7 +757,8 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
                        sdoh, sdon, H, G, N, sm_scale, eps, gap,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                       EXACT_BF16: tl.constexpr, REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16):
+                       EXACT_BF16: tl.constexpr, REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16,
+                       X_STRIDE: tl.constexpr = 0, XV_LO: tl.constexpr = 0):
     # grid: (cdiv(N, BLOCK_M), B * H). Reads q, k, v, the other kernel's output O and dO;
     # adds per-head counts, max logit and delta-error sums. delta_hp = rowsum(P * dP) is
     # accumulated online like the softmax denominator: d = sum exp(s - m) * dP, then d / l.
@@ -794,7 +808,7 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
         if REDUCE:
             pk = tl.where(row_ok[:, None], pk / l_i[:, None], 0.0)  # no 0/0 of an empty row
             _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, _block_part(bh, start_m, N, BLOCK_M), N,
-                         sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM, SKETCH_R)
+                         sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM, SKETCH_R, X_STRIDE, XV_LO)
         else:
             tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
             _store_rows(PK + row_base * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk / l_i[:, None])

@@ -16,14 +16,25 @@ U = 2.0 ** -24  # FP32 unit roundoff
 
 
 class ReducingHook:
-    """A rows hook that offers a reduction into fresh buffers and must not be called with rows."""
+    """A rows hook that offers a reduction into fresh buffers and must not be called with rows.
 
-    def __init__(self, q: torch.Tensor, r: int, seed: int):
+    ``in_place``: x . v and x Omega offered as the chain offers them, views of one product y
+    (B * N, 2 H + r + 3) [x . v hi | x Omega | x . v lo | 3 unused columns] read in place
+    (``RowReduction.layout``); ``xv`` and ``xo`` hold their values (hi + lo) for the oracle."""
+
+    def __init__(self, q: torch.Tensor, r: int, seed: int, in_place: bool = False):
         B, H, N, D = q.shape
         g = torch.Generator().manual_seed(seed)
         self.u = torch.randn(H, D, generator=g).to(q.device)
-        self.xv = torch.randn(B, H, N, generator=g).to(q.device)
-        self.xo = torch.randn(B, N, r, generator=g).to(q.device)
+        self.views = None
+        if in_place:
+            y = torch.randn(B, N, 2 * H + r + 3, generator=g).to(q.device)
+            hi, xo, lo = y[..., :H].transpose(1, 2), y[..., H: H + r], y[..., H + r: 2 * H + r].transpose(1, 2)
+            self.views = (hi, xo, lo)
+            self.xv, self.xo = hi + lo, xo.contiguous()
+        else:
+            self.xv = torch.randn(B, H, N, generator=g).to(q.device)
+            self.xo = torch.randn(B, N, r, generator=g).to(q.device)
         self.ugv = torch.zeros(H, device=q.device)
         self.sketch = torch.zeros(H, D, r, device=q.device)
         self.done = 0
@@ -31,6 +42,9 @@ class ReducingHook:
 
     def reduction(self, q):
         self.offered += 1
+        if self.views is not None:
+            hi, xo, lo = self.views
+            return RowReduction(self.u, hi, xo, self.ugv, self.sketch, self._done, xv_lo=lo)
         return RowReduction(self.u, self.xv, self.xo, self.ugv, self.sketch, self._done)
 
     def _done(self):
@@ -103,14 +117,16 @@ def assert_same_statistics(got: torch.Tensor, want: torch.Tensor, terms: int) ->
         assert (off <= bound).all(), f"the reduction changed {name} by {off.max():.3g} (summation order allows {bound.max():.3g})"
 
 
-def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain", seed=0):
+def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain", seed=0, in_place=False):
     """One call with a reducing hook, checked twice: against float64 from the inputs (within the
     rows' own error bounds carried through), and against the float64 reduction of the rows the
     same kernel stores for a plain hook (within FP32 arithmetic alone: the tight check). Nothing
-    else the call computes (statistics, gradients) changes."""
+    else the call computes (statistics, gradients) changes. ``in_place``: the factors offered as
+    views of one product (``ReducingHook``); x . v's two terms are then added in FP32, one more
+    rounding of 2**-24 (within the bound's ``+ 4``)."""
     B, H, N, D = q.shape
     sm_scale = D ** -0.5
-    hook = ReducingHook(q, r, seed)
+    hook = ReducingHook(q, r, seed, in_place)
     stats, plain = AttentionStats(H, q.device), AttentionStats(H, q.device)
     stats.rows_hook = hook
     plain.rows_hook = recorder = RowsRecorder()
@@ -121,7 +137,7 @@ def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain",
             assert torch.equal(a, b)
     assert hook.offered == 1 and hook.done == 1 and len(recorder.calls) == 1
     assert_same_statistics(stats.packed(), plain.packed(), terms=B * N)  # rows summed into each head
-    tag = f"{mode} {tuple(q.shape)} Hkv={k.shape[1]} causal={causal} r={r} {variant}"
+    tag = f"{mode} {tuple(q.shape)} Hkv={k.shape[1]} causal={causal} r={r} {variant} in_place={in_place}"
     got_ugv, got_sketch = hook.ugv.cpu().to(F64), hook.sketch.cpu().to(F64)
 
     err, pk, err_scale, pk_tol = rows_oracle(q, k, v, o_used, g, causal)

@@ -693,14 +693,28 @@ def _factor_case(device: str, split: int | None = None):
 
 
 def _times(factor, x, h=4):
-    """The factor's product as ``LayerChain._project`` takes it, checked for its layouts, put back
-    together as x @ m (B, N, k)."""
-    first, rest = factor.times_split(x, h)
+    """The factor's product as ``LayerChain._project`` takes it, checked for its layouts (views of one
+    product, as the kernels read them: ``RowReduction.layout``), put back together as x @ m (B, N, k)."""
+    from flashwatch.kernels.stats import RowReduction
+
+    p = factor.times(x, h)
     B, N = x.shape[:2]
-    assert first.shape == (B, h, N) and rest.shape == (B, N, factor.k - h)
-    assert first.is_contiguous() and rest.is_contiguous()
-    assert first.dtype == rest.dtype == torch.float32
-    return torch.cat([first.transpose(1, 2), rest], dim=-1)
+    r = factor.k - h
+    for t, lo, shape in ((p.xv, p.xv_lo, (B, h, N)), (p.xo, p.xo_lo, (B, N, r))):
+        assert t.shape == shape and t.dtype == torch.float32 and (lo is None or lo.shape == shape)
+    assert p.xo.data_ptr() == p.xv.data_ptr() + 4 * h  # one product, read in place
+    split = p.xv_lo is not None
+    assert (p.xo_lo is not None) == (split and factor.split == factor.k)
+    s = factor.k + (factor.split if split else 0)
+    assert p.xv.stride() == (N * s, 1, s) and p.xo.stride() == (N * s, s, 1)
+    if split:
+        assert p.xv_lo.stride() == p.xv.stride() and p.xv_lo.data_ptr() == p.xv.data_ptr() + 4 * factor.k
+    if p.xo_lo is None:  # the kernels' layout (the chain's: Omega in one term)
+        zeros = lambda *shape: torch.zeros(*shape, device=x.device)  # noqa: E731
+        reduction = RowReduction(zeros(h, 8), p.xv, p.xo, zeros(h), zeros(h, 8, r), lambda: None, xv_lo=p.xv_lo)
+        reduction.check(zeros(B, h, N, 8))
+        assert reduction.layout() == dict(X_STRIDE=s, XV_LO=factor.k if split else 0)
+    return torch.cat([p.along_v().transpose(1, 2), p.along_omega()], dim=-1)
 
 
 def test_omega_is_exact_in_bf16_and_has_variance_one_over_r():
@@ -802,7 +816,7 @@ def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monk
         assert ((got.to(F64) - want).abs() <= 2.0 ** -15 * (x.to(F64).abs() @ m.to(F64).abs())).all(), split
     for split, h in [(2, 4), (6, 2)]:
         with pytest.raises(ValueError, match=f"split must be {h} or {k}"):
-            chain._Factor(m, split).times_split(x, h)
+            chain._Factor(m, split).times(x, h)
     with pytest.raises(ValueError, match="split must be between"):
         chain._Factor(m, k + 1)
     x, m = _factor_case("cpu")

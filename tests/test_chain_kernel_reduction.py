@@ -64,6 +64,15 @@ def test_reduction_at_the_chain_sketch_width_and_fp32_interpreted(mode):
 
 @pytest.mark.usefixtures("interpret_dispatch")
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+@pytest.mark.parametrize("shape", [(2, 2, 1, 37, 16), (1, 2, 2, 1, 16)], ids=["B2H2N37", "B1H2N1"])
+def test_reduction_reads_the_chains_product_in_place_interpreted(shape, mode):
+    """x . v (two terms) and x Omega as views of one product, as the chain offers them."""
+    B, H, Hkv, N, D = shape
+    check_reduction(*random_qkv(B, H, N, D, Hkv=Hkv, seed=8), causal=N > 1, mode=mode, r=16, seed=8, in_place=True)
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
 def test_reduction_repeats_bit_for_bit_interpreted(mode):
     check_reduction_repeats(*random_qkv(2, 2, 70, 16, Hkv=1, seed=6), mode=mode, r=16, seed=6)
 
@@ -116,6 +125,15 @@ def test_reduction_matches_float64_on_the_gpu(N, D, Hkv, causal, mode):
 
     check_reduction(*random_qkv(2, 4, N, D, Hkv=Hkv, device="cuda", seed=N + D), causal=causal, mode=mode,
                     r=SKETCH_DIM, seed=N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_reduction_reads_the_chains_product_in_place_on_the_gpu(mode):
+    from flashwatch.chain import SKETCH_DIM
+
+    check_reduction(*random_qkv(2, 12, 1025, 64, device="cuda", seed=12), mode=mode, r=SKETCH_DIM, seed=12,
+                    in_place=True)
 
 
 @pytest.mark.gpu

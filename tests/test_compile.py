@@ -492,7 +492,8 @@ def test_the_monitor_keeps_no_activation_alive_after_the_backward(mode, backend,
         # nor any other tensor of the model's activation shapes (batch 3, 32 positions: q, k, v, the
         # attention output, its gradient) that the Monitor reaches; the chain's own products of the
         # last call's X (x . v, x Omega: made by the Monitor, kept for the query's gradient hook) aside
-        own = {id(t) for layer in monitor.layers if layer.chain._projected for t in layer.chain._projected[1:]}
+        own = {id(t) for layer in monitor.layers if layer.chain._projected
+               for t in layer.chain._projected[1] if t is not None}  # the _Projection's views
         alive = [tuple(t.shape) for t in _reachable_tensors(monitor) if t.dim() >= 3 and t.shape[0] == 3
                  and 32 in t.shape[1:] and id(t) not in own]
         assert not alive, f"step {step}: tensors of activation shape alive after the backward: {alive}"
