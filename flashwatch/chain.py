@@ -333,6 +333,7 @@ class LayerChain:
         # chains whose pairs were set with this one's (``Chains.start``), held weakly: no reference cycle keeps
         # a detached Monitor's chains (and their device memory) alive
         self._siblings: list[weakref.ref] = []
+        self._push_scratch = None  # the push kernel's buffers (``chain_sums.PushScratch``), made at its first launch
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
@@ -447,7 +448,9 @@ class LayerChain:
         if uses_triton(g.device):  # one launch (flashwatch.kernels.chain_sums), the same sums
             from .kernels import chain_sums
 
-            chain_sums.subtract_push(g, self.u, self.v, self.push_true)
+            if self._push_scratch is None:
+                self._push_scratch = chain_sums.PushScratch()
+            chain_sums.subtract_push(g, self.u, self.v, self.push_true, self._push_scratch)
         elif g.stride(2) <= g.stride(1):  # C runs along memory (nn.Linear's layout): sum over C first
             gv = (g * self.v[:, None, :]).sum(2, dtype=torch.float64)  # (H, D)
             self.push_true -= (gv * self.u).sum(1)

@@ -8,9 +8,11 @@
   strides: ``push[h] -= sum_{d, c} u[h, d] G[h, d, c] v[h, c]``, the products G v in FP32 (float64
   for a float64 G), their sums and the product with u in float64.
 
-Both are deterministic: each output element is written by one program, which sums its terms in
-the same order in every run (no atomics). The PyTorch expressions above are the reference (the
-CPU path of ``flashwatch.chain`` and the tests' oracle).
+Both give the same result in every run: ``add_partials`` writes each output element from one
+program, summing its terms in one order; ``subtract_push`` splits a head's terms over several
+programs and its last program to finish adds their shares in one fixed order (atomics count the
+programs and pass the shares on; no float is summed by atomics). The PyTorch expressions above are
+the reference (the CPU path of ``flashwatch.chain`` and the tests' oracle).
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ import triton.language as tl
 
 from .launch import launch
 
-__all__ = ["add_partials", "subtract_push"]
+__all__ = ["add_partials", "subtract_push", "PushScratch"]
 
-# add_partials: a program sums BLOCK_T (batch, row block) slots at a time of BLOCK_W sketch columns
-_PARTIALS = dict(BLOCK_T=32, BLOCK_W=64, num_warps=4)
-# subtract_push: one program per head walks its (D, C) block in tiles of BLOCK_D x BLOCK_C
-_PUSH = dict(BLOCK_D=16, BLOCK_C=256, num_warps=8)
+# add_partials: a program sums BLOCK_T (batch, row block) slots at a time of BLOCK_W sketch columns, tiles of
+# _PARTIALS_TILE entries (GPT-2 small at batch 16: 256 slots at once of 16 columns, 768 programs): each
+# program's loads are in flight together (the partials, 50 MB a call there, are read once)
+_PARTIALS_TILE = 4096
+# subtract_push: SPLIT programs per head share its (D, C) block's tiles of BLOCK_D x BLOCK_C (GPT-2 small's
+# 64 x 768: 24 tiles a head over 16 programs, 192 programs in all)
+_PUSH = dict(BLOCK_D=16, BLOCK_C=128, num_warps=4)
+_PUSH_SPLIT = 16
 
 
 @triton.jit
@@ -56,15 +62,19 @@ def _add_partials_kernel(PART_UGV, PART_SKETCH, UGV, SKETCH, H, S, T, W,
 
 
 @triton.jit
-def _subtract_push_kernel(G, U, V, PUSH, D, C, stride_gh, stride_gd, stride_gc,
-                          F64: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
-    # grid (H,): head h's push, its (D, C) block of G walked in (BLOCK_D, BLOCK_C) tiles, one flat loop
-    # (tile i: rows (i // tiles_c) * BLOCK_D.., columns (i % tiles_c) * BLOCK_C..) so loads pipeline
+def _subtract_push_kernel(G, U, V, PUSH, PARTS, ARRIVED, D, C, stride_gh, stride_gd, stride_gc,
+                          F64: tl.constexpr, SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    # grid (H, SPLIT): program s of head h takes tiles s, s + SPLIT, ... of the head's (D, C) block of G
+    # (tile i: rows (i // tiles_c) * BLOCK_D.., columns (i % tiles_c) * BLOCK_C..), stores its float64
+    # share in PARTS[h, s] and counts itself in ARRIVED[h]; the head's last program to arrive sums the
+    # SPLIT shares in one fixed order (the same result whichever program is last), subtracts the sum
+    # from PUSH[h] and sets ARRIVED[h] back to 0 for the next launch.
     h = tl.program_id(0)
+    s = tl.program_id(1)
     tiles_c = tl.cdiv(C, BLOCK_C)
     g_head = G + h.to(tl.int64) * stride_gh
     acc = tl.zeros([BLOCK_D], dtype=tl.float64)  # sum over this program's tiles of (G v)[d] u[d]
-    for i in range(0, tl.cdiv(D, BLOCK_D) * tiles_c):
+    for i in range(s, tl.cdiv(D, BLOCK_D) * tiles_c, SPLIT):
         d = (i // tiles_c) * BLOCK_D + tl.arange(0, BLOCK_D)
         c = (i % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
         d_ok = d < D
@@ -78,7 +88,14 @@ def _subtract_push_kernel(G, U, V, PUSH, D, C, stride_gh, stride_gd, stride_gc,
         else:
             gv = tl.sum((g.to(tl.float32) * v[None, :]).to(tl.float64), axis=1)
         acc += gv * u.to(tl.float64)
-    tl.store(PUSH + h, tl.load(PUSH + h) - tl.sum(acc, axis=0))
+    # the share (its float64 bits: PARTS is int64) and the count as atomics of one thread each, in program
+    # order: the count releases the share, and the last program's count acquires every other program's
+    tl.atomic_xchg(PARTS + h * SPLIT + s, tl.sum(acc, axis=0).to(tl.int64, bitcast=True), sem="release")
+    if tl.atomic_add(ARRIVED + h, 1, sem="acq_rel") == SPLIT - 1:
+        bits = tl.atomic_add(PARTS + h * SPLIT + tl.arange(0, SPLIT), 0, sem="acquire")  # read through L2
+        shares = bits.to(tl.float64, bitcast=True)
+        tl.store(PUSH + h, tl.load(PUSH + h) - tl.sum(shares, axis=0))
+        tl.atomic_xchg(ARRIVED + h, 0, sem="relaxed")
 
 
 def add_partials(part_ugv: torch.Tensor, part_sketch: torch.Tensor, ugv: torch.Tensor,
@@ -87,16 +104,36 @@ def add_partials(part_ugv: torch.Tensor, part_sketch: torch.Tensor, ugv: torch.T
     (B, H, S, D, r) likewise. All FP32 and contiguous on one device (the launcher's own buffers)."""
     B, H, S = part_ugv.shape
     W = sketch[0].numel()
-    launch(_add_partials_kernel, (H, triton.cdiv(W, _PARTIALS["BLOCK_W"])),
-           (part_ugv, part_sketch, ugv, sketch, H, S, B * S, W), _PARTIALS)
+    block_t = min(256, triton.next_power_of_2(B * S))
+    block_w = min(max(16, _PARTIALS_TILE // block_t), triton.next_power_of_2(W))
+    launch(_add_partials_kernel, (H, triton.cdiv(W, block_w)), (part_ugv, part_sketch, ugv, sketch, H, S, B * S, W),
+           dict(BLOCK_T=block_t, BLOCK_W=block_w, num_warps=4))
 
 
-def subtract_push(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, push: torch.Tensor) -> None:
+def subtract_push(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, push: torch.Tensor,
+                  scratch: "PushScratch") -> None:
     """push (H,) float64 -= u_h^T G_h v_h for G (H, D, C) (any strides; FP32, BF16, FP16 or float64),
-    u (H, D) and v (H, C) FP32 contiguous, all on one device."""
+    u (H, D) and v (H, C) FP32, all on one device; ``scratch`` holds the programs' shares (one per
+    chain: launches of one chain follow one another on its stream)."""
     H, D, C = g.shape
     if not push.is_contiguous():
         raise ValueError("subtract_push: push must be a contiguous (H,) float64 tensor")
     u, v = u.contiguous(), v.contiguous()
-    launch(_subtract_push_kernel, (H,), (g, u, v, push, D, C, *g.stride()),
-           dict(F64=g.dtype == torch.float64, **_PUSH))
+    parts, arrived = scratch.buffers(H, g.device)
+    launch(_subtract_push_kernel, (H, _PUSH_SPLIT), (g, u, v, push, parts, arrived, D, C, *g.stride()),
+           dict(F64=g.dtype == torch.float64, SPLIT=_PUSH_SPLIT, **_PUSH))
+
+
+class PushScratch:
+    """``subtract_push``'s device buffers for one accumulator: the programs' float64 shares (H, SPLIT),
+    held as their bits in int64 (atomics pass them on), and each head's count of programs arrived (H,) int32, 0 between launches; made at the first use."""
+
+    def __init__(self):
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def buffers(self, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self._buffers
+        if b is None or b[1].shape[0] != heads or b[1].device != device:
+            b = self._buffers = (torch.zeros(heads, _PUSH_SPLIT, dtype=torch.int64, device=device),
+                                 torch.zeros(heads, dtype=torch.int32, device=device))
+        return b

@@ -41,7 +41,8 @@ def _push_reference(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> tuple[
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("transposed", [False, True], ids=["C-along-memory", "D-along-memory"])
 def test_subtract_push_is_minus_u_g_v(sums, device, dtype, transposed):
-    # D and C not multiples of the tiles (16, 256): ragged tiles in both directions
+    # D and C not multiples of the tiles (16, 128): ragged tiles in both directions, 6 tiles a head
+    # over 16 programs (some with none)
     torch.manual_seed(1)
     h, d, c = 3, 20, 300
     if transposed:  # Conv1D's gradient: (C, H*D) stored, read as (H, D, C)
@@ -51,7 +52,7 @@ def test_subtract_push_is_minus_u_g_v(sums, device, dtype, transposed):
         g = torch.randn(h * d, c, dtype=dtype, device=device).view(h, d, c)
     u, v = torch.randn(h, d, device=device), torch.randn(h, c, device=device)
     push = torch.tensor([0.5, -1.0, 2.0], dtype=F64, device=device)
-    sums.subtract_push(g, u, v, push)
+    sums.subtract_push(g, u, v, push, sums.PushScratch())
     want, size = _push_reference(g, u, v)
     want = torch.tensor([0.5, -1.0, 2.0], dtype=F64, device=device) - want
     bound = (1e-13 if dtype == torch.float64 else 2.0**-23) * size + 1e-15
@@ -110,4 +111,26 @@ def test_subtract_push_refuses_a_strided_push(sums=None):
 
     with pytest.raises(ValueError, match="contiguous"):
         chain_sums.subtract_push(torch.zeros(2, 3, 4), torch.zeros(2, 3), torch.zeros(2, 4),
-                                 torch.zeros(4, dtype=F64)[::2])
+                                 torch.zeros(4, dtype=F64)[::2], chain_sums.PushScratch())
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_subtract_push_gives_the_same_bits_every_time_and_leaves_its_counts_at_zero(sums, device):
+    """Many tiles a head over the programs (D 128, C 1000: 64 tiles over 16 programs): the shares
+    are combined in one order whichever program finishes last; the same scratch serves the next
+    launch (its arrival counts back at 0), and launches add up."""
+    torch.manual_seed(5)
+    h, d, c = 4, 128, 1000
+    g, u, v = torch.randn(h, d, c, device=device), torch.randn(h, d, device=device), torch.randn(h, c, device=device)
+    scratch = sums.PushScratch()
+    pushes = []
+    for _ in range(3):
+        push = torch.zeros(h, dtype=F64, device=device)
+        sums.subtract_push(g, u, v, push, scratch)
+        pushes.append(push)
+        assert torch.equal(scratch.buffers(h, torch.device(device))[1], torch.zeros(h, dtype=torch.int32, device=device))
+    assert torch.equal(pushes[0], pushes[1]) and torch.equal(pushes[0], pushes[2])
+    want, size = _push_reference(g, u, v)
+    assert torch.all((pushes[0] + want).abs() <= 2.0**-23 * size)
+    sums.subtract_push(g, u, v, pushes[0], scratch)  # a second backward adds its push
+    assert torch.all((pushes[0] + 2 * want).abs() <= 2.0**-22 * size)
