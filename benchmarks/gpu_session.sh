@@ -114,7 +114,7 @@ for step in $steps; do
                    --arms sdpa+observe --steps 200 --json "$OUT/monitor_ab_$which.json" > "$OUT/monitor_ab_$which.log" 2>&1
                  echo "== $which"; grep -v Warning "$OUT/monitor_ab_$which.log" | tail -3
                done
-               gpu_tests gpu_chain_tests 150 tests/test_chain.py tests/test_chain_kernel_reduction.py tests/test_chain_sums.py \
+               gpu_tests gpu_chain_tests 300 tests/test_chain.py tests/test_chain_kernel_reduction.py tests/test_chain_sums.py \
                  tests/test_chain_true_gradient.py ;;
     statsab) timeout 300 python3 benchmarks/stats_ab.py --before kernels/_ab_before --json "$OUT/stats_ab.json" 2>&1 \
                | grep -v Warning | tee "$OUT/stats_ab.log" ;;
