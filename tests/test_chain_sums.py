@@ -80,8 +80,8 @@ def test_the_chain_reads_the_same_push_through_the_kernel_and_pytorch(sums, devi
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("B,H,S,D,r", [(2, 3, 5, 4, 16), (3, 2, 16, 8, 16), (1, 1, 40, 2, 32), (16, 2, 17, 3, 16)])
 def test_add_partials_sums_over_batch_and_row_blocks(sums, device, B, H, S, D, r):
-    # slots B*S of 10, 48, 40 and 272 (tiles of 16, 64, 64 and 256 slots: the last over two tiles, all but
-    # the third ragged) by sketch widths D*r of 64, 128, 64 and 48 (tiles of 64, 64, 64 and 16 columns)
+    # slots B*S of 10, 48, 40 and 272 (tiles of 16, 64, 64 and 256 slots, each slot count ragged, the last
+    # over two tiles) by sketch widths D*r of 64, 128, 64 and 48 (tiles of 64, 64, 64 and 16 columns)
     torch.manual_seed(3)
     part_ugv = torch.randn(B, H, S, device=device)
     part_sketch = torch.randn(B, H, S, D, r, device=device)
