@@ -26,8 +26,8 @@ from .launch import launch
 __all__ = ["add_partials", "subtract_push", "PushScratch"]
 
 # add_partials: a program sums BLOCK_T (batch, row block) slots at a time of BLOCK_W sketch columns, tiles of
-# _PARTIALS_TILE entries (GPT-2 small at batch 16: 256 slots at once of 16 columns, 768 programs): each
-# program's loads are in flight together (the partials, 50 MB a call there, are read once)
+# _PARTIALS_TILE entries (GPT-2 small at batch 16: 256 slots at once by 16 of the 4096 columns, 3072 programs):
+# each program's loads are in flight together (the partials, 50 MB a call there, are read once)
 _PARTIALS_TILE = 4096
 # subtract_push: SPLIT programs per head share its (D, C) block's tiles of BLOCK_D x BLOCK_C (GPT-2 small's
 # 64 x 768: 24 tiles a head over 16 programs, 192 programs in all)
