@@ -126,7 +126,8 @@ def subtract_push(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, push: torch
 
 class PushScratch:
     """``subtract_push``'s device buffers for one accumulator: the programs' float64 shares (H, SPLIT),
-    held as their bits in int64 (atomics pass them on), and each head's count of programs arrived (H,) int32, 0 between launches; made at the first use."""
+    held as their bits in int64 (atomics pass them on), and each head's count of programs arrived (H,)
+    int32, 0 between launches; made at the first use."""
 
     def __init__(self):
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None

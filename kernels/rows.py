@@ -45,9 +45,8 @@ class RowOutputs:
         offer = getattr(hook, "reduction", None) if KERNEL_REDUCTION else None
         self.reduction: Optional[RowReduction] = offer(q) if callable(offer) else None
         if self.reduction is not None:
-            self.reduction.check(q)
+            layout = self.reduction.check(q)  # xv and xo contiguous, or read in place from the chain's product
             r = self.reduction
-            layout = r.layout()  # xv and xo contiguous, or read in place from the chain's product
             blocks = -(-N // block_m)
             # one slot per program, (B, H, blocks) order; every slot is written by its program
             self.part_ugv = torch.empty((B, H, blocks), dtype=torch.float32, device=q.device)

@@ -75,8 +75,8 @@ class RowReduction(NamedTuple):
     done: Callable[[], object]
     xv_lo: Optional[torch.Tensor] = None
 
-    def check(self, q: torch.Tensor) -> None:
-        """Raise ValueError unless the factors fit q (B, H, N, D)."""
+    def check(self, q: torch.Tensor) -> dict:
+        """Raise ValueError unless the factors fit q (B, H, N, D); returns their ``layout()``."""
         B, H, N, D = q.shape
         r = self.xo.shape[-1] if self.xo.dim() == 3 else -1
         want = {"u": (H, D), "xv": (B, H, N), "xo": (B, N, r), "ugv": (H,), "sketch": (H, D, r)}
@@ -89,7 +89,7 @@ class RowReduction(NamedTuple):
                                  f"{t.device}")
         if r < 16 or r & (r - 1):
             raise ValueError(f"RowReduction.xo: sketch width must be a power of two >= 16, got {r}")
-        self.layout()
+        return self.layout()
 
     def layout(self) -> dict:
         """The kernels' constexprs for reading ``xv`` and ``xo``: X_STRIDE (0: both contiguous, else
@@ -107,8 +107,8 @@ class RowReduction(NamedTuple):
         offset = 0
         if lo is not None:
             offset = lo.data_ptr() - xv.data_ptr()
-            if (lo.shape != xv.shape or lo.dtype != xv.dtype or lo.device != xv.device or not _strides_fit(lo, xv.stride())
-                    or offset <= 0 or offset % lo.element_size() or offset // lo.element_size() + xv.shape[1] > s):
+            if (lo.shape != xv.shape or lo.dtype != xv.dtype or lo.device != xv.device
+                    or not _strides_fit(lo, xv.stride()) or offset <= 0 or offset % lo.element_size() or offset // lo.element_size() + xv.shape[1] > s):
                 raise ValueError("RowReduction.xv_lo: expected a view of xv's product with xv's shape and strides, "
                                  f"further along its rows; got {tuple(lo.shape)} strides {lo.stride()} at "
                                  f"{offset} bytes from xv")

@@ -129,7 +129,8 @@ def test_subtract_push_gives_the_same_bits_every_time_and_leaves_its_counts_at_z
         push = torch.zeros(h, dtype=F64, device=device)
         sums.subtract_push(g, u, v, push, scratch)
         pushes.append(push)
-        assert torch.equal(scratch.buffers(h, torch.device(device))[1], torch.zeros(h, dtype=torch.int32, device=device))
+        arrived = scratch.buffers(h, torch.device(device))[1]
+        assert torch.equal(arrived, torch.zeros(h, dtype=torch.int32, device=device))
     assert torch.equal(pushes[0], pushes[1]) and torch.equal(pushes[0], pushes[2])
     want, size = _push_reference(g, u, v)
     assert torch.all((pushes[0] + want).abs() <= 2.0**-23 * size)
