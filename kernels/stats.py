@@ -108,7 +108,8 @@ class RowReduction(NamedTuple):
         if lo is not None:
             offset = lo.data_ptr() - xv.data_ptr()
             if (lo.shape != xv.shape or lo.dtype != xv.dtype or lo.device != xv.device
-                    or not _strides_fit(lo, xv.stride()) or offset <= 0 or offset % lo.element_size() or offset // lo.element_size() + xv.shape[1] > s):
+                    or not _strides_fit(lo, xv.stride()) or offset <= 0 or offset % lo.element_size()
+                    or offset // lo.element_size() + xv.shape[1] > s):
                 raise ValueError("RowReduction.xv_lo: expected a view of xv's product with xv's shape and strides, "
                                  f"further along its rows; got {tuple(lo.shape)} strides {lo.stride()} at "
                                  f"{offset} bytes from xv")
