@@ -218,24 +218,26 @@ class _Factor:
         """x (B, N, C) @ m in float32 as views of one product (the product's single launch, no
         copies): x @ m[:, :h] as (B, h, N) and x @ m[:, h:] as (B, N, k - h), each with its split
         product's low term where it has one. ``split`` must be h (the chain: v split, Omega in
-        one term) or every column."""
+        one term) or every column. The product is made transposed, (k, B N): a column of x @ m
+        runs along memory, so the kernels read each view's rows coalesced."""
         B, N, k, s = x.shape[0], x.shape[1], self.k, self.split
         if s not in (h, k):
             raise ValueError(f"a factor split in its first {s} of {k} columns is read apart at {h}: "
                              f"split must be {h} or {k}")
-        y = self._split_product(x)
-        if y is None:
-            y = (x.float() @ self.m).view(B, N, k)
-            return _Projection(y[..., :h].transpose(1, 2), None, y[..., h:], None)
-        y = y.view(B, N, k + s)  # [x hi | x lo]
-        return _Projection(y[..., :h].transpose(1, 2), y[..., k: k + h].transpose(1, 2), y[..., h:k],
-                           y[..., k + h:] if s == k else None)
+        yt = self._split_product(x)
+        if yt is None:
+            yt = (self.m.t() @ x.reshape(-1, x.shape[-1]).float().t()).view(k, B, N)
+            return _Projection(yt[:h].permute(1, 0, 2), None, yt[h:].permute(1, 2, 0), None)
+        yt = yt.view(k + s, B, N)  # [x hi | x lo] transposed
+        return _Projection(yt[:h].permute(1, 0, 2), yt[k: k + h].permute(1, 0, 2), yt[h:k].permute(1, 2, 0),
+                           yt[k + h:].permute(1, 2, 0) if s == k else None)
 
     def _split_product(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x (..., C) @ [hi | lo] as (prod(...), k + split) float32 where the split product applies, else None."""
+        """(x (..., C) @ [hi | lo]) transposed, (k + split, prod(...)) float32, where the split product
+        applies, else None."""
         if _Factor.split_product and _split_applies(x):
             try:
-                return torch.mm(x.reshape(-1, x.shape[-1]), self.parts(), out_dtype=torch.float32)  # (B*N, k + split)
+                return torch.mm(self.parts().t(), x.reshape(-1, x.shape[-1]).t(), out_dtype=torch.float32)
             except torch.cuda.OutOfMemoryError:
                 raise  # the FP32 path needs more memory still
             except (TypeError, NotImplementedError, RuntimeError):  # mm without out_dtype (torch before 2.8),

@@ -61,10 +61,11 @@ class RowReduction(NamedTuple):
     power of two >= 16, ``ugv`` (H,) and ``sketch`` (H, D, r) added into in place (each
     program's share is summed after the launch, ``rows.RowOutputs``); ``done()`` is called once
     the kernel was launched. ``u``, ``ugv`` and ``sketch`` are contiguous. ``xv`` and ``xo`` are
-    contiguous, or both columns of one product y (B * N, s) read in place: ``xv`` with strides
-    (N s, 1, s), ``xo`` with strides (N s, s, 1); then ``xv_lo`` (optional, None: none) is a
-    second term of x . v_h, a view of y like ``xv`` further along its rows, added to it (the
-    chain's split product: ``flashwatch.chain._Factor``).
+    contiguous, or both read in place from one product: columns of y (B * N, s) (``xv`` with
+    strides (N s, 1, s), ``xo`` with strides (N s, s, 1)) or rows of y's transpose (width, B * N)
+    (``xv`` with strides (N, B N, 1), ``xo`` with strides (N, 1, B N)); then ``xv_lo`` (optional,
+    None: none) is a second term of x . v_h, a view of the product like ``xv`` further along it,
+    added to it (the chain's split product: ``flashwatch.chain._Factor``).
     """
 
     u: torch.Tensor
@@ -99,22 +100,28 @@ class RowReduction(NamedTuple):
         if lo is None and xv.is_contiguous() and xo.is_contiguous():
             return dict(X_STRIDE=0, XV_LO=0)
         B, N, r = xo.shape
+        if _strides_fit(xo, (N, 1, B * N)) and _strides_fit(xv, (N, B * N, 1)):
+            return dict(X_STRIDE=-1, XV_LO=self._lo_offset(B * N))  # rows of y's transpose
         s = xo.stride(1)
         if not (_strides_fit(xo, (N * s, s, 1)) and _strides_fit(xv, (N * s, 1, s)) and s >= 1):
             raise ValueError(f"RowReduction: xv {tuple(xv.shape)} strides {xv.stride()} and xo {tuple(xo.shape)} "
                              f"strides {xo.stride()} are neither contiguous nor columns of one (B * N, s) product "
-                             f"(xv strides (N s, 1, s), xo strides (N s, s, 1))")
-        offset = 0
-        if lo is not None:
-            offset = lo.data_ptr() - xv.data_ptr()
-            if (lo.shape != xv.shape or lo.dtype != xv.dtype or lo.device != xv.device
-                    or not _strides_fit(lo, xv.stride()) or offset <= 0 or offset % lo.element_size()
-                    or offset // lo.element_size() + xv.shape[1] > s):
-                raise ValueError("RowReduction.xv_lo: expected a view of xv's product with xv's shape and strides, "
-                                 f"further along its rows; got {tuple(lo.shape)} strides {lo.stride()} at "
-                                 f"{offset} bytes from xv")
-            offset //= lo.element_size()
-        return dict(X_STRIDE=s, XV_LO=offset)
+                             f"(xv strides (N s, 1, s), xo strides (N s, s, 1)) nor rows of one (width, B * N) "
+                             f"product (xv strides (N, B N, 1), xo strides (N, 1, B N))")
+        return dict(X_STRIDE=s, XV_LO=self._lo_offset(1, s))
+
+    def _lo_offset(self, unit: int, limit: int | None = None) -> int:
+        """``xv_lo``'s offset from ``xv`` in ``unit`` elements (0 without it); at most ``limit`` - H."""
+        xv, lo = self.xv, self.xv_lo
+        if lo is None:
+            return 0
+        offset = lo.data_ptr() - xv.data_ptr()
+        n = offset // lo.element_size() // unit if offset > 0 and offset % (lo.element_size() * unit) == 0 else 0
+        if (lo.shape != xv.shape or lo.dtype != xv.dtype or lo.device != xv.device
+                or not _strides_fit(lo, xv.stride()) or n <= 0 or (limit is not None and n + xv.shape[1] > limit)):
+            raise ValueError("RowReduction.xv_lo: expected a view of xv's product with xv's shape and strides, "
+                             f"further along it; got {tuple(lo.shape)} strides {lo.stride()} at {offset} bytes from xv")
+        return n
 
 
 def _strides_fit(t: torch.Tensor, strides: tuple) -> bool:

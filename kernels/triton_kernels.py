@@ -312,7 +312,7 @@ def _add_row_statistics(ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ, ST_ET
 
 
 @triton.jit
-def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_scale, U, XV, XO, UGV, SKETCH,
+def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm_scale, U, XV, XO, UGV, SKETCH,
                  HEAD_DIM: tl.constexpr, SKETCH_R: tl.constexpr, X_STRIDE: tl.constexpr, XV_LO: tl.constexpr):
     """The W^Q-gradient error of a block of rows, reduced in place of storing it (``REDUCE``).
 
@@ -320,8 +320,10 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     factors: U (H, D) the head's u, XV (B, H, N) x . v_h, XO (B, N, SKETCH_R) x Omega, all FP32:
     contiguous (X_STRIDE 0), or X_STRIDE > 0: columns of one (B * N, X_STRIDE) product y, x . v_h
     at XV[row * X_STRIDE + h] (plus XV[row * X_STRIDE + XV_LO + h], its low part, where XV_LO > 0)
-    and x Omega at XO[row * X_STRIDE + j] (row = b * N + n: the product as the chain makes it,
-    read in place). With c = -sm_scale * err, the error's rows dQ_err = c pk give this block's share
+    and x Omega at XO[row * X_STRIDE + j] (row = b * N + n), or X_STRIDE -1: rows of one (width,
+    B * N) product, x . v_h at XV[h * B N + row] (plus XV[(XV_LO + h) * B N + row]) and x Omega at
+    XO[j * B N + row] (the product as the chain makes it, read in place: coalesced along the rows).
+    With c = -sm_scale * err, the error's rows dQ_err = c pk give this block's share
     of query head h's sums: UGV[part] = sum_rows c (pk . u_h)(x . v_h) (of u_h^T dG_h v_h) and
     SKETCH[part] (D, SKETCH_R) = pk^T (c x Omega) (of dG_h Omega), FP32 (the sketch's product on
     tensor cores in TF32, each factor kept to 10 explicit bits: within 2^-9 of each term, far
@@ -332,8 +334,14 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     c = -sm_scale * err
     u = tl.load(U + h * HEAD_DIM + offs_d)
     x_rows = (b.to(tl.int64) * N + offs_m) * X_STRIDE  # (BLOCK_M,) the rows of y (X_STRIDE > 0)
+    x_cols = (tl.num_programs(1) // H).to(tl.int64) * N  # B * N: a column of y's transpose (X_STRIDE -1)
+    rows = b.to(tl.int64) * N + offs_m
     if X_STRIDE == 0:
         xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
+    elif X_STRIDE == -1:
+        xv = tl.load(XV + h * x_cols + rows, mask=row_ok, other=0.0)
+        if XV_LO != 0:
+            xv += tl.load(XV + (XV_LO + h) * x_cols + rows, mask=row_ok, other=0.0)
     else:
         xv = tl.load(XV + x_rows + h, mask=row_ok, other=0.0)
         if XV_LO != 0:
@@ -347,6 +355,8 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, part, N, sm_sc
     if X_STRIDE == 0:
         xo = tl.load(XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R + offs_r[None, :],
                      mask=row_ok[:, None], other=0.0)
+    elif X_STRIDE == -1:
+        xo = tl.load(XO + offs_r[None, :] * x_cols + rows[:, None], mask=row_ok[:, None], other=0.0)
     else:
         xo = tl.load(XO + x_rows[:, None] + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     sk = tl.dot(tl.trans(pk), c[:, None] * xo, input_precision="tf32")  # (D, SKETCH_R)
@@ -719,7 +729,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         _add_row_statistics(ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ, ST_ETIED, h, tied, tied_b, tied_f, err)
         if ROWS:
             if REDUCE:  # pk is 0 on rows >= N: their q, dO (so P's dP) and err are 0
-                _reduce_rows(tl.where(row_ok[:, None], pk, 0.0), err, row_ok, offs_m, offs_d, b, h, row_base,
+                _reduce_rows(tl.where(row_ok[:, None], pk, 0.0), err, row_ok, offs_m, offs_d, b, h, H, row_base,
                              _block_part(bh, start_m, N, BLOCK_M), N, sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM,
                              SKETCH_R, X_STRIDE, XV_LO)
             else:
@@ -807,7 +817,7 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
         row_base = bh.to(tl.int64) * N
         if REDUCE:
             pk = tl.where(row_ok[:, None], pk / l_i[:, None], 0.0)  # no 0/0 of an empty row
-            _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, row_base, _block_part(bh, start_m, N, BLOCK_M), N,
+            _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, _block_part(bh, start_m, N, BLOCK_M), N,
                          sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM, SKETCH_R, X_STRIDE, XV_LO)
         else:
             tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)

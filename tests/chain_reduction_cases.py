@@ -18,17 +18,20 @@ U = 2.0 ** -24  # FP32 unit roundoff
 class ReducingHook:
     """A rows hook that offers a reduction into fresh buffers and must not be called with rows.
 
-    ``in_place``: x . v and x Omega offered as the chain offers them, views of one product y
-    (B * N, 2 H + r + 3) [x . v hi | x Omega | x . v lo | 3 unused columns] read in place
-    (``RowReduction.layout``); ``xv`` and ``xo`` hold their values (hi + lo) for the oracle."""
+    ``in_place``: x . v and x Omega offered as views of one product read in place
+    (``RowReduction.layout``), y (B * N, 2 H + r + 3) [x . v hi | x Omega | x . v lo | 3 unused
+    columns] ("rows") or its transpose (2 H + r + 3, B * N) ("columns", as the chain offers them);
+    ``xv`` and ``xo`` hold their values (hi + lo) for the oracle."""
 
-    def __init__(self, q: torch.Tensor, r: int, seed: int, in_place: bool = False):
+    def __init__(self, q: torch.Tensor, r: int, seed: int, in_place: str | None = None):
         B, H, N, D = q.shape
         g = torch.Generator().manual_seed(seed)
         self.u = torch.randn(H, D, generator=g).to(q.device)
         self.views = None
         if in_place:
             y = torch.randn(B, N, 2 * H + r + 3, generator=g).to(q.device)
+            if in_place == "columns":
+                y = y.permute(2, 0, 1).contiguous().permute(1, 2, 0)  # the same values, the product transposed
             hi, xo, lo = y[..., :H].transpose(1, 2), y[..., H: H + r], y[..., H + r: 2 * H + r].transpose(1, 2)
             self.views = (hi, xo, lo)
             self.xv, self.xo = hi + lo, xo.contiguous()
@@ -117,12 +120,12 @@ def assert_same_statistics(got: torch.Tensor, want: torch.Tensor, terms: int) ->
         assert (off <= bound).all(), f"the reduction changed {name} by {off.max():.3g} (summation order allows {bound.max():.3g})"
 
 
-def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain", seed=0, in_place=False):
+def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain", seed=0, in_place=None):
     """One call with a reducing hook, checked twice: against float64 from the inputs (within the
     rows' own error bounds carried through), and against the float64 reduction of the rows the
     same kernel stores for a plain hook (within FP32 arithmetic alone: the tight check). Nothing
-    else the call computes (statistics, gradients) changes. ``in_place``: the factors offered as
-    views of one product (``ReducingHook``); x . v's two terms are then added in FP32, one more
+    else the call computes (statistics, gradients) changes. ``in_place`` ("rows", "columns"): the
+    factors offered as views of one product (``ReducingHook``); x . v's two terms are then added in FP32, one more
     rounding of 2**-24 (within the bound's ``+ 4``)."""
     B, H, N, D = q.shape
     sm_scale = D ** -0.5

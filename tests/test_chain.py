@@ -702,18 +702,18 @@ def _times(factor, x, h=4):
     r = factor.k - h
     for t, lo, shape in ((p.xv, p.xv_lo, (B, h, N)), (p.xo, p.xo_lo, (B, N, r))):
         assert t.shape == shape and t.dtype == torch.float32 and (lo is None or lo.shape == shape)
-    assert p.xo.data_ptr() == p.xv.data_ptr() + 4 * h  # one product, read in place
+    rows = B * N  # the product is made transposed, (k [+ split], B N): a view's rows run along memory
+    assert p.xo.data_ptr() == p.xv.data_ptr() + 4 * h * rows  # one product, read in place
     split = p.xv_lo is not None
     assert (p.xo_lo is not None) == (split and factor.split == factor.k)
-    s = factor.k + (factor.split if split else 0)
-    assert p.xv.stride() == (N * s, 1, s) and p.xo.stride() == (N * s, s, 1)
+    assert p.xv.stride() == (N, rows, 1) and p.xo.stride() == (N, 1, rows)
     if split:
-        assert p.xv_lo.stride() == p.xv.stride() and p.xv_lo.data_ptr() == p.xv.data_ptr() + 4 * factor.k
+        assert p.xv_lo.stride() == p.xv.stride() and p.xv_lo.data_ptr() == p.xv.data_ptr() + 4 * factor.k * rows
     if p.xo_lo is None:  # the kernels' layout (the chain's: Omega in one term)
         zeros = lambda *shape: torch.zeros(*shape, device=x.device)  # noqa: E731
         reduction = RowReduction(zeros(h, 8), p.xv, p.xo, zeros(h), zeros(h, 8, r), lambda: None, xv_lo=p.xv_lo)
         reduction.check(zeros(B, h, N, 8))
-        assert reduction.layout() == dict(X_STRIDE=s, XV_LO=factor.k if split else 0)
+        assert reduction.layout() == dict(X_STRIDE=-1, XV_LO=factor.k if split else 0)
     return torch.cat([p.along_v().transpose(1, 2), p.along_omega()], dim=-1)
 
 
@@ -801,7 +801,7 @@ def test_the_split_product_adds_the_halves_and_falls_back_without_out_dtype(monk
     calls = []
 
     def mm(a, b, out_dtype=None):
-        calls.append((out_dtype, b.shape[1]))
+        calls.append((out_dtype, a.shape[0]))  # the product's width: it is made transposed
         return (a.to(F64) @ b.to(F64)).to(out_dtype)
 
     monkeypatch.setattr(torch, "mm", mm)

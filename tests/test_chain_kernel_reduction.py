@@ -64,11 +64,12 @@ def test_reduction_at_the_chain_sketch_width_and_fp32_interpreted(mode):
 
 @pytest.mark.usefixtures("interpret_dispatch")
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("shape", [(2, 2, 1, 37, 16), (1, 2, 2, 1, 16)], ids=["B2H2N37", "B1H2N1"])
-def test_reduction_reads_the_chains_product_in_place_interpreted(shape, mode):
-    """x . v (two terms) and x Omega as views of one product, as the chain offers them."""
+def test_reduction_reads_the_chains_product_in_place_interpreted(shape, mode, layout):
+    """x . v (two terms) and x Omega as views of one product, or of its transpose (as the chain offers them)."""
     B, H, Hkv, N, D = shape
-    check_reduction(*random_qkv(B, H, N, D, Hkv=Hkv, seed=8), causal=N > 1, mode=mode, r=16, seed=8, in_place=True)
+    check_reduction(*random_qkv(B, H, N, D, Hkv=Hkv, seed=8), causal=N > 1, mode=mode, r=16, seed=8, in_place=layout)
 
 
 @pytest.mark.usefixtures("interpret_dispatch")
@@ -128,12 +129,13 @@ def test_reduction_matches_float64_on_the_gpu(N, D, Hkv, causal, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
-def test_reduction_reads_the_chains_product_in_place_on_the_gpu(mode):
+def test_reduction_reads_the_chains_product_in_place_on_the_gpu(mode, layout):
     from flashwatch.chain import SKETCH_DIM
 
     check_reduction(*random_qkv(2, 12, 1025, 64, device="cuda", seed=12), mode=mode, r=SKETCH_DIM, seed=12,
-                    in_place=True)
+                    in_place=layout)
 
 
 @pytest.mark.gpu
