@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|plainsweep|
-#                                   autotune|autotunekernels|monitoredkernels|monitorab|abtimes|chaintests|statsab|kernelcheck|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
+#                                   autotune|autotunekernels|monitoredkernels|monitorab|abtimes|chaintests|owncheck|statsab|kernelcheck|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -107,14 +107,18 @@ for step in $steps; do
     # monitorab: the Monitor's cost on a compiled step, the package against an earlier one: .ab_before/flashwatch
     # (git-ignored; made with `git archive REV flashwatch kernels | tar -x -C .ab_before` and kernels/ moved into
     # flashwatch/), in the order before, after, before, after, one process each (about 70 s each); then the
-    # GPU tests of the W^Q-error chain (chaintests); abtimes: the timings alone
+    # GPU tests of the W^Q-error chain (chaintests); abtimes: the timings alone (arms: AB_ARMS, default sdpa+observe)
     monitorab) bash "$0" abtimes chaintests | grep -v "^NVIDIA\|^torch" ;;
     abtimes) for which in before after before2 after2; do
                  case $which in before*) pp=$PWD/.ab_before:$PWD/benchmarks ;; *) pp=$PWD:$PWD/benchmarks ;; esac
                  PYTHONPATH=$pp timeout 110 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
-                   --arms sdpa+observe --steps 200 --json "$OUT/monitor_ab_$which.json" > "$OUT/monitor_ab_$which.log" 2>&1
-                 echo "== $which"; grep -v Warning "$OUT/monitor_ab_$which.log" | tail -3
+                   --arms "${AB_ARMS:-sdpa+observe}" --steps 200 --json "$OUT/monitor_ab_$which.json" > "$OUT/monitor_ab_$which.log" 2>&1
+                 echo "== $which"; grep -v Warning "$OUT/monitor_ab_$which.log" | grep -A9 "^arm"
                done ;;
+    # owncheck: the own kernel's GPU tests, eager and compiled (but for max-autotune), side by side
+    owncheck) gpu_tests gpu_kernel_tests 300 tests/test_triton_gpu.py > "$OUT/.o1" &
+              gpu_tests gpu_compile 300 tests/test_compile_gpu.py -k "not max-autotune" > "$OUT/.o2" &
+              wait; tail -4 "$OUT/.o1" "$OUT/.o2"; rm -f "$OUT/.o1" "$OUT/.o2" ;;
     chaintests) gpu_tests gpu_chain_tests 300 tests/test_chain.py tests/test_chain_kernel_reduction.py tests/test_chain_sums.py \
                   tests/test_chain_true_gradient.py ;;
     statsab) timeout 300 python3 benchmarks/stats_ab.py --before kernels/_ab_before --json "$OUT/stats_ab.json" 2>&1 \

@@ -79,7 +79,7 @@ def _stack(layers: int, shape: tuple, monitored: bool, kind: str, device: str = 
     q = make()
     kv = [(make(), make()) for _ in range(layers)]
     leaves = [q] + [t for pair in kv for t in pair]
-    # the output's gradient in the output's memory order, (B, N, H, D) (``triton_attn.heads_inner_like``), as a
+    # the output's gradient in the output's memory order, (B, N, H, D) (``layouts.heads_inner_like``), as a
     # model's next operation gives it: a contiguous one would be copied to that order by the compiled
     # backward (AOT autograd matches a tangent to its output's strides), a copy training does not make
     grad = torch.randn((B, N, H, D), generator=gen, dtype=torch.bfloat16).to(device).transpose(1, 2)

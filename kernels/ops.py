@@ -13,8 +13,8 @@ Operators (namespace ``flashwatch``):
   eps, unit_gap, x, rotation, layer)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s
   forward (one operator: the Python function ``attention`` calls it, through an ``autograd.Function``
   whose backward is ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
-  coverage, causal, sm_scale, eps, unit_gap, x, rotation, layer)`` -> (dq, dk, dv), which adds the
-  statistics). Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
+  coverage, causal, sm_scale, eps, unit_gap, x, rotation, layer, dq, dk, dv)``, which writes the gradients
+  into dq, dk, dv and adds the statistics). Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
 - ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps, x, rotation, layer)`` -> a view of
   ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
   nothing, since an operator's output could not alias its input and would cost a copy of
@@ -57,6 +57,7 @@ from typing import Callable, Optional
 import torch
 
 from . import faults, reference
+from .layouts import grads_like, heads_inner_like
 from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats, CallMaxLogit, fold_max_logit
 
 log = logging.getLogger("flashwatch")
@@ -184,9 +185,9 @@ class _NoAutocast:
 # operator that mutates its arguments, a version bump that walks the schema once per argument.
 # The implementations return fresh tensors only (no output aliases an input), so the alias check
 # has nothing to find. The statistics buffers they write into are saved by autograd only to be
-# handed to the backward operator, never to compute a gradient, so their version counters need
-# no bump (the compiler learns of the writes from the schema's (a!) annotations, not from the
-# counters).
+# handed to the backward operator, never to compute a gradient, and the gradients ``attention_grad``
+# writes into are made by its caller just before, for it alone, so no version counter needs a bump
+# (the compiler learns of the writes from the schema's (a!) annotations, not from the counters).
 #
 # Code that Inductor cached (on disk, across processes) names the operators it calls, and its cache
 # key is the graph's text: it does not see what a fake implementation returns. A change to a fake's
@@ -195,8 +196,9 @@ class _NoAutocast:
 # overload CONTRACT of its name (``flashwatch::attention_with_stats.v2``), and CONTRACT changes with
 # any such change and with any change of a schema (v2: O in (B, N, H, D) memory order; v3: the
 # layer's key a tensor, not an integer; v4: the query's rotation an argument; v5: dQ, dK, dV in
-# (B, N, heads, D) memory order; v6: score_statistics takes a mask).
-CONTRACT = "v6"
+# (B, N, heads, D) memory order; v6: score_statistics takes a mask; v7: attention_grad writes dQ, dK, dV into
+# tensors it is given).
+CONTRACT = "v7"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
 
@@ -247,9 +249,7 @@ def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
 def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 and not _uses_triton(q.device) else torch.float32
-    if _uses_triton(q.device):  # the kernels' output order (triton_attn.heads_inner_like); the reference's is contiguous
-        from .triton_attn import heads_inner_like
-
+    if _uses_triton(q.device):  # the kernels' output order (layouts.heads_inner_like); the reference's is contiguous
         o = heads_inner_like(q)
     else:
         o = q.new_empty((B, H, N, D))
@@ -259,7 +259,7 @@ def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
 
 
 def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rotation,
-                              layer):
+                              layer, dq, dk, dv):
     # saved: [q, k, v, o, lse, r, rowmax, max_logit, flag], as the forward left them
     q, k, v, o, lse, r, rowmax, max_logit, flag = saved
     stats = None
@@ -271,28 +271,36 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
     residual = r if r.numel() else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
-        return _triton_attn()._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None,
-                                     causal, sm_scale, eps, stats)
+        _triton_attn()._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None, causal,
+                                 sm_scale, eps, stats, grads=(dq, dk, dv))
+        return
     with _NoAutocast(q.device):
-        return reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
+        grads = reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
+    for out, grad in zip((dq, dk, dv), grads):
+        out.copy_(grad)
 
 
 def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rotation,
-                              layer):
-    q, k, v = saved[:3]
-    if _uses_triton(q.device):  # the kernels' gradient order (triton_attn.grads_like); the reference's is contiguous
-        from .triton_attn import grads_like
-
-        return grads_like(q, k, v)
-    B, H, N, D = q.shape
-    return (q.new_empty((B, H, N, D)), k.new_empty((B, k.shape[1], N, D)), v.new_empty((B, v.shape[1], N, D)))
+                              layer, dq, dk, dv):
+    return None
 
 
-# the backward takes the forward's saved tensors as one list (fewer schema arguments to walk)
+def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """The tensors ``attention_grad`` writes dQ, dK, dV into, on every device in the kernels'
+    gradient order (``layouts.grads_like``: (B, N, heads, D) memory order, as SDPA's)."""
+    return grads_like(q, k, v)
+
+
+# the backward takes the forward's saved tensors as one list (fewer schema arguments to walk). It writes
+# the gradients into tensors its caller made, rather than returning them: Inductor assumes that what an
+# operator returns is not 16-byte aligned when any of its inputs may not be (the CPU flag, coverage and key
+# always count as such), and so read returned gradients without vector loads in the generated code after
+# the operator (the concatenation of the q, k, v gradients into the projection's: 1.6x slower); the
+# tensors it allocates itself it knows to be aligned
 _attention_backward = _operator(
     "attention_grad(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
-    "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer) "
-    "-> (Tensor, Tensor, Tensor)",
+    "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer, "
+    "Tensor(d!) dq, Tensor(e!) dk, Tensor(f!) dv) -> ()",
     _attention_backward_impl, _attention_backward_fake)
 
 
@@ -338,9 +346,9 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation, layer = ctx.saved_tensors
-        dq, dk, dv = _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values,
-                                         coverage, ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap, x, rotation,
-                                         layer)
+        dq, dk, dv = _empty_grads(q, k, v)
+        _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values, coverage, ctx.causal,
+                            ctx.sm_scale, ctx.eps, ctx.unit_gap, x, rotation, layer, dq, dk, dv)
         return (dq, dk, dv) + (None,) * 13
 
 

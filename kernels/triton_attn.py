@@ -25,6 +25,7 @@ from . import faults, hopper_attn, tuning
 from . import launch as launching
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
 from .launch import launch
+from .layouts import grads_like, heads_inner_like
 from .reference import unit_p_gap
 from .rows import RowOutputs, row_args, row_flags
 from .stats import AttentionStats, CallMaxLogit, fold_max_logit
@@ -63,28 +64,6 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
 def _cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive ints (``triton.cdiv`` is a constexpr function: several µs a host call)."""
     return -(-a // b)
-
-
-
-def heads_inner_like(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor of t's (B, heads, N, D) shape and dtype with its memory in (B, N, heads, D)
-    order, as torch SDPA's flash and cuDNN paths give their output and gradients: the order of the
-    projections the model made q, k, v from, so a model's ``o.transpose(1, 2)`` followed by
-    ``.contiguous()`` or ``.view(B, N, heads * D)`` copies nothing, nor does the backward of its
-    ``.view(B, N, heads, D).transpose(1, 2)`` of a projection (the kernels take these strides)."""
-    B, H, N, D = t.shape
-    # torch.empty((B, N, H, D)).transpose(1, 2) in one call
-    return torch.empty_strided((B, H, N, D), (N * H * D, D, H * D, 1), dtype=t.dtype, device=t.device)
-
-
-def grads_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward's dQ, dK, dV for q, k, v (B, heads, N, D), in (B, N, heads, D) memory order
-    (``heads_inner_like``); dK and dV contiguous where the opt-in Hopper dK/dV kernel runs (it
-    stores whole rows through TMA descriptors)."""
-    if tuning.hopper_features("dkdv") is not None:
-        return heads_inner_like(q), torch.empty_like(k, memory_format=torch.contiguous_format), \
-            torch.empty_like(v, memory_format=torch.contiguous_format)
-    return heads_inner_like(q), heads_inner_like(k), heads_inner_like(v)
 
 
 def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, beta, eps, stats_on,
@@ -216,14 +195,19 @@ def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, 
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_register_cap(cfg)))
 
 
-def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats):
+def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats, grads=None):
+    """dQ, dK, dV of one call, written into ``grads`` (dq, dk, dv: q's, k's and v's shapes and dtype, any
+    strides with the last one 1) where given, else into new tensors (``grads_like``)."""
     B, H, N, D = q.shape
     do = _last_dim_contiguous(do)
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)  # written by the dQ kernel
-    dq, dk, dv = grads_like(q, k, v)  # the kernels take their strides
-    # without statistics, repeats of a call replay its launches (launch.Plan)
+    given = grads is not None
+    dq, dk, dv = grads if given else grads_like(q, k, v)  # the kernels take their strides
+    # without statistics, repeats of a call replay its launches (launch.Plan); given gradients are
+    # inputs of the plan's key (their strides and alignment are the caller's)
     inputs = (do, q, k, v, o, lse) if r is None else (do, q, k, v, o, lse, r)
-    key = _plan_key("bwd", inputs, causal, sm_scale, eps) if stats is None else None
+    keyed = inputs + (dq, dk, dv) if given else inputs
+    key = _plan_key("bwd", keyed, causal, sm_scale, eps) if stats is None else None
     tensors = inputs + (delta, dq, dk, dv)
     if not _replayed(key, tensors):
         with _recording(key) as records:

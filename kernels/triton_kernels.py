@@ -567,7 +567,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
                                  offs_n, offs_d, tail_lo, N, N, qk_scale,
                                  BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    # dK, dV (B, Hkv, N, D) of one layout, strides sgb, sgh, sgn (the launcher's grads_like)
+    # dK, dV (B, Hkv, N, D) of one layout, strides sgb, sgh, sgn (kernels.layouts.grads_like)
     _store_rows(_head(DK, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dk * sm_scale, DTYPE, EXACT_BF16))
     _store_rows(_head(DV, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dv, DTYPE, EXACT_BF16))
 
@@ -719,7 +719,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
                                                        tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, split, hi,
                                                        N, sm_scale, qk_scale, BLOCK_N, True, CAUSAL, STATS, ROWS,
                                                        DTYPE, IEEE, UPCAST, EXACT_BF16)
-    # dQ (B, H, N, D), strides sdqb, sdqh, sdqn (the launcher's grads_like)
+    # dQ (B, H, N, D), strides sdqb, sdqh, sdqn (kernels.layouts.grads_like)
     _store_rows(_head(DQ, b, h, sdqb, sdqh), offs_m, sdqn, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))
     if STATS:
         tied = (tl.max(n32, 1) >= 2.0) & row_ok

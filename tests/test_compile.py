@@ -399,6 +399,83 @@ def test_observe_adds_no_forward_work_to_the_compiled_step():
     assert observed["backward"]["operators"] == base["backward"]["operators"] + layers
 
 
+def _unaligned_computed_buffers(mode: str) -> dict[str, list[str]]:
+    """Per graph of Inductor's code for one step of ``Stack`` in ``mode`` ("forward", "backward"): the
+    buffers the graph computes (not its inputs) that Inductor assumes may not be 16-byte aligned, so
+    that the generated code reading them does without vector loads."""
+    from torch._inductor.graph import GraphLowering
+
+    seen = []
+    compile_to_module = GraphLowering.compile_to_module
+
+    def recording(self):
+        module = compile_to_module(self)
+        seen.append((any(name.startswith("tangents_") for name in self.graph_inputs),
+                     sorted(name for name in self.unaligned_buffers if name not in self.graph_inputs)))
+        return module
+
+    torch.manual_seed(0)
+    model = Stack()
+    monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    monitor.step()  # step 1: unmonitored
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True), \
+                pytest.MonkeyPatch.context() as patch:
+            patch.setattr(GraphLowering, "compile_to_module", recording)
+            torch.compile(model, backend="inductor")(torch.randn(2, 16, 32)).sum().backward()
+    finally:
+        monitor.detach()
+    return {"backward" if backward else "forward": names for backward, names in seen}
+
+
+def test_the_compiled_backward_reads_the_attention_gradients_as_aligned():
+    """Own-kernel mode's backward operator writes dQ, dK, dV into tensors the compiled backward
+    allocates, so Inductor knows them aligned. Fail before: the operator returned them, and Inductor
+    assumes an operator's outputs unaligned when any input may be (its CPU flag always counts as one,
+    on every device), so the concatenation of the three gradients into the projection's ran without
+    vector loads (1.6x slower on an H200: docs/PERFORMANCE.md)."""
+    unaligned = _unaligned_computed_buffers("own_kernel")
+    assert set(unaligned) == {"forward", "backward"}
+    assert unaligned["backward"] == []
+
+
+def test_each_compiled_attention_backward_writes_into_gradients_of_its_own():
+    """Every layer's backward operator writes dQ, dK, dV into three allocations of its own, each
+    used by that operator alone, so Inductor writes them in place. Fail before: the allocations
+    traced as ``empty_strided``, which the compiler's common-subexpression pass merges across
+    layers (all of one shape), so Inductor copied the shared tensor before each operator wrote into
+    it (three copies a layer in every step's backward)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep_backward(gm, _):
+        graphs.append(gm.graph)
+        return make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    model = Stack()
+    monitor = Monitor(MonitorConfig(interval=2, mode="own_kernel", async_transfer=False))
+    monitor.attach(model)
+    monitor.step()  # step 1: unmonitored
+    try:
+        # Inductor's partition, which runs the common-subexpression pass
+        backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep_backward,
+                               partition_fn=min_cut_rematerialization_partition)
+        torch.compile(model, backend=backend)(torch.randn(2, 16, 32)).sum().backward()
+    finally:
+        monitor.detach()
+    [graph] = graphs
+    writes = [[a for a in node.all_input_nodes if "empty" in str(a.target)] for node in graph.nodes
+              if node.op == "call_function" and node.args and "attention_grad" in str(node.args[0])]
+    assert len(writes) == len(model.blocks)
+    allocations = [a for each in writes for a in each]
+    assert all(len(each) == 3 for each in writes) and len(set(allocations)) == 3 * len(model.blocks), writes
+    assert all(len(a.users) == 1 for a in allocations), [list(a.users) for a in allocations]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_every_monitor_operator_is_left_out_of_cuda_graphs(mode):
     """Under CUDA graphs (``mode="reduce-overhead"``) Inductor must run flashwatch's operators

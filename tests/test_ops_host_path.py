@@ -101,7 +101,8 @@ def test_operators_have_no_python_version_bump():
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(ops.qualified(name), "ADInplaceOrView"), name
     schema = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    assert mutated == ["counts", "values", "coverage"]  # still declared: functionalization sees the writes
+    # still declared: functionalization sees the writes (and the gradients it writes into, v7)
+    assert mutated == ["counts", "values", "coverage", "dq", "dk", "dv"]
 
 
 # What each operator's fake implementation returns for the inputs below, per ops.CONTRACT: code that
@@ -124,17 +125,19 @@ _OUTPUTS_V5 = {**_OUTPUTS_V2,  # the gradients in (B, N, heads, D) memory order,
                ("attention_grad", "plain"): [((2, 4, 8, 16), (512, 16, 64, 1), "bfloat16"),
                                              ((2, 2, 8, 16), (256, 16, 32, 1), "bfloat16"),
                                              ((2, 2, 8, 16), (256, 16, 32, 1), "bfloat16")]}
-FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2, "v5": _OUTPUTS_V5, "v6": _OUTPUTS_V5}
+_OUTPUTS_V7 = {**_OUTPUTS_V5, ("attention_grad", "plain"): []}  # the gradients written into tensors it is given
+FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2, "v5": _OUTPUTS_V5, "v6": _OUTPUTS_V5,
+                "v7": _OUTPUTS_V7}
 
-# Each operator's arguments under the current CONTRACT (v6: score_statistics took attn_mask and
-# masked): a schema that changes must come with a new CONTRACT too, for the same reason.
-SCHEMAS = {"v6": {
+# Each operator's arguments under the current CONTRACT (v7: attention_grad writes dq, dk, dv into
+# tensors it is given): a schema that changes must come with a new CONTRACT too, for the same reason.
+SCHEMAS = {"v7": {
     "attention_with_stats": "(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, Tensor coverage, "
                             "bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap, "
                             "Tensor? x, Tensor? rotation, Tensor? layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     "attention_grad": "(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
                       "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, Tensor? rotation, "
-                      "Tensor? layer) -> (Tensor, Tensor, Tensor)",
+                      "Tensor? layer, Tensor(d!) dq, Tensor(e!) dk, Tensor(f!) dv) -> ()",
     "observe_statistics": "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
                           "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, "
                           "float eps, bool masked, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer) -> ()",
@@ -172,6 +175,7 @@ def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(i
             outs = fwd(q, k, v, flag, counts, values, coverage, True, 0.25, variant, 2.0, 1e-3, -0.002, None, None, None)
             got[("attention_with_stats", variant)] = describe(outs)
         grad = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)
-        got[("attention_grad", "plain")] = describe(grad(q, [q, k, v, q, q, q, q, q, flag], counts, values, coverage,
-                                                         True, 0.25, 1e-3, -0.002, None, None, None))
+        outs = grad(q, [q, k, v, q, q, q, q, q, flag], counts, values, coverage, True, 0.25, 1e-3, -0.002, None,
+                    None, None, *ops._empty_grads(q, k, v))
+        got[("attention_grad", "plain")] = describe(outs or ())
     assert got == FAKE_OUTPUTS[ops.CONTRACT], "a fake's outputs changed: bump ops.CONTRACT and record them here"
