@@ -4,8 +4,9 @@ Each operator of ``flashwatch.kernels.ops`` is checked on the CPU with grouped-q
 query heads, 2 key heads) and a mask: its schema declares every tensor it mutates (the statistics
 buffers, the coverage counters), so the compiler never reorders or drops their updates, and its
 fake implementation gives the outputs the real one gives (shapes, dtypes, strides), which
-compiled graphs are built from. A fake that gave dK, dV with the query's head count, or a
-coverage counter not declared as mutated, compiles into wrong graphs with no error at the call.
+compiled graphs are built from. A fake that gave an output of the wrong shape, or a coverage
+counter or gradient written into but not declared as mutated, compiles into wrong graphs with no
+error at the call.
 """
 
 from __future__ import annotations
@@ -50,11 +51,19 @@ def test_the_own_kernel_forward_and_backward(call):
     torch.library.opcheck(_op("attention_with_stats"), forward, test_utils=CHECKS)
     o, lse, r, rowmax, max_logit = _op("attention_with_stats")(*forward)
     saved = [c["q"], c["k"], c["v"], o, lse, r, rowmax, max_logit, c["flag"]]
+    grads = ops._empty_grads(c["q"], c["k"], c["v"])
+    assert grads[0].shape == c["q"].shape and grads[1].shape == grads[2].shape == c["k"].shape  # key heads
     backward = (c["grad"], saved, c["counts"], c["values"], c["coverage"], True, D ** -0.5, 1e-3, c["unit_gap"], None,
-                None, c["layer"])
+                None, c["layer"], *grads)
     torch.library.opcheck(_op("attention_grad"), backward, test_utils=CHECKS)
-    dq, dk, dv = _op("attention_grad")(*backward)
-    assert dq.shape == c["q"].shape and dk.shape == dv.shape == c["k"].shape  # key heads, not query heads
+    assert _op("attention_grad")(*backward) is None
+    # the gradients written into the given tensors, as autograd computes them
+    q, k, v = (c[name].clone().requires_grad_() for name in "qkv")
+    want = torch.autograd.grad(ops._Attention.apply(q, k, v, c["flag"], c["counts"], c["values"], c["coverage"], True,
+                                                    D ** -0.5, "plain", 2.0, 1e-3, c["unit_gap"], None, None, None),
+                               (q, k, v), c["grad"])
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
