@@ -106,12 +106,12 @@ for step in $steps; do
     # statsab: the observe-mode statistics pass (without and with the chain's rows) against kernels/_ab_before
     # monitorab: the Monitor's cost on a compiled step, the package against an earlier one: .ab_before/flashwatch
     # (git-ignored; made with `git archive REV flashwatch kernels | tar -x -C .ab_before` and kernels/ moved into
-    # flashwatch/), in the order before, after, before, after, one process each (about 70 s each); then the
+    # flashwatch/), in the order before, after, before, after, one process each (about 25 s an arm); then the
     # GPU tests of the W^Q-error chain (chaintests); abtimes: the timings alone (arms: AB_ARMS, default sdpa+observe)
     monitorab) bash "$0" abtimes chaintests | grep -v "^NVIDIA\|^torch" ;;
     abtimes) for which in before after before2 after2; do
                  case $which in before*) pp=$PWD/.ab_before:$PWD/benchmarks ;; *) pp=$PWD:$PWD/benchmarks ;; esac
-                 PYTHONPATH=$pp timeout 110 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
+                 PYTHONPATH=$pp timeout 250 python3 benchmarks/monitor_overhead.py --only-compiled --compile default \
                    --arms "${AB_ARMS:-sdpa+observe}" --steps 200 --json "$OUT/monitor_ab_$which.json" > "$OUT/monitor_ab_$which.log" 2>&1
                  echo "== $which"; grep -v Warning "$OUT/monitor_ab_$which.log" | grep -A9 "^arm"
                done ;;
