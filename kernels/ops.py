@@ -285,12 +285,6 @@ def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_sca
     return None
 
 
-def _empty_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """The tensors ``attention_grad`` writes dQ, dK, dV into, on every device in the kernels'
-    gradient order (``layouts.grads_like``: (B, N, heads, D) memory order, as SDPA's)."""
-    return grads_like(q, k, v)
-
-
 # the backward takes the forward's saved tensors as one list (fewer schema arguments to walk). It writes
 # the gradients into tensors its caller made, rather than returning them: Inductor assumes that what an
 # operator returns is not 16-byte aligned when any of its inputs may not be (the CPU flag, coverage and key
@@ -346,7 +340,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation, layer = ctx.saved_tensors
-        dq, dk, dv = _empty_grads(q, k, v)
+        dq, dk, dv = grads_like(q, k, v)  # on every device in the kernels' order
         _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values, coverage, ctx.causal,
                             ctx.sm_scale, ctx.eps, ctx.unit_gap, x, rotation, layer, dq, dk, dv)
         return (dq, dk, dv) + (None,) * 13

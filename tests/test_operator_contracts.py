@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashwatch.kernels import AttentionStats, ops
+from flashwatch.kernels import AttentionStats, layouts, ops
 
 B, H, HKV, N, D = 2, 4, 2, 8, 16
 CHECKS = ("test_schema", "test_faketensor")
@@ -51,7 +51,7 @@ def test_the_own_kernel_forward_and_backward(call):
     torch.library.opcheck(_op("attention_with_stats"), forward, test_utils=CHECKS)
     o, lse, r, rowmax, max_logit = _op("attention_with_stats")(*forward)
     saved = [c["q"], c["k"], c["v"], o, lse, r, rowmax, max_logit, c["flag"]]
-    grads = ops._empty_grads(c["q"], c["k"], c["v"])
+    grads = layouts.grads_like(c["q"], c["k"], c["v"])
     assert grads[0].shape == c["q"].shape and grads[1].shape == grads[2].shape == c["k"].shape  # key heads
     backward = (c["grad"], saved, c["counts"], c["values"], c["coverage"], True, D ** -0.5, 1e-3, c["unit_gap"], None,
                 None, c["layer"], *grads)

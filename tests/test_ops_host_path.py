@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from flashwatch.kernels import STAT_FIELDS, AttentionStats, flash_attention, ops
+from flashwatch.kernels import STAT_FIELDS, AttentionStats, flash_attention, layouts, ops
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -176,6 +176,6 @@ def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(i
             got[("attention_with_stats", variant)] = describe(outs)
         grad = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)
         outs = grad(q, [q, k, v, q, q, q, q, q, flag], counts, values, coverage, True, 0.25, 1e-3, -0.002, None,
-                    None, None, *ops._empty_grads(q, k, v))
+                    None, None, *layouts.grads_like(q, k, v))
         got[("attention_grad", "plain")] = describe(outs or ())
     assert got == FAKE_OUTPUTS[ops.CONTRACT], "a fake's outputs changed: bump ops.CONTRACT and record them here"
