@@ -61,11 +61,10 @@ class RowReduction(NamedTuple):
     power of two >= 16, ``ugv`` (H,) and ``sketch`` (H, D, r) added into in place (each
     program's share is summed after the launch, ``rows.RowOutputs``); ``done()`` is called once
     the kernel was launched. ``u``, ``ugv`` and ``sketch`` are contiguous. ``xv`` and ``xo`` are
-    contiguous, or both read in place from one product: columns of y (B * N, s) (``xv`` with
-    strides (N s, 1, s), ``xo`` with strides (N s, s, 1)) or rows of y's transpose (width, B * N)
-    (``xv`` with strides (N, B N, 1), ``xo`` with strides (N, 1, B N)); then ``xv_lo`` (optional,
-    None: none) is a second term of x . v_h, a view of the product like ``xv`` further along it,
-    added to it (the chain's split product: ``flashwatch.chain._Factor``).
+    contiguous, or both read in place from rows of one (width, B * N) product, the transpose of
+    x [v | Omega] (``xv`` with strides (N, B N, 1), ``xo`` with strides (N, 1, B N)); then ``xv_lo``
+    (optional, None: none) is a second term of x . v_h, a view of the product like ``xv`` further
+    along it, added to it (the chain's split product: ``flashwatch.chain._Factor``).
     """
 
     u: torch.Tensor
@@ -93,32 +92,28 @@ class RowReduction(NamedTuple):
         return self.layout()
 
     def layout(self) -> dict:
-        """The kernels' constexprs for reading ``xv`` and ``xo``: X_STRIDE (0: both contiguous, else
-        the product's row stride s) and XV_LO (the low term's column offset from ``xv``, 0: none);
+        """The kernels' constexprs for reading ``xv`` and ``xo``: X_STRIDE (0: both contiguous, -1: rows
+        of one (width, B * N) product) and XV_LO (the low term's row offset from ``xv``, 0: none);
         ValueError for any other layout."""
         xv, xo, lo = self.xv, self.xo, self.xv_lo
         if lo is None and xv.is_contiguous() and xo.is_contiguous():
             return dict(X_STRIDE=0, XV_LO=0)
         B, N, r = xo.shape
-        if _strides_fit(xo, (N, 1, B * N)) and _strides_fit(xv, (N, B * N, 1)):
-            return dict(X_STRIDE=-1, XV_LO=self._lo_offset(B * N))  # rows of y's transpose
-        s = xo.stride(1)
-        if not (_strides_fit(xo, (N * s, s, 1)) and _strides_fit(xv, (N * s, 1, s)) and s >= 1):
+        if not (_strides_fit(xo, (N, 1, B * N)) and _strides_fit(xv, (N, B * N, 1))):
             raise ValueError(f"RowReduction: xv {tuple(xv.shape)} strides {xv.stride()} and xo {tuple(xo.shape)} "
-                             f"strides {xo.stride()} are neither contiguous nor columns of one (B * N, s) product "
-                             f"(xv strides (N s, 1, s), xo strides (N s, s, 1)) nor rows of one (width, B * N) "
-                             f"product (xv strides (N, B N, 1), xo strides (N, 1, B N))")
-        return dict(X_STRIDE=s, XV_LO=self._lo_offset(1, s))
+                             f"strides {xo.stride()} are neither contiguous nor rows of one (width, B * N) product "
+                             f"(xv strides (N, B N, 1), xo strides (N, 1, B N))")
+        return dict(X_STRIDE=-1, XV_LO=self._lo_offset(B * N))
 
-    def _lo_offset(self, unit: int, limit: int | None = None) -> int:
-        """``xv_lo``'s offset from ``xv`` in ``unit`` elements (0 without it); at most ``limit`` - H."""
+    def _lo_offset(self, row: int) -> int:
+        """``xv_lo``'s offset from ``xv`` in rows of ``row`` elements of the product (0 without it)."""
         xv, lo = self.xv, self.xv_lo
         if lo is None:
             return 0
         offset = lo.data_ptr() - xv.data_ptr()
-        n = offset // lo.element_size() // unit if offset > 0 and offset % (lo.element_size() * unit) == 0 else 0
+        n = offset // lo.element_size() // row if offset > 0 and offset % (lo.element_size() * row) == 0 else 0
         if (lo.shape != xv.shape or lo.dtype != xv.dtype or lo.device != xv.device
-                or not _strides_fit(lo, xv.stride()) or n <= 0 or (limit is not None and n + xv.shape[1] > limit)):
+                or not _strides_fit(lo, xv.stride()) or n <= 0):
             raise ValueError("RowReduction.xv_lo: expected a view of xv's product with xv's shape and strides, "
                              f"further along it; got {tuple(lo.shape)} strides {lo.stride()} at {offset} bytes from xv")
         return n

@@ -318,11 +318,10 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm
 
     pk (BLOCK_M, D) FP32 (0 on rows >= N), err (BLOCK_M,) FP32 (0 on rows >= N); the call's
     factors: U (H, D) the head's u, XV (B, H, N) x . v_h, XO (B, N, SKETCH_R) x Omega, all FP32:
-    contiguous (X_STRIDE 0), or X_STRIDE > 0: columns of one (B * N, X_STRIDE) product y, x . v_h
-    at XV[row * X_STRIDE + h] (plus XV[row * X_STRIDE + XV_LO + h], its low part, where XV_LO > 0)
-    and x Omega at XO[row * X_STRIDE + j] (row = b * N + n), or X_STRIDE -1: rows of one (width,
-    B * N) product, x . v_h at XV[h * B N + row] (plus XV[(XV_LO + h) * B N + row]) and x Omega at
-    XO[j * B N + row] (the product as the chain makes it, read in place: coalesced along the rows).
+    contiguous (X_STRIDE 0), or X_STRIDE -1: rows of one (width, B * N) product, x . v_h at
+    XV[h * B N + row] (plus XV[(XV_LO + h) * B N + row], its low part, where XV_LO > 0) and
+    x Omega at XO[j * B N + row], row = b * N + n (the product as the chain makes it, read in
+    place: coalesced along the rows).
     With c = -sm_scale * err, the error's rows dQ_err = c pk give this block's share
     of query head h's sums: UGV[part] = sum_rows c (pk . u_h)(x . v_h) (of u_h^T dG_h v_h) and
     SKETCH[part] (D, SKETCH_R) = pk^T (c x Omega) (of dG_h Omega), FP32 (the sketch's product on
@@ -333,19 +332,14 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm
     atomics: no contention, and the same sum in every run)."""
     c = -sm_scale * err
     u = tl.load(U + h * HEAD_DIM + offs_d)
-    x_rows = (b.to(tl.int64) * N + offs_m) * X_STRIDE  # (BLOCK_M,) the rows of y (X_STRIDE > 0)
     x_cols = (tl.num_programs(1) // H).to(tl.int64) * N  # B * N: a column of y's transpose (X_STRIDE -1)
     rows = b.to(tl.int64) * N + offs_m
     if X_STRIDE == 0:
         xv = tl.load(XV + row_base + offs_m, mask=row_ok, other=0.0)
-    elif X_STRIDE == -1:
+    else:  # X_STRIDE -1
         xv = tl.load(XV + h * x_cols + rows, mask=row_ok, other=0.0)
         if XV_LO != 0:
             xv += tl.load(XV + (XV_LO + h) * x_cols + rows, mask=row_ok, other=0.0)
-    else:
-        xv = tl.load(XV + x_rows + h, mask=row_ok, other=0.0)
-        if XV_LO != 0:
-            xv += tl.load(XV + x_rows + XV_LO + h, mask=row_ok, other=0.0)
     pu = tl.sum(pk * u[None, :], 1)  # (BLOCK_M,)
     tl.store(UGV + part, tl.sum(c * pu * xv, 0))
     # the (D, SKETCH_R) product at once, on tensor cores in TF32 (neither kernel spills at D 64: 127 and 244
@@ -355,10 +349,8 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm
     if X_STRIDE == 0:
         xo = tl.load(XO + b.to(tl.int64) * N * SKETCH_R + offs_m[:, None] * SKETCH_R + offs_r[None, :],
                      mask=row_ok[:, None], other=0.0)
-    elif X_STRIDE == -1:
+    else:  # X_STRIDE -1
         xo = tl.load(XO + offs_r[None, :] * x_cols + rows[:, None], mask=row_ok[:, None], other=0.0)
-    else:
-        xo = tl.load(XO + x_rows[:, None] + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     sk = tl.dot(tl.trans(pk), c[:, None] * xo, input_precision="tf32")  # (D, SKETCH_R)
     tl.store(SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R + offs_r[None, :], sk)
 

@@ -20,8 +20,9 @@ class ReducingHook:
 
     ``in_place``: x . v and x Omega offered as views of one product read in place
     (``RowReduction.layout``), y (B * N, 2 H + r + 3) [x . v hi | x Omega | x . v lo | 3 unused
-    columns] ("rows") or its transpose (2 H + r + 3, B * N) ("columns", as the chain offers them);
-    ``xv`` and ``xo`` hold their values (hi + lo) for the oracle."""
+    columns] read along its rows ("rows", a layout the kernels refuse) or along its columns, i.e.
+    rows of its transpose (2 H + r + 3, B * N) ("columns", as the chain offers them); ``xv`` and
+    ``xo`` hold their values (hi + lo) for the oracle."""
 
     def __init__(self, q: torch.Tensor, r: int, seed: int, in_place: str | None = None):
         B, H, N, D = q.shape
@@ -124,7 +125,7 @@ def check_reduction(q, k, v, causal=True, mode="observe", r=16, variant="plain",
     """One call with a reducing hook, checked twice: against float64 from the inputs (within the
     rows' own error bounds carried through), and against the float64 reduction of the rows the
     same kernel stores for a plain hook (within FP32 arithmetic alone: the tight check). Nothing
-    else the call computes (statistics, gradients) changes. ``in_place`` ("rows", "columns"): the
+    else the call computes (statistics, gradients) changes. ``in_place`` ("columns"): the
     factors offered as views of one product (``ReducingHook``); x . v's two terms are then added in FP32, one more
     rounding of 2**-24 (within the bound's ``+ 4``)."""
     B, H, N, D = q.shape
