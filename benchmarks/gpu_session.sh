@@ -118,7 +118,7 @@ for step in $steps; do
     # owncheck: the own kernel's GPU tests, eager and compiled (but for max-autotune), side by side
     owncheck) gpu_tests gpu_kernel_tests 300 tests/test_triton_gpu.py > "$OUT/.o1" &
               gpu_tests gpu_compile 300 tests/test_compile_gpu.py -k "not max-autotune" > "$OUT/.o2" &
-              wait; tail -4 "$OUT/.o1" "$OUT/.o2"; rm -f "$OUT/.o1" "$OUT/.o2" ;;
+              wait; tail -n 4 "$OUT/.o1" "$OUT/.o2"; rm -f "$OUT/.o1" "$OUT/.o2" ;;
     chaintests) gpu_tests gpu_chain_tests 300 tests/test_chain.py tests/test_chain_kernel_reduction.py tests/test_chain_sums.py \
                   tests/test_chain_true_gradient.py ;;
     statsab) timeout 300 python3 benchmarks/stats_ab.py --before kernels/_ab_before --json "$OUT/stats_ab.json" 2>&1 \
