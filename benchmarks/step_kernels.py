@@ -13,12 +13,14 @@ Triton's launchers), sorted the same way.
     PYTHONPATH=. python benchmarks/step_kernels.py --eager --json kernels.json
     PYTHONPATH=. python benchmarks/step_kernels.py --compile-mode max-autotune-no-cudagraphs
     PYTHONPATH=. python benchmarks/step_kernels.py --arms sdpa,observe_monitored   # what a monitored step adds
+    PYTHONPATH=. python benchmarks/step_kernels.py --arms sdpa,observe             # what an unmonitored step keeps
     PYTHONPATH=. python benchmarks/step_kernels.py --host                     # where the host time goes
     PYTHONPATH=. python benchmarks/step_kernels.py --host --python            # and which Python functions spend it
 
 Arms (``--arms A,B``, default ``sdpa,own_kernel``): ``sdpa`` (the model as it is, torch SDPA),
 ``own_kernel`` (flashwatch's kernel through a Monitor in own-kernel mode whose only monitored step is
-the first warm-up step), and ``observe_monitored`` / ``own_kernel_monitored`` (a Monitor at
+the first warm-up step), ``observe`` (the same in observe mode: what flashwatch leaves in an unmonitored
+step of the model's own SDPA), and ``observe_monitored`` / ``own_kernel_monitored`` (a Monitor at
 ``interval=1``: every profiled step is a monitored one, so against ``sdpa`` / ``own_kernel`` they show
 what a monitored step adds, kernel by kernel; its step time includes the step-end read). A kernel's name is
 shortened to what identifies it: Triton kernels keep their name without the launch suffixes,
@@ -51,8 +53,8 @@ def short_name(name: str) -> str:
 
 
 # arm -> the Monitor it attaches: (mode, interval), or None for the model as it is
-ARMS = {"sdpa": None, "own_kernel": ("own_kernel", 10**9), "observe_monitored": ("observe", 1),
-        "own_kernel_monitored": ("own_kernel", 1)}
+ARMS = {"sdpa": None, "own_kernel": ("own_kernel", 10**9), "observe": ("observe", 10**9),
+        "observe_monitored": ("observe", 1), "own_kernel_monitored": ("own_kernel", 1)}
 
 
 def profile_arm(arm: str, compiled: bool, args) -> dict:
