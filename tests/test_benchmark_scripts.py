@@ -390,7 +390,7 @@ def test_step_kernels_refuses_arms_it_does_not_know_and_lists_the_ones_it_does(a
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_kernels.py"), "--arms", arms],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "--arms takes two of sdpa, own_kernel, observe_monitored, own_kernel_monitored" in proc.stderr
+    assert "--arms takes two of sdpa, own_kernel, observe, observe_monitored, own_kernel_monitored" in proc.stderr
     assert repr(arms) in proc.stderr
 
 
