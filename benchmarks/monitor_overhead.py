@@ -21,7 +21,8 @@ named ``<arm>@<mode>``:
   ``sdpa+observe_no_chain``).
 
 An arm that fails (a compile error) is reported with its error and the others still run.
-Compiled arms also report the recompilations and graph breaks Dynamo counted.
+Compiled arms also report the recompilations and graph breaks Dynamo counted and, under CUDA graphs, the pieces
+Inductor cut its graphs into (partitions) and the graphs it ran without CUDA graphs (skips).
 
 Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--steps`` timed
 steps (CUDA events around every step, read once at the end, so timing adds no host sync).
@@ -110,6 +111,10 @@ def run_arm(name: str, args) -> dict:
     result["generated_code"] = _code_hashes(paths)
     result["graph_breaks"] = sum(counters["graph_break"].values())
     result["unique_graphs"] = counters["stats"]["unique_graphs"]
+    # under CUDA graphs (mode="reduce-overhead"): the pieces Inductor cut its graphs into around operators that
+    # must run outside a graph, and the graphs it ran without CUDA graphs (0 and 0 in the other modes)
+    result["cudagraph_partitions"] = counters["inductor"]["cudagraph_partitions"]
+    result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
     return result
 
 
@@ -326,7 +331,9 @@ def main(argv=None) -> int:
               f"{'' if over is None else f'{100 * over:+.2f}%':>12s} {'' if rel is None else f'{100 * rel:+.1f}%':>13s}"
               f" {'' if rel_median is None else f'{100 * rel_median:+.1f}%':>10s}"
               f" {_fmt(a['host_enqueue_ms']['unmonitored']):>10s}"
-              + (f"  graphs {a['unique_graphs']}, graph breaks {a['graph_breaks']}" if "unique_graphs" in a else ""))
+              + (f"  graphs {a['unique_graphs']}, graph breaks {a['graph_breaks']}" if "unique_graphs" in a else "")
+              + (f", CUDA-graph partitions {a['cudagraph_partitions']}, skipped {a['cudagraph_skips']}"
+                 if a.get("cudagraph_partitions") or a.get("cudagraph_skips") else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device_name, "torch": torch.__version__,

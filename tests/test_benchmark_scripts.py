@@ -124,6 +124,7 @@ def test_monitor_overhead_compiled_arms_run_on_the_cpu(tmp_path):
     assert arms["sdpa+observe_no_chain@default"]["monitored_steps"] == 2
     for arm in arms.values():
         assert "error" not in arm and arm["graph_breaks"] == 0 and arm["unique_graphs"] == 1, arm
+        assert arm["cudagraph_partitions"] == arm["cudagraph_skips"] == 0, arm  # no CUDA graphs in this mode
     assert arms["sdpa+observe@default"]["monitored_steps"] == 2 and "mean_overhead_vs_baseline" in arms["own_kernel@default"]
     for arm in arms.values():  # per-step device and host times, and the host's cost from an idle device
         assert len(arm["step_ms"]) == len(arm["host_ms"]) == len(arm["step_monitored"]) == 4, arm
