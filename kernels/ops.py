@@ -393,7 +393,25 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
 
 def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
                              eps, masked, unit_gap, x, rotation, layer):
+    _warn_if_traced_for_cuda_graphs(q)
     return None
+
+
+def _warn_if_traced_for_cuda_graphs(q: torch.Tensor) -> None:
+    """Observe mode's statistics operators traced for CUDA graphs (``torch.compile(mode="reduce-overhead")``,
+    which sets Inductor's ``triton.cudagraphs`` while it traces): say once that the step slows down and
+    what avoids it. The operators are CUDA-graph-unsafe (``_TAGS``), so Inductor cuts the backward at
+    every attention layer and runs them between the graphs it records."""
+    if q.device.type != "cuda":
+        return
+    from torch._inductor import config as inductor_config
+
+    if getattr(inductor_config.triton, "cudagraphs", False):
+        _log_once(("observe_cuda_graphs",),
+                  "flashwatch: observe mode under CUDA graphs (torch.compile mode='reduce-overhead'): its "
+                  "statistics operator runs between CUDA graphs at every attention layer, which makes each step "
+                  "slower (docs/GUIDE.md, torch.compile). Own-kernel mode (MonitorConfig(mode='own_kernel')) or "
+                  "torch.compile's default mode avoid this.")
 
 
 _observe_statistics = _operator(
@@ -475,6 +493,7 @@ def _score_statistics_impl(q, k, v, out, flag, counts, values, coverage, attn_ma
 
 def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked,
                            layer, reason, unit_gap):
+    _warn_if_traced_for_cuda_graphs(q)
     return None
 
 
