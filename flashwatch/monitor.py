@@ -758,6 +758,8 @@ class Monitor:
                 self._warn_unseen(t, layer)  # no call at all; calls seen but not measured: attention_coverage
             if calls is not None and not calls[0] and measured_rows:
                 calls = None  # rows measured, yet no call counted here (another rank's calls): coverage unknown
+            elif calls is not None and calls[1] and not measured_rows:
+                calls = (calls[0], 0)  # its measured calls left every row out (all padding): none measured
             readings.append(LayerReading(stats={n: fields[n] for n in STAT_FIELDS},
                                          chain={n: fields[n] for n in CHAIN_FIELDS}, sigma=sigma,
                                          low_precision=layer.low_precision, variant=variant, calls=calls))
@@ -1007,5 +1009,8 @@ def _check_scalar(name: str, value: Any) -> Any:
         if (value.numel() if isinstance(value, torch.Tensor) else value.size) != 1:
             kind = "a numpy array" if is_array else "a tensor"
             raise ValueError(f"{name} must be a float or a one-element tensor, got {kind} of shape {tuple(value.shape)}")
+        if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dtype.is_complex):
+            raise TypeError(f"{name} must be a real number, got a tensor of dtype {value.dtype} (accepted: a float "
+                            "or integer tensor of one element)")
         return float(value.reshape(())) if is_array else value
     raise TypeError(f"{name} must be None, a float or a one-element tensor, got {type(value).__name__}")

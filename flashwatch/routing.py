@@ -550,10 +550,10 @@ class Router:
         layer.sdpa_fallback = reason
         if reason is not None:
             self._log_once(("fallback", layer.index, reason),
-                           "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel (variant %s) for "
-                           "calls where %s; it reports variant sdpa, and its statistics come from observe mode's pass "
-                           "where that pass can take the call (attention_coverage says how many)", layer.index,
-                           layer.name, layer.variant, reason)
+                           "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls where "
+                           "%s, so its variant %s (an auto_fix switch too) is not in effect on them; it reports variant "
+                           "sdpa, and its statistics come from observe mode's pass where that pass can take the call "
+                           "(attention_coverage says how many)", layer.index, layer.name, reason, layer.variant)
             out = sdpa(*args, **kwargs)
             if self.monitoring and torch.is_grad_enabled():
                 self._observe(layer, args, kwargs, out)

@@ -11,15 +11,22 @@ Rows left out of every statistic:
 
 - rows with no key to attend to;
 - padding rows of self-attention (Nq == Nk): a position j whose own key is masked in its own
-  row (mask[j, j]) is padding; a row is left out when it is padding or attends to a padding
-  key, which only a padding row does. (Older Hugging Face versions let fully masked padding rows
-  attend to every key, to keep SDPA's kernels free of NaN; such a row cannot be told from a real
-  one by the mask and is counted.)
+  row (mask[j, j]) may be padding; a row that is such a position, or attends to one (which only
+  a padding row does), is left out when its output gradient is all zero (no loss reads it, as
+  no loss reads padding). The gradient decides because the mask alone cannot: cross attention
+  with equal lengths and an encoder key-padding mask, or a mask that hides each position's own
+  key, look the same, and their rows are real (their outputs reach the loss). Without an output
+  gradient (calls with attention dropout, whose pass gets a zero gradient) the mask alone
+  decides. (Older Hugging Face versions let fully masked padding rows attend to every key, to
+  keep SDPA's kernels free of NaN; such a row cannot be told from a real one by the mask and
+  is counted.)
 
 The mask is applied as SDPA applies it: a boolean mask sets masked scores to -inf, a float
-mask is added to the scores (its very negative entries, at most half the dtype's lowest
-value, count as masked when finding padding). The max logit includes an additive mask's
-finite values (a position bias is part of the logit).
+mask is added to the scores. An additive entry at or below ``MASKED_AT`` (-10,000) counts as
+masked (-inf, the dtype's lowest value, -1e9 and -10,000 are the usual ones): SDPA gives such a
+key no weight next to any real one, and left in, a row with every key so masked would tie at
+its maximum by rounding alone (s - 1e9 rounds to a multiple of 64 in FP32). The max logit
+includes an additive mask's finite values above it (a position bias is part of the logit).
 
 Dense, as ``reference``: one (H, Nq, Nk) score tensor per batch element at a time, in FP32 (FP64
 for FP64 inputs), on the inputs' device. ``stats.rows_hook`` is called once, as by the plain
@@ -57,14 +64,18 @@ def mask_reason(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> st
     return None
 
 
+# an additive mask's entries at or below this count as masked (module docstring): a key whose
+# weight is below exp(-10,000) next to any unmasked one has none in any float format
+MASKED_AT = -1e4
+
+
 def _allowed_and_bias(mask_b: torch.Tensor | None, cd: torch.dtype):
     """(allowed bool, additive bias or None) of one batch element's mask."""
     if mask_b is None:
         return None, None
     if mask_b.dtype == torch.bool:
         return mask_b, None
-    allowed = (mask_b > torch.finfo(mask_b.dtype).min / 2) & ~torch.isneginf(mask_b)
-    return allowed, mask_b.to(cd)
+    return mask_b > MASKED_AT, mask_b.to(cd)  # -inf and NaN compare False: masked
 
 
 @torch.no_grad()
@@ -102,7 +113,9 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
             valid = allowed.any(-1)  # (H, Nq): rows with a key to attend to
             if Nq == Nk:
                 padding = ~allowed.diagonal(dim1=-2, dim2=-1)  # (H, N): positions whose own key is masked
-                valid = valid & ~padding & ~(allowed & padding[:, None, :]).any(-1)
+                near_padding = padding | (allowed & padding[:, None, :]).any(-1)
+                unread = (grad_out[b] == 0).all(-1)  # (H, N): rows whose output no loss reads
+                valid = valid & ~(near_padding & unread)
             m1, m2 = row_top2(s)
             tied, tied_bf16 = tie_flags(m1, m2, eps)
             tied, tied_bf16 = tied & valid, tied_bf16 & valid

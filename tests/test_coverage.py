@@ -294,3 +294,39 @@ def test_a_frozen_layer_whose_attention_has_no_backward_reads_coverage_0(mode, c
     monitor.detach()
     assert monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 0.0, (1,): 1.0}
     assert [(a.rule, a.layer) for a in alerts if a.rule == "attention_coverage"] == [("attention_coverage", 0)]
+
+
+class _AllPadding(torch.nn.Module):
+    """One attention call over a batch that is padding throughout: an additive mask of -1e9 on
+    every key (SDPA then averages every value; no NaN), and an output that no loss reads."""
+
+    def __init__(self, c=32, heads=2):
+        super().__init__()
+        self.c_attn = torch.nn.Linear(c, 3 * c, bias=False)
+        self.n_head = heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        mask = torch.full((t, t), -1e9)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_a_measured_call_that_leaves_every_row_out_reads_coverage_0(mode):
+    """The dense pass ran on the layer's call but left every row out (all padding): nothing of the
+    layer was measured, so its coverage reads 0 and attention_coverage fires, as for a call not
+    measured at all. Fail before: coverage 1 (the pass ran) beside NaN statistics, no alert."""
+    torch.manual_seed(0)
+    mod = _AllPadding()
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(mod)
+    x = torch.randn(2, 16, 32)
+    (mod(x) * 0.0).sum().backward()  # padding: no loss reads it
+    assert monitor.layers[0].stats.as_dict()["rows"] == [0.0, 0.0]
+    alerts = monitor.step()
+    monitor.detach()
+    snap = monitor.snapshot()
+    assert snap["flashwatch_attention_coverage"] == {(0,): 0.0}
+    assert [(a.rule, a.layer) for a in alerts if a.rule == "attention_coverage"] == [("attention_coverage", 0)]
+    assert all(math.isnan(v) for v in snap["flashwatch_delta_error"].values())

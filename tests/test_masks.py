@@ -184,6 +184,63 @@ def test_a_finite_additive_bias_on_grouped_query_heads_against_float64_formulas(
                                atol=0)
 
 
+def test_cross_attention_of_equal_lengths_keeps_every_query_row():
+    """Cross attention whose encoder is padded to the decoder's length, with the encoder's key-padding
+    mask: every decoder row attends to real keys and reaches the loss, so every one is measured, as
+    with the padded keys cut off (unequal lengths, no mask). Fail before: decoder row j was left out
+    wherever encoder key j was padding (the self-attention rule applied to any equal lengths)."""
+    q, k, v, grad = _inputs()
+    mask = _keep()[:, None, None, :]  # (B, 1, 1, Nk): the encoder's padding
+    out = _rounded(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE))
+
+    def oracle(stats):
+        for b, n in enumerate(LENGTHS):
+            one, cut = slice(b, b + 1), (slice(b, b + 1), slice(None), slice(0, n))
+            masked.attention_statistics(q[one], k[cut], v[cut], out[one], grad[one], stats, sm_scale=SCALE)
+    assert got["rows"] == [float(B * N)] * H
+    _assert_same(got, _stats(oracle))
+
+
+def test_a_mask_that_hides_each_position_s_own_key_measures_every_row():
+    """Self-attention to every other position (the mask hides each row's own key): no position is
+    padding, every row is measured, against float64 formulas. Fail before: every position read as
+    padding, 0 rows measured."""
+    q, k, v, grad = _inputs()
+    mask = ~torch.eye(N, dtype=torch.bool)
+    out = _rounded(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE))
+    s = (q @ k.transpose(-1, -2) * SCALE).masked_fill(~mask, float("-inf"))
+    top = s.topk(2, dim=-1).values
+    err = (grad * out).sum(-1) - (torch.softmax(s, dim=-1) * (grad @ v.transpose(-1, -2))).sum(-1)
+    assert got["rows"] == [float(B * N)] * H
+    assert got["repeated_max_rows"] == (top[..., 1] >= top[..., 0] - 1e-3).sum(dim=(0, 2)).double().tolist()
+    f64 = torch.float64  # statistics are FP32 sums: compared at FP32 precision
+    torch.testing.assert_close(torch.tensor(got["max_logit"], dtype=f64), top[..., 0].amax(dim=(0, 2)).float().double())
+    torch.testing.assert_close(torch.tensor(got["delta_error"], dtype=f64), err.sum(dim=(0, 2)), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("value", [-1e9, -1e4, "lowest", float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_finite_additive_masks_mask_as_a_boolean_one(value, dtype):
+    """A causal mask with right padding written as additive values, as models write it (-1e9 in the
+    Annotated Transformer, -10,000 in older BERT code, the dtype's lowest value in Hugging Face):
+    the same statistics as the boolean mask, in FP32 and BF16 alike. Fail before: only values at
+    or below half the dtype's lowest counted as masked, so padding rows under -1e9 or -10,000 were
+    counted, each a repeated maximum (every score s - 1e9 rounds to one value)."""
+    q, k, v, grad = (t.to(dtype) for t in _inputs())
+    keep = _keep()
+    allowed = keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool).tril()
+    value = torch.finfo(dtype).min if value == "lowest" else value
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, value)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    grad = grad * keep[:, None, :, None]  # a loss that ignores padding gives its rows no gradient
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=additive, sm_scale=SCALE))
+    want = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=allowed, sm_scale=SCALE))
+    assert want["rows"] == [float(sum(LENGTHS))] * H
+    _assert_same(got, want)
+
+
 def test_what_the_dense_pass_does_not_take_says_why():
     q, k, v, _ = _inputs()
     assert "lengths that differ" in masked.mask_reason(None, q, k[:, :, :5], causal=True)
@@ -213,14 +270,15 @@ class PaddedAttention(nn.Module):
 
 def _one_step(make, mode: str, compiled: bool) -> tuple[dict, list]:
     """One monitored step of the module ``make()`` builds (input (3, 8, 32)), eager or compiled
-    with aot_eager: its layer's statistics and coverage."""
+    with aot_eager, under a loss that reads no padding position: its layer's statistics and coverage."""
     torch.manual_seed(0)
     mod = make()
     monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
     monitor.attach(mod)
     fn = torch.compile(mod, backend="aot_eager") if compiled else mod
     x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
-    (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2)).sum().backward()
+    read = _keep()[:, None, :8, None]  # a loss that ignores PaddedAttention's padding positions
+    (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2) * read).sum().backward()
     result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
     monitor.detach()
     return result

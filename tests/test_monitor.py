@@ -443,6 +443,11 @@ def test_bad_arguments_are_named():
         monitor.step(loss=torch.ones(3))
     with pytest.raises(TypeError, match="grad_norm must be None, a float or a one-element tensor, got str"):
         monitor.step(grad_norm="1.0")
+    # a boolean or complex tensor is not a loss: recorded as 1.0 or as its real part before
+    with pytest.raises(TypeError, match="loss must be a real number, got a tensor of dtype torch.bool"):
+        monitor.step(loss=torch.tensor(True))
+    with pytest.raises(TypeError, match="grad_norm must be a real number, got a tensor of dtype torch.complex64"):
+        monitor.step(grad_norm=torch.tensor(3 + 4j))
     assert monitor.global_step == 0
 
 
