@@ -332,7 +332,8 @@ def _not_found_message(modules: dict, failures: Sequence[str] = ()) -> str:
             "query heads:\n"
             f"    query_weight = lambda m: {expression}\n"
             f"    monitor.attach(model, attention={{{entries}}})\n"
-            "one entry per attention module (docs/GUIDE.md, 'Which models are found')")
+            "one entry per attention module (with Lightning: FlashWatchCallback(..., attention={...}), the names "
+            "those of the LightningModule; docs/GUIDE.md, 'Which models are found')")
 
 
 def select_layers(found: Sequence[tuple], layers: Any) -> list[tuple]:

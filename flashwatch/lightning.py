@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -73,12 +73,14 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
     Hooks used:
 
     - ``on_fit_start``: attach the Monitor to ``pl_module`` (after ``configure_model`` and the
-      move to the device), open the exporters.
+      move to the device), open the exporters. A new run (the trainer at step 0 without
+      ``ckpt_path``) after this callback watched another gets a fresh Monitor (``callback.monitor``).
     - ``on_before_optimizer_step``: on monitored steps only, the global L2 norm of the
       gradients as a device tensor (no host sync), before Lightning clips them.
     - ``on_train_batch_end``: on monitored steps, add up the micro-batch losses (device
       tensors); once per optimizer step (``trainer.global_step`` advanced, so correct under
-      ``accumulate_grad_batches``), ``monitor.step(loss=..., grad_norm=...)``, after the
+      ``accumulate_grad_batches``; a batch that stepped two optimizers is one measured step the
+      Monitor counts as two, so its labels are the trainer's), ``monitor.step(loss=..., grad_norm=...)``, after the
       optimizer step, which is when W^Q is read; with a loss scaler (``precision="16-mixed"``
       on a GPU) the trainer's GradScaler goes with it, so the delta error is in true units and
       a step the scaler skipped is not measured rather than non-finite. Then, once a monitored
@@ -99,13 +101,18 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         append: add this run to a ``run_dir`` that already holds one; by default such a folder
             is refused at fit start (``FileExistsError``), so two runs never mix in one
             ``metrics.jsonl``. A run resumed with ``trainer.fit(..., ckpt_path=...)`` appends
-            to its own folder either way.
+            to its own folder either way (with the default ``run_dir``, the folder its checkpoint
+            names, not the resumed logger's new one).
         console: ``"auto"`` (a live panel on a terminal without a progress bar, a printed panel
             every 30 s beside one, plain log lines without a terminal), ``"live"``, ``"print"``,
             ``"log"``, or None for no console output.
         exporters: further exporters (``flashwatch.exporters.Exporter``) to feed (on global
             rank 0).
         log_summaries: log the scalar summaries below through the trainer's loggers.
+        attention: for a model whose attention layers are not found by themselves, what
+            ``Monitor.attach`` takes: ``{module_name: query_weight_fn}``, where
+            ``query_weight_fn(module)`` returns that layer's W^Q as (heads, head_dim, model_dim);
+            the names are those of the LightningModule's ``named_modules()``.
         per_rank_endpoints: under a multi-process strategy, serve ``/metrics`` on every rank,
             on ``port + local rank`` (``port=0``: a free port each), each series labelled
             ``rank="<global rank>"``; default False: one endpoint, on global rank 0, without a
@@ -165,6 +172,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         exporters: Sequence[Exporter] = (),
         log_summaries: bool = True,
         per_rank_endpoints: bool = False,
+        attention: Mapping[str, Any] | None = None,
         **config_fields: Any,
     ):
         if config is not None and config_fields:
@@ -176,8 +184,8 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
                 config = MonitorConfig(**config_fields)
             except TypeError as exc:  # an unknown keyword
                 raise ValueError(f"FlashWatchCallback: {exc}; accepted keywords: port, host, run_dir, "
-                                 f"jsonl, append, console, exporters, log_summaries, per_rank_endpoints and the "
-                                 f"fields of MonitorConfig") from None
+                                 f"jsonl, append, console, exporters, log_summaries, per_rank_endpoints, attention "
+                                 f"and the fields of MonitorConfig") from None
         elif not isinstance(config, MonitorConfig):
             raise ValueError(f"config must be a flashwatch.MonitorConfig or None, got {type(config).__name__}")
         check_port(port)
@@ -195,6 +203,9 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
             raise ValueError(f"run_dir must be a folder path (str or os.PathLike) or None, got {run_dir!r}")
         if not isinstance(per_rank_endpoints, bool):
             raise ValueError(f"per_rank_endpoints must be True or False, got {per_rank_endpoints!r}")
+        if attention is not None and not isinstance(attention, Mapping):
+            raise ValueError(f"attention must be None or a dict {{module_name: query_weight_fn}}, got "
+                             f"{type(attention).__name__}")
         if isinstance(exporters, (str, bytes, os.PathLike)) or callable(getattr(exporters, "export", None)):
             raise ValueError(f"exporters must be a list of flashwatch.exporters.Exporter instances (the callback "
                              f"writes run_dir itself), got {exporters!r}: pass exporters=[...] or run_dir=")
@@ -211,6 +222,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         self.extra_exporters = list(exporters)
         self.log_summaries = log_summaries
         self.per_rank_endpoints = per_rank_endpoints
+        self.attention = dict(attention) if attention is not None else None
 
         self.monitor = Monitor(config)  # picks up Lightning's process group at attach
         self.prometheus = None  # the PrometheusExporter (rank 0, or every rank per_rank_endpoints); serves while fitting
@@ -224,6 +236,8 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         self._loss_batches = 0
         self._grad_norm: torch.Tensor | None = None
         self._plain_grads_replicated = False  # set per fit from the strategy (see _setup_distributed)
+        self._jsonl_dir: str | None = None  # the folder metrics.jsonl goes to (rank 0), kept in checkpoints
+        self._resumed_jsonl_dir: str | None = None  # that folder as a checkpoint recorded it
 
     # -- identity and state -------------------------------------------------------------------
 
@@ -244,7 +258,10 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         return None if self.prometheus is None else self.prometheus.url
 
     def state_dict(self) -> dict[str, Any]:
-        return {"monitor": self.monitor.state_dict()}
+        state = {"monitor": self.monitor.state_dict()}
+        if self._jsonl_dir is not None:
+            state["run_dir"] = self._jsonl_dir  # a resume writes on there (the default folder moves with log_dir)
+        return state
 
     def on_load_checkpoint(self, trainer: "Trainer", pl_module: "LightningModule", checkpoint: dict) -> None:
         # a checkpoint from a flashwatch whose key named the interval and mode
@@ -258,10 +275,17 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         # Lightning restores callbacks before on_fit_start for most strategies: the Monitor
         # keeps the state and applies it when it attaches.
         self.monitor.load_state_dict(state_dict["monitor"])
+        self._resumed_jsonl_dir = state_dict.get("run_dir")
+        if self._jsonl_dir is not None and self._resumed_jsonl_dir not in (None, self._jsonl_dir):
+            # restored after fit start (strategies that restore after setup): the folder was chosen already
+            log.warning("flashwatch: this resumed run writes to %s; its steps before the checkpoint are in %s (pass "
+                        "run_dir= to keep a run in one folder)", self._jsonl_dir, self._resumed_jsonl_dir)
 
     # -- fit start / end ----------------------------------------------------------------------
 
     def on_fit_start(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
+        if trainer.ckpt_path is None and trainer.global_step == 0 and self.monitor.global_step > 0:
+            self._start_new_run()
         if not self._exporters_added:
             # Created once: a later fit re-opens the same exporters (same port, same JSONL).
             # Only rank 0 exports: other ranks would fight over the port and the files
@@ -288,10 +312,21 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
         self._setup_distributed(trainer)
         self.stopped = None
         try:
-            self.monitor.attach(pl_module)
+            self.monitor.attach(pl_module, self.attention)
         except BaseException:
             self._finish()
             raise
+
+    def _start_new_run(self) -> None:
+        """This callback watched a run before, and a trainer starts another from step 0 (not resumed):
+        a fresh Monitor and fresh exporters, so that the two runs' steps, alerts and files never mix
+        (a ``run_dir`` that holds the earlier run is then refused, as for any new run)."""
+        log.info("flashwatch: a new run (the trainer starts at step 0, without ckpt_path, after this callback "
+                 "watched %d steps): its Monitor and exporters start afresh", self.monitor.global_step)
+        self.monitor = Monitor(self.config)
+        self.prometheus = None
+        self._exporters_added = False
+        self._jsonl_dir = self._resumed_jsonl_dir = None
 
     def on_train_start(self, trainer: "Trainer", pl_module: "LightningModule") -> None:
         # After restore_training_state: global_step is the resumed one.
@@ -362,7 +397,14 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
             run_dir = self.run_dir
             if run_dir is None:
                 run_dir = os.path.join(trainer.log_dir or trainer.default_root_dir, "flashwatch")
+                resumed = self._resumed_jsonl_dir if trainer.ckpt_path is not None else None
+                if resumed is not None and os.path.isdir(resumed):
+                    run_dir = resumed  # a resumed run goes on in its folder, not in the new log_dir's
+                elif resumed is not None:
+                    log.warning("flashwatch: the checkpoint's run folder %s is not here; this resumed run writes to "
+                                "%s", resumed, run_dir)
             exporter = JsonlExporter(run_dir)
+            self._jsonl_dir = os.path.abspath(run_dir)
             if not self.append and trainer.ckpt_path is None and exporter.holds_run():
                 raise FileExistsError(
                     f"flashwatch: {exporter.path} already holds a run; pass another run_dir, or append=True "
@@ -423,6 +465,7 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
             self._seen_global_step = trainer.global_step
         if trainer.global_step == self._seen_global_step:
             return  # accumulating: no optimizer step in this batch
+        stepped = trainer.global_step - self._seen_global_step
         self._seen_global_step = trainer.global_step
         loss = self._step_loss(trainer, pl_module)
         grad_norm = self._grad_norm
@@ -434,6 +477,10 @@ class FlashWatchCallback(*_CallbackBases):  # type: ignore[misc]
             trainer.should_stop = True  # every rank: the alert was decided on the same data everywhere
             if trainer.is_global_zero:
                 log.error("%s; stopping the run (MonitorConfig.stop_on)", exc)
+        # a batch that stepped several optimizers (manual optimization): the batch's statistics are its first
+        # step's; the Monitor counts the others too, so that its step labels are the trainer's
+        for _ in range(stepped - 1):
+            self.monitor._advance()
         self._publish(trainer)
         if self.log_summaries:
             self._log_summaries(trainer)

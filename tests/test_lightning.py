@@ -315,7 +315,7 @@ def test_a_rank_is_told_when_another_could_not_create_its_exporters(tmp_path):
             return False  # another rank's decision was False
 
     class Rank1:
-        world_size, is_global_zero, strategy = 2, False, Strategy()
+        world_size, is_global_zero, strategy, ckpt_path, global_step = 2, False, Strategy(), None, 0
 
     watch = FlashWatchCallback(run_dir=tmp_path, port=None, console=None)
     with pytest.raises(RuntimeError, match="another rank could not create its exporters"):
@@ -349,3 +349,136 @@ def test_a_loss_scaled_run_reads_true_units_and_skipped_steps_as_not_measured(lo
     _, plain = fit(None, "plain")  # on the CPU Lightning's 16-mixed has no scaler: true units
     _, scaled = fit(torch.amp.GradScaler("cpu", init_scale=2.0 ** 16), "scaled")
     torch.testing.assert_close(scaled[0], plain[0], rtol=1e-3, atol=0)
+
+
+def test_a_callback_used_again_for_a_new_run_starts_afresh(loader, tmp_path):
+    """One callback for two runs (a sweep: a new module and Trainer each time, no ckpt_path): the second
+    run gets its own Monitor, counted from step 0 with its own alerts, in its own folder; with the first
+    run's run_dir it is refused, as any new run is. Fail before: the second run was appended to the
+    first's metrics.jsonl as steps 6-11, the first run's alerts still active."""
+    config = dict(interval=1, port=None, console=None, max_logit_bound=0.0)
+    watch = FlashWatchCallback(**config)
+    trainer([watch], max_epochs=1, default_root_dir=tmp_path / "a").fit(LitGPT(), loader)
+    first = watch.monitor
+    trainer([watch], max_epochs=1, default_root_dir=tmp_path / "b").fit(LitGPT(lr=1e-3), loader)
+    assert watch.monitor is not first and first.global_step == watch.monitor.global_step == 6
+    assert [r["step"] for r in read_jsonl(tmp_path / "a" / "flashwatch")] == list(range(6))
+    assert [r["step"] for r in read_jsonl(tmp_path / "b" / "flashwatch")] == list(range(6))
+    assert {a.step for a in watch.monitor.alerts if a.rule == "max_logit"} == {0}  # its own, from its first step
+
+    fixed = FlashWatchCallback(run_dir=tmp_path / "fixed", **config)
+    trainer([fixed], max_epochs=1).fit(LitGPT(), loader)
+    module = LitGPT()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        trainer([fixed], max_epochs=1).fit(module, loader)
+    assert module.batches == 0
+
+
+def test_the_same_trainer_fitting_on_continues_the_run(loader, tmp_path):
+    """A second fit of the same Trainer with a larger max_epochs goes on from its step count: the
+    callback continues its run (same Monitor, same file), as before."""
+    watch = FlashWatchCallback(interval=1, port=None, console=None, run_dir=tmp_path, append=True)
+    module, t = LitGPT(), trainer([watch], max_epochs=1)
+    t.fit(module, loader)
+    first = watch.monitor
+    t.fit_loop.max_epochs = 2
+    t.fit(module, loader)
+    assert watch.monitor is first and watch.monitor.global_step == t.global_step == 12
+
+
+def test_a_resumed_run_writes_on_in_its_own_default_folder(loader, tmp_path):
+    """Without run_dir the folder is under the logger's version folder, which a resumed fit changes
+    (version_0 -> version_1): the resumed run writes on into the folder its checkpoint names, so one
+    metrics.jsonl holds the run. Fail before: its steps went to version_1/flashwatch."""
+    from pytorch_lightning.loggers import CSVLogger
+
+    config = dict(interval=2, port=None, console=None)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    first = FlashWatchCallback(**config)
+    trainer([first, ckpt], max_epochs=1, enable_checkpointing=True, logger=CSVLogger(tmp_path)).fit(LitGPT(), loader)
+    resumed = FlashWatchCallback(**config)
+    trainer([resumed], max_epochs=2, logger=CSVLogger(tmp_path)).fit(
+        LitGPT(), loader, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    run = tmp_path / "lightning_logs" / "version_0" / "flashwatch"
+    assert [r["step"] for r in read_jsonl(run)] == list(range(0, 12, 2))
+    assert not (tmp_path / "lightning_logs" / "version_1" / "flashwatch").exists()
+
+
+class TwoOptimizers(LitGPT):
+    """Manual optimization stepping two optimizers a batch (as a GAN's): Lightning counts two steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        first, second = self.optimizers()
+        _, loss = self.model(x, y)
+        self.manual_backward(loss)
+        first.step()
+        first.zero_grad()
+        second.step()
+        second.zero_grad()
+        self.batches += 1
+        return loss.detach()
+
+    def configure_optimizers(self):
+        params = list(self.parameters())
+        return torch.optim.AdamW(params[:4], lr=self.lr), torch.optim.AdamW(params[4:], lr=self.lr)
+
+
+def test_a_batch_stepping_two_optimizers_is_labelled_as_lightning_counts(loader, tmp_path):
+    """The Monitor's step labels are trainer.global_step's: after 6 batches of 2 optimizer steps, 12;
+    a batch is measured when its first step is a monitored one (interval 4: steps 0, 4, 8). Fail
+    before: the Monitor counted 6, and the resume check's warning fired on every resume."""
+    watch = FlashWatchCallback(interval=4, port=None, console=None, run_dir=tmp_path)
+    t = trainer([watch], max_epochs=1)
+    t.fit(TwoOptimizers(), loader)
+    assert t.global_step == watch.monitor.global_step == 12
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [0, 4, 8]
+
+
+class Mixer(torch.nn.Module):
+    """Attention with its own names (wq, wk, wv; no head count attribute): not found by itself."""
+
+    def __init__(self, c=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv = (torch.nn.Linear(c, c, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (w(x).view(b, n, self.heads, c // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).reshape(b, n, c)
+
+
+class LitMixer(LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mixer = torch.nn.Embedding(256, 32), Mixer()
+
+    def training_step(self, batch, batch_idx):
+        return self.mixer(self.embed(batch[0])).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_model_that_is_not_found_by_itself_is_named_with_attention(loader, tmp_path):
+    """The attach error tells the user to name the layers with attention=...: the callback takes it
+    and measures the layer. Fail before: FlashWatchCallback(attention=...) was refused as an unknown
+    MonitorConfig field, so a Lightning user had no way to watch such a model."""
+    with pytest.raises(ValueError, match="attention="):
+        trainer([FlashWatchCallback(interval=1, port=None, console=None, run_dir=tmp_path / "a")],
+                max_epochs=1).fit(LitMixer(), loader)
+    watch = FlashWatchCallback(interval=1, port=None, console=None, run_dir=tmp_path / "b",
+                               attention={"mixer": lambda m: m.wq.weight.view(2, 16, 32)})
+    trainer([watch], max_epochs=1).fit(LitMixer(), loader)
+    opened = next(read_jsonl(tmp_path / "b", kinds=("open",)))
+    assert [layer["name"] for layer in opened["layout"]] == ["mixer"]
+    assert watch.monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 1.0}
+    with pytest.raises(ValueError, match="attention must be None or a dict"):
+        FlashWatchCallback(attention=["mixer"])

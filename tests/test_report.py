@@ -228,6 +228,15 @@ def test_the_cumulative_push_heatmap_spans_its_own_values_not_the_drift_threshol
     assert (grid.lo, grid.hi) == (-max(values), max(values))
 
 
+def test_a_metrics_jsonl_that_is_a_folder_is_named_as_one(tmp_path, capsys):
+    """Fail before: "cannot read .../metrics.jsonl: No such file or directory"."""
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(UnreadableRun, match="metrics.jsonl is a folder, not a metrics.jsonl file"):
+        load_run(tmp_path)
+    assert cli_main(["report", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
 def test_an_out_path_in_a_missing_folder_names_that_folder(run_dir, tmp_path, capsys):
     missing = tmp_path / "nowhere" / "x.html"
     assert cli_main(["report", str(run_dir), "--out", str(missing)]) == 2
