@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from pytorch_lightning import LightningModule, Trainer
 from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
+from flashwatch.exporters import PortInUseError
 from flashwatch.exporters.jsonl import read_jsonl
 from flashwatch.lightning import FlashWatchCallback
 from flashwatch.tinygpt import GPT, GPTConfig, sample_batch, stdlib_corpus
@@ -66,17 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--precision", default="32", help='Lightning precision: "32" or "bf16-mixed"')
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2, help="training epochs")
     p.add_argument("--batches", type=int, default=30, help="batches per epoch")
     p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--interval", type=int, default=5, help="monitor every N optimizer steps")
-    p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe")
-    p.add_argument("--auto-fix", choices=("fixed", "fp32_delta"), default=None)
+    p.add_argument("--mode", choices=("observe", "own_kernel"), default="observe", help="MonitorConfig.mode")
+    p.add_argument("--auto-fix", choices=("fixed", "fp32_delta"), default=None, help="MonitorConfig.auto_fix")
     p.add_argument("--port", type=int, default=9400, help="Prometheus port (0: any free port)")
     p.add_argument("--out", default=None,
                    help="run folder (logs, JSONL, checkpoint); default runs/lightning-<timestamp>, a new one each run "
                         "(the callback refuses to start a new run in a folder that already holds one)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches")
     args = p.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -93,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                       logger=CSVLogger(out, name="logs"), default_root_dir=out, callbacks=[watch],
                       enable_model_summary=False)
     start = time.time()
-    trainer.fit(module, loader)
+    try:
+        trainer.fit(module, loader)
+    except PortInUseError as exc:  # raised at fit start, before any step
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     snap = watch.monitor.snapshot()
     records = list(read_jsonl(out / "flashwatch"))
