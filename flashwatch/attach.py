@@ -49,7 +49,7 @@ class AttentionLayer:
 
     Attributes:
         index: the ``layer`` label (position in ``Monitor.layers``).
-        name: the module's name in ``model.named_modules()``.
+        name: the module's name in ``model.named_modules()`` (without ``torch.compile``'s ``_orig_mod``).
         module: the attention module.
         num_heads: query heads H.
         family: ``"nanogpt"``, ``"hf_gpt2"``, ``"hf_llama"`` or ``"explicit"`` (a query-weight function
@@ -159,6 +159,28 @@ def _check_weight(name: str, w: Any, heads: int | None = None) -> int:
     return w.shape[0]
 
 
+_COMPILED = "_orig_mod"  # the attribute under which torch.compile's module wrapper holds the module
+
+
+def is_compiled_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (an ``OptimizedModule``)."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(module._modules.get(_COMPILED), nn.Module)
+
+
+def uncompiled_name(name: str) -> str:
+    """A module name without the ``_orig_mod`` steps of ``torch.compile`` wrappers on its path."""
+    return ".".join(part for part in name.split(".") if part != _COMPILED)
+
+
+def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` as the model is without ``torch.compile``'s module wrappers: a module
+    compiled in place (``block.attn = torch.compile(block.attn)``) is given as the module it wraps,
+    under its own name (the wrapper's hooks would run outside the compiled code, and its name would
+    carry ``_orig_mod``)."""
+    return [(uncompiled_name(name), module) for name, module in model.named_modules()
+            if not is_compiled_wrapper(module)]
+
+
 def find_attention(model: nn.Module, attention: Mapping[str, QueryWeightFn] | None = None
                    ) -> list[tuple[str, nn.Module, int, QueryWeightFn, str]]:
     """Attention modules of ``model`` in module order: (name, module, heads, query_weight_fn, family).
@@ -174,12 +196,13 @@ def find_attention(model: nn.Module, attention: Mapping[str, QueryWeightFn] | No
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))
     found = []
     if attention is not None:
         if not isinstance(attention, Mapping) or not attention:
             raise ValueError("attention must be a non-empty dict {module_name: query_weight_fn}, got "
                              f"{attention!r}")
+        attention = {uncompiled_name(n) if isinstance(n, str) else n: fn for n, fn in attention.items()}
         unknown = [n for n in attention if n not in modules]
         if unknown:
             raise ValueError(f"attention names {unknown} are not modules of the model; some module names: "
@@ -216,7 +239,7 @@ def known_attention(model: nn.Module, heads_from_call: bool = False, failures: l
     line per such module saying why)."""
     out = []
     skip_prefix: str | None = None
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         if skip_prefix is not None and name.startswith(skip_prefix):
             continue  # children of an attention module are not attention modules themselves
         hit = match(module)

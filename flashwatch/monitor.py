@@ -52,7 +52,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from .attach import AttentionLayer, find_attention, select_layers
+from .attach import AttentionLayer, find_attention, is_compiled_wrapper, select_layers
 from .chain import FIELDS as CHAIN_FIELDS
 from .chain import Chains
 from .collect import FIELDS, Collector, Pending
@@ -102,19 +102,12 @@ class TrainingStopped(RuntimeError):
                          "; ".join(a.message for a in alerts[:3]) + (" ..." if len(alerts) > 3 else ""))
 
 
-def _uncompiled(model: nn.Module, attention: Mapping[str, Any] | None
-                ) -> tuple[nn.Module, Mapping[str, Any] | None]:
-    """The model ``torch.compile`` wrapped, where ``model`` is its wrapper (the same modules, so
-    the same hooks; the layers are named as in the model itself, without the wrapper's
-    ``_orig_mod.``), and ``attention``'s names without that prefix."""
-    inner = getattr(model, "_orig_mod", None)
-    if not isinstance(inner, nn.Module) or type(model).__name__ != "OptimizedModule":
-        return model, attention
-    prefix = "_orig_mod."
-    if attention is not None:
-        attention = {(k[len(prefix):] if isinstance(k, str) and k.startswith(prefix) else k): v
-                     for k, v in attention.items()}
-    return inner, attention
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The model ``torch.compile`` wrapped, where ``model`` is its wrapper (the same modules, so the
+    same hooks; the layers are named as in the model itself, ``attach.named_modules``)."""
+    while is_compiled_wrapper(model):
+        model = model._orig_mod
+    return model
 
 
 class Monitor:
@@ -244,7 +237,7 @@ class Monitor:
             self.detach()  # closed: its routing is gone already; keep its state for the layers attached next
         if self._router is not None:
             raise RuntimeError("this Monitor is already attached to a model; call monitor.detach() first")
-        model, attention = _uncompiled(model, attention)
+        model = _uncompiled(model)
         group = resolve_process_group(self.process_group)
         sharding = self._declared_sharding or sharding_of(model)
         if sharding is not None and attention is None:

@@ -783,6 +783,64 @@ def test_a_model_compiled_block_by_block_compiles_once(mode):
         assert compiled_chain[name] == pytest.approx(per_head, rel=1e-5, abs=1e-12, nan_ok=True), name
 
 
+@pytest.mark.parametrize("what", ["blocks", "attention modules"])
+@pytest.mark.parametrize("when", ["before attach", "after attach"])
+@pytest.mark.parametrize("mode", MODES)
+def test_modules_compiled_in_place_are_the_modules_they_wrap(mode, when, what):
+    """Blocks or attention modules replaced by their ``torch.compile`` wrappers, before or after
+    ``attach``: the layers keep the model's own names (``MonitorConfig.layers`` and a state saved
+    from an eager run apply), and the W^Q norms and the W^Q-error chain read as in eager mode. Fail
+    before: compiled before attach, the names carried ``_orig_mod`` (the eager state did not load)
+    and attention modules lost the chain (NaN, the hooks ran outside the compiled code); compiled
+    after attach, attention modules read as replaced (W^Q norms NaN, a false warning)."""
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0))
+        monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False,
+                                        layers=["transformer.h.0.attn", "transformer.h.1.attn"]))
+
+        def compile_in_place():
+            for block_index, block in enumerate(model.transformer.h):
+                if what == "blocks":
+                    model.transformer.h[block_index] = torch.compile(block, backend="aot_eager")
+                else:
+                    block.attn = torch.compile(block.attn, backend="aot_eager")
+        if compiled and when == "before attach":
+            compile_in_place()
+        monitor.attach(model)
+        if compiled and when == "after attach":
+            compile_in_place()
+        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            model(x, x)[1].backward()
+            model.zero_grad(set_to_none=True)
+            monitor.step()
+        names, state = [layer.name for layer in monitor.layers], monitor.state_dict()
+        snapshot = {k: dict(v) for k, v in monitor.snapshot().items()
+                    if k.startswith(("flashwatch_wq_error", "flashwatch_wq_spectral"))}
+        monitor.detach()
+        monitor.close()
+        return names, state, snapshot
+
+    eager_names, eager_state, eager = run(False)
+    names, _, compiled = run(True)
+    assert names == eager_names == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    assert all(math.isfinite(v) for v in eager["flashwatch_wq_spectral_norm"].values())
+    assert any(v != 0 for v in eager["flashwatch_wq_error_push"].values())
+    for name, per_head in eager.items():
+        assert compiled[name] == pytest.approx(per_head, rel=1e-5, abs=1e-12, nan_ok=True), name
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0))
+    model.transformer.h[0] = torch.compile(model.transformer.h[0], backend="aot_eager")
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode))
+    monitor.attach(model)
+    monitor.load_state_dict(eager_state)  # the eager run's state: the same layer names
+    monitor.close()
+
+
 def test_a_forward_that_raised_leaves_no_layer_routed_after_the_step():
     """The exit hook does not run when a forward raises; the next ``Monitor.step()`` forgets the
     layer the failed forward left pushed, so later attention calls outside it are not counted
