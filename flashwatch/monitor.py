@@ -539,6 +539,9 @@ class Monitor:
         self._decisions.apply_due(self.layers)
         decided = self._drain()  # an earlier monitored step whose values were still on their way (CUDA)
         if self._monitoring:
+            if self._router is not None:
+                for layer in self.layers:  # compiled calls record their fallback without logging it
+                    self._router.log_fallback(layer)
             if "checkpoint_fallback" not in self._warned and self._router is not None and checkpoint_fallbacks():
                 self._warn_once("checkpoint_fallback", "flashwatch: torch.compile ran a frame of this model eagerly: "
                                 "under activation checkpointing it does not compile code that changes outside state, "

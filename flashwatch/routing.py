@@ -528,6 +528,19 @@ class Router:
             self._logged.add(key)
             log.log(level, message, *args)
 
+    def log_fallback(self, layer: AttentionLayer) -> None:
+        """Say once per layer and reason that an own-kernel layer's calls run torch SDPA
+        (``layer.sdpa_fallback``). Compiled code cannot log where it decides (a log call would break
+        the graph): the Monitor calls this for it at each monitored step."""
+        reason = layer.sdpa_fallback
+        if reason is None:
+            return
+        self._log_once(("fallback", layer.index, reason),
+                       "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls where %s, "
+                       "so its variant %s (an auto_fix switch too) is not in effect on them; it reports variant sdpa, "
+                       "and its statistics come from observe mode's pass where that pass can take the call "
+                       "(attention_coverage says how many)", layer.index, layer.name, reason, layer.variant)
+
     def _log_rotation_missing(self, layer: AttentionLayer) -> None:
         self._log_once(("rotation", layer.index),
                        "flashwatch: layer %d (%s): the W^Q-error metrics of a rotary layer need the call's "
@@ -549,11 +562,7 @@ class Router:
         reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
         layer.sdpa_fallback = reason
         if reason is not None:
-            self._log_once(("fallback", layer.index, reason),
-                           "flashwatch: layer %d (%s) runs torch SDPA instead of flashwatch's kernel for calls where "
-                           "%s, so its variant %s (an auto_fix switch too) is not in effect on them; it reports variant "
-                           "sdpa, and its statistics come from observe mode's pass where that pass can take the call "
-                           "(attention_coverage says how many)", layer.index, layer.name, reason, layer.variant)
+            self.log_fallback(layer)
             out = sdpa(*args, **kwargs)
             if self.monitoring and torch.is_grad_enabled():
                 self._observe(layer, args, kwargs, out)

@@ -31,12 +31,22 @@ includes an additive mask's finite values above it (a position bias is part of t
 Dense, as ``reference``: one (H, Nq, Nk) score tensor per batch element at a time, in FP32 (FP64
 for FP64 inputs), on the inputs' device. ``stats.rows_hook`` is called once, as by the plain
 pass.
+
+A mask that is only the causal pattern, or masks nothing, is the call without it: such a call
+goes to the plain pass (``flashwatch.kernels.attention_statistics``, the Triton kernel on CUDA,
+no N x N tensor) where that pass takes its shapes. Models pass such masks where they cannot
+leave them out: Hugging Face's under ``torch.compile`` build the causal mask as a tensor. Telling
+it costs one host read of a device flag per mask tensor (a model passes one mask to all its
+layers; checked again only after an in-place change).
 """
 
 from __future__ import annotations
 
 import torch
 
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .checks import check_qkv
 from .reference import _add_delta_stats, _add_max_logit, _compute_dtype, _expand_kv, format_tie_flags, row_top2, tie_flags
 from .stats import AttentionStats
 
@@ -78,6 +88,36 @@ def _allowed_and_bias(mask_b: torch.Tensor | None, cd: torch.dtype):
     return mask_b > MASKED_AT, mask_b.to(cd)  # -inf and NaN compare False: masked
 
 
+# mask tensor -> (its version when read, "causal" / "full" / None): see _plain_equivalent
+_patterns: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _plain_equivalent(attn_mask: torch.Tensor, n: int) -> str | None:
+    """``"causal"`` if the (..., n, n) mask lets each row see exactly the keys up to its own,
+    ``"full"`` if it masks nothing (a float mask: 0 where it lets a key through), else None. One
+    host read, remembered per mask tensor and version."""
+    seen = _patterns.get(attn_mask)
+    if seen is not None and seen[0] == attn_mask._version:
+        return seen[1]
+    with torch.no_grad():
+        allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT
+        no_bias = torch.ones((), dtype=torch.bool, device=attn_mask.device) if attn_mask.dtype == torch.bool \
+            else ((attn_mask == 0) | ~allowed).all()
+        causal = torch.ones(n, n, dtype=torch.bool, device=attn_mask.device).tril()
+        is_causal, is_full, unbiased = torch.stack([(allowed == causal).all(), allowed.all(), no_bias]).tolist()
+    pattern = ("causal" if is_causal else "full" if is_full else None) if unbiased else None
+    _patterns[attn_mask] = (attn_mask._version, pattern)
+    return pattern
+
+
+def _plain_pass_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    try:
+        check_qkv(q, k, v)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 @torch.no_grad()
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          grad_out: torch.Tensor, stats: AttentionStats, *, attn_mask: torch.Tensor | None = None,
@@ -93,6 +133,13 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
+    if attn_mask is not None and not causal and Nq == Nk and _plain_pass_takes(q, k, v):
+        pattern = _plain_equivalent(attn_mask, Nq)
+        if pattern is not None:  # the call without its mask: the plain pass, no N x N tensor
+            from . import attention_statistics as plain_statistics
+
+            plain_statistics(q, k, v, out, grad_out, stats, causal=pattern == "causal", sm_scale=sm_scale, eps=eps)
+            return
     cd = _compute_dtype(q.dtype)
     mask = torch.broadcast_to(attn_mask, (B, H, Nq, Nk)) if attn_mask is not None else None
     causal_block = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device).triu(1) if causal else None

@@ -241,6 +241,35 @@ def test_large_finite_additive_masks_mask_as_a_boolean_one(value, dtype):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("kind", ["bool (N, N)", "bool (B, 1, N, N)", "float (B, 1, N, N)", "all True"])
+def test_a_mask_that_is_only_the_causal_pattern_goes_to_the_plain_pass(kind, monkeypatch):
+    """Hugging Face under torch.compile passes its causal mask as a tensor: that call is the causal
+    call without a mask, measured by the plain pass (the Triton kernel on CUDA, no N x N tensor), as
+    is a mask that masks nothing; its statistics are the plain pass's. A mask changed in place is
+    read again. Fail before: every such call took the dense pass."""
+    from flashwatch import kernels
+
+    q, k, v, grad = (t.float() for t in _inputs())
+    causal = kind != "all True"
+    allowed = torch.ones(N, N, dtype=torch.bool).tril() if causal else torch.ones(B, 1, 1, N, dtype=torch.bool)
+    if kind != "bool (N, N)" and causal:
+        allowed = allowed.expand(B, 1, N, N).clone()
+    mask = allowed if kind != "float (B, 1, N, N)" else \
+        torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    plain_calls = []
+    plain = kernels.attention_statistics
+    monkeypatch.setattr(kernels, "attention_statistics", lambda *a, **kw: (plain_calls.append(kw), plain(*a, **kw)))
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE))
+    assert [c["causal"] for c in plain_calls] == [causal]
+    assert got == _stats(lambda s: plain(q, k, v, out, grad, s, causal=causal, sm_scale=SCALE))
+    if kind == "bool (B, 1, N, N)":  # a key masked in place: the dense pass, padding left out
+        mask[1, :, :, LENGTHS[1]:] = False
+        masked.attention_statistics(q, k, v, out, grad * _keep()[:, None, :, None], AttentionStats(H),
+                                    attn_mask=mask, sm_scale=SCALE)
+        assert len(plain_calls) == 1
+
+
 def test_what_the_dense_pass_does_not_take_says_why():
     q, k, v, _ = _inputs()
     assert "lengths that differ" in masked.mask_reason(None, q, k[:, :, :5], causal=True)
