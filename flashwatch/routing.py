@@ -726,10 +726,19 @@ class Router:
                                "flashwatch: layer %d (%s): calls where %s: %s", layer.index, layer.name, reason,
                                MEASURED[route], level=logging.INFO if route == "masked" else logging.WARNING)
             if route in (None, "scores", "masked_scores"):
-                layer.coverage[0] += 1
-                if route is not None:
-                    self._measure_scores(layer, q, k, v, out, is_causal, scale,
-                                         attn_mask if route == "masked_scores" else None, route == "masked_scores")
+                # counted (and its scores measured) when its backward comes, as a measured call is: a
+                # forward recomputed under activation checkpointing is the same call
+                coverage, measure = layer.coverage, self._measure_scores
+                saved = (q.detach(), k.detach(), v.detach(), out.detach()) if route is not None else None
+                mask = attn_mask if route == "masked_scores" else None
+
+                def on_grad(grad_out):
+                    coverage[0] += 1  # an attention call, not measured in full
+                    if saved is not None:
+                        measure(layer, *saved, is_causal, scale, mask, route == "masked_scores")
+                    return None
+
+                out.register_hook(on_grad)
                 return
             stats = layer.ensure_stats(q.device)
             layer.calls += 1

@@ -331,3 +331,41 @@ def test_a_measured_call_that_leaves_every_row_out_reads_coverage_0(mode):
     assert snap["flashwatch_attention_coverage"] == {(0,): 0.0}
     assert [(a.rule, a.layer) for a in alerts if a.rule == "attention_coverage"] == [("attention_coverage", 0)]
     assert all(math.isnan(v) for v in snap["flashwatch_delta_error"].values())
+
+
+class _DropoutAttention(torch.nn.Module):
+    """nanoGPT attention with attention dropout (its calls measured in part: the "scores" route) and its
+    output projection (which a checkpoint's recomputation reaches past the attention call)."""
+
+    def __init__(self, c=32, heads=2):
+        super().__init__()
+        self.c_attn = torch.nn.Linear(c, 3 * c, bias=False)
+        self.c_proj = torch.nn.Linear(c, c, bias=False)
+        self.n_head = heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
+        return self.c_proj(out.transpose(1, 2).reshape(b, t, c))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_a_call_measured_in_part_counts_once_under_activation_checkpointing(mode, checkpointed):
+    """A checkpointed forward is recomputed in the backward: a call with attention dropout is still one
+    call, its rows counted once. Fail before: eager mode counted such calls (and added their rows and
+    repeated maxima) at the forward, twice under checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    mod = _DropoutAttention()
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(mod)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    out = checkpoint(mod, x, use_reentrant=False) if checkpointed else mod(x)
+    out.sum().backward()
+    assert monitor.layers[0].coverage.tolist() == [1, 0]
+    assert monitor.layers[0].stats.as_dict()["rows"] == [32.0, 32.0]
+    monitor.detach()
+    monitor.close()
