@@ -482,3 +482,27 @@ def test_a_model_that_is_not_found_by_itself_is_named_with_attention(loader, tmp
     assert watch.monitor.snapshot()["flashwatch_attention_coverage"] == {(0,): 1.0}
     with pytest.raises(ValueError, match="attention must be None or a dict"):
         FlashWatchCallback(attention=["mixer"])
+
+
+def test_the_lightning_example_runs_and_a_taken_port_is_an_error_message(tmp_path, capsys):
+    """examples/lightning_example.py, briefly: it trains, writes its run folder and prints its summary;
+    given a port in use it says so and returns 2 (before: a traceback)."""
+    import pathlib
+    import runpy
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "lightning_example.py"
+    main = runpy.run_path(str(path))["main"]
+    n = torch.get_num_threads()
+    try:
+        assert main(["--epochs", "1", "--batches", "4", "--interval", "2", "--port", "0",
+                     "--out", str(tmp_path / "run")]) == 0
+        assert "4 optimizer steps" in capsys.readouterr().out
+        assert [r["step"] for r in read_jsonl(tmp_path / "run" / "flashwatch")] == [0, 2]
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            assert main(["--epochs", "1", "--batches", "2", "--port", str(port), "--out", str(tmp_path / "b")]) == 2
+        assert "already in use" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(n)

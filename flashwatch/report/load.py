@@ -84,8 +84,8 @@ def _metrics_path(path: str | os.PathLike) -> Path:
     if p.is_dir():
         p = p / METRICS_FILE
     if p.is_dir():
-        raise UnreadableRun(f"{p} is a folder, not a {METRICS_FILE} file: pass a run folder written by flashwatch "
-                            f"or the {METRICS_FILE} file itself")
+        raise UnreadableRun(f"cannot read {p}: it is a folder, not a {METRICS_FILE} file (pass a run folder written "
+                            f"by flashwatch or the {METRICS_FILE} file itself)")
     if not p.exists():
         raise FileNotFoundError(
             f"no {METRICS_FILE} at {path}: pass a run folder written by flashwatch (FlashWatchCallback's run_dir, "
