@@ -237,19 +237,41 @@ def test_a_layer_whose_attention_flashwatch_never_sees_reads_coverage_0_and_warn
     assert any("saw no measured attention call" in r.getMessage() for r in caplog.records)
 
 
-class _TwoCalls(torch.nn.Module):
-    """One attention layer making two calls a step: one measurable, one with attention dropout."""
+class _OneLayer(torch.nn.Module):
+    """One attention layer of nanoGPT's layout (c_attn, n_head, c_proj) whose attention is
+    ``attend(q, k, v)`` on (B, heads, T, D) tensors (the output projection after it is what a
+    checkpoint's recomputation reaches past the attention call)."""
 
-    def __init__(self, c=32, heads=2):
+    def __init__(self, attend, c=32, heads=2):
         super().__init__()
         self.c_attn = torch.nn.Linear(c, 3 * c, bias=False)
-        self.n_head = heads
+        self.c_proj = torch.nn.Linear(c, c, bias=False)
+        self.n_head, self.attend = heads, attend
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        return sdpa(q, k, v, is_causal=True) + sdpa(q, k, v, is_causal=True, dropout_p=0.1)
+        return self.c_proj(self.attend(q, k, v).transpose(1, 2).reshape(b, t, c))
+
+
+def _sdpa(*args, **kwargs):  # looked up at each call, as models do: flashwatch routes torch's SDPA while attached
+    return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+def _two_calls(q, k, v):
+    """Two calls a step: one measurable, one with attention dropout."""
+    return _sdpa(q, k, v, is_causal=True) + _sdpa(q, k, v, is_causal=True, dropout_p=0.1)
+
+
+def _all_padding(q, k, v):
+    """A batch that is padding throughout: an additive mask of -1e9 on every key (SDPA then
+    averages every value; no NaN)."""
+    return _sdpa(q, k, v, attn_mask=torch.full((q.shape[2], q.shape[2]), -1e9))
+
+
+def _with_dropout(q, k, v):
+    """Attention dropout: the call is measured in part (the "scores" route)."""
+    return _sdpa(q, k, v, is_causal=True, dropout_p=0.1)
 
 
 def test_a_layer_measured_in_part_reads_its_fraction_and_raises_no_alert():
@@ -259,7 +281,7 @@ def test_a_layer_measured_in_part_reads_its_fraction_and_raises_no_alert():
     from flashwatch.exporters.console import ConsoleExporter
 
     torch.manual_seed(0)
-    mod = _TwoCalls()
+    mod = _OneLayer(_two_calls)
     monitor = Monitor(MonitorConfig(interval=1, async_transfer=False))
     monitor.attach(mod)
     x = torch.randn(2, 16, 32)
@@ -297,33 +319,17 @@ def test_a_frozen_layer_whose_attention_has_no_backward_reads_coverage_0(mode, c
     assert [(a.rule, a.layer) for a in alerts if a.rule == "attention_coverage"] == [("attention_coverage", 0)]
 
 
-class _AllPadding(torch.nn.Module):
-    """One attention call over a batch that is padding throughout: an additive mask of -1e9 on
-    every key (SDPA then averages every value; no NaN), and an output that no loss reads."""
-
-    def __init__(self, c=32, heads=2):
-        super().__init__()
-        self.c_attn = torch.nn.Linear(c, 3 * c, bias=False)
-        self.n_head = heads
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
-        mask = torch.full((t, t), -1e9)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
 def test_a_measured_call_that_leaves_every_row_out_reads_coverage_0(mode):
     """The dense pass ran on the layer's call but left every row out (all padding): nothing of the
     layer was measured, so its coverage reads 0 and attention_coverage fires, as for a call not
     measured at all. Fail before: coverage 1 (the pass ran) beside NaN statistics, no alert."""
     torch.manual_seed(0)
-    mod = _AllPadding()
+    mod = _OneLayer(_all_padding)
     monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
     monitor.attach(mod)
     x = torch.randn(2, 16, 32)
-    (mod(x) * 0.0).sum().backward()  # padding: no loss reads it
+    (mod(x) * 0.0).sum().backward()  # padding: no loss reads it (its output gradient is 0)
     assert monitor.layers[0].stats.as_dict()["rows"] == [0.0, 0.0]
     alerts = monitor.step()
     monitor.detach()
@@ -331,23 +337,6 @@ def test_a_measured_call_that_leaves_every_row_out_reads_coverage_0(mode):
     assert snap["flashwatch_attention_coverage"] == {(0,): 0.0}
     assert [(a.rule, a.layer) for a in alerts if a.rule == "attention_coverage"] == [("attention_coverage", 0)]
     assert all(math.isnan(v) for v in snap["flashwatch_delta_error"].values())
-
-
-class _DropoutAttention(torch.nn.Module):
-    """nanoGPT attention with attention dropout (its calls measured in part: the "scores" route) and its
-    output projection (which a checkpoint's recomputation reaches past the attention call)."""
-
-    def __init__(self, c=32, heads=2):
-        super().__init__()
-        self.c_attn = torch.nn.Linear(c, 3 * c, bias=False)
-        self.c_proj = torch.nn.Linear(c, c, bias=False)
-        self.n_head = heads
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
-        return self.c_proj(out.transpose(1, 2).reshape(b, t, c))
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -359,7 +348,7 @@ def test_a_call_measured_in_part_counts_once_under_activation_checkpointing(mode
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
-    mod = _DropoutAttention()
+    mod = _OneLayer(_with_dropout)
     monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
     monitor.attach(mod)
     x = torch.randn(2, 16, 32, requires_grad=True)
