@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flashwatch import __version__
@@ -178,6 +178,29 @@ def test_joins_an_applications_own_registry_and_leaves_it_at_close():
     exporter.close()
     after = families(generate_latest(app).decode())
     assert "app_requests" in after and not any(name.startswith("flashwatch_") for name in after)
+
+
+def test_an_application_registry_that_holds_a_name_refuses_the_exporter_and_a_reopened_one_serves_again():
+    """An application metric of one of flashwatch's names in the registry: the exporter is refused
+    when made (prometheus_client's duplicate error), so /metrics never serves two families of one
+    name (which Prometheus rejects); a second exporter on one registry likewise. Opened again after
+    close() (a later fit), the exporter serves again. Fail before: both were accepted and /metrics
+    held two flashwatch_loss families; after a reopen nothing of flashwatch was served."""
+    app = CollectorRegistry()
+    Gauge("flashwatch_loss", "The application's own loss.", registry=app)
+    with pytest.raises(ValueError, match="Duplicated timeseries.*flashwatch_loss"):
+        PrometheusExporter(port=None, registry=app)
+    shared = CollectorRegistry()
+    exporter = PrometheusExporter(port=None, registry=shared)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        PrometheusExporter(port=None, registry=shared)
+    for step in (3, 5):  # one run, closed, then another fit with the same exporter
+        exporter.open(LAYOUT)
+        exporter.export(synthetic_record(LAYOUT, step=step))
+        assert families(generate_latest(shared).decode())["flashwatch_step"].samples[0].value == step
+        exporter.close()
+        assert not any(name.startswith("flashwatch_") for name in families(generate_latest(shared).decode()))
+    exporter.close()  # twice: nothing to take out
 
 
 def test_build_info_and_the_last_steps_timestamp():

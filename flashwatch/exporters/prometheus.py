@@ -33,7 +33,7 @@ WARNING), and ``close()`` waits at most ``push_close_timeout_s``. The default gr
 
 An application's own registry: ``PrometheusExporter(port=None, registry=app_registry)`` adds
 flashwatch's metrics to the registry the application already serves on its ``/metrics``
-(``close()`` takes them out again).
+(``close()`` takes them out again, ``open()`` puts them back).
 
 Beside a step's metrics the exporter serves ``flashwatch_build_info{version}`` and
 ``flashwatch_last_step_timestamp_seconds`` (``SERVICE_METRICS``): a hung run keeps its
@@ -136,7 +136,9 @@ class PrometheusExporter(Exporter):
         push_handler: a prometheus-client push handler, e.g. for authentication:
             ``flashwatch.exporters.pushgateway.basic_auth(user, password)``.
         registry: a ``prometheus_client.CollectorRegistry`` to add flashwatch's metrics to
-            (an application's own ``/metrics``); default a registry of flashwatch's own.
+            (an application's own ``/metrics``); default a registry of flashwatch's own. One
+            that already serves a metric of one of flashwatch's names (another flashwatch
+            exporter's too) refuses it: ``ValueError`` ("Duplicated timeseries") here.
         const_labels: labels added to every series, e.g. ``{"rank": "1"}`` for one endpoint
             per rank; names must be valid Prometheus label names and none of the metric
             table's labels (``layer``, ``head``, ``variant``, ``rule``).
@@ -205,7 +207,8 @@ class PrometheusExporter(Exporter):
         self.registry = CollectorRegistry(auto_describe=False) if registry is None else registry
         self._collector = _SnapshotCollector(created=time.time(), rules=known_rules(),
                                              const_labels=self.const_labels)
-        self.registry.register(self._collector)
+        self.registry.register(self._collector)  # a user's registry holding one of its names raises here
+        self._registered = True
         self._known_keys: dict[str, Any] = {}
         self._server = None
         self._thread: threading.Thread | None = None
@@ -269,6 +272,9 @@ class PrometheusExporter(Exporter):
 
     def open(self, layout: Layout) -> None:
         self.layout = layout
+        if not self._own_registry and not self._registered:  # opened again after close() (a later fit)
+            self.registry.register(self._collector)
+            self._registered = True
         self.start()
 
     def export(self, record: StepRecord) -> None:
@@ -297,11 +303,9 @@ class PrometheusExporter(Exporter):
                     self._push_totals[what] += getattr(pusher, what)
         finally:
             self._stop()
-            if not self._own_registry:
-                try:
-                    self.registry.unregister(self._collector)
-                except KeyError:  # closed twice
-                    pass
+            if not self._own_registry and self._registered:
+                self.registry.unregister(self._collector)  # a user's registry: its scrapes stop serving the run
+                self._registered = False
 
     # -- Pushgateway --------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.samples import Sample
 
 from .. import __version__
-from ..metrics import BY_NAME, present
+from ..metrics import ALL_METRICS, BY_NAME, present
 
 __all__ = ["build_families", "checked_copy", "service_families"]
 
@@ -70,8 +70,11 @@ class _SnapshotCollector:
             return self._built
 
     def describe(self) -> Iterable[Metric]:
-        # No fixed descriptions: the registry must not call collect() at registration.
-        return ()
+        # the table's names, without samples (the registry must not call collect() at registration):
+        # a registry that already holds one of them refuses this collector (prometheus_client's
+        # "Duplicated timeseries"), as it would refuse two of a user's own metrics of one name
+        return tuple((CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily)(spec.name, spec.help)
+                     for spec in ALL_METRICS)
 
 
 class _FrozenCollector:
