@@ -67,7 +67,7 @@ from .loss_scale import LossScale, check_grad_scaler, unscale_statistics, why_un
 from .routing import CHECKPOINT_FLAG, Router, checkpoint_fallbacks, clear_routing_state
 from .snapshot import extra_signals, host_record, snapshot
 from .step_signals import LayerReading, SignalBuilder
-from .vocabulary import VARIANT_CODE, VARIANT_LABELS
+from .vocabulary import MODES, VARIANT_CODE, VARIANT_LABELS
 from .wq import WqNorms
 
 log = logging.getLogger("flashwatch")
@@ -292,7 +292,7 @@ class Monitor:
                            if callable(getattr(e, "holds_run", None)) and e.holds_run()]
         pending, self._pending_state = self._pending_state, None
         resumed, self._detached_state = self._detached_state, None
-        failure = None
+        failure, open_before = None, self._fan.opened
         try:
             self._fan.open(Layout(layers=[(layer.name, layer.total_heads) for layer in layers],
                                   config=self.config.to_dict()))
@@ -317,6 +317,7 @@ class Monitor:
             # the state this attach would have continued from is kept for the next one
             self._router.remove()
             self._router = None
+            self._fan.close_opened_since(open_before)  # no server left bound, no file left open by this attach
             self._unattached()
             self._pending_state, self._detached_state = pending, resumed
             raise failure
@@ -935,11 +936,27 @@ class Monitor:
         if self._router is None:
             self._pending_state = state
             return
+        try:
+            self._load_checked(state)
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a part of the wrong shape or type
+            raise ValueError(f"the saved Monitor state is damaged ({type(exc).__name__}: {exc}); pass what "
+                             "Monitor.state_dict() returned") from None
+
+    def _load_checked(self, state: dict) -> None:
+        """``load_state_dict`` once the state is known complete and the Monitor attached: every part
+        is read and checked before any of it is applied."""
         saved = [(s["name"], s["num_heads"]) for s in state["layers"]]
         mine = [(layer.name, layer.total_heads) for layer in self.layers]
         if saved != mine:
             raise ValueError(f"the saved Monitor state has layers {saved}, this model {mine}: resume needs the same "
                              "model and MonitorConfig.layers")
+        for i, s in enumerate(state["layers"]):
+            if s["mode"] not in MODES or s["variant"] not in VARIANT_LABELS:
+                raise ValueError(f"the saved Monitor state is damaged: layer {i} ran mode {s['mode']!r}, variant "
+                                 f"{s['variant']!r} (modes: {', '.join(MODES)}; variants: {', '.join(VARIANT_LABELS)})")
+        if state["last"] is not None and not isinstance(state["last"], dict):
+            raise ValueError(f"the saved Monitor state is damaged: its last step is a {type(state['last']).__name__}, "
+                             "not a record")
         # version 1 kept the drift and sigma history at the layer's top level
         signals = SignalBuilder(self._signals.heads, self.config.window)
         signals.load_state_dict([s["signals"] if "signals" in s else {"drift": s["drift"], "sigma": s["sigma"]}

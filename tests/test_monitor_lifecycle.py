@@ -612,3 +612,81 @@ def test_settings_given_to_the_monitor_itself_say_where_they_go():
     "unexpected keyword argument")."""
     with pytest.raises(TypeError, match=r"Settings go in a MonitorConfig: Monitor\(MonitorConfig\(interval=5\)\)"):
         Monitor(interval=5)
+
+
+def _damage(state: dict, what: str) -> dict:
+    import copy
+
+    state = copy.deepcopy(state)
+    if what == "detectors None":
+        state["detectors"] = None
+    elif what == "an alert without its rule":
+        state["alerts"] = [{}]
+    elif what == "alert counts a list":
+        state["alert_counts"] = []
+    elif what == "a layer without its power vectors":
+        del state["layers"][0]["power"]
+    elif what == "errors None":
+        state["errors"] = None
+    elif what == "an unknown variant":
+        state["layers"][0]["variant"] = "bogus"
+    elif what == "an unknown mode":
+        state["layers"][1]["mode"] = "fast"
+    elif what == "last step a string":
+        state["last"] = "x"
+    return state
+
+
+@pytest.mark.parametrize("what", ["detectors None", "an alert without its rule", "alert counts a list",
+                                  "a layer without its power vectors", "errors None", "an unknown variant",
+                                  "an unknown mode", "last step a string"])
+def test_a_damaged_state_is_refused_with_a_clear_error_and_changes_nothing(what):
+    """A state damaged in a part (a checkpoint edited by hand, written by other code): a ValueError
+    that says so, and the Monitor goes on as it was. Fail before: KeyError, TypeError or
+    AttributeError from deep inside, or (an unknown variant or mode, a last step that is no record)
+    accepted, after which every monitored step failed or snapshot() raised."""
+    saved = Run(MonitorConfig(interval=1))
+    saved.train(3)
+    state = saved.monitor.state_dict()
+    run = Run(MonitorConfig(interval=1))
+    run.train(2)
+    before = run.monitor.state_dict()
+    with pytest.raises(ValueError, match="saved Monitor state is damaged"):
+        run.monitor.load_state_dict(_damage(state, what))
+    assert_same(run.monitor.state_dict(), before)
+    run.train(2)
+    assert run.monitor.errors == 0 and run.monitor.failed_in_a_row == 0
+    assert run.monitor.global_step == 4
+
+
+def test_an_attach_that_fails_on_its_saved_state_leaves_no_exporter_open(tmp_path):
+    """A state loaded before attach() that does not fit the model: attach() raises and closes what it
+    opened (the port is free again, metrics.jsonl has its close record); an exporter that was open
+    before that attach (a detached Monitor's) stays open. Fail before: the server kept its port and
+    the file stayed open."""
+    from flashwatch.exporters import JsonlExporter, PrometheusExporter
+    from flashwatch.exporters.jsonl import read_jsonl
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    saved = Run(MonitorConfig(interval=1))
+    saved.train(1)
+    state = saved.monitor.state_dict()
+    other = GPT(GPTConfig(n_layer=3, n_head=4, n_embd=64, block_size=32))
+    server, jsonl = PrometheusExporter(port=0), JsonlExporter(tmp_path)
+    monitor = Monitor(MonitorConfig(interval=1), exporters=[server, jsonl])
+    monitor.load_state_dict(state)
+    with pytest.raises(ValueError, match="the saved Monitor state has layers"):
+        monitor.attach(other)
+    assert server.port is None and monitor.layers == []
+    assert [r["kind"] for r in read_jsonl(tmp_path, kinds=None)] == ["open", "close"]
+
+    kept = Keep()
+    detached = Monitor(MonitorConfig(interval=1), exporters=[kept])
+    detached.attach(Run(MonitorConfig(), attach=False).model)
+    detached.detach()  # its exporters stay open
+    detached.load_state_dict(state)
+    with pytest.raises(ValueError, match="the saved Monitor state has layers"):
+        detached.attach(other)
+    assert kept.closed == 0
+    detached.close()
+    assert kept.closed == 1

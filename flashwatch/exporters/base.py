@@ -212,6 +212,20 @@ class FanOut(Exporter):
                 raise
             self._opened.append(e)
 
+    @property
+    def opened(self) -> list[Exporter]:
+        """The exporters open now, in the order they were opened."""
+        return list(self._opened)
+
+    def close_opened_since(self, before: list[Exporter]) -> None:
+        """Close the exporters opened since ``before`` (an earlier ``opened``) was taken, newest first:
+        undo an ``open()`` whose caller failed after it."""
+        for e in reversed([e for e in self._opened if e not in before]):
+            self._call(e, "close")
+            self._opened.remove(e)
+        if not self._opened:
+            self._layout = None
+
     def export(self, record: StepRecord) -> None:
         for e in self.exporters:
             self._call(e, "export", record)
