@@ -340,3 +340,42 @@ def test_a_cut_last_line_is_left_out_with_a_warning(run_dir, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="flashwatch"):
         code = cli_main(["report", str(tmp_path)])
     assert code == 0 and sum("the last line is cut" in r.getMessage() for r in caplog.records) == 1
+
+
+def _synthetic_run(path, layers: int, heads: int, steps: int, alert=None):
+    from flashwatch.exporters.testing import synthetic_layout, synthetic_record
+
+    layout = synthetic_layout(layers, heads)
+    exporter = JsonlExporter(path)
+    exporter.open(layout)
+    for step in range(steps):
+        exporter.export(synthetic_record(layout, step, alerts=[alert] if alert is not None and step == 5 else []))
+    exporter.close()
+    return load_run(path)
+
+
+def test_a_report_of_many_heads_stays_a_page_a_browser_opens(tmp_path):
+    """GPT-2 small's 144 heads over 400 monitored steps: each heatmap at most MAX_CELLS cells (fewer
+    columns), the page under 10 MB. Past MAX_HEAD_ROWS heads one row per layer holding its most extreme
+    head, an alert on a head outlined in its layer's row, and the page says so. Fail before: 23 MB for
+    GPT-2 small (values drawn at random: few neighbours merge), 164 MB for 32 x 32 heads."""
+    from flashwatch.detectors import Alert
+    from flashwatch.report.charts import MAX_CELLS, MAX_HEAD_ROWS
+
+    run = _synthetic_run(tmp_path / "gpt2", 12, 12, 400)
+    for hm in HEATMAPS:
+        grid = heatmap_grid(run, hm)
+        assert len(grid.rows) == 144 and len(grid.rows) * len(grid.columns) <= MAX_CELLS
+    assert len(to_html(run).encode()) < 10e6
+
+    alert = Alert(rule="max_logit", step=5, layer=3, head=7, value=101.0, threshold=100.0, severity="warning",
+                  message="max logit")
+    big = _synthetic_run(tmp_path / "big", 20, 16, 30, alert=alert)
+    assert len(big.rows) == 320 > MAX_HEAD_ROWS
+    max_logit = next(h for h in HEATMAPS if h.metric == "flashwatch_max_logit")
+    grid = heatmap_grid(big, max_logit)
+    assert grid.rows == [(layer, -1) for layer in range(20)] and grid.row_labels[3] == "L3"
+    heads_of_3 = [big.series[max_logit.metric][3 * 16 + h] for h in range(16)]
+    assert grid.values[3] == [max(column) for column in zip(*heads_of_3)]  # the layer's largest head, per step
+    assert [(row, step) for row, _, step, _ in grid.cells] == [(3, 5)]
+    assert "One row per layer" in to_html(big)

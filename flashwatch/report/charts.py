@@ -2,8 +2,9 @@
 
 - ``HEATMAPS``: the per-head heatmaps (metric, colour scale, how binned steps combine, the alert
   rules that outline a cell);
-- ``heatmap_grid``: one heatmap's values binned into at most ``MAX_COLUMNS`` columns, its
-  colour range and its alert cells;
+- ``heatmap_grid``: one heatmap's values binned into at most ``MAX_COLUMNS`` columns (fewer where
+  there are many rows: ``MAX_CELLS`` cells at most; past ``MAX_HEAD_ROWS`` heads one row per layer,
+  ``display_rows``), its colour range and its alert cells;
 - ``alert_markers``: the steps where alerts started, for the loss chart;
 - colour scales, tick values and labels.
 """
@@ -16,11 +17,18 @@ from typing import Sequence
 
 from .load import PER_HEAD_METRICS, RunData, num
 
-__all__ = ["Heatmap", "HEATMAPS", "MAX_COLUMNS", "HeatmapGrid", "heatmap_grid", "AlertMarker", "alert_markers",
+__all__ = ["Heatmap", "HEATMAPS", "MAX_COLUMNS", "MAX_CELLS", "MAX_HEAD_ROWS", "HeatmapGrid", "heatmap_grid",
+           "display_rows", "AlertMarker", "alert_markers",
            "alert_line", "bins", "nice_ticks", "tick_text", "colour", "rgb", "anchors", "NAN_COLOUR",
            "LOSS_COLOUR", "CRITICAL_COLOUR", "WARNING_COLOUR", "finite"]
 
 MAX_COLUMNS = 240  # heatmap columns at most; longer runs are binned
+# the HTML holds a rectangle (with its tooltip) per run of equal colours in a row: cells at most per
+# heatmap, so that a report of a model with many heads stays a page a browser opens (GPT-2 small,
+# 144 heads: 83 columns), and past MAX_HEAD_ROWS heads one row per layer, its most extreme head
+MAX_CELLS = 12_000
+MIN_COLUMNS = 24
+MAX_HEAD_ROWS = 256
 LEVELS = 48  # colour levels (equal neighbours merge into one SVG rectangle)
 NAN_COLOUR = "#d9d9d9"
 LOSS_COLOUR, CRITICAL_COLOUR, WARNING_COLOUR = "#1f4e79", "#c62828", "#ef6c00"
@@ -164,17 +172,38 @@ def _scale(run: RunData, hm: Heatmap) -> tuple[float, float]:
     return lo, hi
 
 
+def display_rows(run: RunData) -> list[tuple[int, int]]:
+    """The heatmaps' rows: ``run.rows`` ((layer, head)), or past ``MAX_HEAD_ROWS`` heads one row per
+    layer, ``(layer, -1)``."""
+    if len(run.rows) <= MAX_HEAD_ROWS:
+        return list(run.rows)
+    return [(layer, -1) for layer in dict.fromkeys(layer for layer, _ in run.rows)]
+
+
+def row_label(row: tuple[int, int]) -> str:
+    return f"L{row[0]}.H{row[1]}" if row[1] >= 0 else f"L{row[0]}"
+
+
 @dataclass
 class HeatmapGrid:
     """One heatmap ready to draw: ``values[row][column]``, columns are bins of monitored steps."""
 
     heatmap: Heatmap
+    rows: list[tuple[int, int]]  # (layer, head) of each row; head -1: the layer's most extreme head
     values: list[list[float]]  # rows x columns (NaN: not measured)
     columns: list[tuple[int, int]]  # (first step, last step) of each column
     lo: float  # colour range
     hi: float
     cells: list[tuple[int, int, int, dict]]  # (row, column, step, alert) of alerts of this heatmap's rules
     binned: bool  # more monitored steps than columns
+
+    @property
+    def row_labels(self) -> list[str]:
+        return [row_label(r) for r in self.rows]
+
+    @property
+    def per_layer(self) -> bool:
+        return any(head < 0 for _, head in self.rows)
 
     def column_of(self, step: float) -> int:
         """The column holding ``step`` (the last column starting at or before it; 0 before the first)."""
@@ -194,18 +223,29 @@ class HeatmapGrid:
         return [(c, tick_text(self.columns[c][0])) for c in picked if self.columns]
 
 
-def heatmap_grid(run: RunData, hm: Heatmap, max_columns: int = MAX_COLUMNS) -> HeatmapGrid:
-    """``hm``'s values for ``run``, binned into at most ``max_columns`` columns (``hm.combine`` per column)."""
-    data = run.series[hm.metric]
+def heatmap_grid(run: RunData, hm: Heatmap, max_columns: int | None = None) -> HeatmapGrid:
+    """``hm``'s values for ``run`` on ``display_rows(run)``, binned into at most ``max_columns`` columns
+    (default: ``MAX_COLUMNS``, fewer where the rows times the columns would pass ``MAX_CELLS``;
+    ``hm.combine`` per column); a layer's row holds its most extreme head at each step (largest
+    magnitude on a diverging scale, largest value on a sequential one)."""
+    data, rows = run.series[hm.metric], display_rows(run)
+    if len(rows) != len(run.rows):
+        across = "absmax" if hm.scale == "diverging" else "max"
+        heads = {layer: [i for i, (l, _) in enumerate(run.rows) if l == layer] for layer, _ in rows}
+        data = [[combine([data[i][t] for i in heads[layer]], across) for t in range(len(run.steps))]
+                for layer, _ in rows]
+    if max_columns is None:
+        max_columns = min(MAX_COLUMNS, max(MIN_COLUMNS, MAX_CELLS // max(1, len(rows))))
     ranges = bins(len(run.steps), max_columns)
     values = [[combine(row[a:b], hm.combine) for a, b in ranges] for row in data]
     columns = [(run.steps[a], run.steps[b - 1]) for a, b in ranges]
     lo, hi = _scale(run, hm)
-    grid = HeatmapGrid(hm, values, columns, lo, hi, [], len(ranges) < len(run.steps))
-    index = {rc: i for i, rc in enumerate(run.rows)}
+    grid = HeatmapGrid(hm, rows, values, columns, lo, hi, [], len(ranges) < len(run.steps))
+    index = {rc: i for i, rc in enumerate(rows)}
     for a in run.alerts:
         if a.get("rule") in hm.rules:
-            row = index.get((int(a.get("layer", -1)), int(a.get("head", -1))))
+            layer, head = int(a.get("layer", -1)), int(a.get("head", -1))
+            row = index.get((layer, head if not grid.per_layer else -1))
             if row is not None:
                 step = int(a.get("step", 0))
                 grid.cells.append((row, grid.column_of(step), step, a))

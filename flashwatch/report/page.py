@@ -9,7 +9,7 @@ from typing import Any
 
 from ..metrics import BY_NAME
 from ..vocabulary import INJECTED
-from .charts import CRITICAL_COLOUR, HEATMAPS, LOSS_COLOUR, WARNING_COLOUR
+from .charts import CRITICAL_COLOUR, HEATMAPS, LOSS_COLOUR, MAX_HEAD_ROWS, WARNING_COLOUR, display_rows
 from .load import RunData, num
 from .svg import heatmap_svg, loss_svg
 
@@ -155,8 +155,12 @@ def to_html(run: RunData) -> str:
                f"<span><i class='sw' style='background:{WARNING_COLOUR}'></i>warning</span></p>")
 
     out.append("<h2>Per-head signals over steps</h2>")
-    out.append("<p class='cap'>One row per attention head (<code>L</code>layer<code>.H</code>head), one column per "
-               "monitored step; grey: not measured. Outlined cells (black): an alert of that signal's rule started there. "
+    per_head = len(display_rows(run)) == len(run.rows)
+    rows = ("One row per attention head (<code>L</code>layer<code>.H</code>head)" if per_head
+            else f"One row per layer (<code>L</code>layer), its most extreme head of {len(run.rows)} at each step "
+                 f"(more than {MAX_HEAD_ROWS} heads)")
+    out.append(f"<p class='cap'>{rows}, one column per monitored step (or per bin of steps, fewer columns the more "
+               "rows); grey: not measured. Outlined cells (black): an alert of that signal's rule started there. "
                "Hover a cell for its value.</p>")
     default = "" if run.thresholds_recorded else " (MonitorConfig's default: this run did not record its own)"
     for hm in HEATMAPS:

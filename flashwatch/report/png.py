@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from .charts import (CRITICAL_COLOUR, HEATMAPS, LOSS_COLOUR, NAN_COLOUR, WARNING_COLOUR, alert_markers, anchors,
-                     heatmap_grid)
+                     display_rows, heatmap_grid)
 from ..vocabulary import INJECTED
 from .load import RunData
 from .page import title
@@ -36,7 +36,7 @@ def to_png(run: RunData, out: str | os.PathLike) -> Path:
         raise MissingMatplotlib("PNG output needs matplotlib: pip install matplotlib (from a flashwatch checkout: "
                                 "pip install '.[report]'). HTML needs nothing extra: leave out --out or give a .html path.") from None
 
-    n_rows = max(1, len(run.rows))
+    n_rows = max(1, len(display_rows(run)))
     row_in = max(0.6, min(3.2, 0.16 * n_rows + 0.4))
     heights = [2.4] + [row_in] * len(HEATMAPS)
     fig, axes = plt.subplots(len(heights), 1, figsize=(12, sum(heights) + 1.4),
@@ -69,12 +69,13 @@ def to_png(run: RunData, out: str | os.PathLike) -> Path:
                        vmax=grid.hi, cmap=cmap, extent=(-0.5, len(grid.columns) - 0.5, n_rows - 0.5, -0.5))
         ticks = grid.step_ticks(8)
         ax.set_xticks([c for c, _ in ticks], [label for _, label in ticks], fontsize=8)
-        ax.set_title(hm.title + (f" ({hm.combine} per column)" if grid.binned else ""), fontsize=10, loc="left")
+        ax.set_title(hm.title + (f" ({hm.combine} per column)" if grid.binned else "")
+                     + (" (one row per layer: its most extreme head)" if grid.per_layer else ""), fontsize=10, loc="left")
         if n_rows <= 24:
-            ax.set_yticks(range(n_rows), run.row_labels, fontsize=7)
+            ax.set_yticks(range(len(grid.rows)), grid.row_labels, fontsize=7)
         else:
-            starts = [i for i, (l, h) in enumerate(run.rows) if h == 0]
-            ax.set_yticks(starts, [f"L{run.rows[i][0]}" for i in starts], fontsize=7)
+            starts = [i for i, (l, h) in enumerate(grid.rows) if h <= 0 and (i == 0 or grid.rows[i - 1][0] != l)]
+            ax.set_yticks(starts, [f"L{grid.rows[i][0]}" for i in starts], fontsize=7)
         for row, col, _, _ in grid.cells:  # white under black: visible on every colour
             ax.plot(col, row, marker="s", ms=7, mfc="none", mec="white", mew=2.6)
             ax.plot(col, row, marker="s", ms=7, mfc="none", mec="black", mew=1.1)

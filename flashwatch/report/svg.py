@@ -6,8 +6,9 @@ import html
 import math
 from typing import Any
 
-from .charts import (CRITICAL_COLOUR, LOSS_COLOUR, NAN_COLOUR, WARNING_COLOUR, Heatmap, alert_line, alert_markers,
-                     anchors, colour, combine, finite, heatmap_grid, nice_ticks, rgb, tick_text)
+from .charts import (CRITICAL_COLOUR, LOSS_COLOUR, NAN_COLOUR, WARNING_COLOUR, Heatmap, HeatmapGrid, alert_line,
+                     alert_markers, anchors, colour, combine, display_rows, finite, heatmap_grid, nice_ticks, rgb,
+                     tick_text)
 from .load import RunData
 
 __all__ = ["loss_svg", "heatmap_svg"]
@@ -85,8 +86,9 @@ def loss_svg(run: RunData, width: int = 960, height: int = 260) -> str:
 
 
 def heatmap_svg(run: RunData, hm: Heatmap, width: int = 960) -> str:
-    """One per-head heatmap: rows layer.head, columns monitored steps (binned past ``MAX_COLUMNS``)."""
-    n_rows = len(run.rows)
+    """One per-head heatmap: rows layer.head (or layers, ``display_rows``), columns monitored steps
+    (binned past ``MAX_COLUMNS``, or fewer columns for many rows)."""
+    n_rows = len(display_rows(run))
     left, right, top, bottom = 64, 96, 8, 34
     pw = width - left - right
     row_h = max(3.0, min(16.0, 480.0 / max(1, n_rows)))
@@ -104,7 +106,7 @@ def heatmap_svg(run: RunData, hm: Heatmap, width: int = 960) -> str:
     parts.append(f"<rect x='{left}' y='{top}' width='{pw}' height='{ph:.1f}' fill='{NAN_COLOUR}'/>")
     for r, values in enumerate(grid.values):
         yy = top + r * row_h
-        label = run.row_labels[r]
+        label = grid.row_labels[r]
         colours = [colour(v, grid.lo, grid.hi, hm) for v in values]
         c = 0
         while c < n_cols:  # merge neighbours of one colour into one rectangle
@@ -118,7 +120,7 @@ def heatmap_svg(run: RunData, hm: Heatmap, width: int = 960) -> str:
             parts.append(f"<rect x='{left + c * col_w:.2f}' y='{yy:.2f}' width='{(e - c) * col_w + 0.3:.2f}' "
                          f"height='{row_h + 0.3:.2f}' fill='{colours[c]}'><title>{label}, {span}: {shown}</title></rect>")
             c = e
-    parts += _row_labels(run, left, top, pw, row_h)
+    parts += _row_labels(grid, left, top, pw, row_h)
     parts.append(f"<rect x='{left}' y='{top}' width='{pw}' height='{ph:.1f}' fill='none' stroke='#999'/>")
 
     # x axis in steps: each label under the middle of the column of its step
@@ -155,14 +157,15 @@ def heatmap_svg(run: RunData, hm: Heatmap, width: int = 960) -> str:
     return "".join(parts)
 
 
-def _row_labels(run: RunData, left: float, top: float, pw: float, row_h: float) -> list[str]:
+def _row_labels(grid: HeatmapGrid, left: float, top: float, pw: float, row_h: float) -> list[str]:
     """White lines between layers; a label per row (``L0.H1``), or per layer when rows are thin."""
     parts = []
-    n_rows = len(run.rows)
+    rows = grid.rows
+    n_rows = len(rows)
     one_per_row = row_h >= 10
     layer_start = 0
     for r in range(n_rows + 1):
-        if r == n_rows or (r > 0 and run.rows[r][0] != run.rows[r - 1][0]):
+        if r == n_rows or (r > 0 and rows[r][0] != rows[r - 1][0]):
             yy = top + r * row_h
             if r < n_rows:
                 parts.append(f"<line x1='{left}' x2='{left + pw}' y1='{yy:.1f}' y2='{yy:.1f}' stroke='#fff' "
@@ -170,9 +173,9 @@ def _row_labels(run: RunData, left: float, top: float, pw: float, row_h: float) 
             if not one_per_row:
                 mid = top + (layer_start + r) / 2 * row_h
                 parts.append(f"<text x='{left - 6}' y='{mid + 4:.1f}' text-anchor='end' fill='#333'>"
-                             f"L{run.rows[layer_start][0]}</text>")
+                             f"L{rows[layer_start][0]}</text>")
             layer_start = r
         if one_per_row and r < n_rows:
             parts.append(f"<text x='{left - 6}' y='{top + r * row_h + row_h / 2 + 4:.1f}' text-anchor='end' "
-                         f"fill='#333'>{run.row_labels[r]}</text>")
+                         f"fill='#333'>{grid.row_labels[r]}</text>")
     return parts
