@@ -49,7 +49,7 @@ class AttentionLayer:
 
     Attributes:
         index: the ``layer`` label (position in ``Monitor.layers``).
-        name: the module's name in ``model.named_modules()`` (without ``torch.compile``'s ``_orig_mod``).
+        name: the module's name in ``model.named_modules()``, without wrappers' steps (``named_modules``).
         module: the attention module.
         num_heads: query heads H.
         family: ``"nanogpt"``, ``"hf_gpt2"``, ``"hf_llama"`` or ``"explicit"`` (a query-weight function
@@ -159,26 +159,85 @@ def _check_weight(name: str, w: Any, heads: int | None = None) -> int:
     return w.shape[0]
 
 
-_COMPILED = "_orig_mod"  # the attribute under which torch.compile's module wrapper holds the module
+# Modules that wrap one module and add nothing to its name in the model: the attribute each holds it
+# under (torch.compile; DDP and DataParallel; FSDP1; the activation-checkpoint wrapper FSDP1 runs use)
+_WRAPPERS = {"OptimizedModule": "_orig_mod", "DistributedDataParallel": "module", "DataParallel": "module",
+             "FullyShardedDataParallel": "_fsdp_wrapped_module", "CheckpointWrapper": "_checkpoint_wrapped_module"}
+_COMPILED = _WRAPPERS["OptimizedModule"]
+
+
+def wrapped(module: nn.Module) -> nn.Module | None:
+    """The module ``module`` wraps, if it is one of ``_WRAPPERS``; else None."""
+    attr = _WRAPPERS.get(type(module).__name__)
+    inner = module._modules.get(attr) if attr is not None else None
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """``module`` without the wrappers around it (``_WRAPPERS``)."""
+    while (inner := wrapped(module)) is not None:
+        module = inner
+    return module
 
 
 def is_compiled_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is the wrapper ``torch.compile(module)`` returns (an ``OptimizedModule``)."""
-    return type(module).__name__ == "OptimizedModule" and isinstance(module._modules.get(_COMPILED), nn.Module)
+    return type(module).__name__ == "OptimizedModule" and wrapped(module) is not None
 
 
-def uncompiled_name(name: str) -> str:
-    """A module name without the ``_orig_mod`` steps of ``torch.compile`` wrappers on its path."""
-    return ".".join(part for part in name.split(".") if part != _COMPILED)
+def _walk(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
+    """The modules of ``model`` in ``named_modules()`` order without the wrappers (each wrapped module
+    under the wrapper's name), and every ``named_modules()`` name (a wrapper's too) -> that name."""
+    found: list[tuple[str, nn.Module]] = []
+    names: dict[str, str] = {}
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, raw: str, name: str) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        names[raw] = name
+        inner = wrapped(module)
+        if inner is not None:
+            attr = _WRAPPERS[type(module).__name__]
+            visit(inner, f"{raw}.{attr}" if raw else attr, name)
+            return
+        found.append((name, module))
+        for part, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{raw}.{part}" if raw else part, f"{name}.{part}" if name else part)
+
+    visit(model, "", "")
+    return found, names
 
 
 def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model.named_modules()`` as the model is without ``torch.compile``'s module wrappers: a module
-    compiled in place (``block.attn = torch.compile(block.attn)``) is given as the module it wraps,
-    under its own name (the wrapper's hooks would run outside the compiled code, and its name would
-    carry ``_orig_mod``)."""
-    return [(uncompiled_name(name), module) for name, module in model.named_modules()
-            if not is_compiled_wrapper(module)]
+    """``model.named_modules()`` as the model is without its wrappers (``_WRAPPERS``: torch.compile,
+    DDP, FSDP1, checkpoint wrappers): a wrapped module is given, under the wrapper's name, in place
+    of the wrapper. So a layer has one name however the model is wrapped, before or after attach
+    (a saved state and ``MonitorConfig.layers`` apply across them), and hooks go on the module
+    itself (a compiled wrapper's would run outside the compiled code)."""
+    return _walk(model)[0]
+
+
+def layer_names(model: nn.Module) -> dict[str, str]:
+    """Every name of ``model.named_modules()`` (wrappers' included) -> its name in ``named_modules``."""
+    return _walk(model)[1]
+
+
+def submodule(model: nn.Module, name: str) -> nn.Module:
+    """The module ``named_modules(model)`` calls ``name``, through any wrappers (``_WRAPPERS``).
+
+    Raises:
+        AttributeError: no such module.
+    """
+    module = unwrapped(model)
+    for part in name.split(".") if name else ():
+        child = module._modules.get(part)
+        if child is None:
+            raise AttributeError(f"{type(module).__name__} has no submodule {part!r}")
+        module = unwrapped(child)
+    return module
 
 
 def find_attention(model: nn.Module, attention: Mapping[str, QueryWeightFn] | None = None
@@ -202,7 +261,8 @@ def find_attention(model: nn.Module, attention: Mapping[str, QueryWeightFn] | No
         if not isinstance(attention, Mapping) or not attention:
             raise ValueError("attention must be a non-empty dict {module_name: query_weight_fn}, got "
                              f"{attention!r}")
-        attention = {uncompiled_name(n) if isinstance(n, str) else n: fn for n, fn in attention.items()}
+        names = layer_names(model)  # a name with a wrapper's step in it (module., _orig_mod.) names its module
+        attention = {names.get(n, n) if isinstance(n, str) else n: fn for n, fn in attention.items()}
         unknown = [n for n in attention if n not in modules]
         if unknown:
             raise ValueError(f"attention names {unknown} are not modules of the model; some module names: "

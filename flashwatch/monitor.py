@@ -52,7 +52,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from .attach import AttentionLayer, find_attention, is_compiled_wrapper, select_layers
+from .attach import AttentionLayer, find_attention, is_compiled_wrapper, select_layers, wrapped
 from .chain import FIELDS as CHAIN_FIELDS
 from .chain import Chains
 from .collect import FIELDS, Collector, Pending
@@ -106,7 +106,7 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     """The model ``torch.compile`` wrapped, where ``model`` is its wrapper (the same modules, so the
     same hooks; the layers are named as in the model itself, ``attach.named_modules``)."""
     while is_compiled_wrapper(model):
-        model = model._orig_mod
+        model = wrapped(model)
     return model
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .attach import AttentionLayer, is_compiled_wrapper
+from .attach import AttentionLayer, submodule
 from .chain import top_pair
 from .sharded_power import ShardedPowerIteration
 from .signals import PowerIteration
@@ -132,12 +132,10 @@ class WqNorms:
         for layer in self.layers:
             if layer.index in self.replaced:
                 continue
-            try:
-                live = self.model.get_submodule(layer.name) if layer.name else self.model
+            try:  # through wrappers: compiled in place after attach, it is the same module
+                live = submodule(self.model, layer.name)
             except AttributeError:
                 live = None
-            while live is not None and is_compiled_wrapper(live):  # compiled in place after attach: the same module
-                live = live._orig_mod
             if live is not layer.module:
                 self.replaced.add(layer.index)
                 log.warning("flashwatch: layer %d (%s) is no longer the module attached (it was replaced or removed "

@@ -518,3 +518,58 @@ def test_the_split_qkv_gpt_is_the_fused_one_and_is_found_with_its_chain():
     assert [(l.name, l.family, l.num_heads, l.chain is not None) for l in monitor.layers] == \
         [(f"transformer.h.{i}.attn", "hf_llama", 4, True) for i in range(2)]
     monitor.detach()
+
+
+class FullyShardedDataParallel(torch.nn.Module):
+    """Stands in for FSDP1's wrapper (which needs a process group): it holds the module it wraps as
+    ``_fsdp_wrapped_module`` and adds that step to every name below it."""
+
+    def __init__(self, module):
+        super().__init__()
+        self._fsdp_wrapped_module = module
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrapping", ["DataParallel around the model", "FSDP1 around each block",
+                                      "checkpoint_wrapper around each block"])
+def test_a_wrapped_model_s_layers_keep_their_own_names(wrapping):
+    """A model attached through DDP-style (``module.``), FSDP1 (``_fsdp_wrapped_module.``) or
+    activation-checkpoint wrappers: its layers are named as the unwrapped model's, so a state saved
+    from one resumes the other and ``MonitorConfig.layers`` applies; W^Q is read through the wrappers.
+    Fail before: ``module.transformer.h.0.attn`` and the like, and an unwrapped run's state refused."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from flashwatch.tinygpt import GPT, GPTConfig
+
+    def model():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+
+    plain = Monitor(MonitorConfig(interval=1))
+    plain.attach(model())
+    names, state = [layer.name for layer in plain.layers], plain.state_dict()
+    plain.close()
+    inner = model()
+    if wrapping.startswith("DataParallel"):
+        run = torch.nn.DataParallel(inner)
+    else:
+        wrap = FullyShardedDataParallel if wrapping.startswith("FSDP1") else checkpoint_wrapper
+        for i, block in enumerate(inner.transformer.h):
+            inner.transformer.h[i] = wrap(block)
+        run = inner
+    monitor = Monitor(MonitorConfig(interval=1, layers=["transformer.h.1.attn"]))
+    monitor.attach(run)
+    assert [layer.name for layer in monitor.layers] == ["transformer.h.1.attn"]
+    monitor.close()
+    monitor = Monitor(MonitorConfig(interval=1))
+    monitor.attach(run)
+    assert [layer.name for layer in monitor.layers] == names
+    monitor.load_state_dict(state)
+    x = torch.randint(0, 256, (2, 16))
+    run(x, x)[1].backward()
+    monitor.step()
+    assert all(v == v for v in monitor.snapshot()["flashwatch_wq_spectral_norm"].values())  # read, not NaN
+    assert monitor.errors == 0
+    monitor.close()
