@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -71,7 +72,9 @@ def resolve_process_group(process_group: Any) -> tuple[Any, int, int] | None:
 
     Args:
         process_group: ``"auto"`` (the default group when ``torch.distributed`` is initialized
-            with more than one process, else None), None (never reduce), or a process group.
+            with more than one process, else None; a warning where the launcher's ``WORLD_SIZE``
+            says there are more but nothing is initialized yet), None (never reduce), or a process
+            group.
 
     Raises:
         ValueError: a group was given but torch.distributed is not initialized, or this
@@ -91,6 +94,12 @@ def resolve_process_group(process_group: Any) -> tuple[Any, int, int] | None:
             raise ValueError(f"process_group must be 'auto', None or a torch.distributed process group, "
                              f"got {process_group!r}")
         if not ready:
+            launched = os.environ.get("WORLD_SIZE", "1")
+            if launched.isdigit() and int(launched) > 1:  # torchrun and the like set it for every process
+                log.warning("flashwatch: WORLD_SIZE=%s, but torch.distributed is not initialized when the Monitor "
+                            "attaches: it combines nothing and measures this process's batch alone, and every "
+                            "process decides on its own. Attach after torch.distributed.init_process_group (or pass "
+                            "process_group=None where one Monitor per process is meant)", launched)
             return None
         group = None  # the default (world) group
     else:
@@ -388,28 +397,37 @@ class Reducer:
         self.last_local = local
         return local
 
-    def check_layout(self, *, config: dict | None = None, failed: bool = False) -> None:
+    def check_layout(self, *, config: dict | None = None, failed: bool = False, step: int = 0) -> None:
         """Once, at attach: every rank attached the same layers (names and heads) with the same
         ``config`` (``MonitorConfig.to_dict()``: the settings decide when collectives run and what
-        every rank decides), and no rank failed to attach (``failed``: this rank's exporters or
-        saved state could not be opened; it raises its own error). One small MAX all-reduce (a
+        every rank decides) at the same optimizer ``step`` (a resumed Monitor's: ranks resumed from
+        different states, or some from none, would monitor different steps), and no rank failed to
+        attach (``failed``: this rank's exporters or saved state could not be opened; it raises its
+        own error). One small MAX all-reduce (a
         second one, of the configs, only when they differ); every rank raises alike, so no rank
         goes on into a collective the others never reach. Under tensor parallelism a SUM
         all-reduce then counts each head's ranks (``owners``).
 
         Raises:
-            ValueError: the ranks' layouts or configs differ, or a head has no rank in the group.
-            RuntimeError: another rank failed to attach.
+            ValueError: the ranks' layouts, configs or steps differ, or a head has no rank in the group.
+            RuntimeError: another rank failed to attach, or the all-reduce failed (a rank that
+                never attaches: its message says what that likely means).
         """
         dist = _dist()
         names = zlib.crc32("\0".join(self.names).encode()) if self.names is not None else 0.0
         settings = zlib.crc32(json.dumps(config, sort_keys=True, default=str).encode()) if config is not None else 0.0
         mine = [float(self.num_layers), float(self.num_heads), float(sum((i + 1) * h for i, h in enumerate(self.heads))),
-                float(names), float(settings), float(failed)]
+                float(names), float(settings), float(failed), float(step)]
         t = torch.tensor(mine + [-v for v in mine], dtype=torch.float64)
         t = t.to(self._comm_device(t))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        hi, lo = t[:6].tolist(), [-v for v in t[6:].tolist()]
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as exc:
+            raise RuntimeError(f"flashwatch's attach could not reach every rank of its group ({self.world_size} ranks; "
+                               f"{type(exc).__name__}: {exc}). Every rank of the group must attach a Monitor: for a "
+                               "Monitor on some ranks only, pass process_group=None") from exc
+        n = len(mine)
+        hi, lo = t[:n].tolist(), [-v for v in t[n:].tolist()]
         if hi[5] > 0:  # a rank could not attach
             if failed:
                 return  # this rank raises its own error
@@ -431,6 +449,10 @@ class Reducer:
                              f"rank: {', '.join(f'{k}={config.get(k)!r}' for k in differ)}): every rank must use the "
                              "same MonitorConfig (the settings decide when the ranks' collectives run and what "
                              "every rank decides)")
+        if hi[6] != lo[6]:
+            raise ValueError(f"the ranks attached at different optimizer steps ({lo[6]:.0f} to {hi[6]:.0f}; this rank: "
+                             f"{step}): they resumed from different Monitor states, or some from none. Load the same "
+                             "checkpoint's Monitor state on every rank (monitor.load_state_dict)")
         if self.local is not None:
             self._count_owners()
 

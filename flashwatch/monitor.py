@@ -309,7 +309,8 @@ class Monitor:
             failure = exc
         if self._reducer is not None:
             try:  # one small collective: the ranks' layouts and configs agree and every rank attached
-                self._reducer.check_layout(config=self.config.to_dict(), failed=failure is not None)
+                self._reducer.check_layout(config=self.config.to_dict(), failed=failure is not None,
+                                           step=self.global_step)
             except BaseException as exc:
                 failure = failure if failure is not None else exc
         if failure is not None:

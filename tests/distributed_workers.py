@@ -218,7 +218,8 @@ def _layout_mismatch(rank: int) -> str:
 
 def _attach_refusals(rank: int) -> dict:
     """What makes every rank refuse to attach, alike: another layer selected on each rank (same head
-    counts), another interval, an exporter that cannot open on rank 1 only. Each returns
+    counts), another interval, an exporter that cannot open on rank 1 only, a saved state that rank 0
+    alone resumes (the ranks at different steps). Each returns
     (exception type, message) per scenario; nothing stays attached."""
     from flashwatch.exporters.base import Exporter
 
@@ -228,12 +229,21 @@ def _attach_refusals(rank: int) -> dict:
         def open(self, layout):
             raise OSError("injected: cannot open on rank 1")
 
+    lone = Monitor(MonitorConfig(), process_group=None)  # a state saved at step 7, which rank 0 alone resumes
+    lone.attach(_tiny_gpt())
+    for _ in range(7):
+        lone.step()
+    saved = lone.state_dict()
+    lone.close()
     out = {}
     for name, config, exporters in (
             ("layers", MonitorConfig(layers=[rank]), []),
             ("interval", MonitorConfig(interval=2 + 2 * rank), []),
-            ("exporter", MonitorConfig(), [Broken()] if rank == 1 else [])):
+            ("exporter", MonitorConfig(), [Broken()] if rank == 1 else []),
+            ("resumed on rank 0 alone", MonitorConfig(), [])):
         monitor = Monitor(config, exporters)
+        if name.startswith("resumed") and rank == 0:
+            monitor.load_state_dict(saved)
         try:
             monitor.attach(_tiny_gpt())
             out[name] = ("attached", "")

@@ -92,6 +92,11 @@ def test_monitor_reduces_across_two_gloo_processes(tmp_path):
         assert r["interval"][0] == "ValueError" and "different MonitorConfig settings (interval" in r["interval"][1]
     assert a["exporter"][0] == "RuntimeError" and "another rank of the group" in a["exporter"][1]
     assert b["exporter"] == ("OSError", "injected: cannot open on rank 1")
+    # before: attached, then the ranks monitored different steps (collectives mismatched, or combined
+    # statistics of different steps and decisions that differed)
+    for r in (a, b):
+        assert r["resumed on rank 0 alone"][0] == "ValueError"
+        assert "the ranks attached at different optimizer steps (0 to 7" in r["resumed on rank 0 alone"][1]
     f0, f1 = r0["fsdp2_failure"], r1["fsdp2_failure"]
     assert (f0["errors"], f1["errors"]) == (0, 1) and f0["step"] == f1["step"] == 1.0
     assert f0["sigma"] == f1["sigma"] and all(math.isfinite(v) and v > 0 for v in f0["sigma"].values())
@@ -315,6 +320,36 @@ def test_reducer_layout_and_schemes_without_processes():
     buf[: r.sum_size] = local[: r.sum_size] + failed[: r.sum_size]
     buf[r.sum_size + r.max_size:] = failed[r.sum_size:]
     assert r.unpack(buf).failed == 1
+
+
+def test_an_attach_that_cannot_reach_every_rank_says_what_that_means(monkeypatch):
+    """A Monitor attached on some ranks only (the default process group) waits at attach for the others
+    until the group's timeout: the error then says that every rank must attach, or process_group=None.
+    Fail before: the bare backend error ("Timed out waiting ... for recv")."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    reducer = Reducer(None, 0, 2, [4, 4], n_fields=len(STAT_FIELDS), max_rows=MAX_ROWS)
+
+    def timed_out(*args, **kwargs):
+        raise RuntimeError("Timed out waiting 8000ms for recv")
+
+    monkeypatch.setattr(dist, "all_reduce", timed_out)
+    with pytest.raises(RuntimeError, match=r"attach could not reach every rank of its group \(2 ranks; "
+                                           r"RuntimeError: Timed out.*pass process_group=None"):
+        reducer.check_layout(config={"interval": 10})
+
+
+def test_a_monitor_attached_before_the_process_group_under_a_launcher_says_it_is_alone(monkeypatch, caplog):
+    """torchrun set WORLD_SIZE=2, but attach() came before init_process_group: the Monitor combines
+    nothing and each process decides alone; it says so once, at attach. Fail before: silence."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monitor = Monitor()
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        monitor.attach(_tiny_gpt())
+    monitor.close()
+    assert monitor.world_size == 1
+    assert "WORLD_SIZE=2, but torch.distributed is not initialized when the Monitor attaches" in caplog.text
 
 
 def test_reducer_pack_uses_no_advanced_indexing(monkeypatch):
