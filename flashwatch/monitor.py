@@ -237,7 +237,7 @@ class Monitor:
             self.detach()  # closed: its routing is gone already; keep its state for the layers attached next
         if self._router is not None:
             raise RuntimeError("this Monitor is already attached to a model; call monitor.detach() first")
-        model = _uncompiled(model)
+        given, model = model, _uncompiled(model)
         group = resolve_process_group(self.process_group)
         sharding = self._declared_sharding or sharding_of(model)
         if sharding is not None and attention is None:
@@ -246,7 +246,8 @@ class Monitor:
             if not attention:
                 raise ValueError(f"no attention layer found in the sharded model ({sharding}): name them with "
                                  "attach(model, attention={'blocks.0.attn': query_weight_fn, ...})")
-        found = select_layers(find_attention(model, attention), self.config.layers)
+        # found in the model as given: names of attention= through its wrapper (_orig_mod.) name its modules too
+        found = select_layers(find_attention(given, attention), self.config.layers)
         own = self.config.mode == "own_kernel"
         layers = []
         for i, (name, module, heads, fn, family) in enumerate(found):
