@@ -163,7 +163,6 @@ def _check_weight(name: str, w: Any, heads: int | None = None) -> int:
 # under (torch.compile; DDP and DataParallel; FSDP1; the activation-checkpoint wrapper FSDP1 runs use)
 _WRAPPERS = {"OptimizedModule": "_orig_mod", "DistributedDataParallel": "module", "DataParallel": "module",
              "FullyShardedDataParallel": "_fsdp_wrapped_module", "CheckpointWrapper": "_checkpoint_wrapped_module"}
-_COMPILED = _WRAPPERS["OptimizedModule"]
 
 
 def wrapped(module: nn.Module) -> nn.Module | None:

@@ -69,8 +69,9 @@ def to_png(run: RunData, out: str | os.PathLike) -> Path:
                        vmax=grid.hi, cmap=cmap, extent=(-0.5, len(grid.columns) - 0.5, n_rows - 0.5, -0.5))
         ticks = grid.step_ticks(8)
         ax.set_xticks([c for c, _ in ticks], [label for _, label in ticks], fontsize=8)
-        ax.set_title(hm.title + (f" ({hm.combine} per column)" if grid.binned else "")
-                     + (" (one row per layer: its most extreme head)" if grid.per_layer else ""), fontsize=10, loc="left")
+        heading = hm.title + (f" ({hm.combine} per column)" if grid.binned else "")
+        heading += " (one row per layer: its most extreme head)" if grid.per_layer else ""
+        ax.set_title(heading, fontsize=10, loc="left")
         if n_rows <= 24:
             ax.set_yticks(range(len(grid.rows)), grid.row_labels, fontsize=7)
         else:
