@@ -24,6 +24,12 @@ An arm that fails (a compile error) is reported with its error and the others st
 Compiled arms also report the recompilations and graph breaks Dynamo counted and, under CUDA graphs, the pieces
 Inductor cut its graphs into (partitions) and the graphs it ran without CUDA graphs (skips).
 
+``--mask causal``: the model's attention is given its causal mask as a boolean tensor
+(``is_causal=False``), as Hugging Face models pass it under
+``torch.compile``: observe mode's statistics then take the mask's route, where a mask that is only
+the causal pattern goes to the plain (Triton) pass. ``--mask causal-dense``: the same, with that
+shortcut off (every such call through the dense N x N pass, as before it existed).
+
 Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--steps`` timed
 steps (CUDA events around every step, read once at the end, so timing adds no host sync).
 Reported: mean step time, mean monitored / unmonitored step, and the overheads against the
@@ -160,6 +166,26 @@ def _allocator_counts(dev: str) -> dict:
     return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
 
+def _pass_causal_mask(model: GPT) -> None:
+    """Make ``model``'s attention calls pass their causal mask as a (T, T) boolean tensor with
+    ``is_causal=False`` (Hugging Face's calls under compile, which make the mask once a forward;
+    compiled, the layers' identical masks are one buffer too)."""
+    import types
+
+    import torch.nn.functional as F
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for z in self.c_attn(x).split(self.n_embd, dim=2))
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # F looked up at call time: routed
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+    for block in model.transformer.h:
+        block.attn.forward = types.MethodType(forward, block.attn)
+
+
 def _run_arm(name: str, args) -> dict:
     name, _, compile_mode = name.partition("@")
     dev = args.device
@@ -173,6 +199,8 @@ def _run_arm(name: str, args) -> dict:
     else:
         cfg = GPTConfig(block_size=args.seq, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=True)
     model = GPT(cfg).to(dev)
+    if args.mask != "none":
+        _pass_causal_mask(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=dev, generator=g)
@@ -286,7 +314,14 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled arms")
     p.add_argument("--arms", default="sdpa,sdpa+observe,own_kernel,own_kernel+monitor",
                    help="the compiled arms to run, comma-separated (a run under the 10-minute limit of one call)")
+    p.add_argument("--mask", choices=("none", "causal", "causal-dense"), default="none",
+                   help="causal: the attention is given its causal mask as a tensor (Hugging Face under compile); "
+                        "causal-dense: the same, with the statistics' plain-pass shortcut for such masks off")
     args = p.parse_args(argv)
+    if args.mask == "causal-dense":  # every masked call through the dense pass, as before the shortcut
+        from flashwatch.kernels import masked
+
+        masked._plain_equivalent = lambda attn_mask, n: None
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --tiny for a smoke test)")
         return 2
@@ -315,8 +350,9 @@ def main(argv=None) -> int:
             a["monitored_vs_unmonitored"] = a["monitored_ms"] / a["unmonitored_ms"] - 1.0
             a["monitored_vs_unmonitored_median"] = a["monitored_median_ms"] / a["unmonitored_median_ms"] - 1.0
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    mask = "" if args.mask == "none" else f", attention given a causal mask tensor ({args.mask})"
     print(f"{'tiny GPT' if args.tiny else 'GPT-2 small'}, batch {args.batch} x {args.seq}, bf16, {device_name}, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}{mask}")
     print(f"{'arm':28s} {'mean ms':>8s} {'median':>8s} {'monitored':>10s} {'unmonitored':>12s} "
           f"{'vs baseline':>12s} {'mon vs unmon':>13s} {'(medians)':>10s} {'host/step':>10s}")
     for a in arms:

@@ -409,3 +409,26 @@ def test_the_wide_statistics_sweep_tries_only_tiles_the_kernel_accepts():
     assert wide and all(c["BLOCK_M"] % c["BLOCK_N"] == 0 for c in wide)
     assert not [c for c in wide if c in tuning.CANDIDATES["stats_rows"]]
     assert len({tuple(sorted(c.items())) for c in wide}) == len(wide)
+
+
+@pytest.mark.slow
+def test_monitor_overhead_with_a_causal_mask_tensor_runs_on_the_cpu(tmp_path):
+    """``--mask causal`` (the attention given its causal mask as a tensor, as Hugging Face passes it
+    under compile): the compiled arms run, one graph, no graph break, the monitored steps timed."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import monitor_overhead
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "masked.json"
+    assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
+                                  "--steps", "4", "--interval", "2", "--compile", "default", "--only-compiled",
+                                  "--backend", "aot_eager", "--json", str(out), "--arms", "sdpa,sdpa+observe",
+                                  "--mask", "causal"]) == 0
+    result = json.loads(out.read_text())
+    assert result["args"]["mask"] == "causal"
+    for arm in result["arms"]:
+        assert "error" not in arm and arm["graph_breaks"] == 0 and arm["unique_graphs"] == 1, arm
+    assert {a["arm"]: a["monitored_steps"] for a in result["arms"]} == {"sdpa@default": 0, "sdpa+observe@default": 2}
