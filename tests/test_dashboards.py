@@ -213,14 +213,16 @@ def test_prometheus_config_scrapes_the_demo_port_and_loads_the_rules():
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (make prometheus)")
 def test_the_guides_chain_score_expression_is_the_smaller_of_its_two_terms(tmp_path):
     """docs/GUIDE.md's PromQL for the run's `chain` score: per head the smaller of coherence / 0.52
-    and |drift z| / 4.5, then the run's largest head (a max instead of the min would read 2.0)."""
+    and |drift z| / 4.5, then the run's largest head (a max instead of the min would read 2.0); a head
+    whose coherence is not measured (NaN) has no score (before: |z| / 4.5 alone, here 2.2)."""
     guide = (DASHBOARDS.parent / "docs/GUIDE.md").read_text()
     expr = guide.split("```promql\n", 1)[1].split("```", 1)[0]
     assert "flashwatch_wq_error_coherence / 0.52" in expr and "abs(flashwatch_delta_drift_z) / 4.5" in expr
     rule = "\n".join("      " + line for line in expr.strip().splitlines())
     (tmp_path / "rules.yml").write_text(
         "groups:\n- name: guide\n  rules:\n  - record: run:flashwatch_chain_score:max\n    expr: |\n" + rule + "\n")
-    heads = {("0", "0"): (0.26, -9), ("0", "1"): (1.04, 2.25), ("1", "0"): (0.78, 9)}  # min: 0.5, 0.5, 1.5
+    heads = {("0", "0"): (0.26, -9), ("0", "1"): (1.04, 2.25), ("1", "0"): (0.78, 9),  # min: 0.5, 0.5, 1.5
+             ("1", "1"): ("NaN", 9.9)}  # not measured: no score
     series = "".join(
         f"  - series: 'flashwatch_wq_error_coherence{{job=\"j\",instance=\"i\",layer=\"{l}\",head=\"{h}\"}}'\n"
         f"    values: '{c} {c}'\n"

@@ -310,6 +310,28 @@ def test_fanout_isolates_a_failing_exporter(caplog):
     assert len(warnings) == 1 and "'broken' failed in export()" in warnings[0].getMessage()
 
 
+def test_an_exporter_whose_close_fails_after_other_failures_is_still_warned_about(caplog):
+    """Later failures of an exporter are counted, not logged; but a failed close() is always a warning:
+    its file may lack its end record (a full disk at the end of a run). Fail before: logged at DEBUG."""
+    class FullDisk(Collect):
+        name = "full-disk"
+
+        def export(self, record):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    fan = FanOut([FullDisk()])
+    fan.open(LAYOUT)
+    with caplog.at_level(logging.WARNING, logger="flashwatch.exporters"):
+        fan.export(synthetic_record(LAYOUT, step=0))
+        fan.close()
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(messages) == 2 and "failed in export()" in messages[0]
+    assert "'full-disk' failed in close() too" in messages[1] and "No space left" in messages[1]
+
+
 def test_fanout_open_failure_closes_what_it_opened_and_raises():
     first = Collect()
     holder = PrometheusExporter(port=0)

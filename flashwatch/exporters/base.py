@@ -256,6 +256,8 @@ class FanOut(Exporter):
                     "exporters keep working (later failures of this exporter are counted, "
                     "not logged)", label, phase, exc_info=True,
                 )
+            elif phase == "close":  # said however often it failed before: its output may lack its end
+                log.warning("flashwatch exporter %r failed in close() too: %r", label, exc)
             else:
                 log.debug("flashwatch exporter %r failed again in %s(): %r", label, phase, exc)
             if self.on_error is not None:
