@@ -432,3 +432,24 @@ def test_monitor_overhead_with_a_causal_mask_tensor_runs_on_the_cpu(tmp_path):
     for arm in result["arms"]:
         assert "error" not in arm and arm["graph_breaks"] == 0 and arm["unique_graphs"] == 1, arm
     assert {a["arm"]: a["monitored_steps"] for a in result["arms"]} == {"sdpa@default": 0, "sdpa+observe@default": 2}
+
+
+def test_masked_statistics_runs_on_the_cpu(tmp_path):
+    """benchmarks/masked_statistics.py, tiny on the CPU: the causal mask's shortcut is the plain pass,
+    the dense pass counts the same rows, and the dense pass is put back afterwards."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import masked_statistics
+    finally:
+        sys.path.pop(0)
+    from flashwatch.kernels import masked
+
+    chosen = masked._plain_equivalent
+    out = tmp_path / "masked.json"
+    assert masked_statistics.main(["--device", "cpu", "--shape", "1,2,64,16", "--reps", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["shortcut_equals_plain"] and masked._plain_equivalent is chosen
+    rows = result["statistics"]["rows"]
+    assert rows["shortcut"] == rows["dense"] == [64.0, 64.0]
