@@ -240,6 +240,41 @@ def test_pushed_families_are_built_on_the_push_thread(gateway, monkeypatch):
     assert set(built_on) == {"flashwatch-pushgateway"}  # never on the training thread
 
 
+def test_a_slow_scrape_does_not_hold_up_the_training_threads_export(monkeypatch):
+    """A scrape builds the metric families (tens of ms for a model of many heads) without the lock the
+    training thread's export() takes: an export during a scrape returns at once, and the scrape serves
+    the state it started from. Fail before: export() waited for the whole build."""
+    import time
+
+    from flashwatch.exporters import prometheus_families
+
+    original = prometheus_families.build_families
+    building = threading.Event()
+
+    def slow(*args, **kwargs):
+        building.set()
+        time.sleep(0.5)
+        return original(*args, **kwargs)
+
+    exporter = PrometheusExporter(port=None)
+    exporter.open(LAYOUT)
+    exporter.export(synthetic_record(LAYOUT, step=1))
+    monkeypatch.setattr(prometheus_families, "build_families", slow)
+    scraped = []
+    scrape = threading.Thread(target=lambda: scraped.append(exporter.render().decode()))
+    scrape.start()
+    assert building.wait(5)
+    t0 = time.perf_counter()
+    exporter.export(synthetic_record(LAYOUT, step=2))
+    waited = time.perf_counter() - t0
+    scrape.join(5)
+    assert waited < 0.25, waited
+    assert families(scraped[0])["flashwatch_step"].samples[0].value == 1  # the state it started from
+    monkeypatch.setattr(prometheus_families, "build_families", original)
+    assert families(exporter.render().decode())["flashwatch_step"].samples[0].value == 2
+    exporter.close()
+
+
 def test_an_exporter_reopened_for_a_second_fit_pushes_again(gateway):
     url, received = gateway
     exporter = PrometheusExporter(port=None, pushgateway=url)

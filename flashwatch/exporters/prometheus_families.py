@@ -19,7 +19,8 @@ class _SnapshotCollector:
     """Builds metric families from the last exported snapshot when a scrape asks for them."""
 
     def __init__(self, created: float, rules: tuple[str, ...], const_labels: Mapping[str, str] | None = None) -> None:
-        self._lock = threading.Lock()  # the HTTP server scrapes from several threads
+        self._lock = threading.Lock()  # the state: set() (training thread) and the HTTP server's scrapes
+        self._build_lock = threading.Lock()  # one scrape builds the families at a time
         self._created = created
         self._rules = rules
         self._labels = _LabelCache(const_labels)
@@ -61,13 +62,18 @@ class _SnapshotCollector:
         return self._snapshot is not None
 
     def collect(self) -> Iterable[Metric]:
-        with self._lock:
-            if self._built_version != self._version:
-                snapshot, step_time = self._state()
-                self._built = (build_families(snapshot, created=self._created, rules=self._rules, cache=self._labels)
-                               + service_families(step_time, self._labels.const))
-                self._built_version = self._version
-            return self._built
+        # built outside the lock that set() takes: a scrape of many heads (tens of ms) never holds up the
+        # training thread's export; scrapes build one at a time (_build_lock), each state once
+        with self._build_lock:
+            with self._lock:
+                if self._built_version == self._version:
+                    return self._built
+                (snapshot, step_time), version = self._state(), self._version
+            built = (build_families(snapshot, created=self._created, rules=self._rules, cache=self._labels)
+                     + service_families(step_time, self._labels.const))
+            with self._lock:
+                self._built, self._built_version = built, version
+            return built
 
     def describe(self) -> Iterable[Metric]:
         # the table's names, without samples (the registry must not call collect() at registration):
