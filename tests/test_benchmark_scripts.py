@@ -12,6 +12,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _benchmark(name: str):
+    """The module of ``benchmarks/<name>.py`` (the folder is not a package)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 @pytest.mark.parametrize("script", ["host_overhead.py", "host_profile.py", "dq_stats_sweep.py", "profile_kernels.py",
                                     "profile_monitored_step.py", "sync_points.py", "step_kernels.py",
@@ -35,11 +46,7 @@ def test_kernel_ab_exits_2_without_cuda(script):
 def test_kernel_ab_loads_a_copy_of_the_kernels_beside_the_package(tmp_path):
     """A before version brings its own jitted kernels: a copy of a kernels/ folder (launchers and
     kernels), or a single file from before they were split."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import kernel_ab
-    finally:
-        sys.path.pop(0)
+    kernel_ab = _benchmark("kernel_ab")
     import flashwatch.kernels.triton_attn as current
     import flashwatch.kernels.triton_kernels as current_kernels
 
@@ -93,11 +100,7 @@ def test_sass_loop_counts_compiles_for_hopper_without_a_gpu(tmp_path):
 
 
 def test_sass_loop_counts_finds_loops_by_their_backward_branch():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import sass_loop_counts
-    finally:
-        sys.path.pop(0)
+    sass_loop_counts = _benchmark("sass_loop_counts")
     listing = "/*0010*/ FADD R1, R2, R3 ;\n/*0020*/ @P0 BRA 0x10 ;\n/*0030*/ BRA 0x40 ;\n"
     assert sass_loop_counts.loop_counts(listing) == [{"instructions": 2, "opcodes": {"FADD": 1, "BRA": 1}}]
 
@@ -108,11 +111,7 @@ def test_monitor_overhead_compiled_arms_run_on_the_cpu(tmp_path):
     compiles one graph without a graph break, and its monitored steps are timed."""
     import json
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import monitor_overhead
-    finally:
-        sys.path.pop(0)
+    monitor_overhead = _benchmark("monitor_overhead")
     out = tmp_path / "compiled.json"
     assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
                                   "--steps", "4", "--interval", "2", "--compile", "default", "--only-compiled",
@@ -186,11 +185,7 @@ def test_host_half_times_every_phase_of_a_monitored_step_on_the_cpu(tmp_path, ca
     import json
     import logging
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import host_half
-    finally:
-        sys.path.pop(0)
+    host_half = _benchmark("host_half")
     out = tmp_path / "host_half.json"
     handlers, propagate = logging.getLogger("flashwatch").handlers[:], logging.getLogger("flashwatch").propagate
     assert host_half.main(["--layers", "2", "--heads", "3", "--steps", "4", "--warmup", "1", "--exporters", "jsonl",
@@ -365,11 +360,7 @@ def test_step_kernels_names_a_python_function_by_file_line_and_name():
 
 def test_step_kernels_python_profile_counts_self_time_and_calls_per_step(monkeypatch):
     """Each profiled step's Python functions: calls divided by the steps, self time in ms per step."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_kernels
-    finally:
-        sys.path.pop(0)
+    step_kernels = _benchmark("step_kernels")
     monkeypatch.setattr(step_kernels.torch.cuda, "synchronize", lambda: None)  # no device here
 
     def leaf():
@@ -417,11 +408,7 @@ def test_monitor_overhead_with_a_causal_mask_tensor_runs_on_the_cpu(tmp_path):
     under compile): the compiled arms run, one graph, no graph break, the monitored steps timed."""
     import json
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import monitor_overhead
-    finally:
-        sys.path.pop(0)
+    monitor_overhead = _benchmark("monitor_overhead")
     out = tmp_path / "masked.json"
     assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
                                   "--steps", "4", "--interval", "2", "--compile", "default", "--only-compiled",
@@ -439,11 +426,7 @@ def test_masked_statistics_runs_on_the_cpu(tmp_path):
     the dense pass counts the same rows, and the dense pass is put back afterwards."""
     import json
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import masked_statistics
-    finally:
-        sys.path.pop(0)
+    masked_statistics = _benchmark("masked_statistics")
     from flashwatch.kernels import masked
 
     chosen = masked._plain_equivalent
