@@ -242,10 +242,11 @@ def heatmap_grid(run: RunData, hm: Heatmap, max_columns: int | None = None) -> H
     lo, hi = _scale(run, hm)
     grid = HeatmapGrid(hm, rows, values, columns, lo, hi, [], len(ranges) < len(run.steps))
     index = {rc: i for i, rc in enumerate(rows)}
+    per_layer = len(rows) != len(run.rows)  # an alert on a head is outlined in its layer's row
     for a in run.alerts:
         if a.get("rule") in hm.rules:
             layer, head = int(a.get("layer", -1)), int(a.get("head", -1))
-            row = index.get((layer, head if not grid.per_layer else -1))
+            row = index.get((layer, -1 if per_layer else head))
             if row is not None:
                 step = int(a.get("step", 0))
                 grid.cells.append((row, grid.column_of(step), step, a))
