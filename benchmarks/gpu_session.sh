@@ -56,7 +56,7 @@ for step in $steps; do
     # max-autotune); a hang in one (its stack dumped after 120 s, HUNG below) leaves the others' verdicts
     alltests) gpu_tests gpu_alltests 540 tests/test_triton_gpu.py > "$OUT/.a1" &
               gpu_tests gpu_chain_tests 540 tests/test_chain.py tests/test_chain_kernel_reduction.py \
-                tests/test_launch_cache.py tests/test_monitor_lifecycle.py tests/test_resume_gpu.py tests/test_sync_gpu.py > "$OUT/.a2" &
+                tests/test_launch_cache.py tests/test_monitor_lifecycle.py tests/test_resume_gpu.py tests/test_sync_gpu.py tests/test_masks.py > "$OUT/.a2" &
               gpu_tests gpu_hopper_tests 540 tests/test_hopper_variants.py > "$OUT/.a3" &
               gpu_tests gpu_compile 540 tests/test_compile_gpu.py -k "not max-autotune" > "$OUT/.a4" &
               wait; for f in a1 a2 a3 a4; do tail -4 "$OUT/.$f"; rm -f "$OUT/.$f"; done ;;

@@ -39,8 +39,8 @@ def _keep():
     return keep
 
 
-def _stats(fn, format: str = "bf16") -> dict:
-    stats = AttentionStats(H, format=format)
+def _stats(fn, format: str = "bf16", device: str = "cpu") -> dict:
+    stats = AttentionStats(H, format=format, device=device)
     fn(stats)
     return stats.as_dict()
 
@@ -241,32 +241,36 @@ def test_large_finite_additive_masks_mask_as_a_boolean_one(value, dtype):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["bool (N, N)", "bool (B, 1, N, N)", "float (B, 1, N, N)", "all True"])
-def test_a_mask_that_is_only_the_causal_pattern_goes_to_the_plain_pass(kind, monkeypatch):
+def test_a_mask_that_is_only_the_causal_pattern_goes_to_the_plain_pass(kind, device, monkeypatch):
     """Hugging Face under torch.compile passes its causal mask as a tensor: that call is the causal
     call without a mask, measured by the plain pass (the Triton kernel on CUDA, no N x N tensor), as
     is a mask that masks nothing; its statistics are the plain pass's. A mask changed in place is
     read again. Fail before: every such call took the dense pass."""
     from flashwatch import kernels
 
-    q, k, v, grad = (t.float() for t in _inputs())
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16  # the Triton kernel takes BF16 / FP16
+    q, k, v, grad = (t.to(device, dtype) for t in _inputs())
     causal = kind != "all True"
-    allowed = torch.ones(N, N, dtype=torch.bool).tril() if causal else torch.ones(B, 1, 1, N, dtype=torch.bool)
+    allowed = torch.ones(N, N, dtype=torch.bool, device=device).tril() if causal \
+        else torch.ones(B, 1, 1, N, dtype=torch.bool, device=device)
     if kind != "bool (N, N)" and causal:
         allowed = allowed.expand(B, 1, N, N).clone()
     mask = allowed if kind != "float (B, 1, N, N)" else \
-        torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        torch.zeros(allowed.shape, device=device, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     plain_calls = []
     plain = kernels.attention_statistics
     monkeypatch.setattr(kernels, "attention_statistics", lambda *a, **kw: (plain_calls.append(kw), plain(*a, **kw)))
-    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE))
+    got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE),
+                 device=device)
     assert [c["causal"] for c in plain_calls] == [causal]
-    assert got == _stats(lambda s: plain(q, k, v, out, grad, s, causal=causal, sm_scale=SCALE))
+    assert got == _stats(lambda s: plain(q, k, v, out, grad, s, causal=causal, sm_scale=SCALE), device=device)
     if kind == "bool (B, 1, N, N)":  # a key masked in place: the dense pass, padding left out
         mask[1, :, :, LENGTHS[1]:] = False
-        masked.attention_statistics(q, k, v, out, grad * _keep()[:, None, :, None], AttentionStats(H),
-                                    attn_mask=mask, sm_scale=SCALE)
+        masked.attention_statistics(q, k, v, out, grad * _keep().to(device)[:, None, :, None],
+                                    AttentionStats(H, device=device), attn_mask=mask, sm_scale=SCALE)
         assert len(plain_calls) == 1
 
 
