@@ -41,6 +41,20 @@ def _timed_ms(fn, heads: int, device: str, reps: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / reps
 
 
+def _same_statistics(got: dict, want: dict) -> bool:
+    """Counts and maxima equal; the FP32 sums of the delta error equal to 1e-6 of the row terms' size
+    (on CUDA the plain pass adds them with atomics, in no fixed order, so two calls differ in the last bits)."""
+    terms = max(max(want.get("delta_error_abs", [0.0])), 1e-30)
+    for name, values in want.items():
+        if not name.startswith("delta_error"):
+            if got[name] != values:
+                return False
+        elif any(abs(a - b) > 1e-6 * max(abs(b), terms if name in ("delta_error", "delta_error_tied") else 0)
+                 + 1e-12 for a, b in zip(got[name], values)):
+            return False
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -72,7 +86,7 @@ def main(argv=None) -> int:
 
     shortcut, reference = run(with_mask), run(plain)
     result = {"shape": [B, H, N, D], "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-              "torch": torch.__version__, "shortcut_equals_plain": shortcut == reference,
+              "torch": torch.__version__, "shortcut_equals_plain": _same_statistics(shortcut, reference),
               "plain_ms": _timed_ms(plain, H, dev, args.reps),
               "shortcut_ms": _timed_ms(with_mask, H, dev, args.reps),
               "shortcut_new_mask_ms": _timed_ms(lambda s: with_mask(s, fresh=True), H, dev, args.reps)}
@@ -87,7 +101,7 @@ def main(argv=None) -> int:
                             for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "max_logit",
                                          "delta_error_abs")}
     print(f"B,H,N,D {B},{H},{N},{D} bf16, {result['device']}, torch {torch.__version__}")
-    print(f"shortcut equals the plain pass: {result['shortcut_equals_plain']}")
+    print(f"shortcut equals the plain pass (FP32 sums to 1e-6): {result['shortcut_equals_plain']}")
     print(f"ms a call: plain {result['plain_ms']:.3f}, shortcut {result['shortcut_ms']:.3f} (a new mask each call "
           f"{result['shortcut_new_mask_ms']:.3f}), dense {result['dense_ms']:.3f}")
     for name, both in result["statistics"].items():

@@ -436,3 +436,13 @@ def test_masked_statistics_runs_on_the_cpu(tmp_path):
     assert result["shortcut_equals_plain"] and masked._plain_equivalent is chosen
     rows = result["statistics"]["rows"]
     assert rows["shortcut"] == rows["dense"] == [64.0, 64.0]
+
+
+def test_masked_statistics_compares_counts_exactly_and_sums_to_a_millionth():
+    """The comparison allows the FP32 sums' atomic-order bits on CUDA, and nothing more."""
+    same = _benchmark("masked_statistics")._same_statistics
+    want = {"rows": [64.0], "max_logit": [3.5], "delta_error": [1e-3], "delta_error_abs": [2.0]}
+    assert same(dict(want, delta_error=[1e-3 + 1e-7]), want)
+    assert not same(dict(want, delta_error=[1e-3 + 1e-5]), want)
+    assert not same(dict(want, rows=[63.0]), want)
+    assert not same(dict(want, delta_error_abs=[2.0 + 1e-5]), want)

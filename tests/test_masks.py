@@ -266,7 +266,11 @@ def test_a_mask_that_is_only_the_causal_pattern_goes_to_the_plain_pass(kind, dev
     got = _stats(lambda s: masked.attention_statistics(q, k, v, out, grad, s, attn_mask=mask, sm_scale=SCALE),
                  device=device)
     assert [c["causal"] for c in plain_calls] == [causal]
-    assert got == _stats(lambda s: plain(q, k, v, out, grad, s, causal=causal, sm_scale=SCALE), device=device)
+    want = _stats(lambda s: plain(q, k, v, out, grad, s, causal=causal, sm_scale=SCALE), device=device)
+    if device == "cpu":
+        assert got == want
+    else:  # the Triton pass adds its FP32 sums with atomics, in no fixed order: two calls differ in the last bits
+        _assert_same(got, want)
     if kind == "bool (B, 1, N, N)":  # a key masked in place: the dense pass, padding left out
         mask[1, :, :, LENGTHS[1]:] = False
         masked.attention_statistics(q, k, v, out, grad * _keep().to(device)[:, None, :, None],
