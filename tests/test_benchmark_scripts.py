@@ -446,3 +446,20 @@ def test_masked_statistics_compares_counts_exactly_and_sums_to_a_millionth():
     assert not same(dict(want, delta_error=[1e-3 + 1e-5]), want)
     assert not same(dict(want, rows=[63.0]), want)
     assert not same(dict(want, delta_error_abs=[2.0 + 1e-5]), want)
+
+
+def test_monitored_step_host_stub_reads_as_measured():
+    """benchmarks/monitored_step_host.py's stub statistics count the rows the kernel would, so the
+    host half it times is a measured step's, without a coverage alert's work (it had one per layer)."""
+    from flashwatch.kernels import reference
+
+    host = _benchmark("monitored_step_host")
+    real = reference.attention_statistics
+    try:
+        mon, step = host.build("stub", batch=1, seq=8, n_embd=192)
+        for _ in range(2):
+            step()
+    finally:
+        reference.attention_statistics = real
+    assert mon.monitored_steps == 1
+    assert mon.alert_counts["attention_coverage"] == 0
