@@ -221,3 +221,17 @@ def test_encode_metrics_without_a_layout_sizes_each_layer_from_its_heads():
     # a head missing from the snapshot is null, its layer keeps its width from the layout
     del snap["flashwatch_max_logit"][(1, 3)]
     assert encode_metrics(snap, layout)["flashwatch_max_logit"][1][3] is None
+
+
+def test_read_jsonl_reads_a_line_at_a_time(tmp_path):
+    """A reader holds one line, not the file: lines written after reading began are read too, and a
+    damaged line and a cut last line are told apart by the newline the writer ends every line with."""
+    path = tmp_path / METRICS_FILE
+    path.write_bytes(b'{"kind": "step", "step": 0}\n')
+    records = read_jsonl(path)
+    assert next(records)["step"] == 0
+    with open(path, "ab") as f:
+        f.write(b'{"kind": "step", "step": 1}\n{"kind": "st\n{"kind": "step", "step": 2}\n{"kind": "st')
+    assert [r["step"] for r in records] == [1, 2]
+    with pytest.raises(ValueError, match=":3: not a flashwatch JSONL record"):
+        list(read_jsonl(path, strict=True))

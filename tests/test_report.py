@@ -185,7 +185,7 @@ def test_binned_grid_keeps_extremes_and_alert_columns(run_dir):
     assert max_logit.metric == "flashwatch_max_logit" and max_logit.combine == "max"
     full = heatmap_grid(run, max_logit)
     assert not full.binned and full.columns == [(s, s) for s in run.steps]
-    assert full.values == run.series[max_logit.metric]
+    assert full.values == [list(row) for row in run.series[max_logit.metric]]
     half = heatmap_grid(run, max_logit, max_columns=len(run.steps) // 2)
     assert half.binned and len(half.columns) == len(run.steps) // 2
     for row, full_row in zip(half.values, run.series[max_logit.metric]):
@@ -379,3 +379,28 @@ def test_a_report_of_many_heads_stays_a_page_a_browser_opens(tmp_path):
     assert grid.values[3] == [max(column) for column in zip(*heads_of_3)]  # the layer's largest head, per step
     assert [(row, step) for row, _, step, _ in grid.cells] == [(3, 5)]
     assert "One row per layer" in to_html(big)
+
+
+def test_a_long_run_is_read_without_holding_its_records(tmp_path):
+    """The report keeps a run's numbers as arrays, not as the records' JSON objects: reading 100
+    monitored steps of 144 heads (5 MB of JSONL) peaks below the file's size (before: 3.2 times it,
+    so a run of 20,000 monitored steps took gigabytes)."""
+    import tracemalloc
+
+    from flashwatch.exporters.testing import synthetic_layout, synthetic_record
+
+    layout = synthetic_layout(12, 12)
+    exporter = JsonlExporter(tmp_path)
+    exporter.open(layout)
+    for s in range(100):
+        exporter.export(synthetic_record(layout, step=10 * s, seed=s))
+    exporter.close()
+    size = (tmp_path / "metrics.jsonl").stat().st_size
+    tracemalloc.start()
+    try:
+        run = load_run(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(run.steps) == 100 and len(run.rows) == 144
+    assert peak < size, (peak, size)

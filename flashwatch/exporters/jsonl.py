@@ -182,28 +182,34 @@ def read_jsonl(path: str | os.PathLike, *, kinds: Iterable[str] | None = ("step"
     if p.is_dir():
         p = p / METRICS_FILE
     wanted = None if kinds is None else set(kinds)
-    with open(p, "rb") as f:
-        lines = f.read().split(b"\n")
-    last = len(lines) - 1  # the text after the final newline: b"" unless the last line is cut
-    for i, raw in enumerate(lines):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            if i == last:
-                log.warning("%s: the last line is cut (%d bytes) and is left out: the run stopped while writing "
-                            "it, or is writing it now", p, len(raw))
-                continue
-            msg = f"{p}:{i + 1}: not a flashwatch JSONL record ({exc}); the line is {len(raw)} bytes"
-            if strict:
-                raise ValueError(msg) from None
-            log.warning("%s; skipped (a crashed run resumed after it?)", msg)
-            continue
-        if wanted is None or record.get("kind") in wanted:
-            yield _decode(record)
+    with open(p, "rb") as f:  # a line at a time: a long run's file is never held whole
+        for i, raw in enumerate(f):
+            record = _parse_line(p, i, raw, strict)
+            if record is not None and (wanted is None or record.get("kind") in wanted):
+                yield _decode(record)
+
+
+def _parse_line(p: Path, i: int, raw: bytes, strict: bool) -> dict | None:
+    """Line ``i`` (from 0) of ``p`` as a record; None for a blank line, the cut last line (the only
+    one without its newline) or, unless ``strict``, a damaged line (logged)."""
+    if not raw.strip():
+        return None
+    try:
+        record = json.loads(raw)
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        if not raw.endswith(b"\n"):
+            log.warning("%s: the last line is cut (%d bytes) and is left out: the run stopped while writing "
+                        "it, or is writing it now", p, len(raw))
+            return None
+        size = len(raw) - 1  # without its newline
+        msg = f"{p}:{i + 1}: not a flashwatch JSONL record ({exc}); the line is {size} bytes"
+        if strict:
+            raise ValueError(msg) from None
+        log.warning("%s; skipped (a crashed run resumed after it?)", msg)
+        return None
+    return record
 
 
 def _is_record(line: bytes) -> bool:

@@ -155,14 +155,14 @@ def _scale(run: RunData, hm: Heatmap) -> tuple[float, float]:
     if hm.metric == "flashwatch_delta_drift_z":
         # saturate at the drift threshold: a full-colour cell is at or past it
         return -run.drift_threshold, run.drift_threshold
-    vals = finite([v for row in run.series[hm.metric] for v in row])
+    ranges = [(min(vals), max(vals)) for vals in map(finite, run.series[hm.metric]) if vals]  # a row at a time
     if hm.scale == "diverging":  # centred on 0, out to the largest magnitude of the run
-        top = max((abs(v) for v in vals), default=0.0)
+        top = max((max(-lo, hi) for lo, hi in ranges), default=0.0)
         top = top if top > 0 else 1.0
         return -top, top
-    if not vals:
+    if not ranges:
         return 0.0, 1.0
-    lo, hi = min(vals), max(vals)
+    lo, hi = min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
     if hm.metric == "flashwatch_repeated_max_ratio_bf16":
         lo, hi = 0.0, max(hi, 0.05)
     elif hm.metric == "flashwatch_max_logit":

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ class RunData:
     grad_norm: list[float]
     rows: list[tuple[int, int]]  # (layer, head) of each row
     layer_names: list[str]
-    series: dict[str, list[list[float]]]  # metric -> rows x steps
+    series: dict[str, list[array]]  # metric -> rows x steps (one array of doubles a row)
     alerts: list[dict]  # every new alert, in step order
     switches: list[tuple[int, int, str, str]]  # (step, layer, from, to) kernel-variant changes
     meta: dict = field(default_factory=dict)  # demo.json, when present; monitor_config also from metrics.jsonl
@@ -93,7 +94,40 @@ def _metrics_path(path: str | os.PathLike) -> Path:
     return p
 
 
-def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict], dict | None]:
+@dataclass
+class _Step:
+    """What the report keeps of one step record: numbers in arrays of doubles, not JSON's objects (a
+    record of 1,024 heads is about 350 KB of text; a long run holds thousands)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    grids: dict[str, list[array]]  # per-head metric -> one array a layer (NaN where not a number)
+    coverage: list[tuple[int, float]]  # (layer, attention coverage)
+    variants: list[tuple[int, str]]  # (layer, the kernel variant in effect)
+    new_alerts: list[dict]
+
+    @classmethod
+    def of(cls, rec: dict) -> "_Step":
+        metrics = rec["metrics"]
+        grids = {name: [array("d", (num(v) for v in row)) if isinstance(row, list) else array("d")
+                        for row in _list(metrics.get(name))] for name in PER_HEAD_METRICS}
+        coverage = [(int(row["layer"]), num(row.get("value"))) for row in
+                    _list(metrics.get("flashwatch_attention_coverage")) if isinstance(row, dict) and "layer" in row]
+        variants = [(int(row.get("layer", -1)), str(row.get("variant")))
+                    for row in _list(metrics.get("flashwatch_kernel_variant"))
+                    if isinstance(row, dict) and num(row.get("value")) == 1.0]
+        return cls(step=int(rec["step"]), loss=num(metrics.get("flashwatch_loss")),
+                   grad_norm=num(metrics.get("flashwatch_grad_norm")), grids=grids, coverage=coverage,
+                   variants=variants, new_alerts=[a for a in _list(rec.get("new_alerts")) if isinstance(a, dict)])
+
+
+def _list(v: Any) -> list:
+    """``v`` if it is a list, else empty (a field missing or of another shape reads as not measured)."""
+    return v if isinstance(v, list) else []
+
+
+def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[_Step], dict | None]:
     """The layout and MonitorConfig (None if not recorded) of the last ``open`` record, and the step
     records, one per step (the last one written). A file that holds several runs (a new run started
     from step 0 after an earlier one's steps, e.g. a script run twice into one folder) gives the last
@@ -101,7 +135,7 @@ def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict], dict | No
     continues the earlier part."""
     layout: list[tuple[str, int]] = []
     config: dict | None = None
-    by_step: dict[int, dict] = {}
+    by_step: dict[int, _Step] = {}
     segment_start = False  # an open record was read, and no step after it yet
     runs = 1
     try:
@@ -112,12 +146,12 @@ def _step_records(p: Path) -> tuple[list[tuple[str, int]], list[dict], dict | No
                 config = rec.get("monitor_config") if isinstance(rec.get("monitor_config"), dict) else None
                 segment_start = True
             elif kind == "step" and isinstance(rec.get("metrics"), dict):
-                step = int(rec["step"])
+                step = _Step.of(rec)
                 if segment_start:
                     segment_start = False
-                    if by_step and step <= min(by_step):
+                    if by_step and step.step <= min(by_step):
                         by_step, runs = {}, runs + 1  # a new run from its start: the earlier one is not this run
-                by_step[step] = rec
+                by_step[step.step] = step
     except OSError as exc:
         raise UnreadableRun(f"cannot read {p}: {exc.strerror or exc}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -150,44 +184,37 @@ def load_run(path: str | os.PathLike) -> RunData:
 
     heads_per_layer = [h for _, h in layout]
     for rec in records:  # a layout is in every open record; fall back on the grids' own shape
-        grid = rec["metrics"].get("flashwatch_delta_drift_z") or []
-        for layer, row in enumerate(grid):
+        for layer, row in enumerate(rec.grids["flashwatch_delta_drift_z"]):
             while len(heads_per_layer) <= layer:
                 heads_per_layer.append(0)
             heads_per_layer[layer] = max(heads_per_layer[layer], len(row))
     rows = [(layer, head) for layer, n in enumerate(heads_per_layer) for head in range(n)]
     names = [n for n, _ in layout] + [f"layer {i}" for i in range(len(layout), len(heads_per_layer))]
 
-    series: dict[str, list[list[float]]] = {}
+    series: dict[str, list[array]] = {}
     for metric in PER_HEAD_METRICS:
-        cols = []
+        series[metric] = [array("d") for _ in rows]
         for rec in records:
-            grid = rec["metrics"].get(metric) or []
-            col = []
-            for layer, head in rows:
-                try:
-                    col.append(num(grid[layer][head]))
-                except (IndexError, TypeError):
-                    col.append(math.nan)
-            cols.append(col)
-        series[metric] = [[c[r] for c in cols] for r in range(len(rows))]
+            grid = rec.grids[metric]
+            for r, (layer, head) in enumerate(rows):
+                series[metric][r].append(grid[layer][head] if layer < len(grid) and head < len(grid[layer])
+                                         else math.nan)
+        for rec in records:  # the step's copy is no longer needed: at most one copy of a metric is held
+            rec.grids[metric] = []
 
     coverage: dict[int, list[float]] = {}
     for i, rec in enumerate(records):  # records written before coverage was counted have none: NaN
-        for row in rec["metrics"].get("flashwatch_attention_coverage") or []:
-            if isinstance(row, dict) and "layer" in row:
-                coverage.setdefault(int(row["layer"]), [math.nan] * len(records))[i] = num(row.get("value"))
+        for layer, value in rec.coverage:
+            coverage.setdefault(layer, [math.nan] * len(records))[i] = value
 
     alerts, switches, last_variant = [], [], {}
     for rec in records:
-        alerts.extend(a for a in rec.get("new_alerts") or [] if isinstance(a, dict))
-        for row in rec["metrics"].get("flashwatch_kernel_variant") or []:
-            if isinstance(row, dict) and num(row.get("value")) == 1.0:
-                layer, variant = int(row.get("layer", -1)), str(row.get("variant"))
-                before = last_variant.get(layer)
-                if before is not None and before != variant:
-                    switches.append((int(rec["step"]), layer, before, variant))
-                last_variant[layer] = variant
+        alerts.extend(rec.new_alerts)
+        for layer, variant in rec.variants:
+            before = last_variant.get(layer)
+            if before is not None and before != variant:
+                switches.append((rec.step, layer, before, variant))
+            last_variant[layer] = variant
 
     meta: dict = {}
     demo_json = p.parent / "demo.json"
@@ -200,8 +227,7 @@ def load_run(path: str | os.PathLike) -> RunData:
             meta = {}
     if config is not None and "monitor_config" not in meta:  # the run's own thresholds, as it recorded them
         meta = {**meta, "monitor_config": config}
-    return RunData(path=p, steps=[int(r["step"]) for r in records],
-                   loss=[num(r["metrics"].get("flashwatch_loss")) for r in records],
-                   grad_norm=[num(r["metrics"].get("flashwatch_grad_norm")) for r in records],
+    return RunData(path=p, steps=[r.step for r in records], loss=[r.loss for r in records],
+                   grad_norm=[r.grad_norm for r in records],
                    rows=rows, layer_names=names, series=series, alerts=alerts, switches=switches, meta=meta,
                    coverage=coverage)
