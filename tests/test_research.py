@@ -985,3 +985,21 @@ def test_registered_code_copies_a_commit_without_recordings_and_refuses_other_fo
                              text=True)
     assert refused.returncode == 2 and "not a registered code copy" in refused.stderr
     assert (other / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_read_signals_streams_whole_and_cut_recordings(tmp_path, cut):
+    """A recording is read a chunk at a time (not held whole); a gzip stream cut short by a killed run
+    gives the records it holds, a file of two gzip members both."""
+    from flashwatch.replay import records
+
+    lines = [json.dumps({"i": i}).encode() + b"\n" for i in range(3000)]
+    data = gzip.compress(b"".join(lines[:2000])) + gzip.compress(b"".join(lines[2000:]))
+    if cut:
+        data = gzip.compress(b"".join(lines))[:-2000]
+    path = tmp_path / "signals.jsonl.gz"
+    path.write_bytes(data)
+    got = [json.loads(raw) for raw in records._gzip_lines(path, chunk=4096) if raw.strip()[-1:] == b"}"]
+    ids = [r["i"] for r in got]
+    assert ids == list(range(len(ids)))
+    assert len(ids) == 3000 if not cut else 2000 < len(ids) < 3000

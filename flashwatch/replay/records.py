@@ -41,6 +41,7 @@ import gzip
 import json
 import math
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -189,7 +190,7 @@ class SignalsWriter:
         if append and gz.exists() and not self.path.exists():
             # an earlier piece ended compressed (it failed after its checkpoint): continue its lines
             with gzip.open(gz, "rb") as src, open(self.path, "wb") as dst:
-                dst.write(src.read())
+                shutil.copyfileobj(src, dst)
             gz.unlink()
         self.f = open(self.path, "a" if append else "w")
 
@@ -264,7 +265,7 @@ class SignalsWriter:
         if compress:
             gz = self.path.with_name(self.path.name + ".gz")
             with open(self.path, "rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
-                dst.write(src.read())
+                shutil.copyfileobj(src, dst)
             self.path.unlink()
 
 
@@ -281,6 +282,29 @@ _CHAIN_FIELDS = ("push", "push_true", "align", "coh")
 _FLOAT_FIELDS = ("C", "z", "zw")
 
 
+def _file_lines(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        yield from f
+
+
+def _gzip_lines(path: Path, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """The lines of a gzip file a chunk at a time; a stream cut short (a killed run's) gives what it holds."""
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    rest = b""
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            try:
+                rest += inflate.decompress(block)
+                while inflate.eof and inflate.unused_data:  # a file of several gzip members, one after another
+                    tail, inflate = inflate.unused_data, zlib.decompressobj(16 + zlib.MAX_WBITS)
+                    rest += inflate.decompress(tail)
+            except zlib.error:  # damaged past this point: the lines before it
+                break
+            *whole, rest = rest.split(b"\n")
+            yield from whole
+    yield rest
+
+
 def read_signals(run_dir: str | os.PathLike) -> Iterator[dict]:
     """The monitored-step records in order (``signals.jsonl.gz``, or ``signals.jsonl`` of a cut run).
 
@@ -290,16 +314,12 @@ def read_signals(run_dir: str | os.PathLike) -> Iterator[dict]:
     run_dir = Path(run_dir)
     gz, plain = run_dir / (SIGNALS_FILE + ".gz"), run_dir / SIGNALS_FILE
     if gz.exists():
-        try:
-            with gzip.open(gz, "rb") as f:
-                data = f.read()
-        except (EOFError, OSError):  # a cut gzip stream: what is there
-            data = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(gz.read_bytes())
+        lines = _gzip_lines(gz)
     elif plain.exists():
-        data = plain.read_bytes()
+        lines = _file_lines(plain)
     else:
         return
-    for raw in data.split(b"\n"):
+    for raw in lines:
         if not raw.strip():
             continue
         try:
