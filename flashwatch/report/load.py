@@ -195,12 +195,10 @@ def load_run(path: str | os.PathLike) -> RunData:
     for metric in PER_HEAD_METRICS:
         series[metric] = [array("d") for _ in rows]
         for rec in records:
-            grid = rec.grids[metric]
+            grid = rec.grids.pop(metric)  # the step's copy goes as the column takes it: one copy held at a time
             for r, (layer, head) in enumerate(rows):
                 series[metric][r].append(grid[layer][head] if layer < len(grid) and head < len(grid[layer])
                                          else math.nan)
-        for rec in records:  # the step's copy is no longer needed: at most one copy of a metric is held
-            rec.grids[metric] = []
 
     coverage: dict[int, list[float]] = {}
     for i, rec in enumerate(records):  # records written before coverage was counted have none: NaN
