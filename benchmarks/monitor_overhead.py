@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     if args.mask == "causal-dense":  # every masked call through the dense pass, as before the shortcut
         from flashwatch.kernels import masked
 
-        masked._plain_equivalent = lambda attn_mask, n: None
+        masked._plain_equivalent = lambda attn_mask, n, read=None: None
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --tiny for a smoke test)")
         return 2

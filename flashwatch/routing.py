@@ -714,6 +714,8 @@ class Router:
 
     def _observe(self, layer: AttentionLayer, args: tuple, kwargs: dict, out) -> None:
         try:
+            from flashwatch.kernels import attention_statistics, masked
+
             q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
             if not isinstance(out, torch.Tensor) or not out.requires_grad:
                 return  # no backward will come: nothing to measure
@@ -751,20 +753,22 @@ class Router:
             saved = (q.detach(), k.detach(), v.detach(), out.detach())
             causal, eps, on_error = bool(is_causal), self.eps, self.on_error
             mask_route = route == "masked"
+            # a self-attention mask's pattern, read now without waiting, for the backward's choice of pass
+            pattern_read = masked.read_pattern(attn_mask, q.shape[2]) \
+                if mask_route and isinstance(attn_mask, torch.Tensor) and not is_causal and k.shape[2] == q.shape[2] \
+                else None
             rows_hook = self._chain_hooks(layer, args[0] if args else kwargs.get("query"), q.shape[-1], scale)
 
             def on_grad(grad_out):
                 coverage[0] += 1  # one attention call; measured once its statistics pass ran
                 try:
-                    from flashwatch.kernels import attention_statistics, masked
-
                     stats.rows_hook = rows_hook
                     with torch.autocast(grad_out.device.type, enabled=False):
                         if mask_route:
                             masked.attention_statistics(*saved, grad_out.to(saved[3].dtype), stats,
                                                         attn_mask=attn_mask, causal=causal,
                                                         sm_scale=scale if scale is not None else saved[0].shape[-1] ** -0.5,
-                                                        eps=eps)
+                                                        eps=eps, pattern_read=pattern_read)
                         else:
                             attention_statistics(*saved, grad_out.to(saved[3].dtype), stats, causal=causal,
                                                  sm_scale=scale, eps=eps)

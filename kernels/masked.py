@@ -36,8 +36,13 @@ A mask that is only the causal pattern, or masks nothing, is the call without it
 goes to the plain pass (``flashwatch.kernels.attention_statistics``, the Triton kernel on CUDA,
 no N x N tensor) where that pass takes its shapes. Models pass such masks where they cannot
 leave them out: Hugging Face's under ``torch.compile`` build the causal mask as a tensor. Telling
-it costs one host read of a device flag per mask tensor (a model passes one mask to all its
-layers; checked again only after an in-place change).
+it takes a host read of a few device flags per mask tensor (a model passes one mask to all its
+layers; read again only after an in-place change). ``read_pattern(attn_mask, n)`` starts that read
+without waiting (a non-blocking copy into pinned memory), for a caller that has the mask in the
+forward and measures in the backward: given to ``attention_statistics`` as ``pattern_read``, the
+backward waits only until the device got past the forward's read, not for all the work queued
+before the backward (a wait there stalls the host, on every monitored step, as often as there
+are masked layers).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from .checks import check_qkv
 from .reference import _add_delta_stats, _add_max_logit, _compute_dtype, _expand_kv, format_tie_flags, row_top2, tie_flags
 from .stats import AttentionStats
 
-__all__ = ["attention_statistics", "mask_reason"]
+__all__ = ["attention_statistics", "mask_reason", "read_pattern", "no_pattern_read"]
 
 
 def mask_reason(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
@@ -88,26 +93,72 @@ def _allowed_and_bias(mask_b: torch.Tensor | None, cd: torch.dtype):
     return mask_b > MASKED_AT, mask_b.to(cd)  # -inf and NaN compare False: masked
 
 
-# mask tensor -> (its version when read, "causal" / "full" / None): see _plain_equivalent
+# mask tensor -> (its version when read, its read: read_pattern's tensor); see read_pattern
 _patterns: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# data pointer of a read's pinned tensor -> the event after its copy, while that copy may be in flight
+_in_flight: dict = {}
+_IN_FLIGHT_KEPT = 1024  # past this many, the events already passed are forgotten
+
+# read_pattern's tensor: int8 (4,) [read, causal, full, unbiased]; read = 0: nothing was read
+PATTERN_READ_SHAPE = (4,)
 
 
-def _plain_equivalent(attn_mask: torch.Tensor, n: int) -> str | None:
-    """``"causal"`` if the (..., n, n) mask lets each row see exactly the keys up to its own,
-    ``"full"`` if it masks nothing (a float mask: 0 where it lets a key through), else None. One
-    host read, remembered per mask tensor and version."""
+def no_pattern_read() -> torch.Tensor:
+    """A read that read nothing (``attention_statistics`` then reads the mask itself)."""
+    return torch.zeros(PATTERN_READ_SHAPE, dtype=torch.int8)
+
+
+def read_pattern(attn_mask: torch.Tensor, n: int) -> torch.Tensor:
+    """Start reading whether the (..., n, n) ``attn_mask`` is only the causal pattern or masks
+    nothing; returns the read, a CPU int8 tensor (4,) to pass to ``attention_statistics`` as
+    ``pattern_read``. For a CUDA mask it is filled by a non-blocking copy into pinned memory, and
+    its reader waits for that copy only; elsewhere it is filled at once. Launches nothing for a
+    mask tensor already read (the same tensor, not changed in place since)."""
     seen = _patterns.get(attn_mask)
     if seen is not None and seen[0] == attn_mask._version:
         return seen[1]
     with torch.no_grad():
         allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > MASKED_AT
+        index = torch.arange(n, device=attn_mask.device)
+        causal = index[:, None] >= index[None, :]  # (n, n): True up to each row's own key
         no_bias = torch.ones((), dtype=torch.bool, device=attn_mask.device) if attn_mask.dtype == torch.bool \
             else ((attn_mask == 0) | ~allowed).all()
-        causal = torch.ones(n, n, dtype=torch.bool, device=attn_mask.device).tril()
-        is_causal, is_full, unbiased = torch.stack([(allowed == causal).all(), allowed.all(), no_bias]).tolist()
-    pattern = ("causal" if is_causal else "full" if is_full else None) if unbiased else None
-    _patterns[attn_mask] = (attn_mask._version, pattern)
-    return pattern
+        flags = torch.stack([torch.ones((), dtype=torch.bool, device=attn_mask.device), (allowed == causal).all(),
+                             allowed.all(), no_bias]).to(torch.int8)
+        if attn_mask.device.type == "cuda":
+            read = torch.empty(PATTERN_READ_SHAPE, dtype=torch.int8, pin_memory=True)
+            read.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            if len(_in_flight) >= _IN_FLIGHT_KEPT:
+                for ptr in [p for p, e in _in_flight.items() if e.query()]:
+                    del _in_flight[ptr]
+            _in_flight[read.data_ptr()] = event
+        else:
+            read = flags.cpu()
+    _patterns[attn_mask] = (attn_mask._version, read)
+    return read
+
+
+def _decode(read: torch.Tensor) -> tuple[bool, str | None]:
+    """(whether ``read`` read anything, and then ``"causal"``, ``"full"`` or None), waiting for
+    its copy where that may still be in flight."""
+    event = _in_flight.get(read.data_ptr())
+    if event is not None:
+        event.synchronize()
+    was_read, is_causal, is_full, unbiased = read.tolist()
+    return bool(was_read), ("causal" if is_causal else "full" if is_full else None) if unbiased else None
+
+
+def _plain_equivalent(attn_mask: torch.Tensor, n: int, read: torch.Tensor | None = None) -> str | None:
+    """``"causal"`` if the (..., n, n) mask lets each row see exactly the keys up to its own,
+    ``"full"`` if it masks nothing (a float mask: 0 where it lets a key through), else None; from
+    ``read`` (``read_pattern``'s, started earlier) where it read something, else read now."""
+    if read is not None:
+        was_read, pattern = _decode(read)
+        if was_read:
+            return pattern
+    return _decode(read_pattern(attn_mask, n))[1]
 
 
 def _plain_pass_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -121,7 +172,8 @@ def _plain_pass_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 @torch.no_grad()
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          grad_out: torch.Tensor, stats: AttentionStats, *, attn_mask: torch.Tensor | None = None,
-                         causal: bool = False, sm_scale: float, eps: float = 1e-3) -> None:
+                         causal: bool = False, sm_scale: float, eps: float = 1e-3,
+                         pattern_read: torch.Tensor | None = None) -> None:
     """Add the statistics of one masked (or unequal-length) attention call into ``stats``.
 
     Args:
@@ -130,11 +182,13 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
         attn_mask: None, or a boolean / float mask broadcastable to (B, H, Nq, Nk) (see
             ``mask_reason`` for what is accepted; the caller checks).
         causal: top-left causal masking (Nq == Nk only).
+        pattern_read: ``read_pattern(attn_mask, Nq)``'s read of this mask, started earlier (None:
+            read here, when needed).
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     if attn_mask is not None and not causal and Nq == Nk and _plain_pass_takes(q, k, v):
-        pattern = _plain_equivalent(attn_mask, Nq)
+        pattern = _plain_equivalent(attn_mask, Nq, pattern_read)
         if pattern is not None:  # the call without its mask: the plain pass, no N x N tensor
             from . import attention_statistics as plain_statistics
 

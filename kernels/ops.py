@@ -20,7 +20,10 @@ Operators (namespace ``flashwatch``):
   nothing, since an operator's output could not alias its input and would cost a copy of
   ``out`` in every step): marks the output of the model's own attention; its backward passes
   the gradient through unchanged and runs the operator ``observe_statistics``
-  (``attention_statistics`` on the saved inputs, output and output gradient).
+  (``attention_statistics`` on the saved inputs, output and output gradient). For a
+  self-attention mask it first calls ``mask_pattern(attn_mask, flag, reads, n)`` -> the mask's pattern
+  read (``masked.read_pattern``, started in the forward on monitored steps), which the backward
+  operator takes to choose the plain pass for a mask that is only the causal pattern.
 - ``score_statistics(q, k, v, out, flag, counts, values, coverage, ...)``: a call with attention
   dropout (with or without a mask): rows, repeated maxima and max logit only (its delta error is
   not measured).
@@ -197,8 +200,8 @@ class _NoAutocast:
 # any such change and with any change of a schema (v2: O in (B, N, H, D) memory order; v3: the
 # layer's key a tensor, not an integer; v4: the query's rotation an argument; v5: dQ, dK, dV in
 # (B, N, heads, D) memory order; v6: score_statistics takes a mask; v7: attention_grad writes dQ, dK, dV into
-# tensors it is given).
-CONTRACT = "v7"
+# tensors it is given; v8: observe_statistics takes the mask's pattern as read in the forward, by mask_pattern).
+CONTRACT = "v8"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
 
@@ -367,8 +370,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.
 
 # --- observe -----------------------------------------------------------------------------------
 
+# How many mask pattern reads ``mask_pattern`` was asked for (CPU int64, 0-d). It is the
+# operator's declared write, and that write keeps the operator in the compiled forward: the
+# compiler moves an operator whose output only the backward takes into the backward, where its
+# read would wait for all the work queued before it.
+pattern_reads = torch.zeros((), dtype=torch.int64)
+
+
+def _mask_pattern_impl(attn_mask, flag, reads, n):
+    from . import masked as masked_pass
+
+    if not _on(flag):
+        return masked_pass.no_pattern_read()
+    reads.add_(1)
+    return masked_pass.read_pattern(attn_mask, n)
+
+
+def _mask_pattern_fake(attn_mask, flag, reads, n):
+    from .masked import PATTERN_READ_SHAPE
+
+    return torch.empty(PATTERN_READ_SHAPE, dtype=torch.int8, device="cpu")
+
+
+_mask_pattern = _operator("mask_pattern(Tensor attn_mask, Tensor flag, Tensor(a!) reads, int n) -> Tensor",
+                          _mask_pattern_impl, _mask_pattern_fake)
+
+
 def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked, unit_gap, x, rotation, layer) -> None:
+                             eps, masked, unit_gap, x, rotation, layer, pattern_read) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
@@ -382,7 +411,8 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
             stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation, q)
             args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), stats)
             if masked:
-                masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
+                masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps,
+                                                 pattern_read=pattern_read)
             else:
                 attention_statistics(*args, causal=causal, sm_scale=sm_scale, eps=eps)
     except Exception:  # a failing statistics pass never breaks the backward
@@ -392,7 +422,7 @@ def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, cover
 
 
 def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked, unit_gap, x, rotation, layer):
+                             eps, masked, unit_gap, x, rotation, layer, pattern_read):
     _warn_if_traced_for_cuda_graphs(q)
     return None
 
@@ -417,7 +447,7 @@ def _warn_if_traced_for_cuda_graphs(q: torch.Tensor) -> None:
 _observe_statistics = _operator(
     "observe_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
     "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
-    "float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer) -> ()",
+    "float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer, Tensor? pattern_read) -> ()",
     _observe_statistics_impl, _observe_statistics_fake)
 
 
@@ -429,18 +459,19 @@ class _Observe(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, x, rotation, causal, sm_scale, eps,
-                masked, unit_gap, layer):
-        # attn_mask, x, rotation and layer may be None
-        ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask, x, rotation, layer)
+                masked, unit_gap, layer, pattern_read):
+        # attn_mask, x, rotation, layer and pattern_read may be None
+        ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask, x, rotation, layer,
+                              pattern_read)
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap = causal, sm_scale, eps, masked, unit_gap
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, flag, counts, values, coverage, attn_mask, x, rotation, layer = ctx.saved_tensors
+        q, k, v, out, flag, counts, values, coverage, attn_mask, x, rotation, layer, pattern_read = ctx.saved_tensors
         _observe_statistics(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, ctx.causal,
-                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap, x, rotation, layer)
-        return (grad_out,) + (None,) * 16
+                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap, x, rotation, layer, pattern_read)
+        return (grad_out,) + (None,) * 17
 
 
 def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
@@ -451,13 +482,18 @@ def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Mark ``out``, the output of the model's own attention of ``q, k, v``: returns a view of it
     whose backward adds the statistics of that call into ``stats`` when ``flag`` is set (with
     ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``; with ``x``,
-    ``rotation`` and ``layer``, the layer's key: the call's rows hook, module docstring)."""
+    ``rotation`` and ``layer``, the layer's key: the call's rows hook, module docstring). A
+    self-attention mask's pattern is read here, on monitored steps, without waiting
+    (``masked.read_pattern``), for the backward's choice of pass."""
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
+    n = q.shape[2]
+    self_attention_mask = masked and mask is not None and not causal and k.shape[2] == n
+    read = _mask_pattern(mask, flag, pattern_reads, n) if self_attention_mask else None
     return _Observe.apply(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask, _detached(x),
                           _detached(rotation), bool(causal), scale, float(eps), bool(masked), float(stats.unit_gap),
-                          layer)
+                          layer, read)
 
 
 def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -527,7 +527,8 @@ def test_observe_mode_traced_for_cuda_graphs_says_once_what_it_costs(operator, m
             coverage, flag, layer = torch.zeros(2, device=device), torch.ones((), dtype=torch.bool), torch.zeros(())
             if operator == "observe_statistics":
                 getattr(torch.ops.flashwatch.observe_statistics, ops.CONTRACT)(
-                    q, q, q, q, q, flag, counts, values, coverage, None, True, 0.5, 1e-3, False, 1.0, None, None, layer)
+                    q, q, q, q, q, flag, counts, values, coverage, None, True, 0.5, 1e-3, False, 1.0, None, None, layer,
+                    None)
             else:
                 getattr(torch.ops.flashwatch.score_statistics, ops.CONTRACT)(
                     q, q, q, q, flag, counts, values, coverage, None, True, 0.5, 1e-3, False, layer, "dropout", 1.0)

@@ -70,10 +70,16 @@ def test_the_own_kernel_forward_and_backward(call):
 def test_the_observed_call_and_the_call_measured_in_part(call, masked):
     c = call
     mask = c["mask"] if masked else None
+    pattern_read = None
+    if masked:  # the forward's read of the mask's pattern (declared: the count of reads it adds to)
+        reads = torch.zeros((), dtype=torch.int64)
+        torch.library.opcheck(_op("mask_pattern"), (mask, c["flag"], reads, N), test_utils=CHECKS)
+        pattern_read = _op("mask_pattern")(mask, c["flag"], reads, N)
+        assert pattern_read.tolist() == [1, 0, 0, 1]  # read; neither causal nor full; a boolean mask: no bias
     torch.library.opcheck(
         _op("observe_statistics"),
         (c["q"], c["k"], c["v"], c["out"], c["grad"], c["flag"], c["counts"], c["values"], c["coverage"], mask,
-         not masked, D ** -0.5, 1e-3, masked, c["unit_gap"], None, None, c["layer"]),
+         not masked, D ** -0.5, 1e-3, masked, c["unit_gap"], None, None, c["layer"], pattern_read),
         test_utils=CHECKS)
     torch.library.opcheck(
         _op("score_statistics"),

@@ -97,7 +97,7 @@ def test_operators_have_no_python_version_bump():
     per argument on every call (about 50-100 us of host time a call). Fail before: the
     operators were ``custom_op``s."""
     for name in ("attention_grad", "attention_with_stats", "observe_statistics", "score_statistics",
-                 "unmeasured_call"):
+                 "unmeasured_call", "mask_pattern"):
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(ops.qualified(name), "ADInplaceOrView"), name
     schema = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -126,12 +126,15 @@ _OUTPUTS_V5 = {**_OUTPUTS_V2,  # the gradients in (B, N, heads, D) memory order,
                                              ((2, 2, 8, 16), (256, 16, 32, 1), "bfloat16"),
                                              ((2, 2, 8, 16), (256, 16, 32, 1), "bfloat16")]}
 _OUTPUTS_V7 = {**_OUTPUTS_V5, ("attention_grad", "plain"): []}  # the gradients written into tensors it is given
+# v8: mask_pattern, new, returns its read (CPU int8 (4,))
+_OUTPUTS_V8 = {**_OUTPUTS_V7, ("mask_pattern", "plain"): [((4,), (1,), "int8")]}
 FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2, "v5": _OUTPUTS_V5, "v6": _OUTPUTS_V5,
-                "v7": _OUTPUTS_V7}
+                "v7": _OUTPUTS_V7, "v8": _OUTPUTS_V8}
 
-# Each operator's arguments under the current CONTRACT (v7: attention_grad writes dq, dk, dv into
-# tensors it is given): a schema that changes must come with a new CONTRACT too, for the same reason.
-SCHEMAS = {"v7": {
+# Each operator's arguments under the current CONTRACT (v8: observe_statistics takes the mask's
+# pattern read by the new mask_pattern in the forward): a schema that changes must come with a new
+# CONTRACT too, for the same reason.
+SCHEMAS = {"v8": {
     "attention_with_stats": "(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, Tensor coverage, "
                             "bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap, "
                             "Tensor? x, Tensor? rotation, Tensor? layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
@@ -140,7 +143,9 @@ SCHEMAS = {"v7": {
                       "Tensor? layer, Tensor(d!) dq, Tensor(e!) dk, Tensor(f!) dv) -> ()",
     "observe_statistics": "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
                           "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, "
-                          "float eps, bool masked, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer) -> ()",
+                          "float eps, bool masked, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer, "
+                          "Tensor? pattern_read) -> ()",
+    "mask_pattern": "(Tensor attn_mask, Tensor flag, Tensor(a!) reads, int n) -> Tensor",
     "score_statistics": "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor flag, Tensor(a!) counts, Tensor(b!) values, "
                         "Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
                         "Tensor layer, str reason, float unit_gap) -> ()",
@@ -178,4 +183,8 @@ def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(i
         outs = grad(q, [q, k, v, q, q, q, q, q, flag], counts, values, coverage, True, 0.25, 1e-3, -0.002, None,
                     None, None, *layouts.grads_like(q, k, v))
         got[("attention_grad", "plain")] = describe(outs or ())
+        if ("mask_pattern", "plain") in FAKE_OUTPUTS[ops.CONTRACT]:
+            pattern = getattr(torch.ops.flashwatch.mask_pattern, ops.CONTRACT)
+            got[("mask_pattern", "plain")] = describe([pattern(torch.empty(8, 8, dtype=torch.bool), flag,
+                                                               torch.zeros((), dtype=torch.int64), 8)])
     assert got == FAKE_OUTPUTS[ops.CONTRACT], "a fake's outputs changed: bump ops.CONTRACT and record them here"
