@@ -29,6 +29,8 @@ Inductor cut its graphs into (partitions) and the graphs it ran without CUDA gra
 ``torch.compile``: observe mode's statistics then take the mask's route, where a mask that is only
 the causal pattern goes to the plain (Triton) pass. ``--mask causal-dense``: the same, with that
 shortcut off (every such call through the dense N x N pass, as before it existed).
+``--mask causal-dropout``: the mask with attention dropout 0.1 (Hugging Face GPT-2's default), whose
+calls' scores are measured (rows, repeated maxima, max logit) and their delta error not.
 
 Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--steps`` timed
 steps (CUDA events around every step, read once at the end, so timing adds no host sync).
@@ -166,10 +168,11 @@ def _allocator_counts(dev: str) -> dict:
     return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
 
-def _pass_causal_mask(model: GPT) -> None:
+def _pass_causal_mask(model: GPT, dropout_p: float = 0.0) -> None:
     """Make ``model``'s attention calls pass their causal mask as a (T, T) boolean tensor with
     ``is_causal=False`` (Hugging Face's calls under compile, which make the mask once a forward;
-    compiled, the layers' identical masks are one buffer too)."""
+    compiled, the layers' identical masks are one buffer too), with attention dropout ``dropout_p``
+    in training."""
     import types
 
     import torch.nn.functional as F
@@ -179,7 +182,8 @@ def _pass_causal_mask(model: GPT) -> None:
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for z in self.c_attn(x).split(self.n_embd, dim=2))
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # F looked up at call time: routed
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,  # F looked up at call time: routed
+                                           dropout_p=dropout_p if self.training else 0.0)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
     for block in model.transformer.h:
@@ -200,7 +204,7 @@ def _run_arm(name: str, args) -> dict:
         cfg = GPTConfig(block_size=args.seq, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=True)
     model = GPT(cfg).to(dev)
     if args.mask != "none":
-        _pass_causal_mask(model)
+        _pass_causal_mask(model, dropout_p=0.1 if args.mask == "causal-dropout" else 0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=dev, generator=g)
@@ -314,9 +318,10 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled arms")
     p.add_argument("--arms", default="sdpa,sdpa+observe,own_kernel,own_kernel+monitor",
                    help="the compiled arms to run, comma-separated (a run under the 10-minute limit of one call)")
-    p.add_argument("--mask", choices=("none", "causal", "causal-dense"), default="none",
+    p.add_argument("--mask", choices=("none", "causal", "causal-dense", "causal-dropout"), default="none",
                    help="causal: the attention is given its causal mask as a tensor (Hugging Face under compile); "
-                        "causal-dense: the same, with the statistics' plain-pass shortcut for such masks off")
+                        "causal-dense: the same, with the statistics' plain-pass shortcut for such masks off; "
+                        "causal-dropout: the mask with attention dropout 0.1")
     args = p.parse_args(argv)
     if args.mask == "causal-dense":  # every masked call through the dense pass, as before the shortcut
         from flashwatch.kernels import masked

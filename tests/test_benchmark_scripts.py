@@ -403,9 +403,11 @@ def test_the_wide_statistics_sweep_tries_only_tiles_the_kernel_accepts():
 
 
 @pytest.mark.slow
-def test_monitor_overhead_with_a_causal_mask_tensor_runs_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("mask", ["causal", "causal-dropout"])
+def test_monitor_overhead_with_a_causal_mask_tensor_runs_on_the_cpu(tmp_path, mask):
     """``--mask causal`` (the attention given its causal mask as a tensor, as Hugging Face passes it
-    under compile): the compiled arms run, one graph, no graph break, the monitored steps timed."""
+    under compile), and with attention dropout: the compiled arms run, one graph, no graph break,
+    the monitored steps timed."""
     import json
 
     monitor_overhead = _benchmark("monitor_overhead")
@@ -413,9 +415,9 @@ def test_monitor_overhead_with_a_causal_mask_tensor_runs_on_the_cpu(tmp_path):
     assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
                                   "--steps", "4", "--interval", "2", "--compile", "default", "--only-compiled",
                                   "--backend", "aot_eager", "--json", str(out), "--arms", "sdpa,sdpa+observe",
-                                  "--mask", "causal"]) == 0
+                                  "--mask", mask]) == 0
     result = json.loads(out.read_text())
-    assert result["args"]["mask"] == "causal"
+    assert result["args"]["mask"] == mask
     for arm in result["arms"]:
         assert "error" not in arm and arm["graph_breaks"] == 0 and arm["unique_graphs"] == 1, arm
     assert {a["arm"]: a["monitored_steps"] for a in result["arms"]} == {"sdpa@default": 0, "sdpa+observe@default": 2}
