@@ -28,8 +28,8 @@ Under ``torch.compile`` the same routing is traced into the compiled graph as cu
 ``flashwatch::attention_with_stats``; each call carries its layer's statistics buffers, and whether the
 step is monitored is the Router's ``flag`` tensor, read when the operators run, so monitored
 and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls
-measured in part or not at all are counted by ``flashwatch::score_statistics`` and
-``flashwatch::unmeasured_call``. For the W^Q-gradient error chain, compiled code carries each
+measured in part are marked too (``ops.observe(..., scores_only=reason)``: their scores are measured
+in the backward); calls not measured at all are counted by ``flashwatch::unmeasured_call``. For the W^Q-gradient error chain, compiled code carries each
 call's projection input X (on every step: the graph is the same for monitored ones) and the layer's
 key (``ops.register_layer``: a tensor, so that a block compiled once serves every block), whose
 rows source the backward operators ask for the call's rows hook on monitored steps; the source
@@ -205,6 +205,17 @@ def _uninstall(keys: Sequence[int] = (), handles: Sequence[Any] = ()) -> None:
 def original_sdpa() -> Callable:
     """The SDPA function flashwatch wraps (torch's own when nothing else wrapped it first)."""
     return _original_sdpa if _original_sdpa is not None else _import_time_sdpa
+
+
+
+def _pattern_read(attn_mask, q, k, is_causal):
+    """A self-attention mask's pattern, read now (in the forward) without waiting, for the
+    backward's choice of statistics pass (``masked.read_pattern``); None where none is asked for."""
+    from flashwatch.kernels import masked
+
+    if not isinstance(q, torch.Tensor) or not masked.has_pattern(attn_mask, q.shape[2], k.shape[2], bool(is_causal)):
+        return None
+    return masked.read_pattern(attn_mask, q.shape[2])
 
 
 def _bind(args: tuple, kwargs: dict) -> list:
@@ -687,7 +698,7 @@ class Router:
         return _PendingRows(layer.chain.pending_hooks)
 
     def _measure_scores(self, layer: AttentionLayer, q, k, v, out, causal, scale, attn_mask=None,
-                        masked: bool = False) -> None:
+                        masked: bool = False, pattern_read=None) -> None:
         """What a call with attention dropout still shows: rows, repeated maxima and the max logit
         (functions of the scores alone; ``masked``: by the dense pass, with ``attn_mask``). Its
         delta error is not measured: the statistics pass runs with a zero output gradient, which
@@ -706,7 +717,7 @@ class Router:
                 if masked:
                     masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=bool(causal),
                                                      sm_scale=scale if scale is not None else q.shape[-1] ** -0.5,
-                                                     eps=self.eps)
+                                                     eps=self.eps, pattern_read=pattern_read)
                 else:
                     attention_statistics(*args, causal=bool(causal), sm_scale=scale, eps=self.eps)
         except Exception as exc:
@@ -733,11 +744,12 @@ class Router:
                 coverage, measure = layer.coverage, self._measure_scores
                 saved = (q.detach(), k.detach(), v.detach(), out.detach()) if route is not None else None
                 mask = attn_mask if route == "masked_scores" else None
+                pattern_read = _pattern_read(mask, q, k, is_causal) if mask is not None else None
 
                 def on_grad(grad_out):
                     coverage[0] += 1  # an attention call, not measured in full
                     if saved is not None:
-                        measure(layer, *saved, is_causal, scale, mask, route == "masked_scores")
+                        measure(layer, *saved, is_causal, scale, mask, route == "masked_scores", pattern_read)
                     return None
 
                 out.register_hook(on_grad)
@@ -753,10 +765,7 @@ class Router:
             saved = (q.detach(), k.detach(), v.detach(), out.detach())
             causal, eps, on_error = bool(is_causal), self.eps, self.on_error
             mask_route = route == "masked"
-            # a self-attention mask's pattern, read now without waiting, for the backward's choice of pass
-            pattern_read = masked.read_pattern(attn_mask, q.shape[2]) \
-                if mask_route and isinstance(attn_mask, torch.Tensor) and not is_causal and k.shape[2] == q.shape[2] \
-                else None
+            pattern_read = _pattern_read(attn_mask, q, k, is_causal) if mask_route else None
             rows_hook = self._chain_hooks(layer, args[0] if args else kwargs.get("query"), q.shape[-1], scale)
 
             def on_grad(grad_out):
@@ -837,12 +846,11 @@ class Router:
                                attn_mask=attn_mask if route == "masked" else None, masked=route == "masked",
                                **self._layer_arguments(layer, x, rotation))
         message = f"{reason}: {MEASURED[route]}"
-        if route in ("scores", "masked_scores"):
+        if route in ("scores", "masked_scores"):  # measured in the backward, as in eager mode
             masked = route == "masked_scores"
-            ops.score_statistics(q, k, v, out, flag=self.flag, stats=layer.ensure_stats(q.device),
-                                 coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
-                                 layer=layer.key, reason=message, attn_mask=attn_mask if masked else None,
-                                 masked=masked)
-        else:
-            ops.unmeasured_call(self.flag, layer.coverage, layer.key, message)
+            return ops.observe(out, q, k, v, flag=self.flag, stats=layer.ensure_stats(q.device),
+                               coverage=layer.coverage, causal=bool(is_causal), sm_scale=scale, eps=self.eps,
+                               attn_mask=attn_mask if masked else None, masked=masked, layer=layer.key,
+                               scores_only=message)
+        ops.unmeasured_call(self.flag, layer.coverage, layer.key, message)
         return out

@@ -55,7 +55,7 @@ from .checks import check_qkv
 from .reference import _add_delta_stats, _add_max_logit, _compute_dtype, _expand_kv, format_tie_flags, row_top2, tie_flags
 from .stats import AttentionStats
 
-__all__ = ["attention_statistics", "mask_reason", "read_pattern", "no_pattern_read"]
+__all__ = ["attention_statistics", "mask_reason", "has_pattern", "read_pattern", "no_pattern_read"]
 
 
 def mask_reason(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
@@ -106,6 +106,13 @@ PATTERN_READ_SHAPE = (4,)
 def no_pattern_read() -> torch.Tensor:
     """A read that read nothing (``attention_statistics`` then reads the mask itself)."""
     return torch.zeros(PATTERN_READ_SHAPE, dtype=torch.int8)
+
+
+def has_pattern(attn_mask, nq: int, nk: int, causal: bool) -> bool:
+    """Whether ``attention_statistics`` asks for this mask's pattern: a mask tensor of a call with
+    equal query and key lengths, not causal (a caller that has the mask earlier can start the read
+    then: ``read_pattern``)."""
+    return isinstance(attn_mask, torch.Tensor) and not causal and nq == nk
 
 
 def read_pattern(attn_mask: torch.Tensor, n: int) -> torch.Tensor:

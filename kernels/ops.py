@@ -24,9 +24,8 @@ Operators (namespace ``flashwatch``):
   self-attention mask it first calls ``mask_pattern(attn_mask, flag, reads, n)`` -> the mask's pattern
   read (``masked.read_pattern``, started in the forward on monitored steps), which the backward
   operator takes to choose the plain pass for a mask that is only the causal pattern.
-- ``score_statistics(q, k, v, out, flag, counts, values, coverage, ...)``: a call with attention
-  dropout (with or without a mask): rows, repeated maxima and max logit only (its delta error is
-  not measured).
+  With ``scores_only=reason`` (a call with attention dropout, with or without a mask), the same
+  operator adds rows, repeated maxima and max logit only (its delta error is not measured).
 - ``unmeasured_call(flag, coverage, layer, reason)``: counts an attention call the statistics
   cannot take (logged once per layer and reason).
 
@@ -65,7 +64,7 @@ from .stats import COUNT_FIELDS, MAX_FIELDS, SUM_FIELDS, AttentionStats, CallMax
 
 log = logging.getLogger("flashwatch")
 
-__all__ = ["attention", "observe", "score_statistics", "unmeasured_call", "stats_buffers", "register_layer",
+__all__ = ["attention", "observe", "unmeasured_call", "stats_buffers", "register_layer",
            "unregister_layer"]
 
 _logged: set = set()
@@ -200,7 +199,8 @@ class _NoAutocast:
 # any such change and with any change of a schema (v2: O in (B, N, H, D) memory order; v3: the
 # layer's key a tensor, not an integer; v4: the query's rotation an argument; v5: dQ, dK, dV in
 # (B, N, heads, D) memory order; v6: score_statistics takes a mask; v7: attention_grad writes dQ, dK, dV into
-# tensors it is given; v8: observe_statistics takes the mask's pattern as read in the forward, by mask_pattern).
+# tensors it is given; v8: observe_statistics takes the mask's pattern as read in the forward, by mask_pattern,
+# and measures the scores of calls with dropout, in the backward, where score_statistics measured them in the forward).
 CONTRACT = "v8"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
@@ -397,32 +397,42 @@ _mask_pattern = _operator("mask_pattern(Tensor attn_mask, Tensor flag, Tensor(a!
 
 
 def _observe_statistics_impl(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked, unit_gap, x, rotation, layer, pattern_read) -> None:
+                             eps, masked, unit_gap, x, rotation, layer, pattern_read, scores_only) -> None:
     if not _on(flag):
         return
     from . import attention_statistics
     from . import masked as masked_pass
 
-    coverage.add_(1)  # one attention call, measured here
+    if scores_only is None:
+        coverage.add_(1)  # one attention call, measured here
+    else:
+        coverage[0] += 1  # an attention call, not measured in full
+        label = _label(layer)
+        _log_once((label, scores_only), "flashwatch: layer %s: attention calls where %s", label, scores_only)
     dtype = out.dtype  # autocast cast the inputs inside the model's SDPA: measure what it computed with
     try:
         with _NoAutocast(q.device):
             stats = _view(counts, values, unit_gap)
-            stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation, q)
-            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out.to(dtype), stats)
+            if scores_only is None:
+                stats._rows_hook = _rows_hook(layer, x, sm_scale, rotation, q)
+                grad = grad_out.to(dtype)
+            else:  # a zero output gradient adds exactly 0 to the delta-error sums: rows, repeated maxima, max logit
+                grad = torch.zeros_like(out)
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, grad, stats)
             if masked:
                 masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps,
                                                  pattern_read=pattern_read)
             else:
                 attention_statistics(*args, causal=causal, sm_scale=sm_scale, eps=eps)
     except Exception:  # a failing statistics pass never breaks the backward
-        coverage[1] -= 1
+        if scores_only is None:
+            coverage[1] -= 1
         _log_once(("observe_statistics",), "flashwatch: the statistics pass of an observed attention call failed; "
                   "training goes on unchanged", exc_info=True)
 
 
 def _observe_statistics_fake(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, causal, sm_scale,
-                             eps, masked, unit_gap, x, rotation, layer, pattern_read):
+                             eps, masked, unit_gap, x, rotation, layer, pattern_read, scores_only):
     _warn_if_traced_for_cuda_graphs(q)
     return None
 
@@ -447,7 +457,7 @@ def _warn_if_traced_for_cuda_graphs(q: torch.Tensor) -> None:
 _observe_statistics = _operator(
     "observe_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
     "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
-    "float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer, Tensor? pattern_read) -> ()",
+    "float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer, Tensor? pattern_read, str? scores_only) -> ()",
     _observe_statistics_impl, _observe_statistics_fake)
 
 
@@ -459,100 +469,52 @@ class _Observe(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, q, k, v, flag, counts, values, coverage, attn_mask, x, rotation, causal, sm_scale, eps,
-                masked, unit_gap, layer, pattern_read):
-        # attn_mask, x, rotation, layer and pattern_read may be None
+                masked, unit_gap, layer, pattern_read, scores_only):
+        # attn_mask, x, rotation, layer, pattern_read and scores_only may be None
         ctx.save_for_backward(q, k, v, out, flag, counts, values, coverage, attn_mask, x, rotation, layer,
                               pattern_read)
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap = causal, sm_scale, eps, masked, unit_gap
+        ctx.scores_only = scores_only
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, flag, counts, values, coverage, attn_mask, x, rotation, layer, pattern_read = ctx.saved_tensors
         _observe_statistics(q, k, v, out, grad_out, flag, counts, values, coverage, attn_mask, ctx.causal,
-                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap, x, rotation, layer, pattern_read)
-        return (grad_out,) + (None,) * 17
+                            ctx.sm_scale, ctx.eps, ctx.masked, ctx.unit_gap, x, rotation, layer, pattern_read,
+                            ctx.scores_only)
+        return (grad_out,) + (None,) * 18
 
 
 def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor,
             stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float] = None,
             eps: float = 1e-3, attn_mask: Optional[torch.Tensor] = None, masked: bool = False,
             x: Optional[torch.Tensor] = None, rotation: Optional[torch.Tensor] = None,
-            layer: Optional[torch.Tensor] = None) -> torch.Tensor:
+            layer: Optional[torch.Tensor] = None, scores_only: Optional[str] = None) -> torch.Tensor:
     """Mark ``out``, the output of the model's own attention of ``q, k, v``: returns a view of it
     whose backward adds the statistics of that call into ``stats`` when ``flag`` is set (with
     ``masked``: the dense pass of ``flashwatch.kernels.masked``, with ``attn_mask``; with ``x``,
     ``rotation`` and ``layer``, the layer's key: the call's rows hook, module docstring). A
     self-attention mask's pattern is read here, on monitored steps, without waiting
-    (``masked.read_pattern``), for the backward's choice of pass."""
+    (``masked.read_pattern``), for the backward's choice of pass.
+
+    ``scores_only``: for a call whose delta error cannot be measured (attention dropout), the
+    reason, logged once per layer: the backward adds only its rows, repeated maxima and max logit,
+    and counts it as a call, not as a measured one."""
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    from .masked import has_pattern
+
     counts, values = stats_buffers(stats)
     mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
     n = q.shape[2]
-    self_attention_mask = masked and mask is not None and not causal and k.shape[2] == n
-    read = _mask_pattern(mask, flag, pattern_reads, n) if self_attention_mask else None
+    read = _mask_pattern(mask, flag, pattern_reads, n) if masked and has_pattern(mask, n, k.shape[2], causal) else None
     return _Observe.apply(out, q.detach(), k.detach(), v.detach(), flag, counts, values, coverage, mask, _detached(x),
                           _detached(rotation), bool(causal), scale, float(eps), bool(masked), float(stats.unit_gap),
-                          layer, read)
+                          layer, read, None if scores_only is None else str(scores_only))
 
 
 def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x.detach() if isinstance(x, torch.Tensor) else None
-
-
-# --- calls measured in part -----------------------------------------------------------------------
-
-def _score_statistics_impl(q, k, v, out, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked,
-                           layer, reason, unit_gap) -> None:
-    if not _on(flag):
-        return
-    from . import attention_statistics
-    from . import masked as masked_pass
-
-    coverage[0] += 1  # an attention call, not measured in full
-    label = _label(layer)
-    _log_once((label, reason), "flashwatch: layer %s: attention calls where %s", label, reason)
-    dtype = out.dtype
-    try:
-        with _NoAutocast(q.device):
-            # a zero output gradient adds exactly 0 to the delta-error sums: rows, repeated
-            # maxima and the max logit only
-            args = (q.to(dtype), k.to(dtype), v.to(dtype), out, torch.zeros_like(out), _view(counts, values, unit_gap))
-            if masked:
-                masked_pass.attention_statistics(*args, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale, eps=eps)
-            else:
-                attention_statistics(*args, causal=causal, sm_scale=sm_scale, eps=eps)
-    except Exception:
-        _log_once(("score_statistics",), "flashwatch: a statistics pass failed; training goes on unchanged",
-                  exc_info=True)
-
-
-def _score_statistics_fake(q, k, v, out, flag, counts, values, coverage, attn_mask, causal, sm_scale, eps, masked,
-                           layer, reason, unit_gap):
-    _warn_if_traced_for_cuda_graphs(q)
-    return None
-
-
-_score_statistics = _operator(
-    "score_statistics(Tensor q, Tensor k, Tensor v, Tensor out, Tensor flag, Tensor(a!) counts, Tensor(b!) values, "
-    "Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, Tensor layer, "
-    "str reason, float unit_gap) -> ()",
-    _score_statistics_impl, _score_statistics_fake)
-
-
-def score_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, flag: torch.Tensor,
-                     stats: AttentionStats, coverage: torch.Tensor, causal: bool, sm_scale: Optional[float],
-                     eps: float, layer: torch.Tensor, reason: str, attn_mask: Optional[torch.Tensor] = None,
-                     masked: bool = False) -> None:
-    """For a call whose delta error cannot be measured (attention dropout): add its rows,
-    repeated maxima and max logit into ``stats`` when ``flag`` is set (``masked``: by the dense
-    pass of ``flashwatch.kernels.masked``, with ``attn_mask``); counted as a call, not as a
-    measured one; ``reason`` logged once per layer (``layer``: its key, ``register_layer``)."""
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    counts, values = stats_buffers(stats)
-    mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
-    _score_statistics(q.detach(), k.detach(), v.detach(), out.detach(), flag, counts, values, coverage, mask,
-                      bool(causal), scale, float(eps), bool(masked), layer, str(reason), float(stats.unit_gap))
 
 
 # --- calls that are not measured -----------------------------------------------------------------

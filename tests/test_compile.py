@@ -507,8 +507,8 @@ def test_every_monitor_operator_is_left_out_of_cuda_graphs(mode):
     assert all(torch._C.Tag.cudagraph_unsafe in op.tags for op in wrapped), [str(op) for op in wrapped]
 
 
-@pytest.mark.parametrize("operator", ["observe_statistics", "score_statistics"])
-def test_observe_mode_traced_for_cuda_graphs_says_once_what_it_costs(operator, monkeypatch, caplog):
+@pytest.mark.parametrize("scores_only", [None, "dropout"], ids=["measured in full", "scores only"])
+def test_observe_mode_traced_for_cuda_graphs_says_once_what_it_costs(scores_only, monkeypatch, caplog):
     """Traced for CUDA graphs (``mode="reduce-overhead"`` sets Inductor's ``triton.cudagraphs`` while it
     traces), observe mode's statistics operators cut the compiled backward at every layer: the user is
     told once, with what avoids it. Not on the CPU, nor without CUDA graphs. Fake CUDA tensors, so
@@ -525,13 +525,9 @@ def test_observe_mode_traced_for_cuda_graphs_says_once_what_it_costs(operator, m
             q = torch.empty(1, 2, 8, 4, device=device)
             counts, values = torch.zeros(2, 3, device=device), torch.zeros(2, 5, device=device)
             coverage, flag, layer = torch.zeros(2, device=device), torch.ones((), dtype=torch.bool), torch.zeros(())
-            if operator == "observe_statistics":
-                getattr(torch.ops.flashwatch.observe_statistics, ops.CONTRACT)(
-                    q, q, q, q, q, flag, counts, values, coverage, None, True, 0.5, 1e-3, False, 1.0, None, None, layer,
-                    None)
-            else:
-                getattr(torch.ops.flashwatch.score_statistics, ops.CONTRACT)(
-                    q, q, q, q, flag, counts, values, coverage, None, True, 0.5, 1e-3, False, layer, "dropout", 1.0)
+            getattr(torch.ops.flashwatch.observe_statistics, ops.CONTRACT)(
+                q, q, q, q, q, flag, counts, values, coverage, None, True, 0.5, 1e-3, False, 1.0, None, None, layer,
+                None, scores_only)
 
     def said() -> list:
         return [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]

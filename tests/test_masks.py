@@ -394,27 +394,30 @@ class CausalMaskAttention(nn.Module):
     """nanoGPT attention that passes its causal mask as a tensor made in its forward, as Hugging
     Face's models do under torch.compile; returns (batch, positions, channels)."""
 
-    def __init__(self, c=32, heads=2):
+    def __init__(self, c=32, heads=2, dropout_p=0.0):
         super().__init__()
         self.c_attn = nn.Linear(c, 3 * c, bias=False)
-        self.n_head = heads
+        self.n_head, self.dropout_p = heads, dropout_p
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p)
         return y.transpose(1, 2).reshape(b, t, c)
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["no dropout", "attention dropout"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_a_causal_mask_tensor_is_read_in_the_forward_and_measured_by_the_plain_pass(backend, monkeypatch):
+def test_a_causal_mask_tensor_is_read_in_the_forward_and_measured_by_the_plain_pass(backend, dropout_p, monkeypatch):
     """Whether a mask is only the causal pattern is read on monitored steps in the forward, where
     the mask is made, not in the backward: a read there waits for all the work queued before it,
     once a masked layer on every monitored step (on an H100, compiled GPT-2 small's monitored step
     took 30% longer than an unmonitored one, against 9% without a mask). Every call is measured by
-    the plain pass; unmonitored steps read nothing; compiled: no graph break, no recompilation
-    between monitored and unmonitored steps. Fail before: the read ran in the backward."""
+    the plain pass in the backward (with attention dropout: its scores only, counted as not measured
+    in full, compiled as in eager mode); unmonitored steps read nothing; compiled: no graph break, no
+    recompilation between monitored and unmonitored steps. Fail before: the read ran in the
+    backward, and a compiled call with dropout was measured in the forward, where it read too."""
     from flashwatch import kernels
     from flashwatch.kernels import ops
 
@@ -424,7 +427,7 @@ def test_a_causal_mask_tensor_is_read_in_the_forward_and_measured_by_the_plain_p
     monkeypatch.setattr(kernels, "attention_statistics",
                         lambda *a, **kw: (events.append(("plain", phase[0], kw["causal"])), plain(*a, **kw))[1])
     torch.manual_seed(0)
-    model = nn.Sequential(CausalMaskAttention(), CausalMaskAttention())
+    model = nn.Sequential(CausalMaskAttention(dropout_p=dropout_p), CausalMaskAttention(dropout_p=dropout_p))
     monitor = Monitor(MonitorConfig(interval=2, mode="observe", async_transfer=False))
     monitor.attach(model)
     torch._dynamo.reset()
@@ -444,7 +447,8 @@ def test_a_causal_mask_tensor_is_read_in_the_forward_and_measured_by_the_plain_p
     monitor.detach()
     monitored = [("read", "forward")] * 2 + [("plain", "backward", True)] * 2
     assert [events for events, _ in per_step] == [monitored, [], monitored]
-    assert per_step[0][1] == [[1, 1], [1, 1]]  # each layer's one call, measured
+    measured = int(dropout_p == 0.0)  # with dropout: a call, not measured in full
+    assert per_step[0][1] == [[1, measured], [1, measured]]
     if backend != "eager":
         assert not counters["graph_break"]
         assert int(ops.pattern_reads) - reads_before == 4  # the operator's count: 2 layers, 2 monitored steps

@@ -76,16 +76,12 @@ def test_the_observed_call_and_the_call_measured_in_part(call, masked):
         torch.library.opcheck(_op("mask_pattern"), (mask, c["flag"], reads, N), test_utils=CHECKS)
         pattern_read = _op("mask_pattern")(mask, c["flag"], reads, N)
         assert pattern_read.tolist() == [1, 0, 0, 1]  # read; neither causal nor full; a boolean mask: no bias
-    torch.library.opcheck(
-        _op("observe_statistics"),
-        (c["q"], c["k"], c["v"], c["out"], c["grad"], c["flag"], c["counts"], c["values"], c["coverage"], mask,
-         not masked, D ** -0.5, 1e-3, masked, c["unit_gap"], None, None, c["layer"], pattern_read),
-        test_utils=CHECKS)
-    torch.library.opcheck(
-        _op("score_statistics"),
-        (c["q"], c["k"], c["v"], c["out"], c["flag"], c["counts"], c["values"], c["coverage"], mask, not masked,
-         D ** -0.5, 1e-3, masked, c["layer"], "attention dropout is on", c["unit_gap"]),
-        test_utils=CHECKS)
+    for scores_only in (None, "attention dropout is on"):  # measured in full; its scores only
+        torch.library.opcheck(
+            _op("observe_statistics"),
+            (c["q"], c["k"], c["v"], c["out"], c["grad"], c["flag"], c["counts"], c["values"], c["coverage"], mask,
+             not masked, D ** -0.5, 1e-3, masked, c["unit_gap"], None, None, c["layer"], pattern_read, scores_only),
+            test_utils=CHECKS)
 
 
 def test_the_call_not_measured(call):

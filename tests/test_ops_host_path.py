@@ -96,8 +96,7 @@ def test_operators_have_no_python_version_bump():
     kernel: ``custom_op`` registers one for a mutating operator, which walks the schema once
     per argument on every call (about 50-100 us of host time a call). Fail before: the
     operators were ``custom_op``s."""
-    for name in ("attention_grad", "attention_with_stats", "observe_statistics", "score_statistics",
-                 "unmeasured_call", "mask_pattern"):
+    for name in ("attention_grad", "attention_with_stats", "observe_statistics", "unmeasured_call", "mask_pattern"):
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(ops.qualified(name), "ADInplaceOrView"), name
     schema = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)._schema
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -132,7 +131,8 @@ FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2, "v5": _
                 "v7": _OUTPUTS_V7, "v8": _OUTPUTS_V8}
 
 # Each operator's arguments under the current CONTRACT (v8: observe_statistics takes the mask's
-# pattern read by the new mask_pattern in the forward): a schema that changes must come with a new
+# pattern read by the new mask_pattern in the forward, and measures calls with dropout, which
+# score_statistics measured): a schema that changes must come with a new
 # CONTRACT too, for the same reason.
 SCHEMAS = {"v8": {
     "attention_with_stats": "(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, Tensor coverage, "
@@ -144,11 +144,8 @@ SCHEMAS = {"v8": {
     "observe_statistics": "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
                           "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, "
                           "float eps, bool masked, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer, "
-                          "Tensor? pattern_read) -> ()",
+                          "Tensor? pattern_read, str? scores_only) -> ()",
     "mask_pattern": "(Tensor attn_mask, Tensor flag, Tensor(a!) reads, int n) -> Tensor",
-    "score_statistics": "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor flag, Tensor(a!) counts, Tensor(b!) values, "
-                        "Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, float eps, bool masked, "
-                        "Tensor layer, str reason, float unit_gap) -> ()",
     "unmeasured_call": "(Tensor flag, Tensor(a!) coverage, Tensor layer, str reason) -> ()",
 }}
 
