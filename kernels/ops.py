@@ -383,7 +383,12 @@ def _mask_pattern_impl(attn_mask, flag, reads, n):
     if not _on(flag):
         return masked_pass.no_pattern_read()
     reads.add_(1)
-    return masked_pass.read_pattern(attn_mask, n)
+    try:
+        return masked_pass.read_pattern(attn_mask, n)
+    except Exception:  # never breaks the forward: the statistics pass reads the mask itself
+        _log_once(("mask_pattern",), "flashwatch: reading an attention mask's pattern failed; the statistics pass "
+                  "reads it in the backward instead", exc_info=True)
+        return masked_pass.no_pattern_read()
 
 
 def _mask_pattern_fake(attn_mask, flag, reads, n):

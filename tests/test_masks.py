@@ -466,3 +466,28 @@ def test_a_cuda_mask_s_pattern_is_read_into_pinned_memory_without_waiting():
     mask[0, 1] = True  # changed in place: read again, now any other mask
     assert masked._plain_equivalent(mask, 64) is None
     assert masked._plain_equivalent(mask, 64, masked.no_pattern_read()) is None  # a read of nothing: read now
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_failing_read_of_the_mask_s_pattern_changes_nothing_but_where_it_is_read(backend, monkeypatch):
+    """A read of the mask's pattern that fails in the forward never breaks the step: the backward
+    reads the mask itself and measures the call as before."""
+    read_pattern, failed = masked.read_pattern, []
+
+    def failing_in_the_forward(attn_mask, n):
+        if not failed:
+            failed.append(n)
+            raise RuntimeError("a read that fails")
+        return read_pattern(attn_mask, n)
+
+    monkeypatch.setattr(masked, "read_pattern", failing_in_the_forward)
+    torch.manual_seed(0)
+    model = CausalMaskAttention()
+    monitor = Monitor(MonitorConfig(interval=1, mode="observe", async_transfer=False))
+    monitor.attach(model)
+    torch._dynamo.reset()
+    run = model if backend == "eager" else torch.compile(model, backend=backend)
+    run(torch.randn(3, 8, 32)).square().sum().backward()
+    assert failed == [8] and monitor.layers[0].coverage.tolist() == [1, 1]
+    assert monitor.layers[0].stats.as_dict()["rows"] == [3 * 8.0] * 2
+    monitor.detach()
