@@ -32,6 +32,11 @@ shortcut off (every such call through the dense N x N pass, as before it existed
 ``--mask causal-dropout``: the mask with attention dropout 0.1 (Hugging Face GPT-2's default), whose
 calls' scores are measured (rows, repeated maxima, max logit) and their delta error not.
 
+The arms run one after another in one process. ``--baseline-again`` times each compiled mode's
+``sdpa`` arm once more after the others and compares the arms with the mean of its two runs
+(printing how far the second run drifted from the first): a device that slows as the run goes on
+would otherwise count against every arm after the first.
+
 Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--steps`` timed
 steps (CUDA events around every step, read once at the end, so timing adds no host sync).
 Reported: mean step time, mean monitored / unmonitored step, and the overheads against the
@@ -318,6 +323,10 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled arms")
     p.add_argument("--arms", default="sdpa,sdpa+observe,own_kernel,own_kernel+monitor",
                    help="the compiled arms to run, comma-separated (a run under the 10-minute limit of one call)")
+    p.add_argument("--baseline-again", action="store_true",
+                   help="time each compiled mode's sdpa arm again after its other arms: the arms run one after "
+                        "another, so a device that slows as the run goes on counts against every arm after the "
+                        "first; overheads are then against the mean of the two sdpa runs, and their drift is printed")
     p.add_argument("--mask", choices=("none", "causal", "causal-dense", "causal-dropout"), default="none",
                    help="causal: the attention is given its causal mask as a tensor (Hugging Face under compile); "
                         "causal-dense: the same, with the statistics' plain-pass shortcut for such masks off; "
@@ -342,15 +351,31 @@ def main(argv=None) -> int:
     for mode in args.compile:
         names += [f"{arm}@{mode}" for arm in chosen]
         pairs += [(f"{arm}@{mode}", f"sdpa@{mode}") for arm in chosen if arm != "sdpa"]
-    arms = [run_arm(name, args) for name in names]
+        if args.baseline_again and "sdpa" in chosen:
+            names.append(f"sdpa@{mode}")
+    arms = []
+    for name in names:
+        arm = run_arm(name, args)
+        if any(a["arm"] == name for a in arms):
+            arm["arm"] = f"{name} again"
+        arms.append(arm)
     by = {a["arm"]: a for a in arms}
+    baseline_ms = {}  # baseline arm -> the mean step its arms are compared with
+    for name, arm in by.items():
+        again = by.get(f"{name} again")
+        if again is None or "error" in arm:
+            continue
+        if "error" not in again:
+            arm["drift_of_the_baseline_again"] = again["mean_ms"] / arm["mean_ms"] - 1.0
+            baseline_ms[name] = (arm["mean_ms"] + again["mean_ms"]) / 2
     for monitored, base in pairs:
         if monitored not in by or base not in by:
             continue
         a, b = by[monitored], by[base]
         if "error" in a or "error" in b:
             continue
-        a["mean_overhead_vs_baseline"] = a["mean_ms"] / b["mean_ms"] - 1.0
+        a["mean_overhead_vs_baseline"] = a["mean_ms"] / baseline_ms.get(base, b["mean_ms"]) - 1.0
+        a["baseline_ms"] = baseline_ms.get(base, b["mean_ms"])
         if a["monitored_ms"] and a["unmonitored_ms"] and a["monitored_steps"] < a["steps"]:
             a["monitored_vs_unmonitored"] = a["monitored_ms"] / a["unmonitored_ms"] - 1.0
             a["monitored_vs_unmonitored_median"] = a["monitored_median_ms"] / a["unmonitored_median_ms"] - 1.0
@@ -375,6 +400,10 @@ def main(argv=None) -> int:
               + (f"  graphs {a['unique_graphs']}, graph breaks {a['graph_breaks']}" if "unique_graphs" in a else "")
               + (f", CUDA-graph partitions {a['cudagraph_partitions']}, skipped {a['cudagraph_skips']}"
                  if a.get("cudagraph_partitions") or a.get("cudagraph_skips") else ""))
+    for name, arm in by.items():
+        if "drift_of_the_baseline_again" in arm:
+            print(f"{name} again, after the other arms: {100 * arm['drift_of_the_baseline_again']:+.2f}% against its "
+                  f"first run; 'vs baseline' is against the mean of the two ({baseline_ms[name]:.2f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device_name, "torch": torch.__version__,

@@ -138,6 +138,29 @@ def test_monitor_overhead_compiled_arms_run_on_the_cpu(tmp_path):
         (mon[0] + mon[1]) / (unmon[0] + unmon[1]) - 1.0)  # two of each: a median is their mean
 
 
+@pytest.mark.slow
+def test_monitor_overhead_times_the_baseline_again_and_compares_with_both_runs(tmp_path, capsys):
+    """``--baseline-again``: the sdpa arm runs once more after the others; every arm's overhead is
+    against the mean of the two sdpa runs, and their drift is recorded and printed. Fails before:
+    the option did not exist, and every arm was compared with the first run alone."""
+    import json
+
+    monitor_overhead = _benchmark("monitor_overhead")
+    out = tmp_path / "again.json"
+    assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
+                                  "--steps", "4", "--interval", "2", "--compile", "default", "--only-compiled",
+                                  "--backend", "aot_eager", "--json", str(out), "--arms", "sdpa,sdpa+observe",
+                                  "--baseline-again"]) == 0
+    arms = [a for a in json.loads(out.read_text())["arms"]]
+    assert [a["arm"] for a in arms] == ["sdpa@default", "sdpa+observe@default", "sdpa@default again"]
+    first, observed, again = arms
+    both = (first["mean_ms"] + again["mean_ms"]) / 2
+    assert observed["baseline_ms"] == pytest.approx(both)
+    assert observed["mean_overhead_vs_baseline"] == pytest.approx(observed["mean_ms"] / both - 1.0)
+    assert first["drift_of_the_baseline_again"] == pytest.approx(again["mean_ms"] / first["mean_ms"] - 1.0)
+    assert "sdpa@default again, after the other arms" in capsys.readouterr().out
+
+
 def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was():
     """Part 1 of benchmarks/launch_overhead.py runs without a GPU; it turns the opt-in cache on for
     its own timing and restores the switch afterwards (a fresh process: Triton's import state)."""
