@@ -28,12 +28,13 @@ Under ``torch.compile`` the same routing is traced into the compiled graph as cu
 ``flashwatch::attention_with_stats``; each call carries its layer's statistics buffers, and whether the
 step is monitored is the Router's ``flag`` tensor, read when the operators run, so monitored
 and unmonitored steps share one compiled graph (no recompilation, no graph break). Calls
-measured in part are marked too (``ops.observe(..., scores_only=reason)``: their scores are measured
-in the backward); calls not measured at all are counted by ``flashwatch::unmeasured_call``. For the W^Q-gradient error chain, compiled code carries each
-call's projection input X (on every step: the graph is the same for monitored ones) and the layer's
-key (``ops.register_layer``: a tensor, so that a block compiled once serves every block), whose
-rows source the backward operators ask for the call's rows hook on monitored steps; the source
-also puts W^Q's gradient hook in place, before that backward accumulates W^Q's gradient.
+measured in part are marked too (``ops.observe(..., scores_only=reason)``: their scores are
+measured in the backward); calls not measured at all are counted by ``flashwatch::unmeasured_call``.
+For the W^Q-gradient error chain, compiled code carries each call's projection input X (on every
+step: the graph is the same for monitored ones) and the layer's key (``ops.register_layer``: a
+tensor, so that a block compiled once serves every block), whose rows source the backward
+operators ask for the call's rows hook on monitored steps; the source also puts W^Q's gradient
+hook in place, before that backward accumulates W^Q's gradient.
 
 Every layer counts its attention calls on monitored steps (``AttentionLayer.coverage``:
 [calls, calls measured in full]), so a layer whose calls cannot be measured reads coverage 0. An
@@ -43,11 +44,15 @@ pass has run there: a pass that failed leaves the call unmeasured.
 
 Cautions:
 
-- The model must call ``torch.nn.functional.scaled_dot_product_attention`` through the module
+- The model calls ``torch.nn.functional.scaled_dot_product_attention`` through the module
   attribute at call time (``F.scaled_dot_product_attention(...)``, as nanoGPT and Hugging Face
-  SDPA attention do); a name imported earlier with ``from torch.nn.functional import ...``
-  is not reached. A layer whose calls are never seen at a monitored step reads coverage 0 (the
-  ``attention_coverage`` alert), and the Monitor logs once that it saw no call.
+  SDPA attention do), or by a name its attention class's module bound at import
+  (``from torch.nn.functional import scaled_dot_product_attention``): while a router is
+  installed, such names in the modules that define the attached layers' classes and their
+  ``forward`` are bound to the wrapper too, and given back with torch's SDPA. A name bound
+  elsewhere (a helper module the forward calls) is not reached: a layer whose calls are never
+  seen at a monitored step reads coverage 0 (the ``attention_coverage`` alert), and the Monitor
+  logs once that it saw no call.
 - Activation checkpointing re-runs the forward in the backward; that adds nothing: the
   statistics are taken in the backward, and the forward's max logit is a maximum.
 - Statistics are collected only where autograd records (``torch.is_grad_enabled()``), so
@@ -63,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -166,13 +172,38 @@ def _sdpa_dispatch(*args, **kwargs):
     return router.call(layer, args, kwargs, x, rotation)
 
 
-def _install() -> None:
+# (Python module, name) -> what the name was bound to before the wrapper: SDPA bound at import
+_rebound: dict = {}
+
+
+def _defining_modules(layers: Sequence[AttentionLayer]) -> list:
+    """The Python modules that define the layers' classes and their ``forward`` (not torch's own)."""
+    names = set()
+    for layer in layers:
+        cls = type(layer.module)
+        names.update({cls.__module__, getattr(getattr(cls, "forward", None), "__module__", None)})
+    return [sys.modules[n] for n in sorted(n for n in names if n) if n in sys.modules
+            and n != "torch" and not n.startswith("torch.")]
+
+
+def _rebind(modules: Sequence[Any]) -> None:
+    """Bind names of ``modules`` that hold torch's SDPA (bound at import) to the wrapper."""
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            if value is _original_sdpa or value is _import_time_sdpa:
+                _rebound[(module, name)] = value
+                setattr(module, name, _sdpa_dispatch)
+
+
+def _install(modules: Sequence[Any] = ()) -> None:
+    """Route torch's SDPA, and the names of ``modules`` bound to it at import."""
     global _original_sdpa, _users
     with _install_lock:
         if _users == 0:
             _original_sdpa = F.scaled_dot_product_attention
             F.scaled_dot_product_attention = _sdpa_dispatch
         _users += 1
+        _rebind(modules)
 
 
 def _uninstall(keys: Sequence[int] = (), handles: Sequence[Any] = ()) -> None:
@@ -199,6 +230,10 @@ def _uninstall(keys: Sequence[int] = (), handles: Sequence[Any] = ()) -> None:
         else:
             log.warning("torch.nn.functional.scaled_dot_product_attention was replaced by someone else after "
                         "flashwatch attached; leaving that replacement in place")
+        for (module, name), value in _rebound.items():
+            if getattr(module, name, None) is _sdpa_dispatch:  # else rebound by someone since: left as it is
+                setattr(module, name, value)
+        _rebound.clear()
         _original_sdpa = None
 
 
@@ -411,7 +446,7 @@ class Router:
             self._handles.append(layer.module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
             self._handles.append(layer.module.register_forward_hook(self._exit_hook))
         self._keys = self._register_layers()
-        _install()
+        _install(_defining_modules(self.layers))
         # the hooks hold the router weakly: a router dropped without remove() (its Monitor dropped,
         # the model still training) takes its hooks off and gives torch's SDPA back once the
         # garbage collector frees it

@@ -358,3 +358,55 @@ def test_a_call_measured_in_part_counts_once_under_activation_checkpointing(mode
     assert monitor.layers[0].stats.as_dict()["rows"] == [32.0, 32.0]
     monitor.detach()
     monitor.close()
+
+
+_BOUND_AT_IMPORT = '''
+import torch
+from torch import nn
+from torch.nn.functional import scaled_dot_product_attention as attend
+
+
+class Attention(nn.Module):
+    """nanoGPT attention that calls SDPA by a name its module bound at import."""
+
+    def __init__(self, c=32, heads=2):
+        super().__init__()
+        self.c_attn = nn.Linear(c, 3 * c, bias=False)
+        self.n_head = heads
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        return attend(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+'''
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
+def test_sdpa_bound_at_import_by_the_model_s_module_is_measured(tmp_path, monkeypatch, mode, compiled):
+    """A model file that binds SDPA at import (``from torch.nn.functional import
+    scaled_dot_product_attention as attend``) is measured while the Monitor is attached, and its
+    name is given back on detach. Fails before: its calls bypassed flashwatch (coverage 0)."""
+    import importlib
+    import sys
+
+    import torch.nn.functional as F
+
+    (tmp_path / "bound_model.py").write_text(_BOUND_AT_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("bound_model")
+    torch.manual_seed(0)
+    model = module.Attention()
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(model)
+    try:
+        torch._dynamo.reset()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        run(torch.randn(2, 8, 32)).square().sum().backward()
+        assert monitor.layers[0].coverage.tolist() == [1, 1]
+        assert monitor.layers[0].stats.as_dict()["rows"] == [2 * 8.0] * 2
+    finally:
+        monitor.detach()
+        monitor.close()
+        sys.modules.pop("bound_model", None)
+    assert module.attend is F.scaled_dot_product_attention  # given back
