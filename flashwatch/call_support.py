@@ -88,7 +88,8 @@ def statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, num_h
 MEASURED = {  # what the log says of the calls of each route
     None: "those calls are not measured",
     "scores": "their repeated maxima and max logit are measured, their delta error is not",
-    "masked_scores": "their repeated maxima and max logit are measured by the dense statistics pass, padding rows "
-                     "left out; their delta error is not",
-    "masked": "they are measured by the dense statistics pass, padding rows left out",
+    "masked_scores": "their repeated maxima and max logit are measured by the masked statistics pass (padding rows "
+                     "left out; the plain pass where the mask is only the causal pattern); their delta error is not",
+    "masked": "they are measured by the masked statistics pass (padding rows left out; the plain pass where the mask "
+              "is only the causal pattern)",
 }
