@@ -512,6 +512,7 @@ def test_detach_then_attach_again_continues_the_signals():
     ("plain_loop.py", ["--steps", "6", "--interval", "2", "--bf16", "--compile"]),
     ("plain_loop.py", ["--steps", "6", "--interval", "2", "--fp16"]),
     ("hf_transformers.py", ["--steps", "3", "--interval", "2", "--family", "llama"]),
+    ("hf_transformers.py", ["--steps", "3", "--interval", "2", "--family", "gpt2", "--compile"]),
 ])
 def test_examples_run(script, args, capsys, fresh_dynamo):
     import pathlib
