@@ -242,20 +242,6 @@ def original_sdpa() -> Callable:
     return _original_sdpa if _original_sdpa is not None else _import_time_sdpa
 
 
-
-def _pattern_read(attn_mask, q, k, is_causal):
-    """A self-attention mask's pattern, read now (in the forward) without waiting, for the
-    backward's choice of statistics pass (``masked.read_pattern``); None where none is asked for."""
-    from flashwatch.kernels import masked
-
-    if not isinstance(q, torch.Tensor) or not masked.has_pattern(attn_mask, q.shape[2], k.shape[2], bool(is_causal)):
-        return None
-    try:
-        return masked.read_pattern(attn_mask, q.shape[2])
-    except Exception:  # the statistics pass reads the mask itself, in the backward
-        return None
-
-
 def _bind(args: tuple, kwargs: dict) -> list:
     vals = list(_SDPA_DEFAULTS)
     for i, a in enumerate(args[: len(vals)]):
@@ -782,7 +768,9 @@ class Router:
                 coverage, measure = layer.coverage, self._measure_scores
                 saved = (q.detach(), k.detach(), v.detach(), out.detach()) if route is not None else None
                 mask = attn_mask if route == "masked_scores" else None
-                pattern_read = _pattern_read(mask, q, k, is_causal) if mask is not None else None
+                # a self-attention mask's pattern, read now without waiting, for the backward's choice of pass
+                pattern_read = masked.start_read(mask, q.shape[2], k.shape[2], bool(is_causal)) \
+                    if mask is not None else None
 
                 def on_grad(grad_out):
                     coverage[0] += 1  # an attention call, not measured in full
@@ -803,7 +791,7 @@ class Router:
             saved = (q.detach(), k.detach(), v.detach(), out.detach())
             causal, eps, on_error = bool(is_causal), self.eps, self.on_error
             mask_route = route == "masked"
-            pattern_read = _pattern_read(attn_mask, q, k, is_causal) if mask_route else None
+            pattern_read = masked.start_read(attn_mask, q.shape[2], k.shape[2], bool(is_causal)) if mask_route else None
             rows_hook = self._chain_hooks(layer, args[0] if args else kwargs.get("query"), q.shape[-1], scale)
 
             def on_grad(grad_out):

@@ -47,6 +47,8 @@ are masked layers).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from torch.utils.weak import WeakIdKeyDictionary
@@ -55,7 +57,9 @@ from .checks import check_qkv
 from .reference import _add_delta_stats, _add_max_logit, _compute_dtype, _expand_kv, format_tie_flags, row_top2, tie_flags
 from .stats import AttentionStats
 
-__all__ = ["attention_statistics", "mask_reason", "has_pattern", "read_pattern", "no_pattern_read"]
+__all__ = ["attention_statistics", "mask_reason", "has_pattern", "start_read", "read_pattern", "no_pattern_read"]
+
+log = logging.getLogger("flashwatch")
 
 
 def mask_reason(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> str | None:
@@ -98,6 +102,7 @@ _patterns: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # data pointer of a read's pinned tensor -> the event after its copy, while that copy may be in flight
 _in_flight: dict = {}
 _IN_FLIGHT_KEPT = 1024  # past this many, the events already passed are forgotten
+_read_failed = False  # start_read has logged a failed read
 
 # read_pattern's tensor: int8 (4,) [read, causal, full, unbiased]; read = 0: nothing was read
 PATTERN_READ_SHAPE = (4,)
@@ -113,6 +118,23 @@ def has_pattern(attn_mask, nq: int, nk: int, causal: bool) -> bool:
     equal query and key lengths, not causal (a caller that has the mask earlier can start the read
     then: ``read_pattern``)."""
     return isinstance(attn_mask, torch.Tensor) and not causal and nq == nk
+
+
+def start_read(attn_mask, nq: int, nk: int, causal: bool) -> torch.Tensor | None:
+    """``read_pattern``'s read of ``attn_mask`` where ``attention_statistics`` will ask for one
+    (``has_pattern``), else None. Never raises: a read that fails is logged once and gives None
+    (the statistics pass then reads the mask itself)."""
+    global _read_failed
+    if not has_pattern(attn_mask, nq, nk, causal):
+        return None
+    try:
+        return read_pattern(attn_mask, nq)
+    except Exception:
+        if not _read_failed:
+            _read_failed = True
+            log.warning("flashwatch: reading an attention mask's pattern failed; the statistics pass reads it "
+                        "itself instead", exc_info=True)
+        return None
 
 
 def read_pattern(attn_mask: torch.Tensor, n: int) -> torch.Tensor:

@@ -383,12 +383,8 @@ def _mask_pattern_impl(attn_mask, flag, reads, n):
     if not _on(flag):
         return masked_pass.no_pattern_read()
     reads.add_(1)
-    try:
-        return masked_pass.read_pattern(attn_mask, n)
-    except Exception:  # never breaks the forward: the statistics pass reads the mask itself
-        _log_once(("mask_pattern",), "flashwatch: reading an attention mask's pattern failed; the statistics pass "
-                  "reads it in the backward instead", exc_info=True)
-        return masked_pass.no_pattern_read()
+    read = masked_pass.start_read(attn_mask, n, n, False)  # None where it failed: the backward reads the mask
+    return read if read is not None else masked_pass.no_pattern_read()
 
 
 def _mask_pattern_fake(attn_mask, flag, reads, n):
@@ -506,9 +502,9 @@ def observe(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``scores_only``: for a call whose delta error cannot be measured (attention dropout), the
     reason, logged once per layer: the backward adds only its rows, repeated maxima and max logit,
     and counts it as a call, not as a measured one."""
-    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     from .masked import has_pattern
 
+    scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     mask = attn_mask.detach() if isinstance(attn_mask, torch.Tensor) else None
     n = q.shape[2]
