@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|compiledtwice|plainsweep|
+#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|compiledtwice|interleaved|plainsweep|
 #                                   autotune|autotunekernels|monitoredkernels|monitorab|abtimes|chaintests|owncheck|statsab|kernelcheck|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
@@ -106,6 +106,11 @@ for step in $steps; do
                 --baseline-again --json "$OUT/monitor_overhead_compiled_run$run.json" 2>&1 \
                 | tee "$OUT/monitor_overhead_compiled_run$run.log" | grep -v Warning
         done ;;
+    # the four compiled arms side by side, 20 steps of each in turn (two monitored steps a turn): a device
+    # that drifts during the run weighs on every arm alike
+    interleaved) timeout 420 python3 benchmarks/monitor_overhead.py --only-compiled --compile default --steps 200 \
+                --interleave 20 --json "$OUT/monitor_overhead_interleaved.json" 2>&1 \
+                | tee "$OUT/monitor_overhead_interleaved.log" | grep -v Warning ;;
     bench) timeout 480 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
     ab) befores=$(for b in kernels/_ab_before kernels/_ab_before.py kernels/_ab_before_*; do [ -e "$b" ] && echo "--before $b"; done)
         timeout 400 python3 benchmarks/kernel_ab.py $befores --json "$OUT/kernel_ab.json" 2>&1 | tee "$OUT/kernel_ab.log" ;;

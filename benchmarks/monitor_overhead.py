@@ -35,7 +35,10 @@ calls' scores are measured (rows, repeated maxima, max logit) and their delta er
 The arms run one after another in one process. ``--baseline-again`` times each compiled mode's
 ``sdpa`` arm once more after the others and compares the arms with the mean of its two runs
 (printing how far the second run drifted from the first): a device that slows as the run goes on
-would otherwise count against every arm after the first.
+would otherwise count against every arm after the first. ``--interleave STEPS`` instead builds and
+compiles each mode's arms first and then times them side by side, STEPS steps of one arm, then of the
+next, the first arm of each round one further on, so that such a drift weighs on every arm alike
+(``allocator`` is then the whole interleaved run's, marked ``all_arms``).
 
 Each arm runs ``--warmup`` steps (compilation, first monitored step), then ``--steps`` timed
 steps (CUDA events around every step, read once at the end, so timing adds no host sync).
@@ -47,6 +50,10 @@ host-bound one and one arm's compiled code from another's:
 
 - ``step_ms`` / ``step_monitored``: every timed step (device time between CUDA events) and
   whether it was monitored (where a slow unmonitored step sits: right after a monitored one?);
+- ``min_coverage``: the lowest attention coverage of any layer at the arm's last monitored step
+  (1.0: every attention call measured; None without a Monitor);
+- ``step_sequence``: each timed step's place among all the timed steps of the process (which arm
+  ran when: the device's drift over the run, the blocks of ``--interleave``);
 - ``host_ms``: every timed step's host time (the loop's Python, launches included; a step whose
   host time reaches its device time is host-bound);
 - ``host_enqueue_ms``: after the timed steps, ``--idle-start-steps`` more steps, each started on an idle
@@ -55,7 +62,9 @@ host-bound one and one arm's compiled code from another's:
 - ``allocator``: the CUDA caching allocator's retries, device allocations and frees during the
   timed steps, and the peak memory (each arm starts from a collected, emptied cache);
 - ``generated_code``: a short hash of each module Inductor generated for the arm (two arms with
-  the same hashes ran the same compiled code).
+  the same hashes ran the same compiled code); ``unique_graphs``: the graphs Dynamo compiled for
+  it (0 for an arm served by code compiled for another arm of the same model class, as the two
+  own-kernel arms are side by side: their steps differ only in the Monitor's flag, read at run time).
 
     python benchmarks/monitor_overhead.py --json monitor_overhead.json
     python benchmarks/monitor_overhead.py --compile default max-autotune-no-cudagraphs --json compiled.json
@@ -67,6 +76,7 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import itertools
 import json
 import statistics
 import time
@@ -97,6 +107,14 @@ def flashwatch_attention():
         F.scaled_dot_product_attention = original
 
 
+class _Unattached(GPT):
+    """The same model under its own class, for the arms without a Monitor. Compiled in one process
+    beside a GPT a Monitor is attached to (``--interleave``), the two would share compiled code:
+    Dynamo does not guard on a module's hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``),
+    so the unattached model's graph, which has no statistics, could serve the attached one. Another
+    class is guarded apart (the compiled code is the same)."""
+
+
 class _HostEvent:
     """A host-clock stand-in for torch.cuda.Event on the CPU."""
 
@@ -111,24 +129,103 @@ def run_arm(name: str, args) -> dict:
     """One arm; a compiled arm that raises is reported with its error instead of stopping the run."""
     if "@" not in name:
         return _run_arm(name, args)
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
-    counters.clear()
     try:
-        with _generated_modules() as paths:
-            result = _run_arm(name, args)
+        arm = _Arm(name, args)
+        with _Compiled(arm):
+            arm.run(args.warmup, timed=False)
+        allocator_before = _allocator_counts(args.device)
+        with _Compiled(arm):
+            arm.run(args.steps)
+        arm.allocator = _allocator_delta(args.device, allocator_before)
+        arm.enqueue_from_idle(args.idle_start_steps)
+        return arm.result()
     except Exception as exc:  # noqa: BLE001 - a benchmark reports what failed and goes on
-        return {"arm": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    result["arm"] = name
-    result["generated_code"] = _code_hashes(paths)
-    result["graph_breaks"] = sum(counters["graph_break"].values())
-    result["unique_graphs"] = counters["stats"]["unique_graphs"]
+        return _failed(name, exc)
+
+
+def run_interleaved(names: list[str], args) -> list[dict]:
+    """The compiled arms ``names`` side by side in one process: each built and compiled first, then
+    timed ``args.interleave`` steps at a time in turn, the first arm of each round one further on
+    (round r starts with arm r mod n), until each has run ``args.steps``. A device that speeds up or
+    slows down during the run then weighs on every arm alike. An arm that fails is reported with its
+    error and left out of the rounds."""
+    torch._dynamo.reset()
+    arms, failed = [], {}
+    for name in names:  # every Monitor attached before anything compiles: a later attach would recompile the others
+        try:
+            arms.append(_Arm(name, args))
+        except Exception as exc:  # noqa: BLE001
+            failed[name] = _failed(name, exc)
+    for arm in arms:
+        try:
+            with _Compiled(arm):
+                arm.run(args.warmup, timed=False)
+        except Exception as exc:  # noqa: BLE001
+            arm.error = exc
+    allocator_before = _allocator_counts(args.device)
+    done = 0
+    for r in range(-(-args.steps // args.interleave)):
+        block = min(args.interleave, args.steps - done)
+        for i in range(len(arms)):
+            arm = arms[(r + i) % len(arms)]
+            if arm.error is None:
+                try:
+                    with _Compiled(arm):
+                        arm.run(block)
+                except Exception as exc:  # noqa: BLE001
+                    arm.error = exc
+        done += block
+    allocator = _allocator_delta(args.device, allocator_before)
+    results = dict(failed)
+    for arm in arms:
+        if arm.error is not None:
+            results[arm.label] = _failed(arm.label, arm.error)
+            continue
+        arm.allocator = {**allocator, "all_arms": True}  # one allocator for the arms that ran side by side
+        arm.enqueue_from_idle(args.idle_start_steps)
+        results[arm.label] = arm.result()
+        results[arm.label]["interleaved_steps"] = args.interleave
+    return [results[name] for name in names]
+
+
+def _failed(name: str, exc: BaseException) -> dict:
+    return {"arm": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+
+
+class _Compiled:
+    """Around a block of a compiled arm's steps: what Dynamo and Inductor did in it, added to the
+    arm's own counts (graph breaks, graphs, CUDA-graph partitions and skips) and generated modules,
+    so that arms run side by side each get their own."""
+
+    def __init__(self, arm: "_Arm"):
+        self.arm = arm
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters
+
+        self.before = _compile_counts(counters)
+        self.modules = _generated_modules()
+        self.paths = self.modules.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        from torch._dynamo.utils import counters
+
+        self.modules.__exit__(*exc)
+        after = _compile_counts(counters)
+        for key, value in after.items():
+            self.arm.compile_counts[key] = self.arm.compile_counts.get(key, 0) + value - self.before[key]
+        self.arm.generated.update(self.paths)
+        return False
+
+
+def _compile_counts(counters) -> dict:
     # under CUDA graphs (mode="reduce-overhead"): the pieces Inductor cut its graphs into around operators that
     # must run outside a graph, and the graphs it ran without CUDA graphs (0 and 0 in the other modes)
-    result["cudagraph_partitions"] = counters["inductor"]["cudagraph_partitions"]
-    result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
-    return result
+    return {"graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"],
+            "cudagraph_partitions": counters["inductor"]["cudagraph_partitions"],
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 @contextlib.contextmanager
@@ -196,108 +293,164 @@ def _pass_causal_mask(model: GPT, dropout_p: float = 0.0) -> None:
 
 
 def _run_arm(name: str, args) -> dict:
-    name, _, compile_mode = name.partition("@")
-    dev = args.device
-    gc.collect()  # the previous arm's model, optimizer and compiled code: freed before this one starts
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)
-    if args.tiny:  # a CPU smoke test of this script
-        cfg = GPTConfig(block_size=args.seq, vocab_size=256, n_layer=2, n_head=2, n_embd=128, bias=True)
-    else:
-        cfg = GPTConfig(block_size=args.seq, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=True)
-    model = GPT(cfg).to(dev)
-    if args.mask != "none":
-        _pass_causal_mask(model, dropout_p=0.1 if args.mask == "causal-dropout" else 0.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=dev, generator=g)
-               for _ in range(8)]
-    monitor = None
-    route = contextlib.nullcontext()
-    if name == "sdpa+observe":
-        monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval))
-    elif name == "sdpa+observe_no_chain":
-        monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval, wq_error_chain=False))
-    elif name == "flashwatch":
-        route = flashwatch_attention()
-    elif name == "flashwatch+own_kernel" or name == "own_kernel+monitor":
-        monitor = Monitor(MonitorConfig(mode="own_kernel", interval=args.interval))
-    elif name == "own_kernel":  # flashwatch's kernel; step 0 (warm-up) is its only monitored step
-        monitor = Monitor(MonitorConfig(mode="own_kernel", interval=10**9))
-    if monitor is not None:
-        monitor.attach(model)
-    run = model
-    if compile_mode:
-        run = torch.compile(model, mode=None if compile_mode == "default" else compile_mode, backend=args.backend)
-    total = args.warmup + args.steps
-    if dev == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(total)]
-    else:
-        events = [(_HostEvent(), _HostEvent()) for _ in range(total)]
-    monitored, host = [], []
+    """An eager arm, alone: warm-up, timed steps, then steps from an idle device."""
+    arm = _Arm(name, args)
+    with arm.route:
+        arm.run(args.warmup, timed=False)
+        allocator_before = _allocator_counts(args.device)
+        arm.run(args.steps)
+        arm.allocator = _allocator_delta(args.device, allocator_before)
+        arm.enqueue_from_idle(args.idle_start_steps)
+    return arm.result()
 
-    def one_step(step: int, event_pair=None):
-        xb = batches[step % len(batches)]
+
+_TIMED = itertools.count()  # the process's timed steps, in the order they ran (every arm's)
+
+
+class _Arm:
+    """One arm's model, optimizer, data and Monitor (``label``: ``<arm>`` or ``<arm>@<compile mode>``),
+    run a block of steps at a time: ``run`` times each step with a pair of CUDA events (read once, in
+    ``result``: timing adds no host sync) and its host time."""
+
+    def __init__(self, label: str, args):
+        self.label, self.args = label, args
+        name, _, compile_mode = label.partition("@")
+        dev = self.dev = args.device
+        gc.collect()  # the previous arm's model, optimizer and compiled code: freed before this one starts
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(0)
+        if args.tiny:  # a CPU smoke test of this script
+            cfg = GPTConfig(block_size=args.seq, vocab_size=256, n_layer=2, n_head=2, n_embd=128, bias=True)
+        else:
+            cfg = GPTConfig(block_size=args.seq, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=True)
+        self.model = model = (_Unattached if name in ("sdpa", "flashwatch") else GPT)(cfg).to(dev)
+        if args.mask != "none":
+            _pass_causal_mask(model, dropout_p=0.1 if args.mask == "causal-dropout" else 0.0)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                     fused=dev == "cuda")
+        g = torch.Generator(device=dev).manual_seed(0)
+        self.batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=dev, generator=g)
+                        for _ in range(8)]
+        self.monitor = monitor = None
+        self.route = contextlib.nullcontext()
+        if name == "sdpa+observe":
+            monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval))
+        elif name == "sdpa+observe_no_chain":
+            monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval, wq_error_chain=False))
+        elif name == "flashwatch":
+            self.route = flashwatch_attention()
+        elif name == "flashwatch+own_kernel" or name == "own_kernel+monitor":
+            monitor = Monitor(MonitorConfig(mode="own_kernel", interval=args.interval))
+        elif name == "own_kernel":  # flashwatch's kernel; step 0 (warm-up) is its only monitored step
+            monitor = Monitor(MonitorConfig(mode="own_kernel", interval=10**9))
+        if monitor is not None:
+            monitor.attach(model)
+        self.monitor = monitor
+        self.run_model = model
+        if compile_mode:
+            self.run_model = torch.compile(model, mode=None if compile_mode == "default" else compile_mode,
+                                           backend=args.backend)
+        self.steps_run = 0
+        self.events: list = []  # (start, end) of every timed step
+        self.monitored: list[bool] = []
+        self.sequence: list[int] = []  # each timed step's place among the process's timed steps
+        self.host: list[float] = []
+        self.idle: dict[bool, list[float]] = {True: [], False: []}
+        self.allocator: dict = {}
+        self.compile_counts: dict = {}
+        self.generated: set = set()
+        self.error: BaseException | None = None
+        self.loss = None
+
+    def _event_pair(self):
+        if self.dev == "cuda":
+            return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        return _HostEvent(), _HostEvent()
+
+    def _one_step(self, event_pair=None):
+        xb = self.batches[self.steps_run % len(self.batches)]
+        self.steps_run += 1
         if event_pair is not None:
             event_pair[0].record()
-        with torch.autocast(dev, dtype=torch.bfloat16):
-            _, loss = run(xb[:, :-1], xb[:, 1:])
+        with torch.autocast(self.dev, dtype=torch.bfloat16):
+            _, loss = self.run_model(xb[:, :-1], xb[:, 1:])
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if monitor is not None:
-            monitor.step(loss=loss.detach(), grad_norm=norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.monitor is not None:
+            self.monitor.step(loss=loss.detach(), grad_norm=norm)
         if event_pair is not None:
             event_pair[1].record()
+        self.loss = loss
         return loss
 
-    allocator_before: dict = {}
-    with route:
-        for step in range(total):
-            if step == args.warmup:
-                if dev == "cuda":
-                    torch.cuda.synchronize()
-                allocator_before = _allocator_counts(dev)
-            monitored.append(monitor is not None and monitor.monitoring)
+    def run(self, steps: int, timed: bool = True) -> None:
+        """``steps`` training steps, each timed (``timed``) or not (the warm-up)."""
+        pairs = [self._event_pair() for _ in range(steps)] if timed else [None] * steps
+        for pair in pairs:
+            monitored = self.monitor is not None and self.monitor.monitoring
             t0 = time.perf_counter()
-            loss = one_step(step, events[step])
-            host.append((time.perf_counter() - t0) * 1e3)
-        if dev == "cuda":
+            self._one_step(pair)
+            if timed:
+                self.host.append((time.perf_counter() - t0) * 1e3)
+                self.monitored.append(monitored)
+                self.events.append(pair)
+                self.sequence.append(next(_TIMED))
+        if not timed and self.dev == "cuda":
             torch.cuda.synchronize()
-        allocator = {k: v - allocator_before.get(k, 0) for k, v in _allocator_counts(dev).items()}
-        if dev == "cuda":
-            allocator["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        # the host's own cost of a step: each of these steps starts on an idle device
-        idle = {True: [], False: []}
-        for step in range(total, total + args.idle_start_steps):
-            is_monitored = monitor is not None and monitor.monitoring
-            if dev == "cuda":
+
+    def enqueue_from_idle(self, steps: int) -> None:
+        """The host's own cost of a step: ``steps`` more, each started on an idle device."""
+        for _ in range(steps):
+            is_monitored = self.monitor is not None and self.monitor.monitoring
+            if self.dev == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            one_step(step)
-            idle[is_monitored].append((time.perf_counter() - t0) * 1e3)
-        if dev == "cuda":
+            self._one_step()
+            self.idle[is_monitored].append((time.perf_counter() - t0) * 1e3)
+        if self.dev == "cuda":
             torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in events][args.warmup:]
-    flags = monitored[args.warmup:]
-    mon = [t for t, f in zip(times, flags) if f]
-    unmon = [t for t, f in zip(times, flags) if not f]
-    if monitor is not None:
-        monitor.detach()
-        monitor.close()
-    return {"arm": name, "mean_ms": statistics.mean(times), "median_ms": statistics.median(times),
-            "monitored_ms": statistics.mean(mon) if mon else None,
-            "unmonitored_ms": statistics.mean(unmon) if unmon else None,
-            "monitored_median_ms": statistics.median(mon) if mon else None,
-            "unmonitored_median_ms": statistics.median(unmon) if unmon else None, "steps": len(times),
-            "monitored_steps": len(mon), "final_loss": float(loss.detach()),
-            "step_ms": times, "step_monitored": flags, "host_ms": host[args.warmup:],
-            "host_enqueue_ms": {"unmonitored": statistics.mean(idle[False]) if idle[False] else None,
-                                "monitored": statistics.mean(idle[True]) if idle[True] else None},
-            "allocator": allocator}
+
+    def result(self) -> dict:
+        """The arm's timings (see the module docstring); detaches and closes its Monitor."""
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+            self.allocator["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        times = [s.elapsed_time(e) for s, e in self.events]
+        flags = self.monitored
+        mon = [t for t, f in zip(times, flags) if f]
+        unmon = [t for t, f in zip(times, flags) if not f]
+        coverage = None
+        if self.monitor is not None:
+            self.monitor.flush()
+            coverage = min(self.monitor.snapshot().get("flashwatch_attention_coverage", {}).values(), default=None)
+            self.monitor.detach()
+            self.monitor.close()
+        idle = self.idle
+        out = {"arm": self.label, "mean_ms": statistics.mean(times), "median_ms": statistics.median(times),
+               "monitored_ms": statistics.mean(mon) if mon else None,
+               "unmonitored_ms": statistics.mean(unmon) if unmon else None,
+               "monitored_median_ms": statistics.median(mon) if mon else None,
+               "unmonitored_median_ms": statistics.median(unmon) if unmon else None, "steps": len(times),
+               "monitored_steps": len(mon), "final_loss": float(self.loss.detach()),
+               "step_ms": times, "step_monitored": flags, "step_sequence": self.sequence, "host_ms": self.host,
+               "host_enqueue_ms": {"unmonitored": statistics.mean(idle[False]) if idle[False] else None,
+                                   "monitored": statistics.mean(idle[True]) if idle[True] else None},
+               "allocator": self.allocator, "min_coverage": coverage}
+        if "@" in self.label:
+            out["generated_code"] = _code_hashes(self.generated)
+            out.update(self.compile_counts)
+        return out
+
+
+def _allocator_delta(dev: str, before: dict) -> dict:
+    """The allocator's retries, device allocations and frees since ``before`` (after a sync)."""
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return {k: v - before.get(k, 0) for k, v in _allocator_counts(dev).items()}
 
 
 def _fmt(ms) -> str:
@@ -327,11 +480,19 @@ def main(argv=None) -> int:
                    help="time each compiled mode's sdpa arm again after its other arms: the arms run one after "
                         "another, so a device that slows as the run goes on counts against every arm after the "
                         "first; overheads are then against the mean of the two sdpa runs, and their drift is printed")
+    p.add_argument("--interleave", type=int, default=0, metavar="STEPS",
+                   help="run each compiled mode's arms side by side, STEPS timed steps at a time in turn (a multiple "
+                        "of --interval keeps each block's share of monitored steps equal): a device that drifts "
+                        "during the run then weighs on every arm alike; 0 (default): one arm after another")
     p.add_argument("--mask", choices=("none", "causal", "causal-dense", "causal-dropout"), default="none",
                    help="causal: the attention is given its causal mask as a tensor (Hugging Face under compile); "
                         "causal-dense: the same, with the statistics' plain-pass shortcut for such masks off; "
                         "causal-dropout: the mask with attention dropout 0.1")
     args = p.parse_args(argv)
+    if args.interleave < 0:
+        p.error(f"--interleave takes a number of steps >= 0, got {args.interleave}")
+    if args.interleave and args.baseline_again:
+        p.error("--interleave and --baseline-again: choose one (arms run side by side need no second baseline)")
     if args.mask == "causal-dense":  # every masked call through the dense pass, as before the shortcut
         from flashwatch.kernels import masked
 
@@ -348,9 +509,14 @@ def main(argv=None) -> int:
     unknown = set(chosen) - set(known)
     if unknown:
         p.error(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(known)}")
+    side_by_side = []  # per compile mode, its arms when they run interleaved
     for mode in args.compile:
-        names += [f"{arm}@{mode}" for arm in chosen]
+        these = [f"{arm}@{mode}" for arm in chosen]
         pairs += [(f"{arm}@{mode}", f"sdpa@{mode}") for arm in chosen if arm != "sdpa"]
+        if args.interleave:
+            side_by_side.append(these)
+            continue
+        names += these
         if args.baseline_again and "sdpa" in chosen:
             names.append(f"sdpa@{mode}")
     arms = []
@@ -359,6 +525,8 @@ def main(argv=None) -> int:
         if any(a["arm"] == name for a in arms):
             arm["arm"] = f"{name} again"
         arms.append(arm)
+    for these in side_by_side:
+        arms += run_interleaved(these, args)
     by = {a["arm"]: a for a in arms}
     baseline_ms = {}  # baseline arm -> the mean step its arms are compared with
     for name, arm in by.items():
@@ -399,7 +567,8 @@ def main(argv=None) -> int:
               f" {_fmt(a['host_enqueue_ms']['unmonitored']):>10s}"
               + (f"  graphs {a['unique_graphs']}, graph breaks {a['graph_breaks']}" if "unique_graphs" in a else "")
               + (f", CUDA-graph partitions {a['cudagraph_partitions']}, skipped {a['cudagraph_skips']}"
-                 if a.get("cudagraph_partitions") or a.get("cudagraph_skips") else ""))
+                 if a.get("cudagraph_partitions") or a.get("cudagraph_skips") else "")
+              + (f", LOWEST LAYER COVERAGE {a['min_coverage']:.2f}" if a.get("min_coverage") not in (None, 1.0) else ""))
     for name, arm in by.items():
         if "drift_of_the_baseline_again" in arm:
             print(f"{name} again, after the other arms: {100 * arm['drift_of_the_baseline_again']:+.2f}% against its "

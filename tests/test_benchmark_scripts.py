@@ -161,6 +161,38 @@ def test_monitor_overhead_times_the_baseline_again_and_compares_with_both_runs(t
     assert "sdpa@default again, after the other arms" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_monitor_overhead_interleaves_the_compiled_arms_in_turns(tmp_path):
+    """``--interleave 2``: the compiled arms, built and compiled first, are timed two steps at a time
+    in turn, each round starting one arm further on; each arm compiles before the timed steps and
+    not in them (one graph for the model without a Monitor, whose class differs from the monitored
+    one's), and every attention call of the observed arm's monitored steps is measured. Fails
+    before: the option did not exist."""
+    import json
+
+    monitor_overhead = _benchmark("monitor_overhead")
+    out = tmp_path / "interleaved.json"
+    assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
+                                  "--steps", "6", "--interval", "2", "--compile", "default", "--only-compiled",
+                                  "--backend", "aot_eager", "--json", str(out), "--arms", "sdpa,sdpa+observe",
+                                  "--interleave", "2"]) == 0
+    sdpa, observed = json.loads(out.read_text())["arms"]
+    assert [sdpa["arm"], observed["arm"]] == ["sdpa@default", "sdpa+observe@default"]
+    first = min(sdpa["step_sequence"])
+    order = sorted([(i - first, "sdpa") for i in sdpa["step_sequence"]]
+                   + [(i - first, "observe") for i in observed["step_sequence"]])
+    assert [arm for _, arm in order] == ["sdpa"] * 2 + ["observe"] * 4 + ["sdpa"] * 4 + ["observe"] * 2
+    assert [i for i, _ in order] == list(range(12))
+    for arm in (sdpa, observed):
+        assert arm["steps"] == 6 and arm["interleaved_steps"] == 2 and arm["graph_breaks"] == 0, arm
+    assert sdpa["unique_graphs"] == 1 and observed["unique_graphs"] == 1  # none compiled in the timed turns
+    assert observed["step_monitored"] == [True, False] * 3 and "mean_overhead_vs_baseline" in observed
+    assert observed["min_coverage"] == 1.0 and sdpa["min_coverage"] is None
+    with pytest.raises(SystemExit):
+        monitor_overhead.main(["--device", "cpu", "--tiny", "--compile", "default", "--interleave", "2",
+                               "--baseline-again"])
+
+
 def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was():
     """Part 1 of benchmarks/launch_overhead.py runs without a GPU; it turns the opt-in cache on for
     its own timing and restores the switch afterwards (a fresh process: Triton's import state)."""
