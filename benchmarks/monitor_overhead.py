@@ -109,10 +109,10 @@ def flashwatch_attention():
 
 class _Unattached(GPT):
     """The same model under its own class, for the arms without a Monitor. Compiled in one process
-    beside a GPT a Monitor is attached to (``--interleave``), the two would share compiled code:
-    Dynamo does not guard on a module's hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``),
-    so the unattached model's graph, which has no statistics, could serve the attached one. Another
-    class is guarded apart (the compiled code is the same)."""
+    beside a GPT a Monitor is attached to (``--interleave``), the two could share compiled code where
+    flashwatch cannot tell its attention modules apart for Dynamo: ``--mask`` gives every arm's
+    attention modules a ``forward`` of their own (the same function), which flashwatch leaves as it
+    is (``routing._OwnForward``). Another class is guarded apart (the compiled code is the same)."""
 
 
 class _HostEvent:

@@ -70,6 +70,7 @@ import logging
 import math
 import sys
 import threading
+import types
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -204,6 +205,36 @@ def _install(modules: Sequence[Any] = ()) -> None:
             F.scaled_dot_product_attention = _sdpa_dispatch
         _users += 1
         _rebind(modules)
+
+
+class _OwnForward:
+    """An attached attention module's ``forward`` as an attribute of the module itself (the class's
+    own function, bound: it runs the same code), removed again by ``remove()``.
+
+    torch.compile must tell an attached module from an unattached one of the same class: the hooks
+    that route its calls are not guarded by Dynamo (``torch._dynamo.config.skip_nnmodule_hook_guards``),
+    so code compiled for a model nobody attached (a second model of the same class in the process)
+    would otherwise be run for the attached one, which then goes unmeasured. Dynamo does guard a
+    module whose ``forward`` is its own attribute, so each gets its own compiled code. A module that
+    already has its own ``forward`` (set by a library or the user) is left as it is: it is told apart
+    already. Holds the module weakly (a router's finalizer keeps its handles)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._module = weakref.ref(module)
+        self._bound_id = None
+        if "forward" not in vars(module):
+            bound = types.MethodType(type(module).forward, module)
+            module.forward = bound
+            self._bound_id = id(bound)
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is None or self._bound_id is None:
+            return
+        current = vars(module).get("forward")
+        if id(current) == self._bound_id and getattr(current, "__self__", None) is module:  # not replaced since
+            del module.forward
+        self._bound_id = None
 
 
 def _uninstall(keys: Sequence[int] = (), handles: Sequence[Any] = ()) -> None:
@@ -431,6 +462,7 @@ class Router:
         for layer in self.layers:
             self._handles.append(layer.module.register_forward_pre_hook(self._enter_hook(layer), with_kwargs=True))
             self._handles.append(layer.module.register_forward_hook(self._exit_hook))
+            self._handles.append(_OwnForward(layer.module))
         self._keys = self._register_layers()
         _install(_defining_modules(self.layers))
         # the hooks hold the router weakly: a router dropped without remove() (its Monitor dropped,

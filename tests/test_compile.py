@@ -312,6 +312,49 @@ def test_flipping_the_monitored_flag_recompiles_nothing():
     assert sum(1 for s in seen if s["stats"][0]["rows"][0] > 0) == 2
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_of_the_same_class_compiled_first_does_not_stand_in_for_the_attached_one(mode):
+    """Two models of one class in one process, both compiled (aot_eager) with gradients: the one
+    without a Monitor runs first, then the attached one, and each once more. Every monitored step
+    of the attached model reads its own statistics, those of the same model alone and eager (its
+    calls, not the other's: the other's steps add nothing), and ``detach()`` leaves it without a
+    ``forward`` of its own. Fails before: Dynamo does not guard a module's hooks, so the attached
+    model ran the code compiled for the other, and none of its calls was measured."""
+
+    def one_step(run, x, w, monitor=None):
+        (run(x) * w).sum().backward()
+        if monitor is None:
+            return None
+        seen = ([layer.stats.as_dict() for layer in monitor.layers], [layer.coverage.tolist() for layer in monitor.layers])
+        monitor.step()
+        return seen
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 16, 32, generator=g), torch.randn(2, 16, 32, generator=g)
+    torch.manual_seed(1)
+    alone = Stack()
+    reference = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    reference.attach(alone)
+    expected = one_step(alone, x, w, reference)
+    reference.detach()
+    torch.manual_seed(0)
+    other = Stack()
+    torch.manual_seed(1)
+    attached = Stack()
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor.attach(attached)
+    run_other, run_attached = torch.compile(other, backend="aot_eager"), torch.compile(attached, backend="aot_eager")
+    for _ in range(2):
+        one_step(run_other, x, w)
+        stats, coverage = one_step(run_attached, x, w, monitor)
+        assert coverage == [[1, 1]] * 3
+        for layer, (got, want) in enumerate(zip(stats, expected[0])):
+            for name in STAT_FIELDS:
+                assert got[name] == want[name], (layer, name, got[name], want[name])
+    monitor.detach()
+    assert not any("forward" in vars(block) for block in attached.blocks)
+
+
 def test_a_fresh_thread_compiles_once():
     """The router's per-thread state exists from the start: a first compiled step in a new
     thread (a data-parallel worker, a Lightning thread) adds no guard on its creation."""
