@@ -941,16 +941,28 @@ def test_a_compiled_query_changed_by_plain_code_reads_nan(caplog):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_observe_mode_leaves_the_gradients_of_the_compiled_model(backend):
-    """Observe mode must not change training under torch.compile either: every parameter's gradient,
-    at monitored and unmonitored steps, equals that of the same model compiled without a Monitor (a
-    GPT with layer norms and MLPs, whose fused code is where a changed graph would round apart)."""
+    """Observe mode must not change training under torch.compile either (a GPT with layer norms and
+    MLPs, whose fused code is where a changed graph would round apart, under BF16 autocast). With
+    aot_eager every parameter's gradient, at monitored and unmonitored steps, equals that of the same
+    model compiled without a Monitor bit for bit. Inductor may fuse the model's own kernels otherwise
+    beside the Monitor's backward operator: on some CPUs (an AMD EPYC with AVX2) the first block's input
+    is then read from memory where without the Monitor it is recomputed from the embeddings, and the
+    embeddings' and the second block's layer-norm gradients differ by a fraction of a unit in the last
+    place of their largest entry (2.5e-8 of it measured); so there each gradient is held within 4
+    units in the last place of its largest entry (FP32), which any change of what is computed exceeds."""
     from flashwatch.tinygpt import GPTConfig
     from training_cases import first_difference, gradients
 
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
     plain = gradients(config, "cpu", monitored=False, compile_backend=backend)
     observed = gradients(config, "cpu", monitored=True, compile_backend=backend)
-    assert first_difference(plain, observed) is None
+    if backend == "aot_eager":
+        assert first_difference(plain, observed) is None
+        return
+    eps = torch.finfo(torch.float32).eps
+    for t, (a_step, b_step) in enumerate(zip(plain, observed)):
+        for i, (a, b) in enumerate(zip(a_step, b_step)):
+            assert (a - b).abs().max() <= 4 * eps * a.abs().max(), (t, i, first_difference(plain, observed))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
