@@ -568,7 +568,8 @@ def main(argv=None) -> int:
               + (f"  graphs {a['unique_graphs']}, graph breaks {a['graph_breaks']}" if "unique_graphs" in a else "")
               + (f", CUDA-graph partitions {a['cudagraph_partitions']}, skipped {a['cudagraph_skips']}"
                  if a.get("cudagraph_partitions") or a.get("cudagraph_skips") else "")
-              + (f", LOWEST LAYER COVERAGE {a['min_coverage']:.2f}" if a.get("min_coverage") not in (None, 1.0) else ""))
+              + (f", LOWEST LAYER COVERAGE {a['min_coverage']:.2f}"
+                 if a.get("min_coverage") not in (None, 1.0) else ""))
     for name, arm in by.items():
         if "drift_of_the_baseline_again" in arm:
             print(f"{name} again, after the other arms: {100 * arm['drift_of_the_baseline_again']:+.2f}% against its "

@@ -325,7 +325,8 @@ def test_a_model_of_the_same_class_compiled_first_does_not_stand_in_for_the_atta
         (run(x) * w).sum().backward()
         if monitor is None:
             return None
-        seen = ([layer.stats.as_dict() for layer in monitor.layers], [layer.coverage.tolist() for layer in monitor.layers])
+        seen = ([layer.stats.as_dict() for layer in monitor.layers],
+                [layer.coverage.tolist() for layer in monitor.layers])
         monitor.step()
         return seen
 
