@@ -126,21 +126,23 @@ class _HostEvent:
 
 
 def run_arm(name: str, args) -> dict:
-    """One arm; a compiled arm that raises is reported with its error instead of stopping the run."""
-    if "@" not in name:
-        return _run_arm(name, args)
-    torch._dynamo.reset()
+    """One arm alone: warm-up, timed steps, then steps from an idle device. A compiled arm that
+    raises is reported with its error instead of stopping the run."""
+    compiled = "@" in name
+    if compiled:
+        torch._dynamo.reset()
     try:
         arm = _Arm(name, args)
-        with _Compiled(arm):
+        with arm.route, _Compiled(arm):
             arm.run(args.warmup, timed=False)
-        allocator_before = _allocator_counts(args.device)
-        with _Compiled(arm):
+            allocator_before = _allocator_counts(args.device)
             arm.run(args.steps)
-        arm.allocator = _allocator_delta(args.device, allocator_before)
-        arm.enqueue_from_idle(args.idle_start_steps)
+            arm.allocator = _allocator_delta(args.device, allocator_before)
+            arm.enqueue_from_idle(args.idle_start_steps)
         return arm.result()
     except Exception as exc:  # noqa: BLE001 - a benchmark reports what failed and goes on
+        if not compiled:
+            raise
         return _failed(name, exc)
 
 
@@ -292,18 +294,6 @@ def _pass_causal_mask(model: GPT, dropout_p: float = 0.0) -> None:
         block.attn.forward = types.MethodType(forward, block.attn)
 
 
-def _run_arm(name: str, args) -> dict:
-    """An eager arm, alone: warm-up, timed steps, then steps from an idle device."""
-    arm = _Arm(name, args)
-    with arm.route:
-        arm.run(args.warmup, timed=False)
-        allocator_before = _allocator_counts(args.device)
-        arm.run(args.steps)
-        arm.allocator = _allocator_delta(args.device, allocator_before)
-        arm.enqueue_from_idle(args.idle_start_steps)
-    return arm.result()
-
-
 _TIMED = itertools.count()  # the process's timed steps, in the order they ran (every arm's)
 
 
@@ -313,7 +303,7 @@ class _Arm:
     ``result``: timing adds no host sync) and its host time."""
 
     def __init__(self, label: str, args):
-        self.label, self.args = label, args
+        self.label = label
         name, _, compile_mode = label.partition("@")
         dev = self.dev = args.device
         gc.collect()  # the previous arm's model, optimizer and compiled code: freed before this one starts
@@ -333,7 +323,7 @@ class _Arm:
         g = torch.Generator(device=dev).manual_seed(0)
         self.batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=dev, generator=g)
                         for _ in range(8)]
-        self.monitor = monitor = None
+        monitor = None
         self.route = contextlib.nullcontext()
         if name == "sdpa+observe":
             monitor = Monitor(MonitorConfig(mode="observe", interval=args.interval))
