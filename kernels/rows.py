@@ -37,20 +37,25 @@ KERNEL_REDUCTION: bool = switch("FLASHWATCH_KERNEL_REDUCTION")
 class RowOutputs:
     """What a launch with per-row outputs needs; ``hook`` None: store buffers only (tuning).
 
-    ``block_m``: the launch's BLOCK_M (rows per program), which sizes reduce mode's partial sums."""
+    ``block_m``: the launch's BLOCK_M (rows per program), which sizes reduce mode's partial sums.
+    ``fold``: in reduce mode, row blocks per program (the statistics kernel's FOLD; the launch's
+    grid then has cdiv(cdiv(N, block_m), fold) programs along the rows, one slot each); ``self.fold``
+    is the fold the launch must use: ``fold`` in reduce mode, 1 in store mode."""
 
-    def __init__(self, q: torch.Tensor, hook: Optional[RowsHook], block_m: int):
+    def __init__(self, q: torch.Tensor, hook: Optional[RowsHook], block_m: int, fold: int = 1):
         self.hook = hook
         B, H, N, D = q.shape
         offer = getattr(hook, "reduction", None) if KERNEL_REDUCTION else None
         self.reduction: Optional[RowReduction] = offer(q) if callable(offer) else None
+        self.fold = fold if self.reduction is not None else 1
         if self.reduction is not None:
             layout = self.reduction.check(q)  # xv and xo contiguous, or read in place from the chain's product
             r = self.reduction
             blocks = -(-N // block_m)
-            # one slot per program, (B, H, blocks) order; every slot is written by its program
-            self.part_ugv = torch.empty((B, H, blocks), dtype=torch.float32, device=q.device)
-            self.part_sketch = torch.empty((B, H, blocks) + tuple(r.sketch.shape[1:]), dtype=torch.float32,
+            slots = -(-blocks // fold)  # programs along the rows
+            # one slot per program, (B, H, slots) order; every slot is written by its program
+            self.part_ugv = torch.empty((B, H, slots), dtype=torch.float32, device=q.device)
+            self.part_sketch = torch.empty((B, H, slots) + tuple(r.sketch.shape[1:]), dtype=torch.float32,
                                            device=q.device)
             # ERR_ROWS and PK are never written in reduce mode: any FP32 pointer will do
             self.args = (self.part_ugv,) * 2 + (r.u, r.xv, r.xo, self.part_ugv, self.part_sketch)

@@ -173,10 +173,40 @@ def _launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale, cfg):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
-def _row_outputs(q: torch.Tensor, hook, cfg: dict) -> RowOutputs:
+def _row_outputs(q: torch.Tensor, hook, cfg: dict, fold: int = 1) -> RowOutputs:
     """Per-row outputs for AttentionStats.rows_hook (``rows.RowOutputs``: buffers or a reduction)
-    of a launch at the tiles ``cfg``."""
-    return RowOutputs(q, hook, cfg["BLOCK_M"])
+    of a launch at the tiles ``cfg`` (``fold``: row blocks per program in reduce mode)."""
+    return RowOutputs(q, hook, cfg["BLOCK_M"], fold)
+
+
+# The statistics kernel in reduce mode: how many programs per SM a launch must keep for its programs to
+# take several row blocks each (FOLD): each takes 4 or 2 where that leaves at least this many
+_FOLD_PROGRAMS_PER_SM = 4
+
+
+def statistics_fold(blocks: int, rows_of_blocks: int, device: torch.device) -> int:
+    """Row blocks per program of the statistics kernel in reduce mode (``_attn_stats_kernel``'s FOLD):
+    ``blocks`` row blocks in each of ``rows_of_blocks`` (batch, head) pairs. Each fold divides the
+    partial sums written and then read by ``chain_sums.add_partials`` (50 MB a call at GPT-2 small,
+    batch 16), at the cost of fewer, longer programs: 4, else 2, where the launch keeps
+    ``_FOLD_PROGRAMS_PER_SM`` programs per SM, else 1 (and 1 off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    floor = _FOLD_PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else
+                                              torch.cuda.current_device())
+    for fold in (4, 2):
+        if _cdiv(blocks, fold) * rows_of_blocks >= floor:
+            return fold
+    return 1
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def _launch_dq(q, k, v, o, r, do, lse, delta, dq, rowmax, st, causal, sm_scale, eps, stats_on, cfg, rows=None,
@@ -293,8 +323,10 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
     upcast, exact = _workarounds(q.device)
     hook = stats.rows_hook
     c = tuning.choose("stats" if hook is None else "stats_rows", q, causal, None)
-    rows = _row_outputs(q, hook, c) if hook is not None else None
-    launch(_attn_stats_kernel, (_cdiv(N, c["BLOCK_M"]), B * H), (
+    blocks = _cdiv(N, c["BLOCK_M"])
+    rows = _row_outputs(q, hook, c, statistics_fold(blocks, B * H, q.device)) if hook is not None else None
+    fold = rows.fold if rows is not None else 1
+    launch(_attn_stats_kernel, (_cdiv(blocks, fold), B * H), (
         q, k, v, out, grad_out, stats.repeated_max_rows, stats.repeated_max_rows_bf16,
         stats.repeated_max_rows_format, stats.max_logit,
         stats.delta_error, stats.delta_error_abs, stats.delta_error_sq, stats.delta_error_tied,
@@ -302,8 +334,8 @@ def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causa
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(grad_out),
         H, G, N, float(sm_scale), float(eps), float(stats.unit_gap)), dict(
         HEAD_DIM=D, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-        CAUSAL=causal, **row_flags(rows), IEEE=q.dtype == torch.float32, UPCAST=upcast, EXACT_BF16=exact,
-        num_warps=c["num_warps"], num_stages=c["num_stages"]))
+        CAUSAL=causal, **row_flags(rows), FOLD=fold, IEEE=q.dtype == torch.float32, UPCAST=upcast,
+        EXACT_BF16=exact, num_warps=c["num_warps"], num_stages=c["num_stages"]))
     stats.rows.add_(B * N)
     if rows is not None:
         rows.finish()

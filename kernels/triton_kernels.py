@@ -313,7 +313,8 @@ def _add_row_statistics(ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ, ST_ET
 
 @triton.jit
 def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm_scale, U, XV, XO, UGV, SKETCH,
-                 HEAD_DIM: tl.constexpr, SKETCH_R: tl.constexpr, X_STRIDE: tl.constexpr, XV_LO: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, SKETCH_R: tl.constexpr, X_STRIDE: tl.constexpr, XV_LO: tl.constexpr,
+                 accumulate=False):
     """The W^Q-gradient error of a block of rows, reduced in place of storing it (``REDUCE``).
 
     pk (BLOCK_M, D) FP32 (0 on rows >= N), err (BLOCK_M,) FP32 (0 on rows >= N); the call's
@@ -327,9 +328,11 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm
     SKETCH[part] (D, SKETCH_R) = pk^T (c x Omega) (of dG_h Omega), FP32 (the sketch's product on
     tensor cores in TF32, each factor kept to 10 explicit bits: within 2^-9 of each term, far
     below the sketch's own spread, which only cosines read), with
-    ``part`` the program's index in (B * H, cdiv(N, BLOCK_M)) order: plain stores, one slot per
+    ``part`` the program's slot in (B * H, slots per (batch, head)) order: plain stores, one slot per
     program, summed over batch and blocks after the launch (``rows.RowOutputs.finish``; no
-    atomics: no contention, and the same sum in every run)."""
+    atomics: no contention, and the same sum in every run). ``accumulate`` (a program that reduces
+    several row blocks, ``_attn_stats_kernel``'s FOLD): add to what this program stored in its slot
+    for an earlier block (the caller puts a barrier between the rounds) instead of overwriting it."""
     c = -sm_scale * err
     u = tl.load(U + h * HEAD_DIM + offs_d)
     x_cols = (tl.num_programs(1) // H).to(tl.int64) * N  # B * N: a column of y's transpose (X_STRIDE -1)
@@ -341,7 +344,10 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm
         if XV_LO != 0:
             xv += tl.load(XV + (XV_LO + h) * x_cols + rows, mask=row_ok, other=0.0)
     pu = tl.sum(pk * u[None, :], 1)  # (BLOCK_M,)
-    tl.store(UGV + part, tl.sum(c * pu * xv, 0))
+    ugv = tl.sum(c * pu * xv, 0)
+    if accumulate:
+        ugv += tl.load(UGV + part)
+    tl.store(UGV + part, ugv)
     # the (D, SKETCH_R) product at once, on tensor cores in TF32 (neither kernel spills at D 64: 127 and 244
     # registers; in column blocks of 16 the transposed P K was read back from shared memory once a block:
     # docs/KERNEL_TUNING.md)
@@ -352,7 +358,10 @@ def _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm
     else:  # X_STRIDE -1
         xo = tl.load(XO + offs_r[None, :] * x_cols + rows[:, None], mask=row_ok[:, None], other=0.0)
     sk = tl.dot(tl.trans(pk), c[:, None] * xo, input_precision="tf32")  # (D, SKETCH_R)
-    tl.store(SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R + offs_r[None, :], sk)
+    slot = SKETCH + part * HEAD_DIM * SKETCH_R + offs_d[:, None] * SKETCH_R + offs_r[None, :]
+    if accumulate:
+        sk += tl.load(slot)
+    tl.store(slot, sk)
 
 
 @triton.jit
@@ -754,19 +763,19 @@ def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, 
 
 
 @triton.jit
-def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS,
-                       PK, U, XV, XO, UGV, SKETCH, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob,
-                       sdoh, sdon, H, G, N, sm_scale, eps, gap,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                       EXACT_BF16: tl.constexpr, REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16,
-                       X_STRIDE: tl.constexpr = 0, XV_LO: tl.constexpr = 0):
-    # grid: (cdiv(N, BLOCK_M), B * H). Reads q, k, v, the other kernel's output O and dO;
-    # adds per-head counts, max logit and delta-error sums. delta_hp = rowsum(P * dP) is
-    # accumulated online like the softmax denominator: d = sum exp(s - m) * dP, then d / l.
-    # With ROWS it also stores each row's delta error and P K, accumulated the same way; with
-    # REDUCE (needs ROWS) it reduces them into the W^Q-error chain's sums instead (_reduce_rows).
-    start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
+def _stats_block(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS,
+                 PK, U, XV, XO, UGV, SKETCH, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob,
+                 sdoh, sdon, H, N, sm_scale, eps, gap, start_m, bh, b, h, kvh, part, accumulate,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                 EXACT_BF16: tl.constexpr, REDUCE: tl.constexpr, SKETCH_R: tl.constexpr,
+                 X_STRIDE: tl.constexpr, XV_LO: tl.constexpr):
+    # One block of BLOCK_M query rows from start_m of (batch b, query head h, kv head kvh), bh = b * H + h:
+    # reads q, k, v, the other kernel's output O and dO; adds per-head counts, max logit and delta-error
+    # sums. delta_hp = rowsum(P * dP) is accumulated online like the softmax denominator: d = sum exp(s - m)
+    # * dP, then d / l. With ROWS it also stores each row's delta error and P K, accumulated the same way;
+    # with REDUCE (needs ROWS) it reduces them into slot ``part`` of the W^Q-error chain's partial sums
+    # instead (_reduce_rows; ``accumulate``: added to what the program stored there for an earlier block).
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < N
@@ -809,8 +818,55 @@ def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E
         row_base = bh.to(tl.int64) * N
         if REDUCE:
             pk = tl.where(row_ok[:, None], pk / l_i[:, None], 0.0)  # no 0/0 of an empty row
-            _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, _block_part(bh, start_m, N, BLOCK_M), N,
-                         sm_scale, U, XV, XO, UGV, SKETCH, HEAD_DIM, SKETCH_R, X_STRIDE, XV_LO)
+            _reduce_rows(pk, err, row_ok, offs_m, offs_d, b, h, H, row_base, part, N, sm_scale, U, XV, XO, UGV,
+                         SKETCH, HEAD_DIM, SKETCH_R, X_STRIDE, XV_LO, accumulate)
         else:
             tl.store(ERR_ROWS + row_base + offs_m, err, mask=row_ok)
             _store_rows(PK + row_base * HEAD_DIM, offs_m, HEAD_DIM, offs_d, N, pk / l_i[:, None])
+
+
+@triton.jit
+def _folded_block(j, pid, P):
+    """The row block of round j of program pid among P (``_attn_stats_kernel``'s FOLD): rounds go
+    up and down the blocks in turn (snake order: j even pid + j P, j odd (j + 1) P - 1 - pid), so
+    under a causal mask every program's two rounds j, j + 1 visit the same number of key blocks."""
+    return tl.where(j % 2 == 0, j * P + pid, (j + 1) * P - 1 - pid)
+
+
+@triton.jit
+def _attn_stats_kernel(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS,
+                       PK, U, XV, XO, UGV, SKETCH, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob,
+                       sdoh, sdon, H, G, N, sm_scale, eps, gap,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, ROWS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                       EXACT_BF16: tl.constexpr, REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16,
+                       X_STRIDE: tl.constexpr = 0, XV_LO: tl.constexpr = 0, FOLD: tl.constexpr = 1):
+    # grid: (cdiv(cdiv(N, BLOCK_M), FOLD), B * H). FOLD 1: a program per block of BLOCK_M query rows.
+    # FOLD > 1 (REDUCE only): each program takes FOLD row blocks of its (batch, head) one after another
+    # (_folded_block) and sums their shares in one slot of the partial sums, so the partials are FOLD times
+    # smaller (GPT-2 small at batch 16: 50 MB a call at FOLD 1); the slot is (b * H + h) * P + pid for P
+    # programs along the rows.
+    if FOLD == 1:
+        start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
+        _stats_block(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED, ERR_ROWS,
+                     PK, U, XV, XO, UGV, SKETCH, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob,
+                     sdoh, sdon, H, N, sm_scale, eps, gap, start_m, bh, b, h, kvh,
+                     _block_part(bh, start_m, N, BLOCK_M), False, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, ROWS, IEEE,
+                     UPCAST, EXACT_BF16, REDUCE, SKETCH_R, X_STRIDE, XV_LO)
+    else:
+        tl.static_assert(REDUCE, "FOLD > 1 needs REDUCE: the folded rounds share one partial-sum slot")
+        pid = tl.program_id(0)
+        P = tl.num_programs(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        part = bh.to(tl.int64) * P + pid
+        for j in range(FOLD):
+            block = _folded_block(j, pid, P)
+            if block * BLOCK_M < N:
+                _stats_block(Q, K, V, O, DO, ST_REP, ST_REP_B, ST_REP_F, ST_MAXL, ST_E, ST_EABS, ST_ESQ, ST_ETIED,
+                             ERR_ROWS, PK, U, XV, XO, UGV, SKETCH, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob,
+                             soh, son, sdob, sdoh, sdon, H, N, sm_scale, eps, gap, block * BLOCK_M, bh, b, h, h // G,
+                             part, j > 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, ROWS, IEEE, UPCAST, EXACT_BF16, REDUCE,
+                             SKETCH_R, X_STRIDE, XV_LO)
+            tl.debug_barrier()  # the slot's stores by every thread before the next round reads it

@@ -85,6 +85,65 @@ def test_views_of_the_product_read_along_its_rows_are_refused():
         attention_statistics(q, k, v, q, q, stats)
 
 
+@pytest.fixture
+def folds(monkeypatch):
+    """Set the statistics kernel's FOLD (row blocks per program in reduce mode) and record each
+    launch's FOLD and grid."""
+    from flashwatch.kernels import triton_attn
+
+    seen = []
+    launch = triton_attn.launch
+
+    def recording(kernel, grid, args, kwargs):
+        if kernel is triton_attn._attn_stats_kernel:
+            seen.append((kwargs["FOLD"], grid))
+        return launch(kernel, grid, args, kwargs)
+
+    monkeypatch.setattr(triton_attn, "launch", recording)
+
+    def use(fold):
+        monkeypatch.setattr(triton_attn, "statistics_fold", lambda blocks, pairs, device: fold)
+        return seen
+
+    return use
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("fold", [2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 2, 1, 97, 16), (1, 2, 2, 70, 32)], ids=["B2H2Hkv1N97", "B1H2N70"])
+def test_folded_statistics_reduction_matches_float64_interpreted(shape, causal, fold, folds):
+    """The statistics kernel's programs each taking ``fold`` row blocks (the last program fewer where the
+    blocks do not divide) and summing their shares in one slot: the same sums as float64."""
+    B, H, Hkv, N, D = shape
+    seen = folds(fold)
+    check_reduction(*random_qkv(B, H, N, D, Hkv=Hkv, seed=N + fold), causal=causal, mode="observe", r=16,
+                    seed=fold)
+    # the reducing call ran folded (the plain hook's call stores rows: FOLD 1), over fewer programs
+    (got_fold, grid), (plain_fold, plain_grid) = seen
+    assert (got_fold, plain_fold) == (fold, 1)
+    assert grid[0] == -(-plain_grid[0] // fold) and plain_grid[0] > fold and plain_grid[0] % fold
+    assert grid[1] == plain_grid[1] == B * H
+
+
+@pytest.mark.usefixtures("interpret_dispatch")
+def test_folded_statistics_reduction_repeats_bit_for_bit_interpreted(folds):
+    folds(4)
+    check_reduction_repeats(*random_qkv(2, 2, 70, 16, Hkv=1, seed=6), mode="observe", r=16, seed=6)
+
+
+def test_the_statistics_kernel_folds_only_where_the_launch_keeps_the_gpu_full(monkeypatch):
+    """4 row blocks a program, else 2, where 4 programs per SM remain; else none (and none off CUDA)."""
+    from flashwatch.kernels import triton_attn
+
+    monkeypatch.setattr(triton_attn, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert triton_attn.statistics_fold(16, 192, cuda) == 4  # GPT-2 small, batch 16: 768 programs
+    assert triton_attn.statistics_fold(16, 96, cuda) == 2  # batch 8: 384 programs at 4, 768 at 2
+    assert triton_attn.statistics_fold(16, 12, cuda) == 1  # batch 1
+    assert triton_attn.statistics_fold(16, 192, torch.device("cpu")) == 1
+
+
 @pytest.mark.usefixtures("interpret_dispatch")
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])
 def test_reduction_repeats_bit_for_bit_interpreted(mode):
@@ -139,6 +198,39 @@ def test_reduction_matches_float64_on_the_gpu(N, D, Hkv, causal, mode):
 
     check_reduction(*random_qkv(2, 4, N, D, Hkv=Hkv, device="cuda", seed=N + D), causal=causal, mode=mode,
                     r=SKETCH_DIM, seed=N)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", [2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_folded_statistics_reduction_matches_float64_on_the_gpu(causal, fold, folds):
+    from flashwatch.chain import SKETCH_DIM
+
+    seen = folds(fold)
+    check_reduction(*random_qkv(2, 4, 1025, 64, Hkv=2, device="cuda", seed=fold), causal=causal, mode="observe",
+                    r=SKETCH_DIM, seed=fold)
+    assert [f for f, _ in seen] == [fold, 1]
+
+
+@pytest.mark.gpu
+def test_the_statistics_reduction_at_gpt2_small_folds_and_matches_float64_on_the_gpu(monkeypatch):
+    """GPT-2 small's call at batch 16 (12 heads, 1024, 64): the fold the launcher picks there (4 on an
+    H100 or H200), checked with the factors read in place as the chain offers them."""
+    from flashwatch.chain import SKETCH_DIM
+    from flashwatch.kernels import triton_attn
+
+    seen = []
+    launch = triton_attn.launch
+
+    def recording(kernel, grid, args, kwargs):
+        if kernel is triton_attn._attn_stats_kernel:
+            seen.append(kwargs["FOLD"])
+        return launch(kernel, grid, args, kwargs)
+
+    monkeypatch.setattr(triton_attn, "launch", recording)
+    check_reduction(*random_qkv(16, 12, 1024, 64, device="cuda", seed=16), mode="observe", r=SKETCH_DIM, seed=16,
+                    in_place="columns")
+    assert seen[0] > 1 and seen[1] == 1, seen
 
 
 @pytest.mark.gpu
