@@ -64,7 +64,9 @@ host-bound one and one arm's compiled code from another's:
 - ``generated_code``: a short hash of each module Inductor generated for the arm (two arms with
   the same hashes ran the same compiled code); ``unique_graphs``: the graphs Dynamo compiled for
   it (0 for an arm served by code compiled for another arm of the same model class, as the two
-  own-kernel arms are side by side: their steps differ only in the Monitor's flag, read at run time).
+  own-kernel arms are side by side: their steps differ only in the Monitor's flag, read at run time);
+- ``triton_compiles_timed``: the Triton kernels compiled (for a specialisation not seen before) while the
+  arm's timed steps ran, each a host stall of up to a second in its step; listed under the table too.
 
     python benchmarks/monitor_overhead.py --json monitor_overhead.json
     python benchmarks/monitor_overhead.py --compile default max-autotune-no-cudagraphs --json compiled.json
@@ -297,6 +299,39 @@ def _pass_causal_mask(model: GPT, dropout_p: float = 0.0) -> None:
 _TIMED = itertools.count()  # the process's timed steps, in the order they ran (every arm's)
 
 
+class _TritonCompiles:
+    """Triton's compilations while timed steps run: the JIT's hook for a kernel it has no compilation
+    of in this process (``knobs.runtime.jit_cache_hook``), chained to any hook already set."""
+
+    def __init__(self):
+        self.into: list | None = None  # the timed arm's list while its steps run
+        self.chained = None
+
+    def install(self) -> None:
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton: nothing compiles
+            return
+        self.chained = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._hook
+
+    def _hook(self, *args, **kwargs):
+        if self.into is not None:
+            self.into.append(str(kwargs.get("repr", "?")).split("[")[0])
+        return self.chained(*args, **kwargs) if self.chained is not None else False
+
+    @contextlib.contextmanager
+    def timing(self, into: list):
+        self.into = into
+        try:
+            yield
+        finally:
+            self.into = None
+
+
+_TRITON_COMPILES = _TritonCompiles()
+
+
 class _Arm:
     """One arm's model, optimizer, data and Monitor (``label``: ``<arm>`` or ``<arm>@<compile mode>``),
     run a block of steps at a time: ``run`` times each step with a pair of CUDA events (read once, in
@@ -346,6 +381,7 @@ class _Arm:
         self.events: list = []  # (start, end) of every timed step
         self.monitored: list[bool] = []
         self.sequence: list[int] = []  # each timed step's place among the process's timed steps
+        self.triton_compiles: list[str] = []  # Triton kernels compiled during the timed steps (_TritonCompiles)
         self.host: list[float] = []
         self.idle: dict[bool, list[float]] = {True: [], False: []}
         self.allocator: dict = {}
@@ -380,6 +416,12 @@ class _Arm:
     def run(self, steps: int, timed: bool = True) -> None:
         """``steps`` training steps, each timed (``timed``) or not (the warm-up)."""
         pairs = [self._event_pair() for _ in range(steps)] if timed else [None] * steps
+        with _TRITON_COMPILES.timing(self.triton_compiles) if timed else contextlib.nullcontext():
+            self._steps(pairs, timed)
+        if not timed and self.dev == "cuda":
+            torch.cuda.synchronize()
+
+    def _steps(self, pairs: list, timed: bool) -> None:
         for pair in pairs:
             monitored = self.monitor is not None and self.monitor.monitoring
             t0 = time.perf_counter()
@@ -389,8 +431,6 @@ class _Arm:
                 self.monitored.append(monitored)
                 self.events.append(pair)
                 self.sequence.append(next(_TIMED))
-        if not timed and self.dev == "cuda":
-            torch.cuda.synchronize()
 
     def enqueue_from_idle(self, steps: int) -> None:
         """The host's own cost of a step: ``steps`` more, each started on an idle device."""
@@ -429,7 +469,7 @@ class _Arm:
                "step_ms": times, "step_monitored": flags, "step_sequence": self.sequence, "host_ms": self.host,
                "host_enqueue_ms": {"unmonitored": statistics.mean(idle[False]) if idle[False] else None,
                                    "monitored": statistics.mean(idle[True]) if idle[True] else None},
-               "allocator": self.allocator, "min_coverage": coverage}
+               "allocator": self.allocator, "min_coverage": coverage, "triton_compiles_timed": self.triton_compiles}
         if "@" in self.label:
             out["generated_code"] = _code_hashes(self.generated)
             out.update(self.compile_counts)
@@ -490,6 +530,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --tiny for a smoke test)")
         return 2
+    _TRITON_COMPILES.install()
     names = [] if args.only_compiled else ["sdpa", "sdpa+observe", "sdpa+observe_no_chain", "flashwatch",
                                            "flashwatch+own_kernel"]
     pairs = [] if args.only_compiled else [("sdpa+observe", "sdpa"), ("sdpa+observe_no_chain", "sdpa"),
@@ -560,6 +601,10 @@ def main(argv=None) -> int:
                  if a.get("cudagraph_partitions") or a.get("cudagraph_skips") else "")
               + (f", LOWEST LAYER COVERAGE {a['min_coverage']:.2f}"
                  if a.get("min_coverage") not in (None, 1.0) else ""))
+    for a in arms:
+        if a.get("triton_compiles_timed"):
+            print(f"{a['arm']}: Triton compiled {len(a['triton_compiles_timed'])} kernel(s) during its timed steps "
+                  f"({', '.join(sorted(set(a['triton_compiles_timed'])))}): a host stall in each step it fell in")
     for name, arm in by.items():
         if "drift_of_the_baseline_again" in arm:
             print(f"{name} again, after the other arms: {100 * arm['drift_of_the_baseline_again']:+.2f}% against its "

@@ -185,12 +185,31 @@ def test_monitor_overhead_interleaves_the_compiled_arms_in_turns(tmp_path):
     assert [i for i, _ in order] == list(range(12))
     for arm in (sdpa, observed):
         assert arm["steps"] == 6 and arm["interleaved_steps"] == 2 and arm["graph_breaks"] == 0, arm
+        assert arm["triton_compiles_timed"] == []  # none on the CPU (the interpreter compiles nothing)
     assert sdpa["unique_graphs"] == 1 and observed["unique_graphs"] == 1  # none compiled in the timed turns
     assert observed["step_monitored"] == [True, False] * 3 and "mean_overhead_vs_baseline" in observed
     assert observed["min_coverage"] == 1.0 and sdpa["min_coverage"] is None
     with pytest.raises(SystemExit):
         monitor_overhead.main(["--device", "cpu", "--tiny", "--compile", "default", "--interleave", "2",
                                "--baseline-again"])
+
+
+def test_monitor_overhead_names_the_triton_compilations_of_the_timed_steps(monkeypatch):
+    """Triton's compile hook, chained to one already set, records the kernels compiled while an arm's
+    timed steps run and nothing outside them (each is a host stall inside a timed step)."""
+    knobs = pytest.importorskip("triton").knobs
+    monitor_overhead = _benchmark("monitor_overhead")
+    earlier = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **kw: earlier.append(kw["repr"]) or False)
+    compiles = monitor_overhead._TritonCompiles()
+    compiles.install()
+    hook = knobs.runtime.jit_cache_hook
+    timed: list = []
+    assert hook(repr="_attn_fwd_kernel[num_warps=4](Q: *bf16)") is False  # warm-up: not recorded
+    with compiles.timing(timed):
+        hook(repr="_attn_stats_kernel[num_warps=4](Q: *bf16)")
+    hook(repr="_add_partials_kernel[num_warps=4](PART_UGV: *fp32)")
+    assert timed == ["_attn_stats_kernel"] and len(earlier) == 3
 
 
 def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was():
