@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
-#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|compiledtwice|interleaved|plainsweep|
+#   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|compiledtwice|interleaved|plainsweep|partialsweep|
 #                                   autotune|autotunekernels|monitoredkernels|monitorab|abtimes|chaintests|owncheck|statsab|kernelcheck|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
@@ -141,6 +141,9 @@ for step in $steps; do
     # the plain kernels' configurations at D = 128 against cuDNN (benchmarks/plain_sweep.py), about 5 minutes
     plainsweep) timeout 330 python3 benchmarks/plain_sweep.py --json "$OUT/plain_sweep.json" 2>&1 | tee "$OUT/plain_sweep.log" ;;
     statsweep) timeout 300 python3 benchmarks/stats_sweep.py --json "$OUT/stats_sweep.json" 2>&1 | tee "$OUT/stats_sweep.log" ;;
+    # partialsweep: benchmarks/partials_sweep.py, the tiles of the chain's add_partials at GPT-2 small's call
+    partialsweep) timeout 200 python3 benchmarks/partials_sweep.py --json "$OUT/partials_sweep.json" 2>&1 \
+                    | tee "$OUT/partials_sweep.log" ;;
     tune) timeout 500 python3 -m flashwatch.cli bench --tune --json "$OUT/bench_tuned.json" 2>&1 | tee "$OUT/bench_tuned.log" ;;
     # the monitored step's host work: no host synchronisation (the sync tests), then its cost eager and compiled
     hostcheck) gpu_tests gpu_sync 150 tests/test_sync_gpu.py tests/test_chain.py

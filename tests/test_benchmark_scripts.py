@@ -212,6 +212,36 @@ def test_monitor_overhead_names_the_triton_compilations_of_the_timed_steps(monke
     assert timed == ["_attn_stats_kernel"] and len(earlier) == 3
 
 
+@pytest.mark.usefixtures("interpret_dispatch")
+@pytest.mark.parametrize("tile", [(256, 16), (16, 256), (8, 512)])
+def test_partials_sweep_checks_each_tile_against_float64(tile):
+    """benchmarks/partials_sweep.py's check, interpreted: add_partials at each tile (ragged slots and
+    columns: T 6, W 24) within FP32's bound of the float64 sum; a wrong sum is caught."""
+    from flashwatch.kernels import chain_sums
+
+    partials_sweep = _benchmark("partials_sweep")
+    assert partials_sweep.check((2, 3, 3, 4, 6), *tile, "cpu") <= 1.0
+    add = chain_sums._add_partials_kernel
+    try:  # a kernel that drops its last slot: far over the bound
+        chain_sums._add_partials_kernel = _DropsLastSlot(add)
+        with pytest.raises(AssertionError, match="times FP32's bound"):
+            partials_sweep.check((2, 3, 3, 4, 6), *tile, "cpu")
+    finally:
+        chain_sums._add_partials_kernel = add
+
+
+class _DropsLastSlot:
+    """``_add_partials_kernel`` told there is one slot fewer than there is."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def run(part_ugv, part_sketch, ugv, sketch, H, S, T, W, **kwargs):
+            return self.kernel[grid](part_ugv, part_sketch, ugv, sketch, H, S, T - 1, W, **kwargs)
+        return run
+
+
 def test_launch_overhead_times_the_cached_path_and_leaves_the_switch_as_it_was():
     """Part 1 of benchmarks/launch_overhead.py runs without a GPU; it turns the opt-in cache on for
     its own timing and restores the switch afterwards (a fresh process: Triton's import state)."""
