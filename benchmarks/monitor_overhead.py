@@ -312,8 +312,9 @@ class _TritonCompiles:
             from triton import knobs
         except ImportError:  # no Triton: nothing compiles
             return
-        self.chained = knobs.runtime.jit_cache_hook
-        knobs.runtime.jit_cache_hook = self._hook
+        if knobs.runtime.jit_cache_hook != self._hook:  # once: main() may run again in one process
+            self.chained = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = self._hook
 
     def _hook(self, *args, **kwargs):
         if self.into is not None:

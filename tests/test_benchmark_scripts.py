@@ -203,6 +203,7 @@ def test_monitor_overhead_names_the_triton_compilations_of_the_timed_steps(monke
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **kw: earlier.append(kw["repr"]) or False)
     compiles = monitor_overhead._TritonCompiles()
     compiles.install()
+    compiles.install()  # a second main() in one process: still one hook, chained once
     hook = knobs.runtime.jit_cache_hook
     timed: list = []
     assert hook(repr="_attn_fwd_kernel[num_warps=4](Q: *bf16)") is False  # warm-up: not recorded
