@@ -237,6 +237,17 @@ def top_eigenvector(gram: torch.Tensor, squarings: int = 6) -> torch.Tensor:
     return (col / col.norm(dim=-1, keepdim=True).clamp_min(1e-300)).to(gram.dtype)
 
 
+def _fused(weight: torch.Tensor, v: torch.Tensor, iters: int) -> bool:
+    """Whether the power step runs as one kernel (``flashwatch.kernels.power``) for these tensors."""
+    from .kernels import uses_triton
+
+    if not uses_triton(weight.device):
+        return False
+    from .kernels import power
+
+    return power.supports(weight, v, iters)
+
+
 class PowerIteration:
     """Largest singular value of every head's W^Q by block power iteration, batched over heads.
 
@@ -265,6 +276,7 @@ class PowerIteration:
         w = weight.detach().float()
         k = min(block, w.shape[1], w.shape[2])
         self._top = None  # (v, top eigenvector) of the last step, for top_in_block
+        self._pair = None  # (v, (u, v_top)) where the last step's kernel also made the top pairs, for made_pair
         with torch.no_grad():
             if seed == "svd":
                 _, s, vh = torch.linalg.svd(w, full_matrices=False)  # s (N, r), vh (N, r, C)
@@ -279,12 +291,24 @@ class PowerIteration:
                 raise ValueError(f"seed must be 'svd' or 'random', got {seed!r}")
 
     @torch.no_grad()
-    def step(self, weight: torch.Tensor, iters: int = 1) -> torch.Tensor:
-        """Run ``iters`` iterations on the current weight; returns sigma (N,) float32 on the device."""
-        self._top = None
-        w = weight.detach().float()
+    def step(self, weight: torch.Tensor, iters: int = 1, pair: bool = False) -> torch.Tensor:
+        """Run ``iters`` iterations on the current weight; returns sigma (N,) float32 on the device.
+
+        Where Triton runs (CUDA), one kernel does the whole step (``flashwatch.kernels.power``,
+        the same computation to FP32 rounding); with ``pair`` it also makes the top singular
+        pairs, which ``made_pair`` then returns."""
+        self._top = self._pair = None
+        w = weight.detach()
         if self.v.device != w.device:
             self.v, self.sigma = self.v.to(w.device), self.sigma.to(w.device)
+        if _fused(w, self.v, iters):
+            from .kernels import power
+
+            self.v, self.sigma, top, made = power.power_step(w, self.v, iters, pair=pair)
+            self._top = (self.v, top)
+            self._pair = (self.v, made) if made is not None else None
+            return self.sigma
+        w = w.float()
         v = self.v
         for _ in range(iters):
             v = next_vectors(torch.bmm(w.transpose(1, 2), torch.bmm(w, v)), v)  # (N, C, k)
@@ -295,6 +319,12 @@ class PowerIteration:
         self._top = (v, top)
         self.sigma = rayleigh_quotient(gram, top).clamp_min(0).sqrt()
         return self.sigma
+
+    def made_pair(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The top singular pairs (u (N, D), v (N, C)) the last ``step(pair=True)`` made in its kernel
+        (what ``chain.top_pair`` computes from the weight and these vectors); None where it made none
+        or ``v`` changed since."""
+        return self._pair[1] if self._pair is not None and self._pair[0] is self.v else None
 
     def top_in_block(self) -> torch.Tensor | None:
         """The last ``step``'s top eigenvector of (W V)^T (W V), (N, k), for the current ``v``

@@ -162,7 +162,7 @@ class WqNorms:
                 weight, storage = group.read()
                 renewed = storage != group.storage  # a new query weight (or a move): restart exactly
                 group.storage = storage
-                sigma = group.power.exact(weight) if exact or renewed else group.power.step(weight, iters)
+                sigma = group.power.exact(weight) if exact or renewed else group.power.step(weight, iters, pair=pairs)
             except Exception as exc:
                 on_error("wq_spectral_norm", exc)
                 sigma = torch.full((sum(layer.num_heads for layer in group.layers),), float("nan"),
@@ -198,7 +198,10 @@ class WqNorms:
         """``pairs()`` from each group's weight as read (None: read now)."""
         out = {}
         for group, weight in zip(self.groups, weights):
-            if weight is None:
+            made = group.power.made_pair() if weight is not None else None
+            if made is not None:  # made by the step's kernel, from the step's own weight
+                u, v = made
+            elif weight is None:
                 u, v = top_pair(group.weight(), group.power.v)
             else:  # the step's own weight: its power step already knows the pair's direction
                 u, v = top_pair(weight, group.power.v, group.power.top_in_block())
