@@ -287,6 +287,39 @@ def _flags(values: list, device: torch.device) -> torch.Tensor:
                         for v in values])[:, None]
 
 
+class _StackedState:
+    """The window state and accumulators of chains of one shape and device held as (L, ...) tensors,
+    each chain's own tensors being their rows (views), so that a monitored step reads and updates
+    every chain in place at once (``flashwatch.kernels.chain_reading``).
+
+    Made by ``of`` from the chains' current values. A chain whose tensor was replaced since
+    (``load_state_dict``, ``set_flat`` after a ranks' mean) is seen at the next ``of``, which
+    stacks the current values again. Held by the first chain, its members weakly."""
+
+    FIELDS = ("sketch", "prev", "ew_sum", "ew_norm", "has_prev", "ugv", "push_true")
+
+    def __init__(self, chains: "list[LayerChain]"):
+        self.members = [weakref.ref(c) for c in chains]
+        self.buffers = {name: torch.stack([getattr(c, name) for c in chains]) for name in self.FIELDS}
+        self.views = [{name: self.buffers[name][i] for name in self.FIELDS} for i in range(len(chains))]
+        for c, views in zip(chains, self.views):
+            for name, view in views.items():
+                setattr(c, name, view)
+
+    def holds(self, chains: "list[LayerChain]") -> bool:
+        """Whether these are the chains stacked, in order, each still holding its rows."""
+        return len(chains) == len(self.members) and all(
+            ref() is c and all(getattr(c, name) is view for name, view in views.items())
+            for ref, c, views in zip(self.members, chains, self.views))
+
+    @staticmethod
+    def of(chains: "list[LayerChain]") -> "_StackedState":
+        first = chains[0]
+        if first._stacked is None or not first._stacked.holds(chains):
+            first._stacked = _StackedState(chains)
+        return first._stacked
+
+
 def _unit(t: torch.Tensor) -> torch.Tensor:
     """Each row of t (N, n) scaled to norm 1 (a zero row stays zero)."""
     return t / t.norm(dim=1, keepdim=True).clamp_min(1e-30)
@@ -336,6 +369,7 @@ class LayerChain:
         # a detached Monitor's chains (and their device memory) alive
         self._siblings: list[weakref.ref] = []
         self._push_scratch = None  # the push kernel's buffers (``chain_sums.PushScratch``), made at its first launch
+        self._stacked: _StackedState | None = None  # this and its group's state stacked, where it reads them first
 
     def set_pair(self, u: torch.Tensor, v: torch.Tensor) -> None:
         """The top singular pair (u (H, D), v (H, C)) used from the next call on."""
@@ -585,6 +619,13 @@ class LayerChain:
             return torch.full((len(chains), len(FIELDS), h), math.nan, dtype=torch.float64, device=device)
         rows_seen = _flags([c._seen[0] if c._seen is not None else c.rows_calls > 0 for c in chains], device)
         grad_seen = _flags([c._seen[1] if c._seen is not None else c.grad_calls > 0 for c in chains], device)
+        if uses_triton(device):  # one launch on the chains' state held stacked (flashwatch.kernels.chain_reading)
+            from .kernels.chain_reading import read_chains
+
+            out = read_chains(_StackedState.of(chains).buffers, rows_seen, grad_seen, lam)
+            for c in chains:
+                c._end_step()
+            return out
         rows_seen4 = rows_seen[..., None, None]  # (L, 1, 1, 1) against (L, H, D, r)
 
         def stacked(name: str) -> torch.Tensor:

@@ -66,13 +66,15 @@ def triton_interpreter():
     os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton: its own library is jitted then
     try:
         pytest.importorskip("triton")
-        from flashwatch.kernels import chain_sums, hopper, power, triton_attn, triton_kernels
+        from flashwatch.kernels import chain_reading, chain_sums, hopper, power, triton_attn, triton_kernels
 
         interpreted = lambda f: type(f).__name__ == "InterpretedFunction"
         if not interpreted(chain_sums._subtract_push_kernel):
             importlib.reload(chain_sums)  # its callers (rows, flashwatch.chain) read it through the module
         if not interpreted(power._power_kernel):
             importlib.reload(power)  # flashwatch.signals reads it through the module
+        if not interpreted(chain_reading._read_chains_kernel):
+            importlib.reload(chain_reading)  # flashwatch.chain imports read_chains at each reading
         if not (interpreted(triton_kernels._attn_fwd_kernel) and interpreted(hopper._query_program)):
             # the kernels' module first, then the modules that import its jitted helpers by name
             # (hopper: a stale compiled helper there cannot be called from an interpreted kernel)

@@ -107,6 +107,8 @@ def test_the_power_step_and_the_top_pair_never_wait_for_the_gpu(block):
     try:
         sigma = power.step(w)
         u, v = top_pair(w, power.v, power.top_in_block())
+        power.step(w, pair=True)  # with the pairs made in the same launch
+        assert power.made_pair() is not None
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(sigma[torch.arange(12, device="cuda") != 3]).all()

@@ -1,0 +1,133 @@
+"""The chain's step-end reading kernel (flashwatch.kernels.chain_reading) against the PyTorch
+reading it replaces (``LayerChain.read_all`` where Triton does not run).
+
+On the CPU the kernel runs in Triton's interpreter; the tests marked gpu run it compiled. Both
+paths take the sketch's norms and dot product as FP32 sums of D r = 512 products here, in
+different orders, so readings agree to a few units of 2^-24 relative (1e-5 leaves a wide margin
+over the 1e-7 seen); NaN must be NaN in the same places, and the window's flags exactly equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashwatch import chain as chain_module
+from flashwatch.chain import LayerChain
+
+
+def _devices():
+    return [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def kernel_path(request, device):
+    """CPU tensors routed to the interpreted kernel (``uses_triton`` true there); CUDA: compiled."""
+    if device == "cpu":
+        request.getfixturevalue("interpret_dispatch")
+
+
+def _chains(device: str, n: int = 3, h: int = 2, d: int = 8, c: int = 24) -> list[LayerChain]:
+    return [LayerChain(h, d, c, device) for _ in range(n)]
+
+
+def _feed(chains: list[LayerChain], step: int, rows: list[bool], grads: list[bool]) -> None:
+    """This step's accumulators, as the statistics pass and the weight hook would leave them."""
+    g = torch.Generator().manual_seed(100 + step)
+    for c, r, gr in zip(chains, rows, grads):
+        c.ugv.copy_(torch.randn(c.ugv.shape, generator=g))
+        c.push_true.copy_(torch.randn(c.push_true.shape, generator=g, dtype=torch.float64))
+        c.sketch.copy_(torch.randn(c.sketch.shape, generator=g) * (step + 1))
+        if step == 1:
+            c.sketch[0].zero_()  # a head with no error this step: coherence NaN, alignment NaN
+        c.rows_calls, c.grad_calls, c._touched = int(r), int(gr), True
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool:
+    a, b = a.cpu().double(), b.cpu().double()
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and bool(((a - b).abs() <= rtol * b.abs() + 1e-30)[~nan].all())
+
+
+def _read_both(kernel: list[LayerChain], reference: list[LayerChain], lam: float, monkeypatch) -> None:
+    got = LayerChain.read_all(kernel, lam)
+    with monkeypatch.context() as m:
+        m.setattr(chain_module, "uses_triton", lambda device: False)
+        want = LayerChain.read_all(reference, lam)
+    assert got.shape == want.shape == (len(kernel), 4, kernel[0].num_heads)
+    assert _same(got, want), (got, want)
+    for a, b in zip(kernel, reference):
+        assert _same(a.ew_sum, b.ew_sum) and _same(a.ew_norm, b.ew_norm) and torch.equal(a.prev, b.prev)
+        assert torch.equal(a.has_prev, b.has_prev)
+        for name in ("ugv", "push_true", "sketch"):  # the next step's accumulators
+            assert not getattr(a, name).any()
+        assert a.rows_calls == a.grad_calls == 0
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_the_kernel_reading_is_the_pytorch_reading_step_after_step(kernel_path, device, monkeypatch):
+    kernel, reference = _chains(device), _chains(device)
+    plan = [([True, True, True], [True, True, True]),
+            ([True, False, True], [False, True, True]),  # a chain fed no rows, one no gradient
+            ([True, True, False], [True, True, True]),
+            ([True, True, True], [True, False, True])]
+    for step, (rows, grads) in enumerate(plan):
+        _feed(kernel, step, rows, grads)
+        _feed(reference, step, rows, grads)
+        _read_both(kernel, reference, 0.9, monkeypatch)
+    # the kernel's chains hold their state as rows of one stack per field, the reference's do not
+    assert kernel[1].sketch.untyped_storage().data_ptr() == kernel[0].sketch.untyped_storage().data_ptr()
+    assert reference[1].sketch.untyped_storage().data_ptr() != reference[0].sketch.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_a_chain_whose_state_was_replaced_is_read_from_its_new_state(kernel_path, device, monkeypatch):
+    """load_state_dict (a resume) and set_flat (a ranks' mean) give a chain new tensors: the next
+    reading takes them, and the stack is made again from them."""
+    kernel, reference = _chains(device), _chains(device)
+    for step in range(2):
+        _feed(kernel, step, [True] * 3, [True] * 3)
+        _feed(reference, step, [True] * 3, [True] * 3)
+        _read_both(kernel, reference, 0.75, monkeypatch)
+    saved = reference[2].state_dict()
+    saved["ew_sum"] = saved["ew_sum"] * 3  # a different window, as from another run's checkpoint
+    kernel[2].load_state_dict(saved)
+    reference[2].load_state_dict(saved)
+    _feed(kernel, 2, [True] * 3, [True] * 3)
+    _feed(reference, 2, [True] * 3, [True] * 3)
+    flat = kernel[1].flat()
+    kernel[1].set_flat(flat * 2, owners=2.0)  # the mean of two ranks that added the same values
+    reference[1].set_flat(reference[1].flat() * 2, owners=2.0)
+    _read_both(kernel, reference, 0.75, monkeypatch)
+    assert all(c.sketch.untyped_storage().data_ptr() == kernel[0].sketch.untyped_storage().data_ptr()
+               for c in kernel)
+
+
+def test_read_chains_says_what_it_takes():
+    from flashwatch.kernels.chain_reading import read_chains
+
+    c = LayerChain(2, 4, 8, "cpu")
+    state = {name: torch.stack([getattr(c, name)]) for name in chain_module._StackedState.FIELDS}
+    state["prev"] = state["prev"].transpose(2, 3)
+    flags = torch.ones(1, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"prev must be a contiguous \(1, 2, \.\.\.\) tensor"):
+        read_chains(state, flags, flags, 0.9)
+
+
+@pytest.mark.gpu
+def test_the_reading_never_waits_for_the_gpu():
+    """The first reading (which stacks the chains' state) and later ones (one launch) dispatch without
+    a host wait."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    chains = _chains("cuda", n=12, h=12, d=64, c=768)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3):
+            for c in chains:
+                c.rows_calls, c.grad_calls, c._touched = 1, 1, True
+            out = LayerChain.read_all(chains, 0.9)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (12, 4, 12)
