@@ -1,10 +1,20 @@
 """The chain's step-end reading kernel (flashwatch.kernels.chain_reading) against the PyTorch
 reading it replaces (``LayerChain.read_all`` where Triton does not run).
 
-On the CPU the kernel runs in Triton's interpreter; the tests marked gpu run it compiled. Both
-paths take the sketch's norms and dot product as FP32 sums of D r = 512 products here, in
-different orders, so readings agree to a few units of 2^-24 relative (1e-5 leaves a wide margin
-over the 1e-7 seen); NaN must be NaN in the same places, and the window's flags exactly equal.
+On the CPU the kernel runs in Triton's interpreter; the tests marked gpu run it compiled. Bounds:
+- push and push_true are copies: equal;
+- alignment and coherence lie in [-1, 1]. Both paths take the sketch's norms and dot product as
+  FP32 sums of D r = 512 products here, in different orders: runs of at most 32 terms a thread,
+  then trees (PyTorch's reductions, Triton's, numpy's pairwise sums in the interpreter), each off
+  by at most about (32 + 9) 2^-24 of the sum of the terms' magnitudes, which Cauchy-Schwarz
+  bounds by |g| |prev|: at most about 5e-6 between the two paths' ratios; 1e-5 absolute. The
+  sketches below are correlated from step to step, so the ratios are large (0.5-1) and a
+  relative error of 1e-4 in them fails;
+- the window's sum lam s + g is one fused multiply-add on a GPU and two roundings in PyTorch: the
+  same to 2^-24 of |lam s| + |g|, so entries near a cancellation differ relatively by more;
+  compared to 1e-5 of the tensor's largest entry. Its norm sum is a sum of positives: 1e-5
+  relative;
+- NaN must be NaN in the same places, and the window's flags exactly equal.
 """
 
 from __future__ import annotations
@@ -34,19 +44,21 @@ def _chains(device: str, n: int = 3, h: int = 2, d: int = 8, c: int = 24) -> lis
 def _feed(chains: list[LayerChain], step: int, rows: list[bool], grads: list[bool]) -> None:
     """This step's accumulators, as the statistics pass and the weight hook would leave them."""
     g = torch.Generator().manual_seed(100 + step)
-    for c, r, gr in zip(chains, rows, grads):
+    for i, (c, r, gr) in enumerate(zip(chains, rows, grads)):
         c.ugv.copy_(torch.randn(c.ugv.shape, generator=g))
         c.push_true.copy_(torch.randn(c.push_true.shape, generator=g, dtype=torch.float64))
-        c.sketch.copy_(torch.randn(c.sketch.shape, generator=g) * (step + 1))
+        lasting = torch.randn(c.sketch.shape, generator=torch.Generator().manual_seed(7 + i))  # the same each step
+        c.sketch.copy_((lasting + 0.5 * torch.randn(c.sketch.shape, generator=g)) * (step + 1))
         if step == 1:
             c.sketch[0].zero_()  # a head with no error this step: coherence NaN, alignment NaN
         c.rows_calls, c.grad_calls, c._touched = int(r), int(gr), True
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool:
+def _same(a: torch.Tensor, b: torch.Tensor, rtol: float = 0.0, atol: float = 0.0) -> bool:
+    """NaN in the same places, and |a - b| <= rtol |b| + atol elsewhere."""
     a, b = a.cpu().double(), b.cpu().double()
     nan = torch.isnan(a)
-    return torch.equal(nan, torch.isnan(b)) and bool(((a - b).abs() <= rtol * b.abs() + 1e-30)[~nan].all())
+    return torch.equal(nan, torch.isnan(b)) and bool(((a - b).abs() <= rtol * b.abs() + atol)[~nan].all())
 
 
 def _read_both(kernel: list[LayerChain], reference: list[LayerChain], lam: float, monkeypatch) -> None:
@@ -55,9 +67,11 @@ def _read_both(kernel: list[LayerChain], reference: list[LayerChain], lam: float
         m.setattr(chain_module, "uses_triton", lambda device: False)
         want = LayerChain.read_all(reference, lam)
     assert got.shape == want.shape == (len(kernel), 4, kernel[0].num_heads)
-    assert _same(got, want), (got, want)
+    assert _same(got[:, :2], want[:, :2]), (got, want)  # push, push_true: copies
+    assert _same(got[:, 2:], want[:, 2:], atol=1e-5), (got, want)  # alignment, coherence
     for a, b in zip(kernel, reference):
-        assert _same(a.ew_sum, b.ew_sum) and _same(a.ew_norm, b.ew_norm) and torch.equal(a.prev, b.prev)
+        assert _same(a.ew_sum, b.ew_sum, atol=1e-5 * b.ew_sum.abs().max().item())
+        assert _same(a.ew_norm, b.ew_norm, rtol=1e-5) and torch.equal(a.prev, b.prev)
         assert torch.equal(a.has_prev, b.has_prev)
         for name in ("ugv", "push_true", "sketch"):  # the next step's accumulators
             assert not getattr(a, name).any()
