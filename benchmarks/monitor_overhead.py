@@ -66,7 +66,10 @@ host-bound one and one arm's compiled code from another's:
   it (0 for an arm served by code compiled for another arm of the same model class, as the two
   own-kernel arms are side by side: their steps differ only in the Monitor's flag, read at run time);
 - ``triton_compiles_timed``: the Triton kernels compiled (for a specialisation not seen before) while the
-  arm's timed steps ran, each a host stall of up to a second in its step; listed under the table too.
+  arm's timed steps ran, each a host stall of up to a second in its step; listed under the table too;
+- ``gc_pauses_timed``: Python's garbage collections during the arm's timed steps, [step, generation, ms]
+  for every full (generation 2) collection and every one of 1 ms or more (those of 10 ms or more listed
+  under the table): a full collection in a process holding a compiler's caches stalls the host.
 
     python benchmarks/monitor_overhead.py --json monitor_overhead.json
     python benchmarks/monitor_overhead.py --compile default max-autotune-no-cudagraphs --json compiled.json
@@ -333,6 +336,40 @@ class _TritonCompiles:
 _TRITON_COMPILES = _TritonCompiles()
 
 
+class _GcPauses:
+    """Python's garbage collections while timed steps run (``gc.callbacks``): [timed step of the arm,
+    generation, ms] for every collection of generation 2 or of 1 ms or more; a full collection of a
+    process holding a compiler's caches can stall the host for a large part of a second."""
+
+    def __init__(self):
+        self.into: list | None = None  # the timed arm's list while its steps run
+        self.step = lambda: -1  # the timed arm's current step
+        self.started = 0.0
+
+    def install(self) -> None:
+        if self._callback not in gc.callbacks:  # once: main() may run again in one process
+            gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif self.into is not None:
+            ms = (time.perf_counter() - self.started) * 1e3
+            if info["generation"] == 2 or ms >= 1.0:
+                self.into.append([self.step(), info["generation"], round(ms, 3)])
+
+    @contextlib.contextmanager
+    def timing(self, into: list, step):
+        self.into, self.step = into, step
+        try:
+            yield
+        finally:
+            self.into, self.step = None, lambda: -1
+
+
+_GC_PAUSES = _GcPauses()
+
+
 class _Arm:
     """One arm's model, optimizer, data and Monitor (``label``: ``<arm>`` or ``<arm>@<compile mode>``),
     run a block of steps at a time: ``run`` times each step with a pair of CUDA events (read once, in
@@ -383,6 +420,7 @@ class _Arm:
         self.monitored: list[bool] = []
         self.sequence: list[int] = []  # each timed step's place among the process's timed steps
         self.triton_compiles: list[str] = []  # Triton kernels compiled during the timed steps (_TritonCompiles)
+        self.gc_pauses: list[list] = []  # garbage collections during the timed steps (_GcPauses)
         self.host: list[float] = []
         self.idle: dict[bool, list[float]] = {True: [], False: []}
         self.allocator: dict = {}
@@ -417,7 +455,10 @@ class _Arm:
     def run(self, steps: int, timed: bool = True) -> None:
         """``steps`` training steps, each timed (``timed``) or not (the warm-up)."""
         pairs = [self._event_pair() for _ in range(steps)] if timed else [None] * steps
-        with _TRITON_COMPILES.timing(self.triton_compiles) if timed else contextlib.nullcontext():
+        with contextlib.ExitStack() as during:
+            if timed:
+                during.enter_context(_TRITON_COMPILES.timing(self.triton_compiles))
+                during.enter_context(_GC_PAUSES.timing(self.gc_pauses, lambda: len(self.host)))
             self._steps(pairs, timed)
         if not timed and self.dev == "cuda":
             torch.cuda.synchronize()
@@ -470,7 +511,8 @@ class _Arm:
                "step_ms": times, "step_monitored": flags, "step_sequence": self.sequence, "host_ms": self.host,
                "host_enqueue_ms": {"unmonitored": statistics.mean(idle[False]) if idle[False] else None,
                                    "monitored": statistics.mean(idle[True]) if idle[True] else None},
-               "allocator": self.allocator, "min_coverage": coverage, "triton_compiles_timed": self.triton_compiles}
+               "allocator": self.allocator, "min_coverage": coverage, "triton_compiles_timed": self.triton_compiles,
+               "gc_pauses_timed": self.gc_pauses}
         if "@" in self.label:
             out["generated_code"] = _code_hashes(self.generated)
             out.update(self.compile_counts)
@@ -532,6 +574,7 @@ def main(argv=None) -> int:
         print("needs CUDA (or --device cpu --tiny for a smoke test)")
         return 2
     _TRITON_COMPILES.install()
+    _GC_PAUSES.install()
     names = [] if args.only_compiled else ["sdpa", "sdpa+observe", "sdpa+observe_no_chain", "flashwatch",
                                            "flashwatch+own_kernel"]
     pairs = [] if args.only_compiled else [("sdpa+observe", "sdpa"), ("sdpa+observe_no_chain", "sdpa"),
@@ -606,6 +649,10 @@ def main(argv=None) -> int:
         if a.get("triton_compiles_timed"):
             print(f"{a['arm']}: Triton compiled {len(a['triton_compiles_timed'])} kernel(s) during its timed steps "
                   f"({', '.join(sorted(set(a['triton_compiles_timed'])))}): a host stall in each step it fell in")
+        long = [p for p in a.get("gc_pauses_timed", []) if p[2] >= 10]
+        if long:
+            print(f"{a['arm']}: Python's garbage collection paused the host 10 ms or more during its timed steps: "
+                  + ", ".join(f"step {step} (generation {gen}, {ms:.0f} ms)" for step, gen, ms in long))
     for name, arm in by.items():
         if "drift_of_the_baseline_again" in arm:
             print(f"{name} again, after the other arms: {100 * arm['drift_of_the_baseline_again']:+.2f}% against its "

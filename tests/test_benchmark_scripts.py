@@ -213,6 +213,27 @@ def test_monitor_overhead_names_the_triton_compilations_of_the_timed_steps(monke
     assert timed == ["_attn_stats_kernel"] and len(earlier) == 3
 
 
+def test_monitor_overhead_records_the_full_garbage_collections_of_the_timed_steps():
+    """gc.callbacks, installed once, record each full collection made while an arm's timed steps run,
+    with the step it fell in, and nothing outside them."""
+    import gc
+
+    monitor_overhead = _benchmark("monitor_overhead")
+    pauses = monitor_overhead._GcPauses()
+    try:
+        pauses.install()
+        pauses.install()
+        assert gc.callbacks.count(pauses._callback) == 1
+        gc.collect()  # not timed: not recorded
+        timed: list = []
+        with pauses.timing(timed, lambda: 7):
+            gc.collect()
+        gc.collect()
+        assert len(timed) == 1 and timed[0][:2] == [7, 2] and timed[0][2] >= 0
+    finally:
+        gc.callbacks.remove(pauses._callback)
+
+
 @pytest.mark.usefixtures("interpret_dispatch")
 @pytest.mark.parametrize("tile", [(256, 16), (16, 256), (8, 512)])
 def test_partials_sweep_checks_each_tile_against_float64(tile):
