@@ -97,6 +97,14 @@ def interpret_dispatch(triton_interpreter, monkeypatch):
 
 
 @pytest.fixture
+def interpreted_on_cpu(request, device):
+    """For a test parametrized by ``device``: Triton kernels interpreted where it is ``"cpu"`` (CPU
+    tensors routed to them, ``interpret_dispatch``), compiled where it is ``"cuda"``."""
+    if device == "cpu":
+        request.getfixturevalue("interpret_dispatch")
+
+
+@pytest.fixture
 def fresh_dynamo():
     """Dynamo's caches and counters cleared before and after a test that compiles (graph counts and
     recompiles read per test)."""

@@ -30,13 +30,6 @@ def _devices():
     return [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-@pytest.fixture
-def kernel_path(request, device):
-    """CPU tensors routed to the interpreted kernel (``uses_triton`` true there); CUDA: compiled."""
-    if device == "cpu":
-        request.getfixturevalue("interpret_dispatch")
-
-
 def _chains(device: str, n: int = 3, h: int = 2, d: int = 8, c: int = 24) -> list[LayerChain]:
     return [LayerChain(h, d, c, device) for _ in range(n)]
 
@@ -79,7 +72,7 @@ def _read_both(kernel: list[LayerChain], reference: list[LayerChain], lam: float
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_the_kernel_reading_is_the_pytorch_reading_step_after_step(kernel_path, device, monkeypatch):
+def test_the_kernel_reading_is_the_pytorch_reading_step_after_step(interpreted_on_cpu, device, monkeypatch):
     kernel, reference = _chains(device), _chains(device)
     plan = [([True, True, True], [True, True, True]),
             ([True, False, True], [False, True, True]),  # a chain fed no rows, one no gradient
@@ -95,7 +88,7 @@ def test_the_kernel_reading_is_the_pytorch_reading_step_after_step(kernel_path, 
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_a_chain_whose_state_was_replaced_is_read_from_its_new_state(kernel_path, device, monkeypatch):
+def test_a_chain_whose_state_was_replaced_is_read_from_its_new_state(interpreted_on_cpu, device, monkeypatch):
     """load_state_dict (a resume) and set_flat (a ranks' mean) give a chain new tensors: the next
     reading takes them, and the stack is made again from them."""
     kernel, reference = _chains(device), _chains(device)

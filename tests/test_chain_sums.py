@@ -22,10 +22,8 @@ def _devices():
 
 
 @pytest.fixture
-def sums(request, device):
+def sums(interpreted_on_cpu):
     """The chain_sums module: interpreted for CPU tensors, compiled on CUDA."""
-    if device == "cpu":
-        request.getfixturevalue("interpret_dispatch")
     from flashwatch.kernels import chain_sums
 
     return chain_sums

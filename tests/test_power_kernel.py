@@ -27,10 +27,8 @@ def _devices():
 
 
 @pytest.fixture
-def power(request, device):
+def power(interpreted_on_cpu):
     """The kernel's module: interpreted for CPU tensors (and PowerIteration routed to it), compiled on CUDA."""
-    if device == "cpu":
-        request.getfixturevalue("interpret_dispatch")
     from flashwatch.kernels import power
 
     return power
