@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import launch, on_device
 
 __all__ = ["read_chains"]
 
@@ -107,8 +107,9 @@ def read_chains(state: dict[str, torch.Tensor], rows_seen: torch.Tensor, grad_se
                              f"got {tuple(t.shape)} on {t.device}")
     out = torch.empty((L, 4, H), dtype=torch.float64, device=sketch.device)
     lam_bits = struct.unpack("<q", struct.pack("<d", float(lam)))[0]
-    launch(_read_chains_kernel, (L * H,),
-           (sketch, state["prev"], state["ew_sum"], state["ew_norm"], state["has_prev"], state["ugv"],
-            state["push_true"], rows_seen.contiguous(), grad_seen.contiguous(), out, H, W, lam_bits),
-           dict(BLOCK=min(_BLOCK, triton.next_power_of_2(W)), num_warps=4))
+    with on_device(sketch):  # Monitor.step may run with another device current than the model's
+        launch(_read_chains_kernel, (L * H,),
+               (sketch, state["prev"], state["ew_sum"], state["ew_norm"], state["has_prev"], state["ugv"],
+                state["push_true"], rows_seen.contiguous(), grad_seen.contiguous(), out, H, W, lam_bits),
+               dict(BLOCK=min(_BLOCK, triton.next_power_of_2(W)), num_warps=4))
     return out

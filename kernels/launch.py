@@ -61,8 +61,8 @@ from triton.runtime.driver import driver
 
 from .checks import switch
 
-__all__ = ["launch", "specialization_key", "clear_cache", "FAST_LAUNCH", "UnsupportedArgument", "counts", "Plan",
-           "recording", "make_plan", "plan", "keep_plan", "plans_possible"]
+__all__ = ["launch", "on_device", "specialization_key", "clear_cache", "FAST_LAUNCH", "UnsupportedArgument", "counts",
+           "Plan", "recording", "make_plan", "plan", "keep_plan", "plans_possible"]
 
 # On: cached launches where eligible; off: every launch through kernel[grid](...) (benchmarks
 # flip it to time both paths).
@@ -217,6 +217,14 @@ def _globals_unchanged(kernel) -> bool:
 def _ordinary(kernel, grid, args, kwargs):
     counts["ordinary"] += 1
     return kernel[grid](*args, **kwargs)
+
+
+def on_device(t: torch.Tensor):
+    """A context in which ``t``'s CUDA device is the current one (Triton launches on the current
+    device): ``torch.cuda.device`` where another one is current, else nothing to do (CPU tensors too)."""
+    if t.is_cuda and t.device.index != torch._C._cuda_getDevice():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import launch, on_device
 
 __all__ = ["power_step", "supports", "MAX_BLOCK", "MAX_HEAD_DIM"]
 
@@ -163,7 +163,8 @@ def _power_kernel(W, V, V_OUT, Z, SIGMA, TOP, U, VP, D, C, stride_wn, stride_wd,
         diag = tl.sum(tl.where(kk[:, None] == kk[None, :], a, 0.0), axis=1)
         j = tl.argmax(tl.where(k_ok, diag, -1.0), axis=0)
         col = _column(a, kk, j)
-        top = (col / tl.maximum(tl.sqrt(tl.sum(col * col, axis=0)), 1e-300, propagate_nan=tl.PropagateNan.ALL)).to(tl.float32)
+        col_norm = tl.maximum(tl.sqrt(tl.sum(col * col, axis=0)), 1e-300, propagate_nan=tl.PropagateNan.ALL)
+        top = (col / col_norm).to(tl.float32)
     num = tl.sum(tl.sum(top[:, None] * gram * top[None, :], axis=1), axis=0)
     den = tl.maximum(tl.sum(top * top, axis=0), 1e-30, propagate_nan=tl.PropagateNan.ALL)
     tl.store(SIGMA + n, tl.sqrt(tl.maximum(num / den, 0.0, propagate_nan=tl.PropagateNan.ALL)))
@@ -229,7 +230,8 @@ def power_step(weight: torch.Tensor, v: torch.Tensor, iters: int, pair: bool = F
     top = torch.empty((n, k), dtype=torch.float32, device=v.device)
     u = torch.empty((n, d), dtype=torch.float32, device=v.device) if pair else sigma
     vp = torch.empty((n, c), dtype=torch.float32, device=v.device) if pair else sigma
-    launch(_power_kernel, (n,), (weight, v, v_new, z, sigma, top, u, vp, d, c, *weight.stride(), iters),
-           dict(K=k, KP=kp, BLOCK_D=block_d, BLOCK_C=block_c, SQUARINGS=_SQUARINGS, PAIR=pair,
-                num_warps=_NUM_WARPS))
+    with on_device(weight):  # Monitor.step may run with another device current than the model's
+        launch(_power_kernel, (n,), (weight, v, v_new, z, sigma, top, u, vp, d, c, *weight.stride(), iters),
+               dict(K=k, KP=kp, BLOCK_D=block_d, BLOCK_C=block_c, SQUARINGS=_SQUARINGS, PAIR=pair,
+                    num_warps=_NUM_WARPS))
     return v_new, sigma, top, ((u, vp) if pair else None)

@@ -138,3 +138,25 @@ def test_the_reading_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (12, 4, 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_the_reading_runs_on_the_chains_device_whichever_is_current(monkeypatch):
+    """Monitor.step may run with cuda:0 current for a model on cuda:1: the launch goes to cuda:1."""
+    kernel, reference = _chains("cuda:1"), _chains("cuda:1")
+    _feed(kernel, 0, [True] * 3, [True] * 3)
+    _feed(reference, 0, [True] * 3, [True] * 3)
+    with torch.cuda.device(0):
+        _read_both(kernel, reference, 0.9, monkeypatch)
+
+
+def test_a_launch_goes_to_the_tensors_device():
+    import contextlib
+
+    from flashwatch.kernels.launch import on_device
+
+    assert isinstance(on_device(torch.zeros(1)), contextlib.nullcontext)  # CPU: nothing to switch
+    if torch.cuda.device_count() >= 2:
+        with torch.cuda.device(0), on_device(torch.zeros(1, device="cuda:1")):
+            assert torch.cuda.current_device() == 1
