@@ -80,6 +80,13 @@ def _solve_right(z, r, kk, KP: tl.constexpr):
 
 
 @triton.jit
+def _w_tile(w_head, d, d_ok, c, c_ok, stride_wd, stride_wc):
+    """Rows d and columns c of one head's W, (BLOCK_D, BLOCK_C) in FP32 (zero outside D and C)."""
+    return tl.load(w_head + d[:, None] * stride_wd + c[None, :] * stride_wc,
+                   mask=d_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _times_v(w_head, src, d, d_ok, kk, C, K, stride_wd, stride_wc,
              KP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """W V for one head: (BLOCK_D, KP) FP32, V (C, K) contiguous FP32 at ``src``."""
@@ -87,8 +94,7 @@ def _times_v(w_head, src, d, d_ok, kk, C, K, stride_wd, stride_wc,
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         c_ok = c < C
-        w = tl.load(w_head + d[:, None] * stride_wd + c[None, :] * stride_wc,
-                    mask=d_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        w = _w_tile(w_head, d, d_ok, c, c_ok, stride_wd, stride_wc)
         vv = tl.load(src + c[:, None] * K + kk[None, :], mask=c_ok[:, None] & (kk < K)[None, :], other=0.0)
         for j in tl.static_range(KP):
             y = tl.where(kk[None, :] == j, y + tl.sum(w * _column(vv, kk, j)[None, :], axis=1)[:, None], y)
@@ -117,8 +123,7 @@ def _power_kernel(W, V, V_OUT, Z, SIGMA, TOP, U, VP, D, C, stride_wn, stride_wd,
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             c_ok = c < C
-            w = tl.load(w_head + d[:, None] * stride_wd + c[None, :] * stride_wc,
-                        mask=d_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            w = _w_tile(w_head, d, d_ok, c, c_ok, stride_wd, stride_wc)
             z = tl.zeros([BLOCK_C, KP], dtype=tl.float32)
             for j in tl.static_range(KP):
                 z = tl.where(kk[None, :] == j, tl.sum(w * _column(y, kk, j)[:, None], axis=0)[:, None], z)
@@ -185,8 +190,7 @@ def _power_kernel(W, V, V_OUT, Z, SIGMA, TOP, U, VP, D, C, stride_wn, stride_wd,
             vv = tl.load(v_out + c[:, None] * K + kk[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0)
             va = tl.sum(vv * top[None, :], axis=1) / v_norm
             tl.store(VP + n * C + c, va, mask=c_ok)
-            w = tl.load(w_head + d[:, None] * stride_wd + c[None, :] * stride_wc,
-                        mask=d_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            w = _w_tile(w_head, d, d_ok, c, c_ok, stride_wd, stride_wc)
             u += tl.sum(w * va[None, :], axis=1)
         u = u / tl.maximum(tl.sqrt(tl.sum(u * u, axis=0)), 1e-30, propagate_nan=tl.PropagateNan.ALL)
         tl.store(U + n * D + d, u, mask=d_ok)
