@@ -24,7 +24,7 @@ import triton  # noqa: F401  (the Triton path: fail at import where Triton is mi
 from . import faults, hopper_attn, tuning
 from . import launch as launching
 from .checks import FIXED_MAX_OFFSET, FIXED_MIN_OFFSET
-from .launch import launch
+from .launch import launch, on_device
 from .layouts import grads_like, heads_inner_like
 from .reference import unit_p_gap
 from .rows import RowOutputs, row_args, row_flags
@@ -279,14 +279,22 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", bet
     forward compiles with INJECT off and adds nothing."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps), stats,
-                                 faults.rounding_bias_strength())
+    # Triton launches on the current device: a model on cuda:1 with cuda:0 current runs on cuda:1
+    # (the backward needs nothing: autograd runs it with its tensors' device current)
+    with on_device(q):
+        return _FlashAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps), stats,
+                                     faults.rounding_bias_strength())
 
 
 def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causal=True, sm_scale=None, eps=1e-3):
     """Triton path of ``flashwatch.kernels.attention_statistics`` (arguments already checked there)."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    with on_device(q):  # Triton launches on the current device
+        _statistics(q, k, v, out, grad_out, stats, causal, float(sm_scale), float(eps))
+
+
+def _statistics(q, k, v, out, grad_out, stats: AttentionStats, causal: bool, sm_scale: float, eps: float) -> None:
     q, k, v, out, grad_out = (_last_dim_contiguous(t.detach()) for t in (q, k, v, out, grad_out))
     B, H, N, D = q.shape
     G = H // k.shape[1]

@@ -172,3 +172,38 @@ def test_rows_hook_changes_no_gradient_and_no_statistic():
     for name in ("rows", "repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format"):
         assert torch.equal(getattr(off, name), getattr(on, name)), name
     torch.testing.assert_close(off.delta_error_abs, on.delta_error_abs, rtol=1e-5, atol=1e-7)
+
+
+def _on_cuda1_run(current: int, statistics_pass: bool):
+    """One call's output, input gradients and statistics for inputs on cuda:1, with ``current`` the
+    current device while it runs."""
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    q, k, v, do = (torch.randn(2, 4, 300, 64, generator=gen).to("cuda:1", torch.bfloat16) for _ in range(4))
+    stats = AttentionStats(4, "cuda:1")
+    with torch.cuda.device(current):
+        if statistics_pass:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            attention_statistics(q, k, v, out, do, stats)
+            grads = ()
+        else:
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = flash_attention(q, k, v, stats=stats)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+    torch.cuda.synchronize(1)
+    return [t.cpu() for t in (out, *grads)], {n: x for n, x in stats.as_dict().items()}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("statistics_pass", [False, True], ids=["own_kernel", "statistics_pass"])
+def test_calls_run_on_their_inputs_device_whichever_is_current(statistics_pass):
+    """A model on cuda:1 with cuda:0 current (no ``torch.cuda.set_device``): the kernels launch on
+    cuda:1 and give what they give with cuda:1 current."""
+    want_tensors, want_stats = _on_cuda1_run(1, statistics_pass)
+    got_tensors, got_stats = _on_cuda1_run(0, statistics_pass)
+    for got, want in zip(got_tensors, want_tensors):
+        assert torch.equal(got, want)
+    assert got_stats["rows"] == want_stats["rows"] and got_stats["rows"][0] > 0
+    for name in ("repeated_max_rows", "max_logit"):
+        assert got_stats[name] == want_stats[name]
+    for name in ("delta_error", "delta_error_abs"):  # float atomics: the order of the adds may differ
+        assert got_stats[name] == pytest.approx(want_stats[name], rel=1e-5, abs=1e-6)
