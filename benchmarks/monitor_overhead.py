@@ -69,7 +69,10 @@ host-bound one and one arm's compiled code from another's:
   arm's timed steps ran, each a host stall of up to a second in its step; listed under the table too;
 - ``gc_pauses_timed``: Python's garbage collections during the arm's timed steps, [step, generation, ms]
   for every full (generation 2) collection and every one of 1 ms or more (those of 10 ms or more listed
-  under the table): a full collection in a process holding a compiler's caches stalls the host.
+  under the table): a full collection in a process holding a compiler's caches stalls the host;
+- ``host_stalls`` (with ``--stall-stacks MS``): for every timed step whose host time reached MS, the
+  main thread's Python stacks sampled every 5 ms while it ran (a thread beside the loop), the most
+  frequent first, [count, innermost frames]: where the host was when a step stalled.
 
     python benchmarks/monitor_overhead.py --json monitor_overhead.json
     python benchmarks/monitor_overhead.py --compile default max-autotune-no-cudagraphs --json compiled.json
@@ -84,6 +87,8 @@ import hashlib
 import itertools
 import json
 import statistics
+import sys
+import threading
 import time
 
 import torch
@@ -370,6 +375,56 @@ class _GcPauses:
 _GC_PAUSES = _GcPauses()
 
 
+class _StackSampler:
+    """The main thread's Python stack every ``period`` seconds, from a daemon thread, kept for the
+    last few seconds: ``during(t0, t1)`` gives the stacks sampled between two host times, counted
+    (a stalled step's host time is where to look). Off until ``start``."""
+
+    def __init__(self, period: float = 0.005, keep: float = 5.0, depth: int = 12):
+        self.period, self.keep, self.depth = period, keep, depth
+        self.samples: list = []  # (host time, innermost frames first), appended by the sampler thread
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = None
+
+    def start(self) -> None:
+        if self.thread is None or not self.thread.is_alive():
+            self.stopped.clear()
+            main = threading.main_thread().ident
+            self.thread = threading.Thread(target=self._run, args=(main,), daemon=True, name="stack-sampler")
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join()
+
+    def _run(self, main: int) -> None:
+        while not self.stopped.wait(self.period):
+            frame = sys._current_frames().get(main)
+            now, stack = time.perf_counter(), []
+            while frame is not None and len(stack) < self.depth:
+                code = frame.f_code
+                stack.append(f"{code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {code.co_name}")
+                frame = frame.f_back
+            with self.lock:
+                self.samples.append((now, tuple(stack)))
+                if self.samples[0][0] < now - self.keep:
+                    self.samples = [x for x in self.samples if x[0] >= now - self.keep]
+
+    def during(self, t0: float, t1: float) -> list:
+        """[count, frames] of the stacks sampled between host times t0 and t1, the most frequent first."""
+        with self.lock:
+            stacks = [stack for t, stack in self.samples if t0 <= t <= t1]
+        counts: dict = {}
+        for stack in stacks:
+            counts[stack] = counts.get(stack, 0) + 1
+        return sorted(([n, list(stack)] for stack, n in counts.items()), key=lambda x: -x[0])
+
+
+_STACKS = _StackSampler()
+
+
 class _Arm:
     """One arm's model, optimizer, data and Monitor (``label``: ``<arm>`` or ``<arm>@<compile mode>``),
     run a block of steps at a time: ``run`` times each step with a pair of CUDA events (read once, in
@@ -421,6 +476,8 @@ class _Arm:
         self.sequence: list[int] = []  # each timed step's place among the process's timed steps
         self.triton_compiles: list[str] = []  # Triton kernels compiled during the timed steps (_TritonCompiles)
         self.gc_pauses: list[list] = []  # garbage collections during the timed steps (_GcPauses)
+        self.stall_ms = args.stall_stacks  # a timed step's host time from which its stacks are kept (0: off)
+        self.stalls: list[dict] = []  # such steps: their host time and stacks (_StackSampler)
         self.host: list[float] = []
         self.idle: dict[bool, list[float]] = {True: [], False: []}
         self.allocator: dict = {}
@@ -469,7 +526,11 @@ class _Arm:
             t0 = time.perf_counter()
             self._one_step(pair)
             if timed:
-                self.host.append((time.perf_counter() - t0) * 1e3)
+                t1 = time.perf_counter()
+                self.host.append((t1 - t0) * 1e3)
+                if self.stall_ms and (t1 - t0) * 1e3 >= self.stall_ms:
+                    self.stalls.append({"step": len(self.host) - 1, "monitored": monitored,
+                                        "host_ms": round((t1 - t0) * 1e3, 2), "stacks": _STACKS.during(t0, t1)})
                 self.monitored.append(monitored)
                 self.events.append(pair)
                 self.sequence.append(next(_TIMED))
@@ -513,6 +574,8 @@ class _Arm:
                                    "monitored": statistics.mean(idle[True]) if idle[True] else None},
                "allocator": self.allocator, "min_coverage": coverage, "triton_compiles_timed": self.triton_compiles,
                "gc_pauses_timed": self.gc_pauses}
+        if self.stall_ms:
+            out["host_stalls"] = self.stalls
         if "@" in self.label:
             out["generated_code"] = _code_hashes(self.generated)
             out.update(self.compile_counts)
@@ -561,7 +624,12 @@ def main(argv=None) -> int:
                    help="causal: the attention is given its causal mask as a tensor (Hugging Face under compile); "
                         "causal-dense: the same, with the statistics' plain-pass shortcut for such masks off; "
                         "causal-dropout: the mask with attention dropout 0.1")
+    p.add_argument("--stall-stacks", type=float, default=0.0, metavar="MS",
+                   help="sample the main thread's Python stack every 5 ms and keep, for every timed step whose host "
+                        "time reaches MS, the stacks sampled during it (JSON host_stalls; 0, the default: off)")
     args = p.parse_args(argv)
+    if args.stall_stacks < 0:
+        p.error(f"--stall-stacks takes a host time in ms >= 0 (0: off), got {args.stall_stacks}")
     if args.interleave < 0:
         p.error(f"--interleave takes a number of steps >= 0, got {args.interleave}")
     if args.interleave and args.baseline_again:
@@ -575,6 +643,15 @@ def main(argv=None) -> int:
         return 2
     _TRITON_COMPILES.install()
     _GC_PAUSES.install()
+    if args.stall_stacks:
+        _STACKS.start()
+    try:
+        return _run(args, p)
+    finally:
+        _STACKS.stop()
+
+
+def _run(args, p) -> int:
     names = [] if args.only_compiled else ["sdpa", "sdpa+observe", "sdpa+observe_no_chain", "flashwatch",
                                            "flashwatch+own_kernel"]
     pairs = [] if args.only_compiled else [("sdpa+observe", "sdpa"), ("sdpa+observe_no_chain", "sdpa"),
@@ -653,6 +730,11 @@ def main(argv=None) -> int:
         if long:
             print(f"{a['arm']}: Python's garbage collection paused the host 10 ms or more during its timed steps: "
                   + ", ".join(f"step {step} (generation {gen}, {ms:.0f} ms)" for step, gen, ms in long))
+        for stall in a.get("host_stalls", []):
+            top = stall["stacks"][0] if stall["stacks"] else [0, ["(no sample)"]]
+            print(f"{a['arm']}: step {stall['step']}{' (monitored)' if stall['monitored'] else ''} held the host "
+                  f"{stall['host_ms']:.0f} ms; most sampled ({top[0]} of {sum(n for n, _ in stall['stacks'])}): "
+                  + " < ".join(top[1][:4]))
     for name, arm in by.items():
         if "drift_of_the_baseline_again" in arm:
             print(f"{name} again, after the other arms: {100 * arm['drift_of_the_baseline_again']:+.2f}% against its "

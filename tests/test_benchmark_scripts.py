@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,7 @@ def test_monitor_overhead_interleaves_the_compiled_arms_in_turns(tmp_path):
     assert monitor_overhead.main(["--device", "cpu", "--tiny", "--seq", "16", "--batch", "2", "--warmup", "2",
                                   "--steps", "6", "--interval", "2", "--compile", "default", "--only-compiled",
                                   "--backend", "aot_eager", "--json", str(out), "--arms", "sdpa,sdpa+observe",
-                                  "--interleave", "2"]) == 0
+                                  "--interleave", "2", "--stall-stacks", "0.001"]) == 0
     sdpa, observed = json.loads(out.read_text())["arms"]
     assert [sdpa["arm"], observed["arm"]] == ["sdpa@default", "sdpa+observe@default"]
     first = min(sdpa["step_sequence"])
@@ -186,6 +187,8 @@ def test_monitor_overhead_interleaves_the_compiled_arms_in_turns(tmp_path):
     for arm in (sdpa, observed):
         assert arm["steps"] == 6 and arm["interleaved_steps"] == 2 and arm["graph_breaks"] == 0, arm
         assert arm["triton_compiles_timed"] == []  # none on the CPU (the interpreter compiles nothing)
+        assert [stall["step"] for stall in arm["host_stalls"]] == list(range(6))  # every step held it 1 us
+        assert any(n > 0 and frames for stall in arm["host_stalls"] for n, frames in stall["stacks"])
     assert sdpa["unique_graphs"] == 1 and observed["unique_graphs"] == 1  # none compiled in the timed turns
     assert observed["step_monitored"] == [True, False] * 3 and "mean_overhead_vs_baseline" in observed
     assert observed["min_coverage"] == 1.0 and sdpa["min_coverage"] is None
@@ -232,6 +235,33 @@ def test_monitor_overhead_records_the_full_garbage_collections_of_the_timed_step
         assert len(timed) == 1 and timed[0][:2] == [7, 2] and timed[0][2] >= 0
     finally:
         gc.callbacks.remove(pauses._callback)
+
+
+def _held_in_a_named_function(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_monitor_overhead_samples_the_stacks_of_a_stalled_step():
+    """The stack sampler keeps the main thread's stacks by host time: those sampled while a function
+    held the host name it, most often first; those outside the window are not counted."""
+    monitor_overhead = _benchmark("monitor_overhead")
+    sampler = monitor_overhead._StackSampler(period=0.002)
+    sampler.start()
+    try:
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        _held_in_a_named_function(0.2)
+        t1 = time.perf_counter()
+        time.sleep(0.05)
+    finally:
+        sampler.stop()
+    stacks = sampler.during(t0, t1)
+    counted = sum(n for n, _ in stacks)
+    assert counted >= 10 and stacks[0][0] >= counted // 2
+    assert "_held_in_a_named_function" in stacks[0][1][0]
+    assert sum(n for n, _ in sampler.during(0.0, float("inf"))) > counted  # the sleeps were sampled too
 
 
 @pytest.mark.usefixtures("interpret_dispatch")
