@@ -2,13 +2,15 @@
 #   make demo   installs what it needs into .venv and runs `flashwatch demo`
 #   make test   installs what it needs into .venv and runs the whole test suite
 # Variables: PYTHON (interpreter for the venv), VENV (its folder), TORCH (the torch
-# requirement used only when the venv has no torch yet), ARGS (extra arguments for demo).
+# requirement used only when the venv has no torch yet), ARGS (extra arguments for demo),
+# JOBS (test processes, pytest-xdist: 2 by default, 1 runs the tests one at a time in one process).
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TRITON ?= triton==3.6.0
 ARGS ?=
+JOBS ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.flashwatch-installed
 
@@ -39,7 +41,7 @@ demo: $(STAMP)
 	$(VENV)/bin/flashwatch demo $(ARGS)
 
 test: $(STAMP) prometheus
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist worksteal)
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs
