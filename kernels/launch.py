@@ -219,12 +219,18 @@ def _ordinary(kernel, grid, args, kwargs):
     return kernel[grid](*args, **kwargs)
 
 
+_NOTHING_TO_DO = contextlib.nullcontext()  # reusable: it holds no state
+
+
 def on_device(t: torch.Tensor):
     """A context in which ``t``'s CUDA device is the current one (Triton launches on the current
-    device): ``torch.cuda.device`` where another one is current, else nothing to do (CPU tensors too)."""
-    if t.is_cuda and t.device.index != torch._C._cuda_getDevice():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+    device): ``torch.cuda.device`` where another one is current, else nothing to do (CPU tensors too).
+    It runs on every attention call, so it makes nothing where there is nothing to do."""
+    if t.is_cuda:
+        index = t.get_device()
+        if index != torch._C._cuda_getDevice():
+            return torch.cuda.device(index)
+    return _NOTHING_TO_DO
 
 
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
