@@ -2,7 +2,7 @@
 # GPU checks and benchmarks on the device machine (run from the repository root, no install needed):
 # environment, the kernel GPU tests, then `flashwatch bench`. Logs go to $OUT (or /tmp/out).
 #   bash benchmarks/gpu_session.sh [tests|newtests|alltests|compiletests|compileautotune|fallbacks|bench|ab|hopperab|sweep|statsweep|tune|overhead|hostcheck|equivalence|equivtest|compiled|compiledtwice|interleaved|plainsweep|partialsweep|
-#                                   autotune|autotunekernels|monitoredkernels|monitorab|abtimes|chaintests|owncheck|statsab|kernelcheck|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|lab ...]   (default: tests bench)
+#                                   autotune|autotunekernels|monitoredkernels|monitorab|abtimes|chaintests|owncheck|statsab|kernelcheck|kernels|graphs|profile|ddp|host|chaincheck|ncu128|ncu64|hostprofile|monitoredhost|autotunehost|lab ...]   (default: tests bench)
 # alltests: every test marked gpu but max-autotune's, in four logs (gpu_alltests, gpu_chain_tests, gpu_hopper_tests, gpu_compile);
 # compiletests: the compiled training on CUDA alone (tests/test_compile_gpu.py, gpu_compile.log), but for
 # max-autotune-no-cudagraphs (compileautotune, gpu_compile_autotune.log: Inductor's autotuning takes minutes);
@@ -78,6 +78,18 @@ for step in $steps; do
     hostprofile) timeout 280 python3 benchmarks/step_kernels.py --host --python --json "$OUT/step_host.json" 2>&1 | tee "$OUT/step_host.log" | grep -v Warning
                  timeout 200 python3 benchmarks/step_kernels.py --host --python --eager --json "$OUT/step_host_eager.json" 2>&1 \
                    | tee "$OUT/step_host_eager.log" | grep -v Warning ;;
+    # monitoredhost: the host time a compiled monitored step adds, per operator and per Python function (observe
+    # against SDPA, own kernel monitored against unmonitored); autotunehost: the own kernel's host time against SDPA's
+    # under max-autotune-no-cudagraphs (its first compilation on a machine autotunes for minutes)
+    monitoredhost) for arms in sdpa,observe_monitored own_kernel,own_kernel_monitored; do
+                     timeout 280 python3 benchmarks/step_kernels.py --host --python --arms "$arms" \
+                       --json "$OUT/step_host_${arms//,/_}.json" > "$OUT/step_host_${arms//,/_}.log" 2>&1
+                     grep -v Warning "$OUT/step_host_${arms//,/_}.log" | tail -40
+                   done ;;
+    autotunehost) timeout 560 python3 benchmarks/step_kernels.py --host --python --compile-mode max-autotune-no-cudagraphs \
+                    --json "$OUT/step_host_autotune.json" > "$OUT/step_host_autotune.log" 2>&1
+                  grep -v "AUTOTUNE\|triton_mm\|^  \|Warning\|^E[0-9]\|^strides\|^dtypes\|Autotune Choices" \
+                    "$OUT/step_host_autotune.log" | tail -40 ;;
     # autotunekernels: the same under max-autotune-no-cudagraphs (the first compilation autotunes every matrix product)
     autotunekernels) timeout 540 python3 benchmarks/step_kernels.py --compile-mode max-autotune-no-cudagraphs \
                        --json "$OUT/step_kernels_autotune.json" > "$OUT/step_kernels_autotune.log" 2>&1
@@ -108,7 +120,7 @@ for step in $steps; do
         done ;;
     # the four compiled arms side by side, 20 steps of each in turn (two monitored steps a turn): a device
     # that drifts during the run weighs on every arm alike
-    interleaved) timeout 420 python3 benchmarks/monitor_overhead.py --only-compiled --compile default --steps 200 \
+    interleaved) timeout 420 python3 benchmarks/monitor_overhead.py --only-compiled --compile default --steps 200 --stall-stacks 100 \
                 --interleave 20 --json "$OUT/monitor_overhead_interleaved.json" 2>&1 \
                 | tee "$OUT/monitor_overhead_interleaved.log" | grep -v Warning ;;
     bench) timeout 480 python3 -m flashwatch.cli bench --device-time --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
