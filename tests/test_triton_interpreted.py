@@ -7,6 +7,8 @@ workarounds matter by switching them off.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -385,3 +387,35 @@ def test_a_forward_without_backward_adds_no_max_logit():
     ref = AttentionStats(2)
     reference.flash_attention(q.detach().double().requires_grad_(True), k.double(), v.double(), stats=ref).sum().backward()
     torch.testing.assert_close(stats.max_logit, ref.max_logit, rtol=1e-5, atol=1e-5)
+
+
+def test_every_entry_point_launches_under_its_inputs_device(interpret_dispatch, monkeypatch):
+    """Triton launches on the current device, which need not be the inputs' (a model on cuda:1 with
+    cuda:0 current): the own kernel's forward and backward, through ``flash_attention`` and through
+    the compiled-path operators, and the statistics pass each run inside ``on_device(q)``. (The
+    two-GPU test in test_triton_gpu.py checks what the guard does.)"""
+    from flashwatch.kernels import ops
+
+    triton_attn = interpret_dispatch
+    guarded = []
+
+    def recording(t):
+        guarded.append(t.shape)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(triton_attn, "on_device", recording)
+    q, k, v = random_qkv(1, 2, 20, 16, seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+    out = flash_attention(q, k, v, stats=AttentionStats(2))
+    assert guarded == [q.shape]  # the forward
+    out.backward(do)  # autograd runs the backward with its tensors' device current: nothing to guard
+    guarded.clear()
+    attention_statistics(q.detach(), k.detach(), v.detach(), out.detach(), do, AttentionStats(2))
+    assert guarded == [q.shape]
+    guarded.clear()
+    flag = torch.ones((), dtype=torch.int32)
+    out = ops.attention(q, k, v, flag=flag, stats=AttentionStats(2), coverage=torch.zeros(2, dtype=torch.int64),
+                        causal=True, variant="plain")
+    out.backward(do)
+    assert guarded == [q.shape, q.shape]  # the operators' forward and backward
