@@ -239,8 +239,7 @@ def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     fault = faults.rounding_bias_strength()
     if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
-        with _triton_attn().on_device(q):  # Triton launches on the current device, which may not be q's
-            o, lse, r, rowmax = _triton_attn()._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
+        o, lse, r, rowmax = _triton_attn()._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
     else:
         with _NoAutocast(q.device):
             o, lse, r = reference.forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
@@ -275,9 +274,8 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
     residual = r if r.numel() else None
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
-        with _triton_attn().on_device(q):
-            _triton_attn()._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None, causal,
-                                     sm_scale, eps, stats, grads=(dq, dk, dv))
+        _triton_attn()._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None, causal,
+                                 sm_scale, eps, stats, grads=(dq, dk, dv))
         return
     with _NoAutocast(q.device):
         grads = reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)

@@ -127,11 +127,15 @@ def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strengt
     key = _plan_key("fwd", (q, k, v), causal, sm_scale, variant, beta, eps) \
         if stats is None and fault_strength == 0 else None
     tensors = (q, k, v, o, lse, r) if fp32_delta else (q, k, v, o, lse)
-    if _replayed(key, tensors):
-        return o, lse, (r if fp32_delta else None), None
-    with _recording(key) as records:
-        rowmax = _forward_launches(q, k, v, o, lse, r, causal, sm_scale, variant, beta, eps, stats, fault_strength)
-    _keep(key, records, tensors)
+    # Triton launches on the current device, and a plan keeps the device it was made on: both must be
+    # q's (a model on cuda:1 with cuda:0 current)
+    with on_device(q):
+        if _replayed(key, tensors):
+            return o, lse, (r if fp32_delta else None), None
+        with _recording(key) as records:
+            rowmax = _forward_launches(q, k, v, o, lse, r, causal, sm_scale, variant, beta, eps, stats,
+                                       fault_strength)
+        _keep(key, records, tensors)
     return o, lse, (r if fp32_delta else None), rowmax
 
 
@@ -209,10 +213,11 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats, grad
     keyed = inputs + (dq, dk, dv) if given else inputs
     key = _plan_key("bwd", keyed, causal, sm_scale, eps) if stats is None else None
     tensors = inputs + (delta, dq, dk, dv)
-    if not _replayed(key, tensors):
-        with _recording(key) as records:
-            _backward_launches(do, q, k, v, o, lse, r, rowmax, delta, dq, dk, dv, causal, sm_scale, eps, stats)
-        _keep(key, records, tensors)
+    with on_device(q):  # as in _forward
+        if not _replayed(key, tensors):
+            with _recording(key) as records:
+                _backward_launches(do, q, k, v, o, lse, r, rowmax, delta, dq, dk, dv, causal, sm_scale, eps, stats)
+            _keep(key, records, tensors)
     return dq, dk, dv
 
 
@@ -279,11 +284,8 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", bet
     forward compiles with INJECT off and adds nothing."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    # Triton launches on the current device: a model on cuda:1 with cuda:0 current runs on cuda:1
-    # (the backward needs nothing: autograd runs it with its tensors' device current)
-    with on_device(q):
-        return _FlashAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps), stats,
-                                     faults.rounding_bias_strength())
+    return _FlashAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps), stats,
+                                 faults.rounding_bias_strength())
 
 
 def attention_statistics(q, k, v, out, grad_out, stats: AttentionStats, *, causal=True, sm_scale=None, eps=1e-3):

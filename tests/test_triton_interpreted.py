@@ -391,9 +391,10 @@ def test_a_forward_without_backward_adds_no_max_logit():
 
 def test_every_entry_point_launches_under_its_inputs_device(interpret_dispatch, monkeypatch):
     """Triton launches on the current device, which need not be the inputs' (a model on cuda:1 with
-    cuda:0 current): the own kernel's forward and backward, through ``flash_attention`` and through
-    the compiled-path operators, and the statistics pass each run inside ``on_device(q)``. (The
-    two-GPU test in test_triton_gpu.py checks what the guard does.)"""
+    cuda:0 current): the own kernel's forward and backward (``triton_attn._forward`` / ``_backward``,
+    reached through ``flash_attention`` and through the compiled-path operators) and the statistics
+    pass each run inside ``on_device(q)``. (The two-GPU test in test_triton_gpu.py checks what the
+    guard does.)"""
     from flashwatch.kernels import ops
 
     triton_attn = interpret_dispatch
@@ -409,7 +410,8 @@ def test_every_entry_point_launches_under_its_inputs_device(interpret_dispatch, 
     do = torch.randn_like(q)
     out = flash_attention(q, k, v, stats=AttentionStats(2))
     assert guarded == [q.shape]  # the forward
-    out.backward(do)  # autograd runs the backward with its tensors' device current: nothing to guard
+    out.backward(do)
+    assert guarded == [q.shape, q.shape]  # and the backward
     guarded.clear()
     attention_statistics(q.detach(), k.detach(), v.detach(), out.detach(), do, AttentionStats(2))
     assert guarded == [q.shape]
