@@ -1,11 +1,12 @@
 """What flashwatch can measure of one ``torch.nn.functional.scaled_dot_product_attention`` call.
 
 ``unsupported_reason``: why flashwatch's own kernel cannot run the call (own-kernel mode then
-runs torch SDPA). ``statistics_route``: how the statistics measure a call beside the model's
-own SDPA: the plain pass (``flashwatch.kernels.attention_statistics``, Triton on CUDA), the
-dense pass for masks and unequal lengths (``flashwatch.kernels.masked``), scores only
-(attention dropout: the delta error is not measured), or not at all. Python checks only:
-shapes, dtypes and arguments, never tensor values.
+runs torch SDPA); it takes attention masks (``flash_attention``'s ``attn_mask``).
+``statistics_route``: how the statistics measure a call beside the model's own SDPA: the plain
+pass (``flashwatch.kernels.attention_statistics``, Triton on CUDA), the dense pass for masks and
+unequal lengths (``flashwatch.kernels.masked``), scores only (attention dropout: the delta error
+is not measured), or not at all. Python checks only: shapes, dtypes and arguments, never tensor
+values.
 """
 
 from __future__ import annotations
@@ -15,14 +16,25 @@ import torch
 __all__ = ["unsupported_reason", "statistics_route", "MEASURED"]
 
 
-def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int) -> str | None:
+def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int, is_causal: bool = False
+                       ) -> str | None:
     """Why flashwatch's kernel cannot take this SDPA call (None if it can). Python checks only."""
     from flashwatch.kernels import DTYPES, HEAD_DIMS
+    from flashwatch.kernels.checks import check_attn_mask
 
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "query, key and value are not all tensors"
     if attn_mask is not None:
-        return "an attn_mask is given (padding or a custom mask)"
+        if is_causal:  # SDPA refuses the call: it runs, and says so
+            return "an attn_mask is given with is_causal=True"
+        reason = unsupported_reason(q, k, v, None, dropout_p, enable_gqa, num_heads)
+        if reason is not None:
+            return reason
+        try:
+            check_attn_mask(attn_mask, q, k, False)
+        except (TypeError, ValueError) as exc:
+            return f"the attn_mask is not one the kernel takes ({exc})"
+        return None
     if dropout_p:
         return f"attention dropout is on (dropout_p={dropout_p})"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -59,9 +71,11 @@ def statistics_route(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, num_h
 
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return None, "query, key and value are not all tensors"
-    reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads)
-    if reason is None:
+    reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads, bool(is_causal))
+    if reason is None and attn_mask is None:
         return "plain", None
+    if reason is None:  # the own kernel takes it; the plain statistics pass takes no mask
+        reason = "an attn_mask is given (padding or a custom mask)"
     if dropout_p:
         # dropout acts on the probabilities after the softmax: the scores, and so the rows, their
         # repeated maxima and the max logit, are those of the same call without it

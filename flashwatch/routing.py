@@ -9,9 +9,9 @@ all routers, the original kept; ``Router.remove`` restores it and removes the ho
 model is exactly as before). The wrapper:
 
 - outside attached layers: the original SDPA, untouched;
-- ``own_kernel`` layers: ``flashwatch.kernels.flash_attention`` with the layer's variant,
-  and ``stats`` only on monitored steps; calls the kernel does not take (``unsupported_reason``:
-  an attn_mask, dropout, head dims outside (16, 32, 64, 128), query and key lengths that
+- ``own_kernel`` layers: ``flashwatch.kernels.flash_attention`` with the layer's variant (and the
+  call's attn_mask), and ``stats`` only on monitored steps; calls the kernel does not take
+  (``unsupported_reason``: dropout, head dims outside (16, 32, 64, 128), query and key lengths that
   differ, ...) run the original SDPA, are measured beside it as in observe mode where the
   statistics can, and the reason is logged once per layer;
 - ``observe`` layers: the original SDPA; on monitored steps only, q, k, v and the output
@@ -626,7 +626,7 @@ class Router:
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _bind(args, kwargs)
         query = q  # the model's own query tensor (its gradient is dQ for the W^Q-error chain)
         q, k, v, cast = _autocast_inputs(q, k, v) if isinstance(q, torch.Tensor) else (q, k, v, False)
-        reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+        reason = unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, layer.num_heads, bool(is_causal))
         layer.sdpa_fallback = reason
         if reason is not None:
             self.log_fallback(layer)
@@ -653,7 +653,7 @@ class Router:
                 stats.rows_hook = self._pop_rows_hook(layer) if hook is not None else None
             with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
                 out = flash_attention(q, k, v, causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
-                                      beta=self.beta, eps=self.eps, stats=stats)
+                                      beta=self.beta, eps=self.eps, stats=stats, attn_mask=attn_mask)
             if monitored:
                 out.register_hook(_counted_at_backward(layer.coverage))
             return out
@@ -863,7 +863,7 @@ class Router:
         stats = layer.ensure_stats(q.device) if isinstance(q, torch.Tensor) else None
         if layer.mode == "own_kernel":
             qc, kc, vc, cast = _autocast_inputs(q, k, v) if stats is not None else (q, k, v, False)
-            reason = unsupported_reason(qc, kc, vc, attn_mask, dropout_p, enable_gqa, layer.num_heads)
+            reason = unsupported_reason(qc, kc, vc, attn_mask, dropout_p, enable_gqa, layer.num_heads, bool(is_causal))
             # at tracing: the compiled call runs what is decided here (a write to outside state, which
             # activation checkpointing accepts only so)
             _allowed_under_checkpoint(_set_sdpa_fallback, layer, reason)
@@ -871,7 +871,8 @@ class Router:
                 with torch.autocast(q.device.type, enabled=False) if cast else contextlib.nullcontext():
                     return ops.attention(qc, kc, vc, flag=self.flag, stats=stats, coverage=layer.coverage,
                                          causal=bool(is_causal), sm_scale=scale, variant=layer.variant,
-                                         beta=self.beta, eps=self.eps, **self._layer_arguments(layer, x, rotation))
+                                         beta=self.beta, eps=self.eps, attn_mask=attn_mask,
+                                         **self._layer_arguments(layer, x, rotation))
             return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal,
                                           scale, enable_gqa, x, rotation)
         return self._compiled_observe(layer, sdpa(*args, **kwargs), q, k, v, attn_mask, dropout_p, is_causal, scale,

@@ -5,7 +5,7 @@ top-level ``kernels/`` folder; no top-level ``kernels`` module is installed).
 
 Public API:
     flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0,
-                    eps=1e-3, stats=None) -> Tensor
+                    eps=1e-3, stats=None, attn_mask=None) -> Tensor
     attention_statistics(q, k, v, out, grad_out, stats, *, causal=True, sm_scale=None, eps=1e-3)
     AttentionStats(num_heads, device)
     VARIANTS = ("plain", "fixed", "fp32_delta")
@@ -26,7 +26,7 @@ import os
 import torch
 
 from . import faults, reference
-from .checks import DTYPES, HEAD_DIMS, VARIANTS, check_options, check_qkv, check_switches
+from .checks import DTYPES, HEAD_DIMS, VARIANTS, check_attn_mask, check_options, check_qkv, check_switches
 from .stats import FIELDS as STAT_FIELDS
 from .stats import AttentionStats
 from .tuning import HOPPER_ENV, parse_hopper
@@ -45,9 +45,11 @@ def uses_triton(device: torch.device) -> bool:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     sm_scale: float | None = None, variant: str = "plain", beta: float = 2.0,
-                    eps: float = 1e-3, stats: AttentionStats | None = None) -> torch.Tensor:
+                    eps: float = 1e-3, stats: AttentionStats | None = None,
+                    attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention, as ``F.scaled_dot_product_attention(q, k, v,
-    is_causal=causal, scale=sm_scale)``, with autograd, optional statistics and variants.
+    attn_mask=attn_mask, is_causal=causal, scale=sm_scale)``, with autograd, optional statistics and
+    variants.
 
     Args:
         q: (B, H, N, D) queries; bf16, fp16 or fp32 (fp32 computed without TF32).
@@ -66,6 +68,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
             forward without backward adds nothing), on the device, without host
             synchronisation; its ``rows_hook``, if set, is called by the backward with this
             call's per-row delta errors and P K. None costs nothing.
+        attn_mask: None, or a mask that broadcasts to (B, H, N, N), as SDPA takes it: boolean
+            (True = attend; key padding (B, 1, 1, N), Hugging Face's (B, 1, N, N), ...) or floating
+            (added to the scaled scores). With ``causal`` both apply (SDPA takes one or the other).
+            A row left no key gets output 0 and no gradient, as SDPA gives it. The variants act as
+            without a mask. Statistics of a masked call are taken in its backward by the dense pass
+            of ``flashwatch.kernels.masked`` (padding rows left out; an (H, N, N) score tensor per
+            batch entry), from the output whose delta the backward used.
 
     The INJECTED rounding-bias fault of tests and experiments is no argument here: it is the
     process-wide knob ``flashwatch.kernels.faults`` (off by default), read at every call.
@@ -79,6 +88,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     """
     check_qkv(q, k, v)
     check_options(variant, beta, eps, causal, sm_scale)
+    check_attn_mask(attn_mask, q, k, causal)
     if stats is not None:
         if not isinstance(stats, AttentionStats):
             raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")
@@ -87,9 +97,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         from . import triton_attn  # imported lazily: the CPU path never needs triton
 
         return triton_attn.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, variant=variant,
-                                           beta=beta, eps=eps, stats=stats)
+                                           beta=beta, eps=eps, stats=stats, attn_mask=attn_mask)
     return reference.flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, variant=variant, beta=beta,
-                                     eps=eps, stats=stats)
+                                     eps=eps, stats=stats, attn_mask=attn_mask)
 
 
 def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

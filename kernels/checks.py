@@ -115,6 +115,28 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed_dtypes=
         raise ValueError(f"q must have at least one batch entry and one row, got shape {tuple(q.shape)}")
 
 
+def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    """An attn_mask of ``flash_attention``: None, or a tensor on q's device, boolean (True = attend) or
+    floating (added to the scaled scores), of a shape that broadcasts to (B, H, N, N)."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise TypeError(f"attn_mask has dtype {attn_mask.dtype}; accepted: torch.bool (True = attend) or a "
+                        "floating dtype (added to the scaled scores)")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}: they must be on one device")
+    B, H, N, _ = q.shape
+    try:
+        if attn_mask.dim() > 4:
+            raise RuntimeError
+        torch.broadcast_shapes(tuple(attn_mask.shape), (B, H, N, N))
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, N, N) = "
+                         f"{(B, H, N, N)}; accepted: e.g. (N, N), (B, 1, 1, N) key padding, (B, 1, N, N)") from None
+
+
 def fixed_offset(m: torch.Tensor, beta: float, dtype: torch.dtype) -> torch.Tensor:
     """Offset added to the row max m on repeated-max rows by the fixed variant (guarded)."""
     raw = torch.where(m > 0, (beta - 1.0) * m, -m)

@@ -168,8 +168,8 @@ def _bwd_dkdv_hopper_inner(dk, dv, k, v, q_desc, do_desc, lse_base, delta_base, 
         rows = start_m + offs_mb
         q = _tile(q_desc, start_m, rows, sqn, offs_d, N, MASKED, TMA)
         do = _tile(do_desc, start_m, rows, sdon, offs_d, N, MASKED, TMA)
-        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale,
-                             MASKED, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale, lse_base, 0, 0,
+                             1.0, MASKED, CAUSAL, 0, DTYPE, IEEE, UPCAST, EXACT_BF16)  # no attn_mask (MASK_KIND 0)
     return dk, dv
 
 

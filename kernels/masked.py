@@ -53,11 +53,13 @@ import torch
 
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import reference
 from .checks import check_qkv
 from .reference import _add_delta_stats, _add_max_logit, _compute_dtype, _expand_kv, format_tie_flags, row_top2, tie_flags
 from .stats import AttentionStats
 
-__all__ = ["attention_statistics", "mask_reason", "has_pattern", "start_read", "read_pattern", "no_pattern_read"]
+__all__ = ["attention_statistics", "measure_call", "mask_reason", "has_pattern", "start_read", "read_pattern",
+           "no_pattern_read"]
 
 log = logging.getLogger("flashwatch")
 
@@ -84,8 +86,9 @@ def mask_reason(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> st
 
 
 # an additive mask's entries at or below this count as masked (module docstring): a key whose
-# weight is below exp(-10,000) next to any unmasked one has none in any float format
-MASKED_AT = -1e4
+# weight is below exp(-10,000) next to any unmasked one has none in any float format (the kernels
+# and the reference give such a score one constant: reference.MASKED_SCORE)
+MASKED_AT = reference.MASKED_AT
 
 
 def _allowed_and_bias(mask_b: torch.Tensor | None, cd: torch.dtype):
@@ -269,3 +272,15 @@ def attention_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
                 pks.append(torch.matmul(p, kb).to(torch.float32))
     if hook is not None:
         hook(torch.stack(errs), torch.stack(pks))
+
+
+def measure_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
+                 grad_out: torch.Tensor, stats: AttentionStats, attn_mask: torch.Tensor, causal: bool, sm_scale: float,
+                 eps: float, pattern_read: torch.Tensor | None = None) -> None:
+    """Add the statistics of one of ``flash_attention``'s calls with an ``attn_mask`` into ``stats``, from its
+    backward: the kernels take no statistics with a mask, so this pass measures the call, with the output
+    whose rowsum(dO * O) the kernel's backward used as delta (``out``, or ``out + residual`` in FP32 under
+    the fp32_delta variant: the delta error it reports is the one the gradients carry)."""
+    used = out if residual is None else out.to(torch.float32) + residual.to(torch.float32)
+    attention_statistics(q, k, v, used, grad_out, stats, attn_mask=attn_mask, causal=causal, sm_scale=sm_scale,
+                         eps=eps, pattern_read=pattern_read)

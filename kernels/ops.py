@@ -10,11 +10,13 @@ same reference (``reference``) as the eager path.
 Operators (namespace ``flashwatch``):
 
 - ``attention_with_stats(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta,
-  eps, unit_gap, x, rotation, layer)`` -> (out, lse, residual, rowmax, max_logit): ``flash_attention``'s
-  forward (one operator: the Python function ``attention`` calls it, through an ``autograd.Function``
-  whose backward is ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit, flag], counts, values,
-  coverage, causal, sm_scale, eps, unit_gap, x, rotation, layer, dq, dk, dv)``, which writes the gradients
-  into dq, dk, dv and adds the statistics). Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
+  eps, unit_gap, x, rotation, layer, attn_mask)`` -> (out, lse, residual, rowmax, max_logit, pattern_read):
+  ``flash_attention``'s forward (one operator: the Python function ``attention`` calls it, through an
+  ``autograd.Function`` whose backward is ``attention_grad(do, [q, k, v, out, lse, residual, rowmax, max_logit,
+  flag, pattern_read], counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rotation, layer, attn_mask,
+  dq, dk, dv)``, which writes the gradients into dq, dk, dv and adds the statistics: for a call with an
+  attn_mask by ``masked``'s pass, given the mask's pattern as the forward began to read it on monitored steps).
+  Triton on CUDA (or under TRITON_INTERPRET=1), the reference elsewhere.
 - ``observe(out, q, k, v, flag, counts, values, coverage, causal, sm_scale, eps, x, rotation, layer)`` -> a view of
   ``out`` (not an operator: an ``autograd.Function`` whose forward the compiler reduces to
   nothing, since an operator's output could not alias its input and would cost a copy of
@@ -200,8 +202,9 @@ class _NoAutocast:
 # layer's key a tensor, not an integer; v4: the query's rotation an argument; v5: dQ, dK, dV in
 # (B, N, heads, D) memory order; v6: score_statistics takes a mask; v7: attention_grad writes dQ, dK, dV into
 # tensors it is given; v8: observe_statistics takes the mask's pattern as read in the forward, by mask_pattern,
-# and measures the scores of calls with dropout, in the backward, where score_statistics measured them in the forward).
-CONTRACT = "v8"
+# and measures the scores of calls with dropout, in the backward, where score_statistics measured them in the forward;
+# v9: attention_with_stats and attention_grad take an attn_mask, and the forward returns its pattern read).
+CONTRACT = "v9"
 _lib = torch.library.Library("flashwatch", "FRAGMENT")
 
 
@@ -231,25 +234,34 @@ def qualified(name: str) -> str:
 
 # --- own kernel ---------------------------------------------------------------------------------
 
-def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps):
-    """The forward of ``flashwatch::attention_with_stats``: (out, lse, residual, rowmax, max_logit)."""
+def _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps, attn_mask):
+    """The forward of ``flashwatch::attention_with_stats``: (out, lse, residual, rowmax, max_logit, pattern_read);
+    pattern_read: on monitored steps, a mask's pattern read (``masked.start_read``) for the backward's
+    statistics pass, else a read of nothing."""
+    from . import masked as masked_pass
+
     B, H, N, _ = q.shape
-    stats = CallMaxLogit(H, q.device) if _on(flag) else None
+    monitored = _on(flag)
+    stats = CallMaxLogit(H, q.device) if monitored else None
     max_logit = stats.max_logit if stats is not None else torch.empty((H,), dtype=torch.float32, device=q.device)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     fault = faults.rounding_bias_strength()
     if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
-        o, lse, r, rowmax = _triton_attn()._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
+        o, lse, r, rowmax = _triton_attn()._forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault,
+                                                    attn_mask)
     else:
         with _NoAutocast(q.device):
-            o, lse, r = reference.forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault)
+            o, lse, r = reference.forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault, attn_mask)
         rowmax = None
     r = r if r is not None else q.new_empty((0,))
     rowmax = rowmax if rowmax is not None else torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    return o, lse, r, rowmax, max_logit
+    read = masked_pass.start_read(attn_mask, N, N, causal) if monitored and attn_mask is not None else None
+    return o, lse, r, rowmax, max_logit, read if read is not None else masked_pass.no_pattern_read()
 
 
-def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
+def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps, attn_mask):
+    from .masked import PATTERN_READ_SHAPE
+
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 and not _uses_triton(q.device) else torch.float32
     if _uses_triton(q.device):  # the kernels' output order (layouts.heads_inner_like); the reference's is contiguous
@@ -258,13 +270,14 @@ def _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps):
         o = q.new_empty((B, H, N, D))
     r = torch.empty_like(o) if variant == "fp32_delta" else q.new_empty((0,))
     return (o, q.new_empty((B, H, N), dtype=lse_dtype), r,
-            q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32))
+            q.new_empty((B, H, N), dtype=torch.float32), q.new_empty((H,), dtype=torch.float32),
+            torch.empty(PATTERN_READ_SHAPE, dtype=torch.int8, device="cpu"))
 
 
 def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rotation,
-                              layer, dq, dk, dv):
-    # saved: [q, k, v, o, lse, r, rowmax, max_logit, flag], as the forward left them
-    q, k, v, o, lse, r, rowmax, max_logit, flag = saved
+                              layer, attn_mask, dq, dk, dv):
+    # saved: [q, k, v, o, lse, r, rowmax, max_logit, flag, pattern_read], as the forward left them
+    q, k, v, o, lse, r, rowmax, max_logit, flag, pattern_read = saved
     stats = None
     if _on(flag):
         stats = _view(counts, values, unit_gap)
@@ -275,16 +288,18 @@ def _attention_backward_impl(do, saved, counts, values, coverage, causal, sm_sca
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if _uses_triton(q.device):  # allocations and launches only: autocast changes nothing there
         _triton_attn()._backward(do, q, k, v, o, lse, residual, rowmax if stats is not None else None, causal,
-                                 sm_scale, eps, stats, grads=(dq, dk, dv))
+                                 sm_scale, eps, stats, grads=(dq, dk, dv), attn_mask=attn_mask,
+                                 pattern_read=pattern_read)
         return
     with _NoAutocast(q.device):
-        grads = reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats)
+        grads = reference.backward(do, q, k, v, o, lse, residual, causal, sm_scale, eps, stats, attn_mask,
+                                   pattern_read)
     for out, grad in zip((dq, dk, dv), grads):
         out.copy_(grad)
 
 
 def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_scale, eps, unit_gap, x, rotation,
-                              layer, dq, dk, dv):
+                              layer, attn_mask, dq, dk, dv):
     return None
 
 
@@ -297,27 +312,27 @@ def _attention_backward_fake(do, saved, counts, values, coverage, causal, sm_sca
 _attention_backward = _operator(
     "attention_grad(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
     "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer, "
-    "Tensor(d!) dq, Tensor(e!) dk, Tensor(f!) dv) -> ()",
+    "Tensor? attn_mask, Tensor(d!) dq, Tensor(e!) dk, Tensor(f!) dv) -> ()",
     _attention_backward_impl, _attention_backward_fake)
 
 
 def _attention_with_stats_impl(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
-                               unit_gap, x, rotation, layer):
+                               unit_gap, x, rotation, layer, attn_mask):
     # the forward operator must be functional: the statistics buffers are inputs here
     # (saved for the backward, which adds into them) and nothing in the forward mutates them; x and
     # rotation are only saved for the backward's rows hook
-    return _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+    return _forward(q, k, v, flag, causal, sm_scale, variant, beta, eps, attn_mask)
 
 
 def _attention_with_stats_fake(q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps,
-                               unit_gap, x, rotation, layer):
-    return _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps)
+                               unit_gap, x, rotation, layer, attn_mask):
+    return _forward_fake(q, k, v, flag, causal, sm_scale, variant, beta, eps, attn_mask)
 
 
 _attention_with_stats = _operator(
     "attention_with_stats(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, "
     "Tensor coverage, bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap, Tensor? x, "
-    "Tensor? rotation, Tensor? layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "Tensor? rotation, Tensor? layer, Tensor? attn_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _attention_with_stats_impl, _attention_with_stats_fake)
 
 
@@ -330,42 +345,45 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, flag, counts, values, coverage, causal, sm_scale, variant, beta, eps, unit_gap, x,
-                rotation, layer):
-        o, lse, r, rowmax, max_logit = _attention_with_stats(q, k, v, flag, counts, values, coverage, causal,
-                                                             sm_scale, variant, beta, eps, unit_gap, x, rotation,
-                                                             layer)
-        # x, rotation and layer may be None
-        ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation,
-                              layer)
+                rotation, layer, attn_mask):
+        o, lse, r, rowmax, max_logit, read = _attention_with_stats(q, k, v, flag, counts, values, coverage, causal,
+                                                                   sm_scale, variant, beta, eps, unit_gap, x,
+                                                                   rotation, layer, attn_mask)
+        # x, rotation, layer and attn_mask may be None
+        ctx.save_for_backward(q, k, v, o, lse, r, rowmax, max_logit, flag, read, counts, values, coverage, x,
+                              rotation, layer, attn_mask)
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap = causal, sm_scale, eps, unit_gap
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, r, rowmax, max_logit, flag, counts, values, coverage, x, rotation, layer = ctx.saved_tensors
+        q, k, v, o, lse, r, rowmax, max_logit, flag, read, counts, values, coverage, x, rotation, layer, attn_mask = \
+            ctx.saved_tensors
         dq, dk, dv = grads_like(q, k, v)  # on every device in the kernels' order
-        _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag], counts, values, coverage, ctx.causal,
-                            ctx.sm_scale, ctx.eps, ctx.unit_gap, x, rotation, layer, dq, dk, dv)
-        return (dq, dk, dv) + (None,) * 13
+        _attention_backward(do, [q, k, v, o, lse, r, rowmax, max_logit, flag, read], counts, values, coverage,
+                            ctx.causal, ctx.sm_scale, ctx.eps, ctx.unit_gap, x, rotation, layer, attn_mask, dq, dk, dv)
+        return (dq, dk, dv) + (None,) * 14
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, flag: torch.Tensor, stats: AttentionStats,
               coverage: torch.Tensor, causal: bool = True, sm_scale: Optional[float] = None,
               variant: str = "plain", beta: float = 2.0, eps: float = 1e-3, x: Optional[torch.Tensor] = None,
-              rotation: Optional[torch.Tensor] = None, layer: Optional[torch.Tensor] = None) -> torch.Tensor:
+              rotation: Optional[torch.Tensor] = None, layer: Optional[torch.Tensor] = None,
+              attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``flash_attention`` as a custom operator: statistics into ``stats`` when ``flag`` is set.
 
     Args as ``flashwatch.kernels.flash_attention`` (already checked by the caller), and
     ``flag`` (CPU 0-d tensor, nonzero on monitored steps), ``coverage`` (CPU int64 (2,)),
     ``x``, ``rotation`` and ``layer`` (the layer's key: the call's rows hook on monitored steps,
-    module docstring).
+    module docstring), ``attn_mask`` (checked by the caller; its calls are measured by ``masked``'s pass).
     Returns the (B, H, N, D) output. The call's max logit is added with its backward's
     statistics (a forward without backward adds nothing).
     """
     scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     counts, values = stats_buffers(stats)
     return _Attention.apply(q, k, v, flag, counts, values, coverage, bool(causal), scale, variant, float(beta),
-                            float(eps), float(stats.unit_gap), _detached(x), _detached(rotation), layer)
+                            float(eps), float(stats.unit_gap), _detached(x), _detached(rotation), layer,
+                            _detached(attn_mask))
 
 
 # --- observe -----------------------------------------------------------------------------------

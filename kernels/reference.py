@@ -34,7 +34,7 @@ import math
 import torch
 
 from . import faults
-from .checks import check_options, check_qkv, fixed_offset
+from .checks import check_attn_mask, check_options, check_qkv, fixed_offset
 from .stats import AttentionStats, CallMaxLogit, fold_max_logit
 
 __all__ = ["flash_attention", "attention_statistics", "forward", "backward", "scores", "row_top2",
@@ -61,15 +61,32 @@ def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
-def scores(q: torch.Tensor, k: torch.Tensor, causal: bool, sm_scale: float) -> torch.Tensor:
-    """s = sm_scale * q.k^T in the compute dtype, -inf above the diagonal when causal. (B, H, N, N)."""
+def scores(q: torch.Tensor, k: torch.Tensor, causal: bool, sm_scale: float,
+           attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """s = sm_scale * q.k^T in the compute dtype, -inf above the diagonal when causal. (B, H, N, N).
+    ``attn_mask`` (broadcasting to s) as SDPA applies it: a boolean mask (True = attend) sets the
+    scores it masks to -inf, a float mask is added."""
     cd = _compute_dtype(q.dtype)
     s = torch.matmul(q.to(cd), _expand_kv(k, q.shape[1]).to(cd).transpose(-1, -2)) * sm_scale
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else _add_mask(s, attn_mask)
     if causal:
         n = q.shape[2]
         mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
     return s
+
+
+# A float mask's finite entries at or below MASKED_AT (masked.MASKED_AT) make the scaled score this constant
+# (the kernels' _attention_mask): no weight beside any other key; a row masked so everywhere averages evenly
+MASKED_AT, MASKED_SCORE = -1e4, -1e6
+
+
+def _add_mask(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scaled scores s plus a float mask, as the kernels add it (``MASKED_SCORE``)."""
+    m = mask.to(s.dtype)
+    floor = torch.where(m == float("-inf"), float("-inf"), MASKED_SCORE).to(s.dtype)
+    return torch.where(m > MASKED_AT, s + m, floor)
 
 
 def row_top2(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,21 +181,25 @@ def _no_autocast(fn):
     return wrapped
 
 
-def forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
+def forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength, attn_mask=None):
     """The forward without autograd: (out, lse, residual or None). Adds the max logit into
     ``stats.max_logit`` (when given: a ``CallMaxLogit`` under autograd), as the kernel's forward
-    does. Autocast must be off."""
+    does, but for a call with an ``attn_mask`` (its backward measures it: ``masked.measure_call``).
+    A row the mask leaves no key gets output 0 and lse +inf (no gradient), as SDPA gives it.
+    Autocast must be off."""
     dtype = q.dtype
-    s = scores(q, k, causal, sm_scale)  # (B, H, N, N)
+    s = scores(q, k, causal, sm_scale, attn_mask)  # (B, H, N, N)
     m1, m2 = row_top2(s)
     shift = m1
     if variant == "fixed":
         tied, _ = tie_flags(m1, m2, eps)
         shift = m1 + torch.where(tied, fixed_offset(m1, beta, dtype), torch.zeros_like(m1))
+    empty = m1 == float("-inf")  # rows with no key (a mask's): shift 0, not -inf (no inf - inf)
+    shift = torch.where(empty, torch.zeros_like(shift), shift)
     p_bar = torch.exp(s - shift.unsqueeze(-1))
     row_sum = p_bar.sum(-1)
     vv = _expand_kv(v, q.shape[1]).to(s.dtype)
-    o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / row_sum.unsqueeze(-1)
+    o_fp32 = torch.matmul(_round_to(p_bar, dtype), vv) / torch.where(empty, 1.0, row_sum).unsqueeze(-1)
     o_hp = o_fp32  # before any injected fault: fp32_delta's delta comes from it
     if fault_strength and variant != "fixed":
         # the fixed variant keeps every P_bar < 1, so the injected fault never triggers there
@@ -186,18 +207,21 @@ def forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength
         o_fp32 = inject_rounding_bias(o_fp32, unit_rows, fault_strength, dtype)
     out = o_fp32.to(dtype)
     residual = (o_hp - out.to(o_hp.dtype)).to(dtype) if variant == "fp32_delta" else None
-    lse = shift + torch.log(row_sum)
-    if stats is not None:  # as the kernel: max logit here, rows and tie counts in the backward
+    lse = torch.where(empty, float("inf"), shift + torch.log(row_sum))
+    if stats is not None and attn_mask is None:  # as the kernel: max logit here, rows and tie counts in the backward
         _add_max_logit(stats, m1)
     return out, lse, residual
 
 
-def backward(grad_out, q, k, v, out, lse, residual, causal, sm_scale, eps, stats):
+def backward(grad_out, q, k, v, out, lse, residual, causal, sm_scale, eps, stats, attn_mask=None,
+             pattern_read=None):
     """The backward without autograd: (dq, dk, dv). Adds rows, repeated-max counts and the
-    delta-error sums into ``stats`` (when given) and calls its ``rows_hook``. Autocast must be off."""
+    delta-error sums into ``stats`` (when given) and calls its ``rows_hook``; for a call with an
+    ``attn_mask`` by ``masked.measure_call`` (``pattern_read``: its mask's read, started in the forward).
+    Autocast must be off."""
     dtype = q.dtype
     H, Hkv = q.shape[1], k.shape[1]
-    s = scores(q, k, causal, sm_scale)
+    s = scores(q, k, causal, sm_scale, attn_mask)
     cd = s.dtype
     p = torch.exp(s - lse.unsqueeze(-1))  # (B, H, N, N), exact softmax in FP32
     do = grad_out.to(cd)
@@ -214,7 +238,11 @@ def backward(grad_out, q, k, v, out, lse, residual, causal, sm_scale, eps, stats
         B, _, N, D = k.shape
         dk = dk.view(B, Hkv, H // Hkv, N, D).sum(2)
         dv = dv.view(B, Hkv, H // Hkv, N, D).sum(2)
-    if stats is not None:
+    if stats is not None and attn_mask is not None:
+        from . import masked
+
+        masked.measure_call(q, k, v, out, residual, grad_out, stats, attn_mask, causal, sm_scale, eps, pattern_read)
+    elif stats is not None:
         m1, m2 = row_top2(s)  # the forward's scores, computed again
         tied, tied_bf16 = tie_flags(m1, m2, eps)
         # delta_hp over P's own row sum: exp(s - lse) carries lse's FP32 rounding (|lse| 2^-24), a
@@ -229,10 +257,10 @@ def backward(grad_out, q, k, v, out, lse, residual, causal, sm_scale, eps, stats
 class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
     @_no_autocast
-    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength):
+    def forward(ctx, q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strength, attn_mask):
         call = CallMaxLogit(q.shape[1], q.device) if stats is not None else None  # folded in at the backward
-        out, lse, residual = forward(q, k, v, causal, sm_scale, variant, beta, eps, call, fault_strength)
-        ctx.save_for_backward(q, k, v, out, lse, residual)
+        out, lse, residual = forward(q, k, v, causal, sm_scale, variant, beta, eps, call, fault_strength, attn_mask)
+        ctx.save_for_backward(q, k, v, out, lse, residual, attn_mask)
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats, ctx.call = causal, sm_scale, eps, stats, call
         return out
 
@@ -241,13 +269,14 @@ class _ReferenceAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         if ctx.stats is not None:
             fold_max_logit(ctx.stats, ctx.call.max_logit)
-        q, k, v, out, lse, residual = ctx.saved_tensors
-        dq, dk, dv = backward(grad_out, q, k, v, out, lse, residual, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, out, lse, residual, attn_mask = ctx.saved_tensors
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, residual, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats,
+                              attn_mask)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", beta=2.0, eps=1e-3,
-                    stats=None):
+                    stats=None, attn_mask=None):
     """Reference attention; same contract as ``flashwatch.kernels.flash_attention``.
 
     Also accepts float64 inputs (computed in float64 throughout), for use as an oracle. The
@@ -255,12 +284,13 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", bet
     """
     check_qkv(q, k, v, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
     check_options(variant, beta, eps, causal, sm_scale)
+    check_attn_mask(attn_mask, q, k, causal)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     if stats is not None:
         stats.check_compatible(q.shape[1], q.device)
     return _ReferenceAttention.apply(q, k, v, causal, float(sm_scale), variant, float(beta), float(eps),
-                                     stats, faults.rounding_bias_strength())
+                                     stats, faults.rounding_bias_strength(), attn_mask)
 
 
 @torch.no_grad()

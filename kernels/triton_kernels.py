@@ -266,6 +266,32 @@ def _mask_scores(qk, rows, cols, N, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _attention_mask(qk, mask_base, rows, cols, smq, smk, N, sm_scale, MASK_KIND: tl.constexpr):
+    """The caller's attn_mask applied to raw scores qk (len(rows), len(cols)): ``mask_base`` points at
+    its (b, h) plane, element (i, j) at i * smq + j * smk (stride 0 where the mask broadcasts).
+    MASK_KIND 1: a boolean mask (as uint8, nonzero = attend): masked scores -> -inf. MASK_KIND 2: an
+    additive float mask, added as SDPA adds it to the scaled scores, here in raw units (divided by
+    sm_scale). A finite entry at or below -1e4 (``masked.MASKED_AT``: finfo.min, -1e9, as models mask
+    with) makes the score one constant, -1e6 scaled: such a key gets no weight beside any other, and
+    a row masked so everywhere averages its values evenly, as SDPA's scores, where the score is
+    absorbed by the mask's magnitude (kept finite in raw units, finfo.min / sm_scale would overflow
+    and break the row's exponentials). 0: no mask. Entries outside the N x N block read as masked."""
+    if MASK_KIND == 0:
+        out = qk
+    else:
+        inside = (rows[:, None] < N) & (cols[None, :] < N)
+        ptrs = mask_base + rows[:, None] * smq + cols[None, :] * smk
+        if MASK_KIND == 1:
+            allowed = tl.load(ptrs, mask=inside, other=0)
+            out = tl.where(allowed != 0, qk, float("-inf"))
+        else:
+            bias = tl.load(ptrs, mask=inside, other=float("-inf")).to(tl.float32)
+            floor = tl.where(bias == float("-inf"), float("-inf"), -1.0e6 / sm_scale)
+            out = tl.where(bias > -1.0e4, qk + tl.maximum(bias, -1.0e4) / sm_scale, floor)
+    return out
+
+
+@triton.jit
 def _unmasked_keys_end(start_m, N, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """End of the keys [0, end) that a query block visits without a mask. Causal: keys
     [0, start_m) are below the diagonal for every row of the block (whole key blocks, since
@@ -379,15 +405,18 @@ def _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE: tl.
 
 
 @triton.jit
-def _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, mask_base, smq, smk, sm_scale,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+              IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One step of a query block's loop over keys: k and v (BLOCK_N, D) of the keys from start_n
     (a multiple of BLOCK_N) on, and the raw scores q.k (BLOCK_M, BLOCK_N); MASKED: keys >= N, and
-    with CAUSAL keys after the query, masked (``_mask_scores``)."""
+    with CAUSAL keys after the query, masked (``_mask_scores``); the caller's attn_mask, if any,
+    applied on every tile (``_attention_mask``)."""
     cols = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)
     k = _load_rows(k_base, cols, stride_kn, offs_d, N, MASKED)
     v = _load_rows(v_base, cols, stride_vn, offs_d, N, MASKED)
     qk = _dot(q, tl.trans(k), IEEE, UPCAST)  # (BLOCK_M, BLOCK_N) raw scores q.k
+    qk = _attention_mask(qk, mask_base, offs_m, cols, smq, smk, N, sm_scale, MASK_KIND)  # before -inf is set
     if MASKED:
         qk = _mask_scores(qk, offs_m, cols, N, CAUSAL)
     return k, v, qk
@@ -395,14 +424,14 @@ def _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
-               lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off,
-               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
+               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                FIXED: tl.constexpr, TOP2: tl.constexpr, DTYPE: tl.constexpr,
                IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     # aux: the running tie flag (FIXED), the running second-largest raw score (TOP2), else unused
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, qk = _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, BLOCK_N, MASKED,
-                             CAUSAL, IEEE, UPCAST)
+        k, v, qk = _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, mask_base, smq, smk,
+                             sm_scale, BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
         if FIXED:
             new_m1, aux = _tie_update(qk, m1, aux, eps_raw, UPCAST)
         elif TOP2:
@@ -416,17 +445,21 @@ def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
-                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK,
+                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, smb, smh, smq, smk,
                      H, G, N, sm_scale, eps_raw, beta, min_off, max_off, inject_factor, unit_gap,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FIXED: tl.constexpr, FP32_DELTA: tl.constexpr,
                      STATS: tl.constexpr, INJECT: tl.constexpr, IEEE: tl.constexpr,
-                     UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                     UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr, MASK_KIND: tl.constexpr = 0):
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # Statistics cost the forward nothing per score: it stores each row's max (the backward's
     # dQ pass counts repeated maxima against it) and the head's max logit.
+    # MASK (MASK_KIND 1 or 2, else unused): the caller's attn_mask, strides smb, smh, smq, smk
+    # (_attention_mask). A row it masks everywhere gets O = 0 and LSE = +inf (P = 0 in the backward),
+    # as torch SDPA gives such a row 0 and no gradient.
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
+    mask_base = _head(MASK, b, h, smb, smh)
     DTYPE = O.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -447,14 +480,19 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
 
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
     acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                          0, split, N, sm_scale, eps_raw, beta, min_off, max_off,
-                                          BLOCK_N, False, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                          0, split, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
+                                          BLOCK_N, False, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
+                                          EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
     acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                          split, hi, N, sm_scale, eps_raw, beta, min_off, max_off,
-                                          BLOCK_N, True, CAUSAL, FIXED, TOP2, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                          split, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq,
+                                          smk, BLOCK_N, True, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
+                                          EXACT_BF16)
 
-    o32 = acc / l_i[:, None]
+    if MASK_KIND != 0:  # rows the mask leaves no key: l_i 0, O 0 and LSE +inf (not 0 / 0)
+        o32 = tl.where((l_i > 0.0)[:, None], acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
+    else:
+        o32 = acc / l_i[:, None]
     o_hp = o32  # the FP32 output, before any injected fault: fp32_delta's delta comes from it
     if TOP2:
         # INJECTED FAULT: on rows where P_bar rounds to exactly 1 at two or more keys (second
@@ -465,7 +503,10 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
     o = _cast(o32, DTYPE, EXACT_BF16)
     _store_rows(_head(O, b, h, sob, soh), offs_m, son, offs_d, N, o)
     row_base = bh.to(tl.int64) * N  # (B * H, N) arrays: this head's row 0
-    tl.store(LSE + row_base + offs_m, shift + tl.math.log2(l_i), mask=row_ok)
+    lse = shift + tl.math.log2(l_i)
+    if MASK_KIND != 0:
+        lse = tl.where(l_i > 0.0, lse, float("inf"))
+    tl.store(LSE + row_base + offs_m, lse, mask=row_ok)
     if FP32_DELTA:  # R has O's strides (the launcher allocates it like O)
         r = _cast(o_hp - o.to(tl.float32), DTYPE, EXACT_BF16)
         _store_rows(_head(R, b, h, sob, soh), offs_m, son, offs_d, N, r)
@@ -480,14 +521,17 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr,
-                UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+def _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale, mask_base, smq, smk, sm_scale,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DTYPE: tl.constexpr,
+                IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     """One query block of the dK/dV pass: with the block's q, dO (BLOCK_M, D) loaded and its rows'
-    LSE and delta read here, add P^T dO to dv and dS^T q to dk (BLOCK_N, D) for the keys offs_n."""
+    LSE and delta read here, add P^T dO to dv and dS^T q to dk (BLOCK_N, D) for the keys offs_n
+    (the caller's attn_mask applied with MASK_KIND, transposed: ``_attention_mask``)."""
     lse = _load_row_values(lse_base, rows, N, MASKED)
     delta = _load_row_values(delta_base, rows, N, MASKED)
     qkT = _dot(k, tl.trans(q), IEEE, UPCAST)  # (BLOCK_N, BLOCK_M)
+    # the mask's (i, j) is at i * smq + j * smk: its transpose swaps the strides
+    qkT = _attention_mask(qkT, mask_base, offs_n, rows, smk, smq, N, sm_scale, MASK_KIND)
     pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
     if MASKED:
         # query rows >= N read lse 0 and would get p = 1: they are masked here, with keys >= N
@@ -504,29 +548,29 @@ def _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_s
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
-                    lo, hi, N, qk_scale,
-                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DTYPE: tl.constexpr,
-                    IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+                    lo, hi, N, qk_scale, mask_base, smq, smk, sm_scale,
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                    DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     offs_mb = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_mb
         q = _load_rows(q_base, rows, sqn, offs_d, N, MASKED)
         do = _load_rows(do_base, rows, sdon, offs_d, N, MASKED)
-        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale,
-                             MASKED, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale, mask_base, smq,
+                             smk, sm_scale, MASKED, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK,
                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sgb, sgh, sgn,
-                          H, G, N, sm_scale,
+                          smb, smh, smq, smk, H, G, N, sm_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                          EXACT_BF16: tl.constexpr):
+                          EXACT_BF16: tl.constexpr, MASK_KIND: tl.constexpr = 0):
     # grid: (cdiv(N, BLOCK_N), B * Hkv); one program = one block of keys of one kv head,
-    # looping over the G query heads that read it and over their query blocks.
+    # looping over the G query heads that read it and over their query blocks. MASK: as the forward's.
     start_n, bkv, b, kvh = _key_program(H, G, BLOCK_N)
     DTYPE = DK.dtype.element_ty
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -541,24 +585,25 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         h = kvh * G + g
         q_base = _head(Q, b, h, sqb, sqh)
         do_base = _head(DO, b, h, sdob, sdoh)
+        mask_base = _head(MASK, b, h, smb, smh)
         row_base = (b * H + h).to(tl.int64) * N
         if CAUSAL:
             # query blocks crossing the diagonal of this key block are masked; later ones are not
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, start_n, start_n + BLOCK_N, N, qk_scale,
-                                     BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                     offs_n, offs_d, start_n, start_n + BLOCK_N, N, qk_scale, mask_base, smq, smk,
+                                     sm_scale, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, start_n + BLOCK_N, m_full, N, qk_scale,
-                                     BLOCK_M, False, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                     offs_n, offs_d, start_n + BLOCK_N, m_full, N, qk_scale, mask_base, smq, smk,
+                                     sm_scale, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
             tail_lo = tl.maximum(m_full, start_n + BLOCK_N)
         else:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, 0, m_full, N, qk_scale,
-                                     BLOCK_M, False, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                     offs_n, offs_d, 0, m_full, N, qk_scale, mask_base, smq, smk,
+                                     sm_scale, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
             tail_lo = m_full
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                 offs_n, offs_d, tail_lo, N, N, qk_scale,
-                                 BLOCK_M, True, CAUSAL, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                 offs_n, offs_d, tail_lo, N, N, qk_scale, mask_base, smq, smk,
+                                 sm_scale, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
     # dK, dV (B, Hkv, N, D) of one layout, strides sgb, sgh, sgn (kernels.layouts.grads_like)
     _store_rows(_head(DK, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dk * sm_scale, DTYPE, EXACT_BF16))
     _store_rows(_head(DV, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dv, DTYPE, EXACT_BF16))
@@ -619,13 +664,13 @@ def _bf16_lower_bound(t, EXACT_BF16: tl.constexpr):
 @triton.jit
 def _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
                   offs_m, offs_d,
-                  lo, hi, N, sm_scale, qk_scale,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, STATS: tl.constexpr,
-                  ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                  EXACT_BF16: tl.constexpr):
+                  lo, hi, N, sm_scale, qk_scale, mask_base, smq, smk,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                  STATS: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr,
+                  UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, BLOCK_N, MASKED, CAUSAL, IEEE,
-                             UPCAST)
+        k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, mask_base, smq, smk, sm_scale,
+                             BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if STATS:
             # scores within eps of the row max, FP32 and after BF16 rounding: t32 and tb16 are
@@ -649,14 +694,14 @@ def _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb
 
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ,
-                        ST_ETIED, ERR_ROWS, PK, U, XV, XO, UGV, SKETCH,
+                        ST_ETIED, ERR_ROWS, PK, U, XV, XO, UGV, SKETCH, MASK,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-                        sdqb, sdqh, sdqn, H, G, N, sm_scale, eps, gap,
+                        sdqb, sdqh, sdqn, smb, smh, smq, smk, H, G, N, sm_scale, eps, gap,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr,
                         REDUCE: tl.constexpr = False, SKETCH_R: tl.constexpr = 16, X_STRIDE: tl.constexpr = 0,
-                        XV_LO: tl.constexpr = 0):
+                        XV_LO: tl.constexpr = 0, MASK_KIND: tl.constexpr = 0):
     # grid: (cdiv(N, BLOCK_M), B * H); one program = one block of query rows of one head.
     # It first computes delta_used = rowsum(dO * O) (O + R under fp32_delta) for its rows and
     # stores it for the dK/dV kernel, which runs after it: no separate delta launch, and dO is
@@ -665,7 +710,9 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     # STATS) it also stores each row's delta error and P K ((B, H, N) and (B, H, N, D) FP32,
     # contiguous), the per-row outputs of AttentionStats.rows_hook; with REDUCE (needs ROWS) it
     # reduces them into the W^Q-error chain's sums instead (_reduce_rows): nothing per row stored.
+    # MASK: as the forward's (the launcher never sets STATS with it: the masked pass measures those calls).
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
+    mask_base = _head(MASK, b, h, smb, smh)
     DTYPE = DQ.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -704,13 +751,13 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
     dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
                                                        tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, 0, split,
-                                                       N, sm_scale, qk_scale, BLOCK_N, False, CAUSAL, STATS, ROWS,
-                                                       DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                                       N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, False,
+                                                       CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
     dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
                                                        tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, split, hi,
-                                                       N, sm_scale, qk_scale, BLOCK_N, True, CAUSAL, STATS, ROWS,
-                                                       DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                                       N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, True,
+                                                       CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     # dQ (B, H, N, D), strides sdqb, sdqh, sdqn (kernels.layouts.grads_like)
     _store_rows(_head(DQ, b, h, sdqb, sdqh), offs_m, sdqn, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))
     if STATS:
@@ -738,8 +785,8 @@ def _stats_inner(m1, m2, l_i, d_i, pk, q, do, k_base, v_base, skn, svn, offs_m, 
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROWS: tl.constexpr,
                  DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, BLOCK_N, MASKED, CAUSAL, IEEE,
-                             UPCAST)
+        k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, q, 0, 0, 1.0, BLOCK_N, MASKED,
+                             CAUSAL, 0, IEEE, UPCAST)
         new_m1, new_m2 = _top2_update(qk, m1, m2)
         safe = tl.where(new_m1 == float("-inf"), 0.0, new_m1)  # a row that saw only masked scores: no inf - inf
         p = tl.math.exp2(tl.fma(qk, qk_scale, -(safe * qk_scale)[:, None]))  # one FMA a score

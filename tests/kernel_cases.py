@@ -24,13 +24,16 @@ def output_gradient(out: torch.Tensor, seed: int = 17) -> torch.Tensor:
     return torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
 
 
-def check_against_float64(q, k, v, causal, variant, factor=2.0, floor=1e-5):
-    """Output and dq, dk, dv of flash_attention within the tolerance rule of float64."""
-    out = flash_attention(q, k, v, causal=causal, variant=variant)
+def check_against_float64(q, k, v, causal, variant, factor=2.0, floor=1e-5, attn_mask=None, unread_rows=None):
+    """Output and dq, dk, dv of flash_attention within the tolerance rule of float64. ``unread_rows``
+    ((B, 1 or H, N) bool): rows whose output gradient is 0, as no loss reads a padding row."""
+    out = flash_attention(q, k, v, causal=causal, variant=variant, attn_mask=attn_mask)
     g = output_gradient(out)
+    if unread_rows is not None:
+        g = g.masked_fill(unread_rows[..., None], 0.0)
     grads = torch.autograd.grad(out, (q, k, v), g)
-    exact, leaves = attention64(q, k, v, causal)
-    same = attention_same_dtype(q, k, v, causal)
+    exact, leaves = attention64(q, k, v, causal, attn_mask=attn_mask)
+    same = attention_same_dtype(q, k, v, causal, attn_mask=attn_mask)
     base = torch.autograd.grad(same, (q, k, v), g)
     ex = torch.autograd.grad(exact, leaves, g.detach().cpu().double())
     tag = f"{tuple(q.shape)} Hkv={k.shape[1]} {q.dtype} causal={causal} {variant}"

@@ -346,12 +346,13 @@ def test_own_kernel_routes_to_the_kernel_with_stats_only_on_monitored_steps(monk
         monitor.detach()
 
 
-@pytest.mark.parametrize("kwargs, reason", [
-    (dict(mask=torch.ones(16, 16, dtype=torch.bool).tril()), "an attn_mask is given"),
-    (dict(dropout=0.1), "attention dropout is on"),
-    (dict(D=8), "head dim 8 is not one of"),
+@pytest.mark.parametrize("kwargs, reason, mode", [
+    (dict(mask=torch.ones(16, 16, dtype=torch.bool).tril()), "an attn_mask is given", "observe"),
+    (dict(dropout=0.1), "attention dropout is on", "observe"),
+    (dict(dropout=0.1), "attention dropout is on", "own_kernel"),
+    (dict(D=8), "head dim 8 is not one of", "observe"),
+    (dict(D=8), "head dim 8 is not one of", "own_kernel"),
 ])
-@pytest.mark.parametrize("mode", ["own_kernel", "observe"])
 def test_unsupported_calls_fall_back_to_sdpa_and_log_once(kwargs, reason, mode, caplog):
     mod = OneAttention(**kwargs)
     monitor = Monitor(MonitorConfig(mode=mode, interval=1))

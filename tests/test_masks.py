@@ -305,18 +305,23 @@ class PaddedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, dropout_p=self.dropout_p)
 
 
-def _one_step(make, mode: str, compiled: bool) -> tuple[dict, list]:
+def _one_step(make, mode: str, compiled: bool, variant: str = "plain", seen: dict | None = None
+              ) -> tuple[dict, list]:
     """One monitored step of the module ``make()`` builds (input (3, 8, 32)), eager or compiled
-    with aot_eager, under a loss that reads no padding position: its layer's statistics and coverage."""
+    with aot_eager, under a loss that reads no padding position: its layer's statistics and coverage
+    (``seen``, if given, gets the output and the layer's running variant)."""
     torch.manual_seed(0)
     mod = make()
-    monitor = Monitor(MonitorConfig(interval=1, mode=mode, async_transfer=False))
+    monitor = Monitor(MonitorConfig(interval=1, mode=mode, variant=variant, async_transfer=False))
     monitor.attach(mod)
     fn = torch.compile(mod, backend="aot_eager") if compiled else mod
     x = torch.randn(3, 8, 32, generator=torch.Generator().manual_seed(1))
     read = _keep()[:, None, :8, None]  # a loss that ignores PaddedAttention's padding positions
-    (fn(x) * x.view(3, 8, 2, 16).transpose(1, 2) * read).sum().backward()
+    out = fn(x)
+    (out * x.view(3, 8, 2, 16).transpose(1, 2) * read).sum().backward()
     result = monitor.layers[0].stats.as_dict(), monitor.layers[0].coverage.tolist()
+    if seen is not None:
+        seen.update(out=out.detach(), variant=monitor.layers[0].running_variant, module=mod, x=x)
     monitor.detach()
     return result
 
@@ -340,6 +345,31 @@ def test_monitor_measures_them_eager_and_compiled_alike(mode, gqa):
     rows = 3 * 8.0 if gqa else float(8 + 7 + 8)  # padding rows left out (lengths 12, 7, 9 cut to 8)
     assert eager[0]["rows"] == [rows, rows]
     assert eager[0] == compiled[0]
+
+
+@pytest.mark.parametrize("variant", ["plain", "fixed", "fp32_delta"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_own_kernel_mode_runs_its_kernel_with_the_mask(variant, compiled):
+    """Own-kernel mode (and so ``auto_fix``) runs flashwatch's kernel on calls with an attn_mask, with
+    the call's mask and the layer's variant: the layer reports its variant, not sdpa; its output is
+    the kernel's; its statistics are those of observe mode's dense pass on that output (padding rows
+    left out), eager and compiled alike. Fail before: such calls ran torch SDPA (the layer reported
+    variant sdpa), so a switch to a fixed variant did not reach Hugging Face models under torch.compile,
+    whose masks are tensors."""
+    from flashwatch.kernels import flash_attention
+
+    seen = {}
+    stats, coverage = _one_step(PaddedAttention, "own_kernel", compiled, variant, seen)
+    assert seen["variant"] == variant and coverage == [1, 1]
+    mod, x = seen["module"], seen["x"]
+    with torch.no_grad():
+        q, k, v = (z.view(3, 8, 2, 16).transpose(1, 2) for z in mod.c_attn(x).split(32, dim=2))
+        want = flash_attention(q, k, v, causal=False, attn_mask=mod.mask, variant=variant)
+    assert torch.equal(seen["out"], want)
+    observed, _ = _one_step(PaddedAttention, "observe", compiled)
+    assert stats["rows"] == observed["rows"] == [float(8 + 7 + 8)] * 2
+    for name in ("repeated_max_rows", "repeated_max_rows_bf16", "repeated_max_rows_format", "max_logit"):
+        assert stats[name] == observed[name], name
 
 
 @pytest.mark.parametrize("mode", ["observe", "own_kernel"])

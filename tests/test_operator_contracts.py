@@ -44,23 +44,26 @@ def _op(name: str):
     return getattr(getattr(torch.ops.flashwatch, name), ops.CONTRACT)
 
 
-def test_the_own_kernel_forward_and_backward(call):
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+def test_the_own_kernel_forward_and_backward(call, masked):
     c = call
-    forward = (c["q"], c["k"], c["v"], c["flag"], c["counts"], c["values"], c["coverage"], True, D ** -0.5, "plain",
-               2.0, 1e-3, c["unit_gap"], None, None, c["layer"])
+    mask = c["mask"] if masked else None
+    forward = (c["q"], c["k"], c["v"], c["flag"], c["counts"], c["values"], c["coverage"], not masked, D ** -0.5,
+               "plain", 2.0, 1e-3, c["unit_gap"], None, None, c["layer"], mask)
     torch.library.opcheck(_op("attention_with_stats"), forward, test_utils=CHECKS)
-    o, lse, r, rowmax, max_logit = _op("attention_with_stats")(*forward)
-    saved = [c["q"], c["k"], c["v"], o, lse, r, rowmax, max_logit, c["flag"]]
+    o, lse, r, rowmax, max_logit, read = _op("attention_with_stats")(*forward)
+    saved = [c["q"], c["k"], c["v"], o, lse, r, rowmax, max_logit, c["flag"], read]
     grads = layouts.grads_like(c["q"], c["k"], c["v"])
     assert grads[0].shape == c["q"].shape and grads[1].shape == grads[2].shape == c["k"].shape  # key heads
-    backward = (c["grad"], saved, c["counts"], c["values"], c["coverage"], True, D ** -0.5, 1e-3, c["unit_gap"], None,
-                None, c["layer"], *grads)
+    backward = (c["grad"], saved, c["counts"], c["values"], c["coverage"], not masked, D ** -0.5, 1e-3, c["unit_gap"],
+                None, None, c["layer"], mask, *grads)
     torch.library.opcheck(_op("attention_grad"), backward, test_utils=CHECKS)
     assert _op("attention_grad")(*backward) is None
     # the gradients written into the given tensors, as autograd computes them
     q, k, v = (c[name].clone().requires_grad_() for name in "qkv")
-    want = torch.autograd.grad(ops._Attention.apply(q, k, v, c["flag"], c["counts"], c["values"], c["coverage"], True,
-                                                    D ** -0.5, "plain", 2.0, 1e-3, c["unit_gap"], None, None, None),
+    want = torch.autograd.grad(ops._Attention.apply(q, k, v, c["flag"], c["counts"], c["values"], c["coverage"],
+                                                    not masked, D ** -0.5, "plain", 2.0, 1e-3, c["unit_gap"], None,
+                                                    None, None, mask),
                                (q, k, v), c["grad"])
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -127,20 +127,25 @@ _OUTPUTS_V5 = {**_OUTPUTS_V2,  # the gradients in (B, N, heads, D) memory order,
 _OUTPUTS_V7 = {**_OUTPUTS_V5, ("attention_grad", "plain"): []}  # the gradients written into tensors it is given
 # v8: mask_pattern, new, returns its read (CPU int8 (4,))
 _OUTPUTS_V8 = {**_OUTPUTS_V7, ("mask_pattern", "plain"): [((4,), (1,), "int8")]}
+# v9: attention_with_stats returns its mask's pattern read as well (CPU int8 (4,))
+_READ = ((4,), (1,), "int8")
+_OUTPUTS_V9 = {**_OUTPUTS_V8,
+               ("attention_with_stats", "plain"): _OUTPUTS_V8[("attention_with_stats", "plain")] + [_READ],
+               ("attention_with_stats", "fp32_delta"): _OUTPUTS_V8[("attention_with_stats", "fp32_delta")] + [_READ]}
 FAKE_OUTPUTS = {"v2": _OUTPUTS_V2, "v3": _OUTPUTS_V2, "v4": _OUTPUTS_V2, "v5": _OUTPUTS_V5, "v6": _OUTPUTS_V5,
-                "v7": _OUTPUTS_V7, "v8": _OUTPUTS_V8}
+                "v7": _OUTPUTS_V7, "v8": _OUTPUTS_V8, "v9": _OUTPUTS_V9}
 
-# Each operator's arguments under the current CONTRACT (v8: observe_statistics takes the mask's
-# pattern read by the new mask_pattern in the forward, and measures calls with dropout, which
-# score_statistics measured): a schema that changes must come with a new
+# Each operator's arguments under the current CONTRACT (v9: the own kernel's operators take the call's
+# attn_mask, and the forward returns the mask's pattern read): a schema that changes must come with a new
 # CONTRACT too, for the same reason.
-SCHEMAS = {"v8": {
+SCHEMAS = {"v9": {
     "attention_with_stats": "(Tensor q, Tensor k, Tensor v, Tensor flag, Tensor counts, Tensor values, Tensor coverage, "
                             "bool causal, float sm_scale, str variant, float beta, float eps, float unit_gap, "
-                            "Tensor? x, Tensor? rotation, Tensor? layer) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+                            "Tensor? x, Tensor? rotation, Tensor? layer, Tensor? attn_mask) -> "
+                            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     "attention_grad": "(Tensor do, Tensor[] saved, Tensor(a!) counts, Tensor(b!) values, Tensor(c!) coverage, "
                       "bool causal, float sm_scale, float eps, float unit_gap, Tensor? x, Tensor? rotation, "
-                      "Tensor? layer, Tensor(d!) dq, Tensor(e!) dk, Tensor(f!) dv) -> ()",
+                      "Tensor? layer, Tensor? attn_mask, Tensor(d!) dq, Tensor(e!) dk, Tensor(f!) dv) -> ()",
     "observe_statistics": "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor flag, Tensor(a!) counts, "
                           "Tensor(b!) values, Tensor(c!) coverage, Tensor? attn_mask, bool causal, float sm_scale, "
                           "float eps, bool masked, float unit_gap, Tensor? x, Tensor? rotation, Tensor? layer, "
@@ -174,11 +179,12 @@ def test_a_fake_implementations_outputs_change_only_with_the_operator_contract(i
         counts, values, coverage = torch.zeros(4, 4, dtype=torch.int64), torch.zeros(5, 4), torch.zeros(4, dtype=torch.int64)
         fwd = getattr(torch.ops.flashwatch.attention_with_stats, ops.CONTRACT)
         for variant in ("plain", "fp32_delta"):
-            outs = fwd(q, k, v, flag, counts, values, coverage, True, 0.25, variant, 2.0, 1e-3, -0.002, None, None, None)
+            outs = fwd(q, k, v, flag, counts, values, coverage, True, 0.25, variant, 2.0, 1e-3, -0.002, None, None, None,
+                       None)
             got[("attention_with_stats", variant)] = describe(outs)
         grad = getattr(torch.ops.flashwatch.attention_grad, ops.CONTRACT)
-        outs = grad(q, [q, k, v, q, q, q, q, q, flag], counts, values, coverage, True, 0.25, 1e-3, -0.002, None,
-                    None, None, *layouts.grads_like(q, k, v))
+        outs = grad(q, [q, k, v, q, q, q, q, q, flag, flag], counts, values, coverage, True, 0.25, 1e-3, -0.002, None,
+                    None, None, None, *layouts.grads_like(q, k, v))
         got[("attention_grad", "plain")] = describe(outs or ())
         if ("mask_pattern", "plain") in FAKE_OUTPUTS[ops.CONTRACT]:
             pattern = getattr(torch.ops.flashwatch.mask_pattern, ops.CONTRACT)
