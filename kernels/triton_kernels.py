@@ -489,10 +489,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK,
                                           smk, BLOCK_N, True, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
                                           EXACT_BF16)
 
-    if MASK_KIND != 0:  # rows the mask leaves no key: l_i 0, O 0 and LSE +inf (not 0 / 0)
-        o32 = tl.where((l_i > 0.0)[:, None], acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
-    else:
-        o32 = acc / l_i[:, None]
+    o32 = acc / l_i[:, None]
+    if MASK_KIND != 0:  # rows the mask leaves no key: l_i 0, O 0 (not 0 / 0) and LSE +inf; the same division as
+        o32 = tl.where((l_i > 0.0)[:, None], o32, 0.0)  # without a mask, so fp32_delta's R is the same too
     o_hp = o32  # the FP32 output, before any injected fault: fp32_delta's delta comes from it
     if TOP2:
         # INJECTED FAULT: on rows where P_bar rounds to exactly 1 at two or more keys (second
