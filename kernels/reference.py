@@ -262,6 +262,11 @@ class _ReferenceAttention(torch.autograd.Function):
         out, lse, residual = forward(q, k, v, causal, sm_scale, variant, beta, eps, call, fault_strength, attn_mask)
         ctx.save_for_backward(q, k, v, out, lse, residual, attn_mask)
         ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats, ctx.call = causal, sm_scale, eps, stats, call
+        ctx.pattern_read = None
+        if stats is not None and attn_mask is not None:  # read now, for the backward's choice of pass
+            from . import masked
+
+            ctx.pattern_read = masked.start_read(attn_mask, q.shape[2], q.shape[2], causal)
         return out
 
     @staticmethod
@@ -271,7 +276,7 @@ class _ReferenceAttention(torch.autograd.Function):
             fold_max_logit(ctx.stats, ctx.call.max_logit)
         q, k, v, out, lse, residual, attn_mask = ctx.saved_tensors
         dq, dk, dv = backward(grad_out, q, k, v, out, lse, residual, ctx.causal, ctx.sm_scale, ctx.eps, ctx.stats,
-                              attn_mask)
+                              attn_mask, ctx.pattern_read)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

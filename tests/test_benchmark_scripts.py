@@ -622,3 +622,21 @@ def test_monitored_step_host_stub_reads_as_measured():
         reference.attention_statistics = real
     assert mon.monitored_steps == 1
     assert mon.alert_counts["attention_coverage"] == 0
+
+
+@pytest.mark.parametrize("kind", ["hf", "padding"])
+def test_masked_kernel_arms_compute_one_function(kind):
+    """benchmarks/masked_kernel.py's arms on the CPU (flashwatch's reference path): every masked arm is
+    SDPA with the same mask, the causal arms each other, so its ratios compare like with like."""
+    bench = _benchmark("masked_kernel")
+    mask = bench.make_mask(kind, 2, 20, device="cpu")
+    assert mask.shape == ((2, 1, 20, 20) if kind == "hf" else (2, 1, 1, 20))
+    assert not mask[1].all() and mask[0].any()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 20, 16, generator=g) for _ in range(3))  # FP32: computed without TF32
+    outs = {name: fn(q, k, v, False) for name, fn in bench.arms(mask).items()}
+    for name in ("own_masked", "own_masked_fp32_delta"):
+        torch.testing.assert_close(outs[name], outs["sdpa_masked"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs["own_causal"], outs["sdpa_causal"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="hf or padding"):
+        bench.make_mask("diagonal", 2, 20, device="cpu")

@@ -437,16 +437,19 @@ class CausalMaskAttention(nn.Module):
         return y.transpose(1, 2).reshape(b, t, c)
 
 
+@pytest.mark.parametrize("mode", ["observe", "own_kernel"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1], ids=["no dropout", "attention dropout"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_a_causal_mask_tensor_is_read_in_the_forward_and_measured_by_the_plain_pass(backend, dropout_p, monkeypatch):
+def test_a_causal_mask_tensor_is_read_in_the_forward_and_measured_by_the_plain_pass(backend, dropout_p, mode,
+                                                                                     monkeypatch):
     """Whether a mask is only the causal pattern is read on monitored steps in the forward, where
     the mask is made, not in the backward: a read there waits for all the work queued before it,
     once a masked layer on every monitored step (on an H100, compiled GPT-2 small's monitored step
     took 30% longer than an unmonitored one, against 9% without a mask). Every call is measured by
     the plain pass in the backward (with attention dropout: its scores only, counted as not measured
     in full, compiled as in eager mode); unmonitored steps read nothing; compiled: no graph break, no
-    recompilation between monitored and unmonitored steps. Fail before: the read ran in the
+    recompilation between monitored and unmonitored steps; in own-kernel mode alike, where flashwatch's
+    kernel runs the masked call (dropout: torch SDPA, observed). Fail before: the read ran in the
     backward, and a compiled call with dropout was measured in the forward, where it read too."""
     from flashwatch import kernels
     from flashwatch.kernels import ops
@@ -458,7 +461,7 @@ def test_a_causal_mask_tensor_is_read_in_the_forward_and_measured_by_the_plain_p
                         lambda *a, **kw: (events.append(("plain", phase[0], kw["causal"])), plain(*a, **kw))[1])
     torch.manual_seed(0)
     model = nn.Sequential(CausalMaskAttention(dropout_p=dropout_p), CausalMaskAttention(dropout_p=dropout_p))
-    monitor = Monitor(MonitorConfig(interval=2, mode="observe", async_transfer=False))
+    monitor = Monitor(MonitorConfig(interval=2, mode=mode, async_transfer=False))
     monitor.attach(model)
     torch._dynamo.reset()
     counters.clear()
@@ -474,14 +477,20 @@ def test_a_causal_mask_tensor_is_read_in_the_forward_and_measured_by_the_plain_p
             loss.backward()
             per_step.append((list(events), [layer.coverage.tolist() for layer in monitor.layers]))
             monitor.step()
+    variants = [layer.running_variant for layer in monitor.layers]
     monitor.detach()
     monitored = [("read", "forward")] * 2 + [("plain", "backward", True)] * 2
     assert [events for events, _ in per_step] == [monitored, [], monitored]
     measured = int(dropout_p == 0.0)  # with dropout: a call, not measured in full
     assert per_step[0][1] == [[1, measured], [1, measured]]
+    own_kernel_ran = mode == "own_kernel" and dropout_p == 0.0
+    if mode == "own_kernel":  # the kernel took the masked calls; with dropout, torch SDPA did
+        assert variants == ["plain" if own_kernel_ran else "sdpa"] * 2
     if backend != "eager":
         assert not counters["graph_break"]
-        assert int(ops.pattern_reads) - reads_before == 4  # the operator's count: 2 layers, 2 monitored steps
+        # observe's mask_pattern operator counts its reads (2 layers, 2 monitored steps); the own kernel's
+        # forward operator reads without that count
+        assert int(ops.pattern_reads) - reads_before == (0 if own_kernel_ran else 4)
 
 
 @pytest.mark.gpu
