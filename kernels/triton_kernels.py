@@ -292,6 +292,20 @@ def _attention_mask(qk, mask_base, rows, cols, smq, smk, N, sm_scale, MASK_KIND:
 
 
 @triton.jit
+def _tile_live(live_base, start_m, start_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether the caller's attn_mask lets any query of rows [start_m, start_m + BLOCK_M) see any key of
+    [start_n, start_n + BLOCK_N): from its map of 16 x 16 blocks at ``live_base`` ((T, T) uint8, row-major,
+    T = cdiv(N, 16), nonzero where a block has a key not masked: ``triton_attn.mask_operand``). A tile it
+    masks everywhere adds exactly nothing (P = 0, the running max and sums unchanged), so the kernels
+    skip it: a causal mask given as a tensor costs about what the causal call costs."""
+    T = tl.cdiv(N, 16)
+    r = start_m // 16 + tl.arange(0, BLOCK_M // 16)
+    c = start_n // 16 + tl.arange(0, BLOCK_N // 16)
+    f = tl.load(live_base + r[:, None] * T + c[None, :], mask=(r[:, None] < T) & (c[None, :] < T), other=0)
+    return tl.max(tl.max(f.to(tl.int32), 1), 0) != 0
+
+
+@triton.jit
 def _unmasked_keys_end(start_m, N, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """End of the keys [0, end) that a query block visits without a mask. Causal: keys
     [0, start_m) are below the diagonal for every row of the block (whole key blocks, since
@@ -423,30 +437,50 @@ def _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, 
 
 
 @triton.jit
+def _fwd_step(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n,
+              N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+              FIXED: tl.constexpr, TOP2: tl.constexpr, DTYPE: tl.constexpr,
+              IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """One key block of the forward's loop (``_fwd_inner``)."""
+    k, v, qk = _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, mask_base, smq, smk,
+                         sm_scale, BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
+    if FIXED:
+        new_m1, aux = _tie_update(qk, m1, aux, eps_raw, UPCAST)
+    elif TOP2:
+        new_m1, aux = _top2_update(qk, m1, aux)
+    else:
+        new_m1 = tl.maximum(m1, tl.max(qk, 1))
+    new_shift = _row_shift(new_m1, aux, sm_scale, beta, min_off, max_off, FIXED)
+    acc, l_i = _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    return acc, l_i, new_m1, aux, new_shift
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
-               lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
+               lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk, live_base, start_m,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                FIXED: tl.constexpr, TOP2: tl.constexpr, DTYPE: tl.constexpr,
                IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    # aux: the running tie flag (FIXED), the running second-largest raw score (TOP2), else unused
+    # aux: the running tie flag (FIXED), the running second-largest raw score (TOP2), else unused;
+    # with a mask, key blocks it masks for every row of the block are skipped (_tile_live)
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, qk = _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, mask_base, smq, smk,
-                             sm_scale, BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
-        if FIXED:
-            new_m1, aux = _tie_update(qk, m1, aux, eps_raw, UPCAST)
-        elif TOP2:
-            new_m1, aux = _top2_update(qk, m1, aux)
-        else:
-            new_m1 = tl.maximum(m1, tl.max(qk, 1))
-        new_shift = _row_shift(new_m1, aux, sm_scale, beta, min_off, max_off, FIXED)
-        acc, l_i = _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        m1, shift = new_m1, new_shift
+        if MASK_KIND == 0:
+            acc, l_i, m1, aux, shift = _fwd_step(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn,
+                                                 offs_m, offs_d, start_n, N, sm_scale, eps_raw, beta, min_off, max_off,
+                                                 mask_base, smq, smk, BLOCK_N, MASKED, CAUSAL, MASK_KIND, FIXED, TOP2,
+                                                 DTYPE, IEEE, UPCAST, EXACT_BF16)
+        elif _tile_live(live_base, start_m, start_n, N, q.shape[0], BLOCK_N):
+            acc, l_i, m1, aux, shift = _fwd_step(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn,
+                                                 offs_m, offs_d, start_n, N, sm_scale, eps_raw, beta, min_off, max_off,
+                                                 mask_base, smq, smk, BLOCK_N, MASKED, CAUSAL, MASK_KIND, FIXED, TOP2,
+                                                 DTYPE, IEEE, UPCAST, EXACT_BF16)
     return acc, l_i, m1, aux, shift
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK,
-                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, smb, smh, smq, smk,
+def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK, LIVE,
+                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, smb, smh, smq, smk, slb, slh,
                      H, G, N, sm_scale, eps_raw, beta, min_off, max_off, inject_factor, unit_gap,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FIXED: tl.constexpr, FP32_DELTA: tl.constexpr,
@@ -456,10 +490,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK,
     # Statistics cost the forward nothing per score: it stores each row's max (the backward's
     # dQ pass counts repeated maxima against it) and the head's max logit.
     # MASK (MASK_KIND 1 or 2, else unused): the caller's attn_mask, strides smb, smh, smq, smk
-    # (_attention_mask). A row it masks everywhere gets O = 0 and LSE = +inf (P = 0 in the backward),
-    # as torch SDPA gives such a row 0 and no gradient.
+    # (_attention_mask), and LIVE its map of 16 x 16 blocks, strides slb, slh (_tile_live). A row it
+    # masks everywhere gets O = 0 and LSE = +inf (P = 0 in the backward), as torch SDPA gives such a
+    # row 0 and no gradient.
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     mask_base = _head(MASK, b, h, smb, smh)
+    live_base = _head(LIVE, b, h, slb, slh)
     DTYPE = O.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -481,13 +517,13 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK,
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
     acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
                                           0, split, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
-                                          BLOCK_N, False, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
-                                          EXACT_BF16)
+                                          live_base, start_m, BLOCK_N, False, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE,
+                                          IEEE, UPCAST, EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
     acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
                                           split, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq,
-                                          smk, BLOCK_N, True, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
-                                          EXACT_BF16)
+                                          smk, live_base, start_m, BLOCK_N, True, CAUSAL, MASK_KIND, FIXED, TOP2,
+                                          DTYPE, IEEE, UPCAST, EXACT_BF16)
 
     o32 = acc / l_i[:, None]
     if MASK_KIND != 0:  # rows the mask leaves no key: l_i 0, O 0 (not 0 / 0) and LSE +inf; the same division as
@@ -546,30 +582,46 @@ def _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_s
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d, start_m, N,
+               qk_scale, mask_base, smq, smk, sm_scale,
+               BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+               DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """One query block of the dK/dV loop (``_bwd_dkdv_inner``): its q and dO loaded, then ``_dkdv_block``."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(q_base, rows, sqn, offs_d, N, MASKED)
+    do = _load_rows(do_base, rows, sdon, offs_d, N, MASKED)
+    return _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale, mask_base, smq,
+                       smk, sm_scale, MASKED, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+
+
+@triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
-                    lo, hi, N, qk_scale, mask_base, smq, smk, sm_scale,
+                    lo, hi, N, qk_scale, mask_base, smq, smk, sm_scale, live_base, start_n,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                     DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    offs_mb = tl.arange(0, BLOCK_M)
+    # with a mask, query blocks it masks for every key of this block are skipped (_tile_live)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
-        rows = start_m + offs_mb
-        q = _load_rows(q_base, rows, sqn, offs_d, N, MASKED)
-        do = _load_rows(do_base, rows, sdon, offs_d, N, MASKED)
-        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale, mask_base, smq,
-                             smk, sm_scale, MASKED, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        if MASK_KIND == 0:
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
+                                start_m, N, qk_scale, mask_base, smq, smk, sm_scale, BLOCK_M, MASKED, CAUSAL,
+                                MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        elif _tile_live(live_base, start_m, start_n, N, BLOCK_M, k.shape[0]):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
+                                start_m, N, qk_scale, mask_base, smq, smk, sm_scale, BLOCK_M, MASKED, CAUSAL,
+                                MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
     return dk, dv
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, LIVE,
                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sgb, sgh, sgn,
-                          smb, smh, smq, smk, H, G, N, sm_scale,
+                          smb, smh, smq, smk, slb, slh, H, G, N, sm_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                           EXACT_BF16: tl.constexpr, MASK_KIND: tl.constexpr = 0):
     # grid: (cdiv(N, BLOCK_N), B * Hkv); one program = one block of keys of one kv head,
-    # looping over the G query heads that read it and over their query blocks. MASK: as the forward's.
+    # looping over the G query heads that read it and over their query blocks. MASK, LIVE: as the forward's.
     start_n, bkv, b, kvh = _key_program(H, G, BLOCK_N)
     DTYPE = DK.dtype.element_ty
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -585,24 +637,29 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK,
         q_base = _head(Q, b, h, sqb, sqh)
         do_base = _head(DO, b, h, sdob, sdoh)
         mask_base = _head(MASK, b, h, smb, smh)
+        live_base = _head(LIVE, b, h, slb, slh)
         row_base = (b * H + h).to(tl.int64) * N
         if CAUSAL:
             # query blocks crossing the diagonal of this key block are masked; later ones are not
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
                                      offs_n, offs_d, start_n, start_n + BLOCK_N, N, qk_scale, mask_base, smq, smk,
-                                     sm_scale, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                     sm_scale, live_base, start_n, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE,
+                                     UPCAST, EXACT_BF16)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
                                      offs_n, offs_d, start_n + BLOCK_N, m_full, N, qk_scale, mask_base, smq, smk,
-                                     sm_scale, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                     sm_scale, live_base, start_n, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE,
+                                     UPCAST, EXACT_BF16)
             tail_lo = tl.maximum(m_full, start_n + BLOCK_N)
         else:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
                                      offs_n, offs_d, 0, m_full, N, qk_scale, mask_base, smq, smk,
-                                     sm_scale, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                     sm_scale, live_base, start_n, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE,
+                                     UPCAST, EXACT_BF16)
             tail_lo = m_full
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
                                  offs_n, offs_d, tail_lo, N, N, qk_scale, mask_base, smq, smk,
-                                 sm_scale, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                 sm_scale, live_base, start_n, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST,
+                                 EXACT_BF16)
     # dK, dV (B, Hkv, N, D) of one layout, strides sgb, sgh, sgn (kernels.layouts.grads_like)
     _store_rows(_head(DK, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dk * sm_scale, DTYPE, EXACT_BF16))
     _store_rows(_head(DV, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dv, DTYPE, EXACT_BF16))
@@ -663,39 +720,61 @@ def _bf16_lower_bound(t, EXACT_BF16: tl.constexpr):
 @triton.jit
 def _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
                   offs_m, offs_d,
-                  lo, hi, N, sm_scale, qk_scale, mask_base, smq, smk,
+                  lo, hi, N, sm_scale, qk_scale, mask_base, smq, smk, live_base, start_m,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   STATS: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr,
                   UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    # with a mask, key blocks it masks for every row of the block are skipped (_tile_live); the
+    # statistics (STATS, ROWS) are never on with a mask
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, mask_base, smq, smk, sm_scale,
-                             BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])
-        if STATS:
-            # scores within eps of the row max, FP32 and after BF16 rounding: t32 and tb16 are
-            # finite thresholds on raw scores (see _raw_threshold); counted before dp is
-            # computed, so the raw scores need not stay live across the second matrix product
-            n32 = _count_into(qk >= t32[:, None], n32, UPCAST)
-            nb16 = _count_into(qk >= tb16[:, None], nb16, UPCAST)
-            nfmt = _count_into(qk >= tfmt[:, None], nfmt, UPCAST)  # P_bar rounds to 1 in the format
-        dp = _dot(do, tl.trans(v), IEEE, UPCAST)
-        if STATS:
-            # delta of the exact softmax output, FP32: sum P dP over sum P at the end, which takes
-            # out lse's rounding (|lse| 2**-24 of every P, common to the row)
-            dhp += tl.sum(p * dp, 1)
-            psum += tl.sum(p, 1)
-        if ROWS:
-            pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
-        ds = p * (dp - delta[:, None])
-        dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
+        if MASK_KIND == 0:
+            dq, dhp, psum, n32, nb16, nfmt, pk = _dq_step(
+                dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
+                offs_m, offs_d, start_n, N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, MASKED, CAUSAL,
+                MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        elif _tile_live(live_base, start_m, start_n, N, q.shape[0], BLOCK_N):
+            dq, dhp, psum, n32, nb16, nfmt, pk = _dq_step(
+                dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
+                offs_m, offs_d, start_n, N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, MASKED, CAUSAL,
+                MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    return dq, dhp, psum, n32, nb16, nfmt, pk
+
+
+@triton.jit
+def _dq_step(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
+             offs_m, offs_d, start_n, N, sm_scale, qk_scale, mask_base, smq, smk,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+             STATS: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr,
+             UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """One key block of the dQ loop (``_bwd_dq_inner``)."""
+    k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, mask_base, smq, smk, sm_scale,
+                         BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
+    p = tl.math.exp2(qk * qk_scale - lse[:, None])
+    if STATS:
+        # scores within eps of the row max, FP32 and after BF16 rounding: t32 and tb16 are
+        # finite thresholds on raw scores (see _raw_threshold); counted before dp is
+        # computed, so the raw scores need not stay live across the second matrix product
+        n32 = _count_into(qk >= t32[:, None], n32, UPCAST)
+        nb16 = _count_into(qk >= tb16[:, None], nb16, UPCAST)
+        nfmt = _count_into(qk >= tfmt[:, None], nfmt, UPCAST)  # P_bar rounds to 1 in the format
+    dp = _dot(do, tl.trans(v), IEEE, UPCAST)
+    if STATS:
+        # delta of the exact softmax output, FP32: sum P dP over sum P at the end, which takes
+        # out lse's rounding (|lse| 2**-24 of every P, common to the row)
+        dhp += tl.sum(p * dp, 1)
+        psum += tl.sum(p, 1)
+    if ROWS:
+        pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
+    ds = p * (dp - delta[:, None])
+    dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
     return dq, dhp, psum, n32, nb16, nfmt, pk
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ,
-                        ST_ETIED, ERR_ROWS, PK, U, XV, XO, UGV, SKETCH, MASK,
+                        ST_ETIED, ERR_ROWS, PK, U, XV, XO, UGV, SKETCH, MASK, LIVE,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-                        sdqb, sdqh, sdqn, smb, smh, smq, smk, H, G, N, sm_scale, eps, gap,
+                        sdqb, sdqh, sdqn, smb, smh, smq, smk, slb, slh, H, G, N, sm_scale, eps, gap,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr,
@@ -709,9 +788,10 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     # STATS) it also stores each row's delta error and P K ((B, H, N) and (B, H, N, D) FP32,
     # contiguous), the per-row outputs of AttentionStats.rows_hook; with REDUCE (needs ROWS) it
     # reduces them into the W^Q-error chain's sums instead (_reduce_rows): nothing per row stored.
-    # MASK: as the forward's (the launcher never sets STATS with it: the masked pass measures those calls).
+    # MASK, LIVE: as the forward's (the launcher never sets STATS with it: the masked pass measures those calls).
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     mask_base = _head(MASK, b, h, smb, smh)
+    live_base = _head(LIVE, b, h, slb, slh)
     DTYPE = DQ.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -750,12 +830,14 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
     dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
                                                        tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, 0, split,
-                                                       N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, False,
+                                                       N, sm_scale, qk_scale, mask_base, smq, smk, live_base, start_m,
+                                                       BLOCK_N, False,
                                                        CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
     dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
                                                        tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, split, hi,
-                                                       N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, True,
+                                                       N, sm_scale, qk_scale, mask_base, smq, smk, live_base, start_m,
+                                                       BLOCK_N, True,
                                                        CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     # dQ (B, H, N, D), strides sdqb, sdqh, sdqn (kernels.layouts.grads_like)
     _store_rows(_head(DQ, b, h, sdqb, sdqh), offs_m, sdqn, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))

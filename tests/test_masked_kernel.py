@@ -183,3 +183,49 @@ def test_a_replayed_launch_reads_the_new_mask():
         out = flash_attention(q, k, v, causal=False, attn_mask=mask)
         want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
         assert (out.float() - want).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("shape, n", [((2, 1, 1, 40), 40), ((40, 40), 40), ((2, 3, 40, 40), 40), ((1, 1, 64, 1), 64)])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_the_live_map_marks_the_blocks_with_a_key_not_masked(shape, n, dtype):
+    """The kernels skip the 16 x 16 blocks the map marks 0: it must mark every block holding a key a row
+    may see (a boolean True; any additive entry above -inf, however low), with the ragged tail's block."""
+    from flashwatch.kernels.triton_attn import live_map
+
+    g = torch.Generator().manual_seed(19)
+    allowed = torch.rand(shape, generator=g) < 0.02  # sparse: most blocks empty, some not
+    mask = allowed if dtype == torch.bool else torch.full(shape, float("-inf")).masked_fill(allowed, -1e9)
+    live = live_map(mask, n)
+    full = torch.broadcast_to(allowed.reshape((1,) * (4 - len(shape)) + shape), live.shape[:2] + (n, n))
+    t = -(-n // 16)
+    want = torch.zeros(live.shape[:2] + (t, t), dtype=torch.bool)
+    for i in range(t):
+        for j in range(t):
+            want[..., i, j] = full[..., 16 * i:16 * i + 16, 16 * j:16 * j + 16].any(-1).any(-1)
+    assert live.dtype == torch.uint8 and torch.equal(live.bool(), want)
+    assert want.any() and not want.all()
+    assert live_map(mask, n) is live  # made once per mask tensor
+    mask[(0,) * len(shape)] = True if dtype == torch.bool else 0.0  # changed in place: made again
+    assert live_map(mask, n) is not live
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_a_tile_the_mask_hides_entirely_is_skipped(interpreted_on_cpu, device):
+    """Padding keys that hold NaN (garbage past a sequence's end) reach nothing when every tile holding
+    them is masked for every row: the kernels skip such tiles (a tile's P = 0 would still multiply the
+    NaN values); output and gradients stay finite, and equal those of the batch entry cut to its length."""
+    B, H, N, D = 2, 2, 128, 64
+    q, k, v = (t.detach() for t in random_qkv(B, H, N, D, device=device, seed=20))
+    k[1, :, 64:] = float("nan")
+    v[1, :, 64:] = float("nan")
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    mask = key_padding(B, N, [N, 64], device)
+    out = flash_attention(q, k, v, causal=False, attn_mask=mask)
+    g = output_gradient(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+    assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+    assert torch.isfinite(dk[:, :, :64]).all() and (dk[1, :, 64:] == 0).all() and (dv[1, :, 64:] == 0).all()
+    # entry 1 against its keys cut to the first 64, in FP32: a BF16 output's rounding apart
+    want = torch.nn.functional.scaled_dot_product_attention(q[1:].detach().float(), k[1:, :, :64].detach().float(),
+                                                            v[1:, :, :64].detach().float())
+    torch.testing.assert_close(out[1:].float(), want, rtol=0, atol=2 ** -7)
