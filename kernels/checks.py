@@ -117,7 +117,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed_dtypes=
 
 def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
     """An attn_mask of ``flash_attention``: None, or a tensor on q's device, boolean (True = attend) or
-    floating (added to the scaled scores), of a shape that broadcasts to (B, H, N, N)."""
+    floating (added to the scaled scores), of a shape that broadcasts to (B, H, N, N), needing no gradient."""
     if attn_mask is None:
         return
     if not isinstance(attn_mask, torch.Tensor):
@@ -127,6 +127,9 @@ def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -
                         "floating dtype (added to the scaled scores)")
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device}, q on {q.device}: they must be on one device")
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("attn_mask requires a gradient (a learned bias), and the kernels compute none for it; "
+                         "accepted: a mask without one (detach it), or torch SDPA for this call")
     B, H, N, _ = q.shape
     try:
         if attn_mask.dim() > 4:

@@ -172,6 +172,42 @@ def test_a_bad_mask_is_refused_with_what_is_accepted(mask, error, words):
         flash_attention(q, k, v, causal=False, attn_mask=mask)
 
 
+def test_a_learned_bias_is_refused_and_own_kernel_mode_leaves_it_to_sdpa():
+    """A float mask that requires a gradient (a learned position bias) would lose it in the kernel,
+    which computes none for the mask: flash_attention refuses it, and own-kernel mode runs such calls
+    in torch SDPA, whose gradient reaches the bias."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from flashwatch import Monitor, MonitorConfig
+
+    q, k, v = random_qkv(2, 2, 16, 16, seed=21)
+    bias = torch.zeros(1, 2, 16, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="requires a gradient"):
+        flash_attention(q, k, v, causal=False, attn_mask=bias)
+    with torch.no_grad():  # no gradient to lose
+        flash_attention(q, k, v, causal=False, attn_mask=bias)
+
+    class BiasedAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(32, 96, bias=False)
+            self.n_head = 2
+            self.bias = nn.Parameter(torch.randn(1, 2, 8, 8))
+
+        def forward(self, x):
+            q, k, v = (z.view(3, 8, 2, 16).transpose(1, 2) for z in self.c_attn(x).split(32, dim=2))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+    mod = BiasedAttention()
+    monitor = Monitor(MonitorConfig(interval=1, mode="own_kernel", async_transfer=False))
+    monitor.attach(mod)
+    mod(torch.randn(3, 8, 32)).square().sum().backward()
+    assert mod.bias.grad is not None and mod.bias.grad.abs().sum() > 0
+    assert monitor.layers[0].running_variant == "sdpa" and "requires a gradient" in monitor.layers[0].sdpa_fallback
+    monitor.detach()
+
+
 @pytest.mark.gpu
 def test_a_replayed_launch_reads_the_new_mask():
     """Repeats of a call replay its launches (launch plans keyed by layouts): a second mask of the same
