@@ -530,3 +530,40 @@ def test_a_failing_read_of_the_mask_s_pattern_changes_nothing_but_where_it_is_re
     assert failed == [8] and monitor.layers[0].coverage.tolist() == [1, 1]
     assert monitor.layers[0].stats.as_dict()["rows"] == [3 * 8.0] * 2
     monitor.detach()
+
+
+def test_compiled_hugging_face_gpt2_with_padding_runs_the_own_kernel():
+    """Hugging Face GPT-2 fine-tuned on a left-padded batch, compiled (aot_eager), in own-kernel mode with
+    fp32_delta: its attention passes a 4-D mask tensor, which the kernel now takes, so every layer runs
+    fp32_delta (an auto_fix switch reaches it), is measured in full with the padding rows left out, and
+    the Monitor adds no graph break to the model's own. Fail before: every layer ran torch SDPA and reported variant sdpa."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=32, attn_pdrop=0.0,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    monitor = Monitor(MonitorConfig(interval=1, mode="own_kernel", variant="fp32_delta", async_transfer=False))
+    monitor.attach(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 100, (2, 16), generator=g)
+    attention_mask = torch.ones(2, 16, dtype=torch.long)
+    attention_mask[1, :5] = 0  # five positions of left padding
+    labels = ids.masked_fill(attention_mask == 0, -100)
+
+    def graph_breaks(run) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(run, backend="aot_eager")(input_ids=ids, attention_mask=attention_mask,
+                                                labels=labels).loss.backward()
+        return sum(counters["graph_break"].values())
+
+    monitor.detach()
+    own = graph_breaks(model)  # the model's own (a logging call in its forward)
+    monitor.attach(model)
+    assert graph_breaks(model) == own
+    assert [layer.running_variant for layer in monitor.layers] == ["fp32_delta"] * 2
+    for layer in monitor.layers:
+        assert layer.coverage.tolist() == [1, 1]
+        # 32 positions, less the 5 padding rows no loss reads
+        assert layer.stats.as_dict()["rows"] == [32.0 - 5] * 4
+    monitor.detach()
