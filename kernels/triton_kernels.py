@@ -292,17 +292,23 @@ def _attention_mask(qk, mask_base, rows, cols, smq, smk, N, sm_scale, MASK_KIND:
 
 
 @triton.jit
-def _tile_live(live_base, start_m, start_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Whether the caller's attn_mask lets any query of rows [start_m, start_m + BLOCK_M) see any key of
-    [start_n, start_n + BLOCK_N): from its map of 16 x 16 blocks at ``live_base`` ((T, T) uint8, row-major,
-    T = cdiv(N, 16), nonzero where a block has a key not masked: ``triton_attn.mask_operand``). A tile it
-    masks everywhere adds exactly nothing (P = 0, the running max and sums unchanged), so the kernels
-    skip it: a causal mask given as a tensor costs about what the causal call costs."""
+def _visible_range(live_base, WHICH: tl.constexpr, start, N, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """[lo, hi): the keys (WHICH 0) the caller's attn_mask leaves visible to any query row of [start,
+    start + BLOCK), or the query rows (WHICH 2) that see any key of [start, start + BLOCK), rounded out
+    to multiples of ALIGN (the loop's tile); lo > hi where there are none. From the mask's ranges at
+    ``live_base`` ((4, T) int32, T = cdiv(N, 16): for each block of 16 query rows the first key and one
+    past the last it lets through (rows 0, 1), for each block of 16 keys the same of query rows (rows 2,
+    3); 0, 0 for none: ``triton_attn.mask_operand``). The loops over keys (or query blocks) run over
+    that range only: tiles outside it add exactly nothing, and a causal mask given as a tensor then
+    costs what the causal call costs, with the loops' bodies unchanged."""
     T = tl.cdiv(N, 16)
-    r = start_m // 16 + tl.arange(0, BLOCK_M // 16)
-    c = start_n // 16 + tl.arange(0, BLOCK_N // 16)
-    f = tl.load(live_base + r[:, None] * T + c[None, :], mask=(r[:, None] < T) & (c[None, :] < T), other=0)
-    return tl.max(tl.max(f.to(tl.int32), 1), 0) != 0
+    blocks = start // 16 + tl.arange(0, BLOCK // 16)
+    inside = blocks < T
+    lo = tl.load(live_base + WHICH * T + blocks, mask=inside, other=0)
+    hi = tl.load(live_base + (WHICH + 1) * T + blocks, mask=inside, other=0)
+    lo = tl.min(tl.where(hi > 0, lo, 2147483647 - ALIGN), 0)  # a block that sees nothing sets no bound
+    hi = tl.max(hi, 0)
+    return (lo // ALIGN) * ALIGN, ((hi + ALIGN - 1) // ALIGN) * ALIGN
 
 
 @triton.jit
@@ -437,44 +443,24 @@ def _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, 
 
 
 @triton.jit
-def _fwd_step(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n,
-              N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-              FIXED: tl.constexpr, TOP2: tl.constexpr, DTYPE: tl.constexpr,
-              IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """One key block of the forward's loop (``_fwd_inner``)."""
-    k, v, qk = _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, mask_base, smq, smk,
-                         sm_scale, BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
-    if FIXED:
-        new_m1, aux = _tie_update(qk, m1, aux, eps_raw, UPCAST)
-    elif TOP2:
-        new_m1, aux = _top2_update(qk, m1, aux)
-    else:
-        new_m1 = tl.maximum(m1, tl.max(qk, 1))
-    new_shift = _row_shift(new_m1, aux, sm_scale, beta, min_off, max_off, FIXED)
-    acc, l_i = _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    return acc, l_i, new_m1, aux, new_shift
-
-
-@triton.jit
 def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
-               lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk, live_base, start_m,
+               lo, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                FIXED: tl.constexpr, TOP2: tl.constexpr, DTYPE: tl.constexpr,
                IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    # aux: the running tie flag (FIXED), the running second-largest raw score (TOP2), else unused;
-    # with a mask, key blocks it masks for every row of the block are skipped (_tile_live)
+    # aux: the running tie flag (FIXED), the running second-largest raw score (TOP2), else unused
     for start_n in range(lo, hi, BLOCK_N):
-        if MASK_KIND == 0:
-            acc, l_i, m1, aux, shift = _fwd_step(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn,
-                                                 offs_m, offs_d, start_n, N, sm_scale, eps_raw, beta, min_off, max_off,
-                                                 mask_base, smq, smk, BLOCK_N, MASKED, CAUSAL, MASK_KIND, FIXED, TOP2,
-                                                 DTYPE, IEEE, UPCAST, EXACT_BF16)
-        elif _tile_live(live_base, start_m, start_n, N, q.shape[0], BLOCK_N):
-            acc, l_i, m1, aux, shift = _fwd_step(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn,
-                                                 offs_m, offs_d, start_n, N, sm_scale, eps_raw, beta, min_off, max_off,
-                                                 mask_base, smq, smk, BLOCK_N, MASKED, CAUSAL, MASK_KIND, FIXED, TOP2,
-                                                 DTYPE, IEEE, UPCAST, EXACT_BF16)
+        k, v, qk = _key_tile(q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start_n, N, mask_base, smq, smk,
+                             sm_scale, BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
+        if FIXED:
+            new_m1, aux = _tie_update(qk, m1, aux, eps_raw, UPCAST)
+        elif TOP2:
+            new_m1, aux = _top2_update(qk, m1, aux)
+        else:
+            new_m1 = tl.maximum(m1, tl.max(qk, 1))
+        new_shift = _row_shift(new_m1, aux, sm_scale, beta, min_off, max_off, FIXED)
+        acc, l_i = _online_softmax_step(acc, l_i, shift, new_shift, qk, v, sm_scale, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        m1, shift = new_m1, new_shift
     return acc, l_i, m1, aux, shift
 
 
@@ -490,12 +476,11 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK, LIVE,
     # Statistics cost the forward nothing per score: it stores each row's max (the backward's
     # dQ pass counts repeated maxima against it) and the head's max logit.
     # MASK (MASK_KIND 1 or 2, else unused): the caller's attn_mask, strides smb, smh, smq, smk
-    # (_attention_mask), and LIVE its map of 16 x 16 blocks, strides slb, slh (_tile_live). A row it
-    # masks everywhere gets O = 0 and LSE = +inf (P = 0 in the backward), as torch SDPA gives such a
-    # row 0 and no gradient.
+    # (_attention_mask), and LIVE its visible ranges, strides slb, slh (_visible_range): the key loop
+    # runs over the keys the mask leaves visible to the block. A row it masks everywhere gets O = 0 and
+    # LSE = +inf (P = 0 in the backward), as torch SDPA gives such a row 0 and no gradient.
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     mask_base = _head(MASK, b, h, smb, smh)
-    live_base = _head(LIVE, b, h, slb, slh)
     DTYPE = O.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -515,15 +500,21 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK, LIVE,
         aux = tl.zeros([BLOCK_M], tl.int32)
 
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
-    acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                          0, split, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
-                                          live_base, start_m, BLOCK_N, False, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE,
-                                          IEEE, UPCAST, EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
+    lo_a, hi_a, lo_b, hi_b = 0, split, split, hi
+    if MASK_KIND != 0:
+        lo_a, hi_b = _visible_range(_head(LIVE, b, h, slb, slh), 0, start_m, N, BLOCK_M, BLOCK_N)
+        hi_a = tl.minimum(split, hi_b)
+        lo_b = tl.maximum(split, lo_a)
+        hi_b = tl.minimum(hi, hi_b)
     acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                          split, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq,
-                                          smk, live_base, start_m, BLOCK_N, True, CAUSAL, MASK_KIND, FIXED, TOP2,
-                                          DTYPE, IEEE, UPCAST, EXACT_BF16)
+                                          lo_a, hi_a, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq,
+                                          smk, BLOCK_N, False, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
+                                          EXACT_BF16)
+    acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
+                                          lo_b, hi_b, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq,
+                                          smk, BLOCK_N, True, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
+                                          EXACT_BF16)
 
     o32 = acc / l_i[:, None]
     if MASK_KIND != 0:  # rows the mask leaves no key: l_i 0, O 0 (not 0 / 0) and LSE +inf; the same division as
@@ -582,34 +573,18 @@ def _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_s
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d, start_m, N,
-               qk_scale, mask_base, smq, smk, sm_scale,
-               BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-               DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """One query block of the dK/dV loop (``_bwd_dkdv_inner``): its q and dO loaded, then ``_dkdv_block``."""
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _load_rows(q_base, rows, sqn, offs_d, N, MASKED)
-    do = _load_rows(do_base, rows, sdon, offs_d, N, MASKED)
-    return _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale, mask_base, smq,
-                       smk, sm_scale, MASKED, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
-
-
-@triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
-                    lo, hi, N, qk_scale, mask_base, smq, smk, sm_scale, live_base, start_n,
+                    lo, hi, N, qk_scale, mask_base, smq, smk, sm_scale,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                     DTYPE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    # with a mask, query blocks it masks for every key of this block are skipped (_tile_live)
+    offs_mb = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
-        if MASK_KIND == 0:
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
-                                start_m, N, qk_scale, mask_base, smq, smk, sm_scale, BLOCK_M, MASKED, CAUSAL,
-                                MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        elif _tile_live(live_base, start_m, start_n, N, BLOCK_M, k.shape[0]):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sdon, offs_n, offs_d,
-                                start_m, N, qk_scale, mask_base, smq, smk, sm_scale, BLOCK_M, MASKED, CAUSAL,
-                                MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        rows = start_m + offs_mb
+        q = _load_rows(q_base, rows, sqn, offs_d, N, MASKED)
+        do = _load_rows(do_base, rows, sdon, offs_d, N, MASKED)
+        dk, dv = _dkdv_block(dk, dv, k, v, q, do, lse_base, delta_base, rows, offs_n, N, qk_scale, mask_base, smq,
+                             smk, sm_scale, MASKED, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
     return dk, dv
 
 
@@ -621,7 +596,8 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, LIVE,
                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                           EXACT_BF16: tl.constexpr, MASK_KIND: tl.constexpr = 0):
     # grid: (cdiv(N, BLOCK_N), B * Hkv); one program = one block of keys of one kv head,
-    # looping over the G query heads that read it and over their query blocks. MASK, LIVE: as the forward's.
+    # looping over the G query heads that read it and over their query blocks. MASK, LIVE: as the
+    # forward's (the loops run over the query rows the mask lets see this key block).
     start_n, bkv, b, kvh = _key_program(H, G, BLOCK_N)
     DTYPE = DK.dtype.element_ty
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -637,29 +613,33 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, LIVE,
         q_base = _head(Q, b, h, sqb, sqh)
         do_base = _head(DO, b, h, sdob, sdoh)
         mask_base = _head(MASK, b, h, smb, smh)
-        live_base = _head(LIVE, b, h, slb, slh)
         row_base = (b * H + h).to(tl.int64) * N
+        # query blocks: causal, those crossing the diagonal of this key block [lo_a, hi_a) are masked,
+        # later ones [lo_b, hi_b) not; then the ragged tail [lo_c, hi_c), masked
         if CAUSAL:
-            # query blocks crossing the diagonal of this key block are masked; later ones are not
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, start_n, start_n + BLOCK_N, N, qk_scale, mask_base, smq, smk,
-                                     sm_scale, live_base, start_n, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE,
-                                     UPCAST, EXACT_BF16)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, start_n + BLOCK_N, m_full, N, qk_scale, mask_base, smq, smk,
-                                     sm_scale, live_base, start_n, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE,
-                                     UPCAST, EXACT_BF16)
-            tail_lo = tl.maximum(m_full, start_n + BLOCK_N)
+            lo_a, hi_a = start_n, start_n + BLOCK_N
+            lo_b, hi_b = start_n + BLOCK_N, m_full
+            lo_c = tl.maximum(m_full, start_n + BLOCK_N)
         else:
+            lo_b, hi_b = 0, m_full
+            lo_c = m_full
+        hi_c = N
+        if MASK_KIND != 0:  # only the query rows the mask lets see this key block
+            q_lo, q_hi = _visible_range(_head(LIVE, b, h, slb, slh), 2, start_n, N, BLOCK_N, BLOCK_M)
+            if CAUSAL:
+                lo_a, hi_a = tl.maximum(lo_a, q_lo), tl.minimum(hi_a, q_hi)
+            lo_b, hi_b = tl.maximum(lo_b, q_lo), tl.minimum(hi_b, q_hi)
+            lo_c, hi_c = tl.maximum(lo_c, q_lo), tl.minimum(hi_c, q_hi)
+        if CAUSAL:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, 0, m_full, N, qk_scale, mask_base, smq, smk,
-                                     sm_scale, live_base, start_n, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE,
-                                     UPCAST, EXACT_BF16)
-            tail_lo = m_full
+                                     offs_n, offs_d, lo_a, hi_a, N, qk_scale, mask_base, smq, smk,
+                                     sm_scale, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                 offs_n, offs_d, tail_lo, N, N, qk_scale, mask_base, smq, smk,
-                                 sm_scale, live_base, start_n, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST,
-                                 EXACT_BF16)
+                                 offs_n, offs_d, lo_b, hi_b, N, qk_scale, mask_base, smq, smk,
+                                 sm_scale, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                 offs_n, offs_d, lo_c, hi_c, N, qk_scale, mask_base, smq, smk,
+                                 sm_scale, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
     # dK, dV (B, Hkv, N, D) of one layout, strides sgb, sgh, sgn (kernels.layouts.grads_like)
     _store_rows(_head(DK, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dk * sm_scale, DTYPE, EXACT_BF16))
     _store_rows(_head(DV, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dv, DTYPE, EXACT_BF16))
@@ -720,53 +700,31 @@ def _bf16_lower_bound(t, EXACT_BF16: tl.constexpr):
 @triton.jit
 def _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
                   offs_m, offs_d,
-                  lo, hi, N, sm_scale, qk_scale, mask_base, smq, smk, live_base, start_m,
+                  lo, hi, N, sm_scale, qk_scale, mask_base, smq, smk,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                   STATS: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr,
                   UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    # with a mask, key blocks it masks for every row of the block are skipped (_tile_live); the
-    # statistics (STATS, ROWS) are never on with a mask
     for start_n in range(lo, hi, BLOCK_N):
-        if MASK_KIND == 0:
-            dq, dhp, psum, n32, nb16, nfmt, pk = _dq_step(
-                dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
-                offs_m, offs_d, start_n, N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, MASKED, CAUSAL,
-                MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        elif _tile_live(live_base, start_m, start_n, N, q.shape[0], BLOCK_N):
-            dq, dhp, psum, n32, nb16, nfmt, pk = _dq_step(
-                dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
-                offs_m, offs_d, start_n, N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, MASKED, CAUSAL,
-                MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
-    return dq, dhp, psum, n32, nb16, nfmt, pk
-
-
-@triton.jit
-def _dq_step(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb16, tfmt, k_base, v_base, skn, svn,
-             offs_m, offs_d, start_n, N, sm_scale, qk_scale, mask_base, smq, smk,
-             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-             STATS: tl.constexpr, ROWS: tl.constexpr, DTYPE: tl.constexpr, IEEE: tl.constexpr,
-             UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """One key block of the dQ loop (``_bwd_dq_inner``)."""
-    k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, mask_base, smq, smk, sm_scale,
-                         BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
-    p = tl.math.exp2(qk * qk_scale - lse[:, None])
-    if STATS:
-        # scores within eps of the row max, FP32 and after BF16 rounding: t32 and tb16 are
-        # finite thresholds on raw scores (see _raw_threshold); counted before dp is
-        # computed, so the raw scores need not stay live across the second matrix product
-        n32 = _count_into(qk >= t32[:, None], n32, UPCAST)
-        nb16 = _count_into(qk >= tb16[:, None], nb16, UPCAST)
-        nfmt = _count_into(qk >= tfmt[:, None], nfmt, UPCAST)  # P_bar rounds to 1 in the format
-    dp = _dot(do, tl.trans(v), IEEE, UPCAST)
-    if STATS:
-        # delta of the exact softmax output, FP32: sum P dP over sum P at the end, which takes
-        # out lse's rounding (|lse| 2**-24 of every P, common to the row)
-        dhp += tl.sum(p * dp, 1)
-        psum += tl.sum(p, 1)
-    if ROWS:
-        pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
-    ds = p * (dp - delta[:, None])
-    dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
+        k, v, qk = _key_tile(q, k_base, v_base, skn, svn, offs_m, offs_d, start_n, N, mask_base, smq, smk, sm_scale,
+                             BLOCK_N, MASKED, CAUSAL, MASK_KIND, IEEE, UPCAST)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if STATS:
+            # scores within eps of the row max, FP32 and after BF16 rounding: t32 and tb16 are
+            # finite thresholds on raw scores (see _raw_threshold); counted before dp is
+            # computed, so the raw scores need not stay live across the second matrix product
+            n32 = _count_into(qk >= t32[:, None], n32, UPCAST)
+            nb16 = _count_into(qk >= tb16[:, None], nb16, UPCAST)
+            nfmt = _count_into(qk >= tfmt[:, None], nfmt, UPCAST)  # P_bar rounds to 1 in the format
+        dp = _dot(do, tl.trans(v), IEEE, UPCAST)
+        if STATS:
+            # delta of the exact softmax output, FP32: sum P dP over sum P at the end, which takes
+            # out lse's rounding (|lse| 2**-24 of every P, common to the row)
+            dhp += tl.sum(p * dp, 1)
+            psum += tl.sum(p, 1)
+        if ROWS:
+            pk = _probabilities_dot(p, k, pk, DTYPE, IEEE, UPCAST, EXACT_BF16)  # P is final: no rescaling
+        ds = p * (dp - delta[:, None])
+        dq += _dot(_cast(ds, DTYPE, EXACT_BF16), k, IEEE, UPCAST)
     return dq, dhp, psum, n32, nb16, nfmt, pk
 
 
@@ -791,7 +749,6 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     # MASK, LIVE: as the forward's (the launcher never sets STATS with it: the masked pass measures those calls).
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     mask_base = _head(MASK, b, h, smb, smh)
-    live_base = _head(LIVE, b, h, slb, slh)
     DTYPE = DQ.dtype.element_ty
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -828,16 +785,20 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         tfmt = lse
     qk_scale = sm_scale * 1.4426950408889634
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
-    dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
-                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, 0, split,
-                                                       N, sm_scale, qk_scale, mask_base, smq, smk, live_base, start_m,
-                                                       BLOCK_N, False,
-                                                       CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
+    lo_a, hi_a, lo_b, hi_b = 0, split, split, hi
+    if MASK_KIND != 0:  # only the keys the mask leaves visible to this block (as in the forward)
+        lo_a, hi_b = _visible_range(_head(LIVE, b, h, slb, slh), 0, start_m, N, BLOCK_M, BLOCK_N)
+        hi_a = tl.minimum(split, hi_b)
+        lo_b = tl.maximum(split, lo_a)
+        hi_b = tl.minimum(hi, hi_b)
     dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
-                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, split, hi,
-                                                       N, sm_scale, qk_scale, mask_base, smq, smk, live_base, start_m,
-                                                       BLOCK_N, True,
+                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, lo_a,
+                                                       hi_a, N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, False,
+                                                       CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
+                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, lo_b,
+                                                       hi_b, N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, True,
                                                        CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     # dQ (B, H, N, D), strides sdqb, sdqh, sdqn (kernels.layouts.grads_like)
     _store_rows(_head(DQ, b, h, sdqb, sdqh), offs_m, sdqn, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))

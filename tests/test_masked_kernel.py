@@ -84,7 +84,8 @@ def test_a_mask_of_the_causal_pattern_is_the_causal_call_bit_for_bit(interpreted
     nowhere else, in the forward and in both backward kernels. One exception: on CUDA, fp32_delta's
     gradients under the two compilations (with and without the mask) were seen to differ in their
     last bits (2026-12-06, H100; not diagnosed): there its output is held to the bit and its
-    gradients to one BF16 rounding."""
+    gradients to a BF16 rounding of values near 1 (dS = P (dP - delta) cancels, so a last-bit change of
+    delta moves a few entries by more than their own rounding: 10 of 17,920, at most 2^-8)."""
     B, H, N, D = 2, 2, 70, 64
     q, k, v = random_qkv(B, H, N, D, device=device, seed=13)
     g = output_gradient(q)
@@ -98,7 +99,7 @@ def test_a_mask_of_the_causal_pattern_is_the_causal_call_bit_for_bit(interpreted
         assert torch.equal(results[0][0], got[0])
         for a, b in zip(results[0][1:], got[1:]):
             if device == "cuda" and variant == "fp32_delta":
-                torch.testing.assert_close(a, b, rtol=2 ** -8, atol=1e-6)
+                torch.testing.assert_close(a, b, rtol=2 ** -7, atol=2 ** -7)
             else:
                 assert torch.equal(a, b)
 
@@ -223,10 +224,11 @@ def test_a_replayed_launch_reads_the_new_mask():
 
 @pytest.mark.parametrize("shape, n", [((2, 1, 1, 40), 40), ((40, 40), 40), ((2, 3, 40, 40), 40), ((1, 1, 64, 1), 64)])
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
-def test_the_live_map_marks_the_blocks_with_a_key_not_masked(shape, n, dtype):
-    """The kernels skip the 16 x 16 blocks the map marks 0: it must mark every block holding a key a row
-    may see (a boolean True; any additive entry above -inf, however low), with the ragged tail's block."""
-    from flashwatch.kernels.triton_attn import live_map
+def test_the_visible_ranges_cover_every_key_a_row_may_see(shape, n, dtype):
+    """The kernels' loops run over the ranges only: for each block of 16 query rows, from the first to
+    past the last key any of them may see (a boolean True; any additive entry above -inf, however low),
+    and for each block of 16 keys the same of query rows, the ragged tail's block included."""
+    from flashwatch.kernels.triton_attn import live_map, visible_ranges
 
     g = torch.Generator().manual_seed(19)
     allowed = torch.rand(shape, generator=g) < 0.02  # sparse: most blocks empty, some not
@@ -238,18 +240,27 @@ def test_the_live_map_marks_the_blocks_with_a_key_not_masked(shape, n, dtype):
     for i in range(t):
         for j in range(t):
             want[..., i, j] = full[..., 16 * i:16 * i + 16, 16 * j:16 * j + 16].any(-1).any(-1)
-    assert live.dtype == torch.uint8 and torch.equal(live.bool(), want)
-    assert want.any() and not want.all()
-    assert live_map(mask, n) is live  # made once per mask tensor
+    assert torch.equal(live, want) and want.any() and not want.all()
+    ranges = visible_ranges(mask, n)
+    assert ranges.dtype == torch.int32 and ranges.shape == live.shape[:2] + (4, t)
+    for b in range(live.shape[0]):
+        for h in range(live.shape[1]):
+            for i in range(t):
+                for which, blocks in ((0, want[b, h, i]), (2, want[b, h, :, i])):
+                    seen = blocks.nonzero().flatten().tolist()
+                    expected = [16 * seen[0], 16 * (seen[-1] + 1)] if seen else [0, 0]
+                    assert ranges[b, h, which:which + 2, i].tolist() == expected, (b, h, i, which)
+    assert visible_ranges(mask, n) is ranges  # made once per mask tensor
     mask[(0,) * len(shape)] = True if dtype == torch.bool else 0.0  # changed in place: made again
-    assert live_map(mask, n) is not live
+    assert visible_ranges(mask, n) is not ranges
 
 
 @pytest.mark.parametrize("device", _devices())
 def test_a_tile_the_mask_hides_entirely_is_skipped(interpreted_on_cpu, device):
     """Padding keys that hold NaN (garbage past a sequence's end) reach nothing when every tile holding
-    them is masked for every row: the kernels skip such tiles (a tile's P = 0 would still multiply the
-    NaN values); output and gradients stay finite, and equal those of the batch entry cut to its length."""
+    them is masked for every row: the kernels' loops stop before such tiles (a tile's P = 0 would still
+    multiply the NaN values); output and gradients stay finite, and equal those of the entry cut to its
+    length."""
     B, H, N, D = 2, 2, 128, 64
     q, k, v = (t.detach() for t in random_qkv(B, H, N, D, device=device, seed=20))
     k[1, :, 64:] = float("nan")
