@@ -20,7 +20,6 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 import triton  # noqa: F401  (the Triton path: fail at import where Triton is missing)
 
 from . import faults, hopper_attn, masked, tuning
@@ -70,22 +69,11 @@ def _cdiv(a: int, b: int) -> int:
 
 class MaskOperand(NamedTuple):
     """An attn_mask as the kernels read it: ``tensor`` broadcast to (B, H, N, N) (stride 0 where the
-    mask broadcasts; a boolean mask viewed as uint8, no copy), its four strides, the kernels'
-    MASK_KIND (1: boolean, True = attend; 2: added to the scaled scores), and ``live``, its visible
-    ranges ((B or 1, H or 1, 4, T) int32, T = cdiv(N, 16), ``visible_ranges``: the kernels' loops run
-    over them only) with their batch and head strides."""
+    mask broadcasts; a boolean mask viewed as uint8, no copy), its four strides, and the kernels'
+    MASK_KIND (1: boolean, True = attend; 2: added to the scaled scores)."""
     tensor: torch.Tensor
     strides: tuple
     kind: int
-    live: torch.Tensor
-    live_strides: tuple
-
-
-LIVE_BLOCK = 16  # the granularity of the visible ranges: every tile of the kernels is a multiple of it
-
-# mask tensor -> (its version, N, its ranges): a model passes one mask to all its layers, whose
-# forwards and backwards then share them (weakly held: freed with the mask)
-_ranges: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def mask_operand(attn_mask: torch.Tensor | None, q: torch.Tensor) -> MaskOperand | None:
@@ -94,62 +82,16 @@ def mask_operand(attn_mask: torch.Tensor | None, q: torch.Tensor) -> MaskOperand
         return None
     B, H, N, _ = q.shape
     m = torch.broadcast_to(attn_mask, (B, H, N, N))
-    live = visible_ranges(attn_mask, N)
-    live_strides = tuple(live.stride(i) if live.shape[i] > 1 else 0 for i in (0, 1))
     if m.dtype == torch.bool:
-        return MaskOperand(m.view(torch.uint8), tuple(m.stride()), 1, live, live_strides)
-    return MaskOperand(m, tuple(m.stride()), 2, live, live_strides)
-
-
-def live_map(attn_mask: torch.Tensor, n: int) -> torch.Tensor:
-    """The (B or 1, H or 1, T, T) bool map of an (..., n or 1, n or 1) mask's 16 x 16 blocks, T = cdiv(n, 16):
-    True where a block has a key not masked (a boolean mask's True, an additive mask's entry above -inf: a
-    finite entry, however low, may be all a row has). Made on the mask's device without a host read."""
-    with torch.no_grad():
-        m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-        allowed = m if m.dtype == torch.bool else m != float("-inf")
-        t = _cdiv(n, LIVE_BLOCK)
-        for dim in (2, 3):  # rows, then keys: blocks of 16 reduced by any (a broadcast dimension stays 1)
-            if allowed.shape[dim] > 1:
-                pad = t * LIVE_BLOCK - n
-                if pad:
-                    shape = list(allowed.shape)
-                    shape[dim] = pad
-                    allowed = torch.cat([allowed, allowed.new_zeros(shape)], dim)
-                shape = list(allowed.shape)
-                allowed = allowed.reshape(shape[:dim] + [t, LIVE_BLOCK] + shape[dim + 1:]).any(dim + 1)
-        return allowed.expand(m.shape[0], m.shape[1], t, t)
-
-
-def visible_ranges(attn_mask: torch.Tensor, n: int) -> torch.Tensor:
-    """The (B or 1, H or 1, 4, T) int32 ranges the kernels' loops run over, from ``live_map``: for each
-    block of 16 query rows, the first key and one past the last key it lets any of them see (rows 0 and
-    1), for each block of 16 keys the first query row and one past the last that sees any of them (rows
-    2 and 3), in multiples of 16; 0, 0 for a block with none. Made once per mask tensor (again after an
-    in-place change), without a host read."""
-    seen = _ranges.get(attn_mask)
-    if seen is not None and seen[0] == attn_mask._version and seen[1] == n:
-        return seen[2]
-    with torch.no_grad():
-        live = live_map(attn_mask, n)
-        t = live.shape[-1]
-        index = torch.arange(t, device=live.device, dtype=torch.int32)
-        ranges = []
-        for dim, at in ((3, index), (2, index[:, None])):  # keys of each query block, query rows of each key block
-            seen_any = live.any(dim)
-            first = torch.where(live, at, t).amin(dim)
-            last = torch.where(live, at, -1).amax(dim)
-            ranges += [torch.where(seen_any, first * LIVE_BLOCK, 0), torch.where(seen_any, (last + 1) * LIVE_BLOCK, 0)]
-        out = torch.stack(ranges, 2).to(torch.int32).contiguous()
-    _ranges[attn_mask] = (attn_mask._version, n, out)
-    return out
+        return MaskOperand(m.view(torch.uint8), tuple(m.stride()), 1)
+    return MaskOperand(m, tuple(m.stride()), 2)
 
 
 def _mask_args(mask: MaskOperand | None, q: torch.Tensor) -> tuple[tuple, tuple, dict]:
-    """(the MASK and LIVE pointers, their strides, the MASK_KIND keyword) of a launch; q stands in for no mask."""
+    """(the MASK pointer, its four strides, the MASK_KIND keyword) of a launch; q stands in for no mask."""
     if mask is None:
-        return (q, q), (0,) * 6, {}
-    return (mask.tensor, mask.live), mask.strides + mask.live_strides, {"MASK_KIND": mask.kind}
+        return (q,), (0, 0, 0, 0), {}
+    return (mask.tensor,), mask.strides, {"MASK_KIND": mask.kind}
 
 
 def _launch_fwd(q, k, v, o, lse, r, rowmax, maxlogit, causal, sm_scale, variant, beta, eps, stats_on,
@@ -215,7 +157,7 @@ def _forward(q, k, v, causal, sm_scale, variant, beta, eps, stats, fault_strengt
     mask = mask_operand(attn_mask, q)
     if mask is not None:
         stats = None
-    masks = (mask.tensor, mask.live) if mask is not None else ()
+    masks = (mask.tensor,) if mask is not None else ()
     # without statistics or an injected fault, repeats of a call replay its launches (launch.Plan)
     key = _plan_key("fwd", (q, k, v) + masks, causal, sm_scale, variant, beta, eps) \
         if stats is None and fault_strength == 0 else None
@@ -308,7 +250,7 @@ def _backward(do, q, k, v, o, lse, r, rowmax, causal, sm_scale, eps, stats, grad
     dq, dk, dv = grads if given else grads_like(q, k, v)  # the kernels take their strides
     mask = mask_operand(attn_mask, q)
     kernel_stats = stats if mask is None else None
-    masks = (mask.tensor, mask.live) if mask is not None else ()
+    masks = (mask.tensor,) if mask is not None else ()
     # without statistics, repeats of a call replay its launches (launch.Plan); given gradients are
     # inputs of the plan's key (their strides and alignment are the caller's)
     inputs = ((do, q, k, v, o, lse) if r is None else (do, q, k, v, o, lse, r)) + masks

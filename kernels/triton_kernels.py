@@ -292,26 +292,6 @@ def _attention_mask(qk, mask_base, rows, cols, smq, smk, N, sm_scale, MASK_KIND:
 
 
 @triton.jit
-def _visible_range(live_base, WHICH: tl.constexpr, start, N, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    """[lo, hi): the keys (WHICH 0) the caller's attn_mask leaves visible to any query row of [start,
-    start + BLOCK), or the query rows (WHICH 2) that see any key of [start, start + BLOCK), rounded out
-    to multiples of ALIGN (the loop's tile); lo > hi where there are none. From the mask's ranges at
-    ``live_base`` ((4, T) int32, T = cdiv(N, 16): for each block of 16 query rows the first key and one
-    past the last it lets through (rows 0, 1), for each block of 16 keys the same of query rows (rows 2,
-    3); 0, 0 for none: ``triton_attn.mask_operand``). The loops over keys (or query blocks) run over
-    that range only: tiles outside it add exactly nothing, and a causal mask given as a tensor then
-    costs what the causal call costs, with the loops' bodies unchanged."""
-    T = tl.cdiv(N, 16)
-    blocks = start // 16 + tl.arange(0, BLOCK // 16)
-    inside = blocks < T
-    lo = tl.load(live_base + WHICH * T + blocks, mask=inside, other=0)
-    hi = tl.load(live_base + (WHICH + 1) * T + blocks, mask=inside, other=0)
-    lo = tl.min(tl.where(hi > 0, lo, 2147483647 - ALIGN), 0)  # a block that sees nothing sets no bound
-    hi = tl.max(hi, 0)
-    return (lo // ALIGN) * ALIGN, ((hi + ALIGN - 1) // ALIGN) * ALIGN
-
-
-@triton.jit
 def _unmasked_keys_end(start_m, N, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """End of the keys [0, end) that a query block visits without a mask. Causal: keys
     [0, start_m) are below the diagonal for every row of the block (whole key blocks, since
@@ -465,8 +445,8 @@ def _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, stride_kn, stride_vn
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK, LIVE,
-                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, smb, smh, smq, smk, slb, slh,
+def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK,
+                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, smb, smh, smq, smk,
                      H, G, N, sm_scale, eps_raw, beta, min_off, max_off, inject_factor, unit_gap,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr, FIXED: tl.constexpr, FP32_DELTA: tl.constexpr,
@@ -476,9 +456,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK, LIVE,
     # Statistics cost the forward nothing per score: it stores each row's max (the backward's
     # dQ pass counts repeated maxima against it) and the head's max logit.
     # MASK (MASK_KIND 1 or 2, else unused): the caller's attn_mask, strides smb, smh, smq, smk
-    # (_attention_mask), and LIVE its visible ranges, strides slb, slh (_visible_range): the key loop
-    # runs over the keys the mask leaves visible to the block. A row it masks everywhere gets O = 0 and
-    # LSE = +inf (P = 0 in the backward), as torch SDPA gives such a row 0 and no gradient.
+    # (_attention_mask). A row it masks everywhere gets O = 0 and LSE = +inf (P = 0 in the backward),
+    # as torch SDPA gives such a row 0 and no gradient.
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     mask_base = _head(MASK, b, h, smb, smh)
     DTYPE = O.dtype.element_ty
@@ -500,19 +479,13 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, R, ROWMAX, ST_MAXL, MASK, LIVE,
         aux = tl.zeros([BLOCK_M], tl.int32)
 
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
-    hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
-    lo_a, hi_a, lo_b, hi_b = 0, split, split, hi
-    if MASK_KIND != 0:
-        lo_a, hi_b = _visible_range(_head(LIVE, b, h, slb, slh), 0, start_m, N, BLOCK_M, BLOCK_N)
-        hi_a = tl.minimum(split, hi_b)
-        lo_b = tl.maximum(split, lo_a)
-        hi_b = tl.minimum(hi, hi_b)
     acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                          lo_a, hi_a, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq,
-                                          smk, BLOCK_N, False, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
+                                          0, split, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq, smk,
+                                          BLOCK_N, False, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
                                           EXACT_BF16)
+    hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
     acc, l_i, m1, aux, shift = _fwd_inner(acc, l_i, m1, aux, shift, q, k_base, v_base, skn, svn, offs_m, offs_d,
-                                          lo_b, hi_b, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq,
+                                          split, hi, N, sm_scale, eps_raw, beta, min_off, max_off, mask_base, smq,
                                           smk, BLOCK_N, True, CAUSAL, MASK_KIND, FIXED, TOP2, DTYPE, IEEE, UPCAST,
                                           EXACT_BF16)
 
@@ -589,15 +562,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sqn, sd
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, LIVE,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK,
                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdon, sgb, sgh, sgn,
-                          smb, smh, smq, smk, slb, slh, H, G, N, sm_scale,
+                          smb, smh, smq, smk, H, G, N, sm_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           CAUSAL: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                           EXACT_BF16: tl.constexpr, MASK_KIND: tl.constexpr = 0):
     # grid: (cdiv(N, BLOCK_N), B * Hkv); one program = one block of keys of one kv head,
-    # looping over the G query heads that read it and over their query blocks. MASK, LIVE: as the
-    # forward's (the loops run over the query rows the mask lets see this key block).
+    # looping over the G query heads that read it and over their query blocks. MASK: as the forward's.
     start_n, bkv, b, kvh = _key_program(H, G, BLOCK_N)
     DTYPE = DK.dtype.element_ty
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -614,31 +586,22 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, MASK, LIVE,
         do_base = _head(DO, b, h, sdob, sdoh)
         mask_base = _head(MASK, b, h, smb, smh)
         row_base = (b * H + h).to(tl.int64) * N
-        # query blocks: causal, those crossing the diagonal of this key block [lo_a, hi_a) are masked,
-        # later ones [lo_b, hi_b) not; then the ragged tail [lo_c, hi_c), masked
         if CAUSAL:
-            lo_a, hi_a = start_n, start_n + BLOCK_N
-            lo_b, hi_b = start_n + BLOCK_N, m_full
-            lo_c = tl.maximum(m_full, start_n + BLOCK_N)
-        else:
-            lo_b, hi_b = 0, m_full
-            lo_c = m_full
-        hi_c = N
-        if MASK_KIND != 0:  # only the query rows the mask lets see this key block
-            q_lo, q_hi = _visible_range(_head(LIVE, b, h, slb, slh), 2, start_n, N, BLOCK_N, BLOCK_M)
-            if CAUSAL:
-                lo_a, hi_a = tl.maximum(lo_a, q_lo), tl.minimum(hi_a, q_hi)
-            lo_b, hi_b = tl.maximum(lo_b, q_lo), tl.minimum(hi_b, q_hi)
-            lo_c, hi_c = tl.maximum(lo_c, q_lo), tl.minimum(hi_c, q_hi)
-        if CAUSAL:
+            # query blocks crossing the diagonal of this key block are masked; later ones are not
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                     offs_n, offs_d, lo_a, hi_a, N, qk_scale, mask_base, smq, smk,
+                                     offs_n, offs_d, start_n, start_n + BLOCK_N, N, qk_scale, mask_base, smq, smk,
                                      sm_scale, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                     offs_n, offs_d, start_n + BLOCK_N, m_full, N, qk_scale, mask_base, smq, smk,
+                                     sm_scale, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+            tail_lo = tl.maximum(m_full, start_n + BLOCK_N)
+        else:
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
+                                     offs_n, offs_d, 0, m_full, N, qk_scale, mask_base, smq, smk,
+                                     sm_scale, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
+            tail_lo = m_full
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                 offs_n, offs_d, lo_b, hi_b, N, qk_scale, mask_base, smq, smk,
-                                 sm_scale, BLOCK_M, False, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base, sqn, sdon,
-                                 offs_n, offs_d, lo_c, hi_c, N, qk_scale, mask_base, smq, smk,
+                                 offs_n, offs_d, tail_lo, N, N, qk_scale, mask_base, smq, smk,
                                  sm_scale, BLOCK_M, True, CAUSAL, MASK_KIND, DTYPE, IEEE, UPCAST, EXACT_BF16)
     # dK, dV (B, Hkv, N, D) of one layout, strides sgb, sgh, sgn (kernels.layouts.grads_like)
     _store_rows(_head(DK, b, kvh, sgb, sgh), offs_n, sgn, offs_d, N, _cast(dk * sm_scale, DTYPE, EXACT_BF16))
@@ -730,9 +693,9 @@ def _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32, tb
 
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_REP_B, ST_REP_F, ST_E, ST_EABS, ST_ESQ,
-                        ST_ETIED, ERR_ROWS, PK, U, XV, XO, UGV, SKETCH, MASK, LIVE,
+                        ST_ETIED, ERR_ROWS, PK, U, XV, XO, UGV, SKETCH, MASK,
                         sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, sdob, sdoh, sdon,
-                        sdqb, sdqh, sdqn, smb, smh, smq, smk, slb, slh, H, G, N, sm_scale, eps, gap,
+                        sdqb, sdqh, sdqn, smb, smh, smq, smk, H, G, N, sm_scale, eps, gap,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         CAUSAL: tl.constexpr, STATS: tl.constexpr, ROWS: tl.constexpr, FP32_DELTA: tl.constexpr,
                         IEEE: tl.constexpr, UPCAST: tl.constexpr, EXACT_BF16: tl.constexpr,
@@ -746,7 +709,7 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
     # STATS) it also stores each row's delta error and P K ((B, H, N) and (B, H, N, D) FP32,
     # contiguous), the per-row outputs of AttentionStats.rows_hook; with REDUCE (needs ROWS) it
     # reduces them into the W^Q-error chain's sums instead (_reduce_rows): nothing per row stored.
-    # MASK, LIVE: as the forward's (the launcher never sets STATS with it: the masked pass measures those calls).
+    # MASK: as the forward's (the launcher never sets STATS with it: the masked pass measures those calls).
     start_m, bh, b, h, kvh = _query_program(H, G, BLOCK_M, CAUSAL)
     mask_base = _head(MASK, b, h, smb, smh)
     DTYPE = DQ.dtype.element_ty
@@ -785,20 +748,14 @@ def _attn_bwd_dq_kernel(Q, K, V, O, R, DO, LSE, DELTA, DQ, ROWMAX, ST_REP, ST_RE
         tfmt = lse
     qk_scale = sm_scale * 1.4426950408889634
     split = _unmasked_keys_end(start_m, N, BLOCK_N, CAUSAL)
-    hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
-    lo_a, hi_a, lo_b, hi_b = 0, split, split, hi
-    if MASK_KIND != 0:  # only the keys the mask leaves visible to this block (as in the forward)
-        lo_a, hi_b = _visible_range(_head(LIVE, b, h, slb, slh), 0, start_m, N, BLOCK_M, BLOCK_N)
-        hi_a = tl.minimum(split, hi_b)
-        lo_b = tl.maximum(split, lo_a)
-        hi_b = tl.minimum(hi, hi_b)
     dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
-                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, lo_a,
-                                                       hi_a, N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, False,
+                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, 0, split,
+                                                       N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, False,
                                                        CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
+    hi = _keys_end(start_m, N, BLOCK_M, CAUSAL)
     dq, dhp, psum, n32, nb16, nfmt, pk = _bwd_dq_inner(dq, dhp, psum, n32, nb16, nfmt, pk, q, do, lse, delta, t32,
-                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, lo_b,
-                                                       hi_b, N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, True,
+                                                       tb16, tfmt, k_base, v_base, skn, svn, offs_m, offs_d, split, hi,
+                                                       N, sm_scale, qk_scale, mask_base, smq, smk, BLOCK_N, True,
                                                        CAUSAL, MASK_KIND, STATS, ROWS, DTYPE, IEEE, UPCAST, EXACT_BF16)
     # dQ (B, H, N, D), strides sdqb, sdqh, sdqn (kernels.layouts.grads_like)
     _store_rows(_head(DQ, b, h, sdqb, sdqh), offs_m, sdqn, offs_d, N, _cast(dq * sm_scale, DTYPE, EXACT_BF16))
