@@ -3,20 +3,22 @@
 flashwatch finds ``GPT2Attention`` (fused ``c_attn`` Conv1D) and Llama-style attention
 (``q_proj``, grouped-query attention) by itself; the model must use SDPA attention
 (``attn_implementation="sdpa"``), whose ``torch.nn.functional.scaled_dot_product_attention``
-calls flashwatch routes. In own-kernel mode, calls with a padding mask or attention dropout run
-torch SDPA instead of flashwatch's kernel (logged once); masked calls are still measured in full
-beside it, calls with dropout all but their delta error (the attention_coverage alert says so).
-This example sets dropout to 0 and sends no mask, so every call runs and is measured in full.
+calls flashwatch routes. In own-kernel mode, flashwatch's kernel runs every call, with its padding
+or causal mask where the model passes one (``--pad``); calls with attention dropout run torch SDPA
+instead (logged once) and are measured all but their delta error (the attention_coverage alert
+says so). This example sets dropout to 0, so every call runs and is measured in full.
 
     pip install transformers              # or, from a flashwatch checkout: pip install ".[transformers]"
     python examples/hf_transformers.py --family llama --mode own_kernel --steps 30
     python examples/hf_transformers.py --family gpt2 --bf16
     python examples/hf_transformers.py --family gpt2 --compile   # torch.compile(model), measured the same way
+    python examples/hf_transformers.py --mode own_kernel --compile --pad 9   # a left-padded batch: masks as tensors
 
 Where a Hugging Face version passes its causal mask to SDPA as a tensor (some do under
-``torch.compile``), flashwatch sees that the mask is only the causal pattern and measures those
-calls with its Triton pass, as calls without a mask (own-kernel mode runs torch SDPA for them,
-logged once).
+``torch.compile``), observe mode sees that the mask is only the causal pattern and measures those
+calls with its Triton pass, as calls without a mask; own-kernel mode runs them in its kernel with
+the mask. Padding rows (``--pad``: every other sequence left-padded, its padding out of the loss)
+are left out of the statistics.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--compile", action="store_true", help="train torch.compile(model) (attach the Monitor first)")
+    p.add_argument("--pad", type=int, default=0,
+                   help="left-pad every other sequence by this many positions (an attention_mask; the loss leaves "
+                        "the padding out)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads (a model this small runs fastest on one, and stays fast on a busy machine)")
     args = p.parse_args(argv)
@@ -87,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for step in range(args.steps):
         x, _ = sample_batch(data, args.batch, args.block, generator=torch.Generator().manual_seed(step))
+        attention_mask = torch.ones_like(x)
+        attention_mask[1::2, :args.pad] = 0  # left padding: the model masks these keys in its attention
+        labels = x.masked_fill(attention_mask == 0, -100)  # and the loss leaves them out
         with autocast():
-            loss = run(input_ids=x, labels=x).loss  # labels are shifted inside the model
+            loss = run(input_ids=x, attention_mask=attention_mask, labels=labels).loss  # shifted in there
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -100,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
     snap = monitor.snapshot()
     print(f"\n{args.steps} steps in {elapsed:.1f} s; alerts: {len(monitor.alerts)}; errors: {monitor.errors}")
+    print("attention run by:", {layer.index: layer.running_variant for layer in layers})
     def shown(metric: str, key: tuple, fmt: str) -> str:
         """A head's value, or "not measured" (NaN: never a number standing in for no value)."""
         value = snap[metric].get(key, math.nan)

@@ -513,6 +513,7 @@ def test_detach_then_attach_again_continues_the_signals():
     ("plain_loop.py", ["--steps", "6", "--interval", "2", "--fp16"]),
     ("hf_transformers.py", ["--steps", "3", "--interval", "2", "--family", "llama"]),
     ("hf_transformers.py", ["--steps", "3", "--interval", "2", "--family", "gpt2", "--compile"]),
+    ("hf_transformers.py", ["--steps", "3", "--interval", "2", "--mode", "own_kernel", "--compile", "--pad", "9"]),
 ])
 def test_examples_run(script, args, capsys, fresh_dynamo):
     import pathlib
@@ -529,6 +530,8 @@ def test_examples_run(script, args, capsys, fresh_dynamo):
         torch.set_num_threads(n)
     out = capsys.readouterr().out
     assert "errors: 0" in out
+    if "--pad" in args:  # own-kernel mode ran its kernel on the masked calls, every layer measured
+        assert "attention run by: {0: 'plain', 1: 'plain'}" in out and "not measured" not in out
     if script == "plain_loop.py":  # every layer measured, compiled or not (a missing value reads "not measured")
         assert re.findall(r"max logit (\S+),", out) and all(v != "not measured" for v in re.findall(r"max logit (.+?),", out))
     assert _sdpa_restored()
