@@ -31,7 +31,7 @@ def unsupported_reason(q, k, v, attn_mask, dropout_p, enable_gqa, num_heads: int
         if reason is not None:
             return reason
         try:
-            check_attn_mask(attn_mask, q, k, False)
+            check_attn_mask(attn_mask, q)
         except (TypeError, ValueError) as exc:
             return f"the attn_mask is not one the kernel takes ({exc})"
         return None

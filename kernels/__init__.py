@@ -88,7 +88,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     """
     check_qkv(q, k, v)
     check_options(variant, beta, eps, causal, sm_scale)
-    check_attn_mask(attn_mask, q, k, causal)
+    check_attn_mask(attn_mask, q)
     if stats is not None:
         if not isinstance(stats, AttentionStats):
             raise TypeError(f"stats must be an AttentionStats or None, got {type(stats).__name__}")

@@ -115,7 +115,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed_dtypes=
         raise ValueError(f"q must have at least one batch entry and one row, got shape {tuple(q.shape)}")
 
 
-def check_attn_mask(attn_mask, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+def check_attn_mask(attn_mask, q: torch.Tensor) -> None:
     """An attn_mask of ``flash_attention``: None, or a tensor on q's device, boolean (True = attend) or
     floating (added to the scaled scores), of a shape that broadcasts to (B, H, N, N), needing no gradient."""
     if attn_mask is None:

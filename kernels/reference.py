@@ -65,7 +65,8 @@ def scores(q: torch.Tensor, k: torch.Tensor, causal: bool, sm_scale: float,
            attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """s = sm_scale * q.k^T in the compute dtype, -inf above the diagonal when causal. (B, H, N, N).
     ``attn_mask`` (broadcasting to s) as SDPA applies it: a boolean mask (True = attend) sets the
-    scores it masks to -inf, a float mask is added."""
+    scores it masks to -inf, a float mask is added (its entries at or below ``MASKED_AT`` as the
+    kernels take them: ``_add_mask``)."""
     cd = _compute_dtype(q.dtype)
     s = torch.matmul(q.to(cd), _expand_kv(k, q.shape[1]).to(cd).transpose(-1, -2)) * sm_scale
     if attn_mask is not None:
@@ -289,7 +290,7 @@ def flash_attention(q, k, v, *, causal=True, sm_scale=None, variant="plain", bet
     """
     check_qkv(q, k, v, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
     check_options(variant, beta, eps, causal, sm_scale)
-    check_attn_mask(attn_mask, q, k, causal)
+    check_attn_mask(attn_mask, q)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     if stats is not None:
